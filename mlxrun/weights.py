@@ -1,0 +1,131 @@
+"""Tensors as read from disk, and safetensors reading (memory-mapped) and writing.
+
+numpy has no bfloat16, so a BF16 tensor is kept as its raw uint16 bits with dtype "BF16";
+backends reinterpret the bits in their own bf16 type without a float32 detour.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import MlxrunError
+
+# safetensors dtype name -> numpy storage dtype
+_NP = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+    "F8_E4M3": np.uint8, "F8_E5M2": np.uint8,
+}
+_NAME = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
+         np.dtype(np.int64): "I64", np.dtype(np.int32): "I32", np.dtype(np.int16): "I16",
+         np.dtype(np.int8): "I8", np.dtype(np.uint64): "U64", np.dtype(np.uint32): "U32",
+         np.dtype(np.uint16): "U16", np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL"}
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One stored tensor. `data` is usually a read-only memory map of the file."""
+
+    dtype: str  # safetensors name: F32, F16, BF16, U32, ...
+    data: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    @classmethod
+    def from_numpy(cls, a: np.ndarray) -> Tensor:
+        try:
+            return cls(_NAME[a.dtype], a)
+        except KeyError:
+            raise TypeError(f"no safetensors dtype for numpy {a.dtype}") from None
+
+    def float32(self) -> np.ndarray:
+        """The values as float32 (a copy); BF16 bits are widened exactly."""
+        if self.dtype == "BF16":
+            return (self.data.astype(np.uint32) << 16).view(np.float32)
+        return self.data.astype(np.float32)
+
+
+def bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16), round to nearest even, as torch and MLX do."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    rounded = u + 0x7FFF + ((u >> 16) & 1)
+    out = (rounded >> 16).astype(np.uint16)
+    nan = np.isnan(a)
+    if nan.any():
+        out[nan] = 0x7FC0
+    return out
+
+
+def read_header(path: Path) -> tuple[int, dict]:
+    """(data offset, header dict) of a safetensors file, without reading tensor data."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise MlxrunError(f"{path}: not a safetensors file (too short); re-download it")
+            (n,) = struct.unpack("<Q", raw)
+            size = os.fstat(f.fileno()).st_size
+            if n > min(size - 8, 100 << 20):
+                raise MlxrunError(f"{path}: corrupt safetensors header; re-download the file")
+            header = json.loads(f.read(n))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise MlxrunError(f"{path}: corrupt safetensors header; re-download the file") from None
+    except OSError as e:
+        raise MlxrunError(f"cannot read {path}: {e.strerror}") from None
+    return 8 + n, header
+
+
+def load_safetensors(path: str | os.PathLike) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """Memory-map every tensor of a safetensors file: ({name: Tensor}, metadata).
+
+    Nothing is copied: pages are read from disk when a backend first touches them.
+    """
+    path = Path(path)
+    start, header = read_header(path)
+    size = path.stat().st_size
+    meta = header.pop("__metadata__", None) or {}
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    out = {}
+    for name, info in header.items():
+        dt = info.get("dtype")
+        if dt not in _NP:
+            raise MlxrunError(f"{path}: tensor {name!r} has unsupported dtype {dt}")
+        b, e = info["data_offsets"]
+        shape = tuple(info["shape"])
+        itemsize = np.dtype(_NP[dt]).itemsize
+        if start + e > size or e - b != int(np.prod(shape, dtype=np.int64)) * itemsize:
+            raise MlxrunError(f"{path}: tensor {name!r} lies outside the file (truncated "
+                              "download?); re-download it")
+        out[name] = Tensor(dt, mm[start + b:start + e].view(_NP[dt]).reshape(shape))
+    return out, meta
+
+
+def save_safetensors(path: str | os.PathLike, tensors: dict[str, Tensor],
+                     metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file (to `path` directly; callers write into a temp directory)."""
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    off = 0
+    for name, t in tensors.items():
+        header[name] = {"dtype": t.dtype, "shape": list(t.shape),
+                        "data_offsets": [off, off + t.nbytes]}
+        off += t.nbytes
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(hb)))
+        f.write(hb)
+        for t in tensors.values():
+            f.write(np.ascontiguousarray(t.data).tobytes())
