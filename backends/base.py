@@ -1,0 +1,112 @@
+"""The backend interface the model is written against, and the backend registry.
+
+A backend owns arrays on one device in one compute dtype. The model calls only the
+methods below plus `+`, `*`, `reshape`, `swapaxes` and basic slicing, which MLX arrays
+and torch tensors both support, so the forward pass exists once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from mlxrun.weights import Tensor
+
+Array = Any  # mx.array or torch.Tensor
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A linear or embedding weight in the canonical packed format, on a backend.
+
+    weight: uint32 (out, in*bits/32); scales, biases: (out, in/group_size); biases is None
+    for the floating-point modes. `kernel` is backend-specific prepared state (e.g. a Triton
+    repack) or None.
+    """
+
+    weight: Array
+    scales: Array
+    biases: Array | None
+    mode: str
+    bits: int
+    group_size: int
+    kernel: Any = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        out, packed = self.weight.shape
+        return int(out), int(packed) * 32 // self.bits
+
+
+class KVCache(Protocol):
+    """Keys and values of every layer for a batch of sequences.
+
+    `offset` is the number of positions already written. The model calls
+    `update_and_fetch(layer, k, v)` with k, v (B, kv_heads, T, head_dim) for each layer and
+    then `advance(T)` once per forward pass.
+    """
+
+    offset: int
+
+    def update_and_fetch(self, layer: int, k: Array, v: Array) -> tuple[Array, Array]: ...
+
+    def advance(self, n: int) -> None: ...
+
+
+class Backend(Protocol):
+    name: str  # "mlx" or "torch"
+    device: str  # "gpu"/"cpu" for mlx; "cuda"/"mps"/"cpu" for torch
+    dtype: str  # "float32", "bfloat16" or "float16"
+
+    def describe(self) -> str: ...
+    def array(self, t: Tensor | np.ndarray, keep_dtype: bool = False) -> Array: ...
+    def quantized(self, weight: Tensor, scales: Tensor, biases: Tensor | None, mode: str,
+                  bits: int, group_size: int) -> QuantizedWeight: ...
+    def quantize(self, w: Array, mode: str, bits: int, group_size: int) -> QuantizedWeight: ...
+    def ids(self, ids: np.ndarray) -> Array: ...
+    def to_numpy(self, x: Array) -> np.ndarray: ...
+    def linear(self, x: Array, w: Array | QuantizedWeight, bias: Array | None = None) -> Array: ...
+    def embedding(self, ids: Array, w: Array | QuantizedWeight) -> Array: ...
+    def rms_norm(self, x: Array, w: Array, eps: float) -> Array: ...
+    def rope_table(self, inv_freq: np.ndarray) -> Array: ...
+    def rope(self, x: Array, positions: Array, table: Array) -> Array: ...
+    def attention(self, q: Array, k: Array, v: Array, scale: float, mask: Array | None) -> Array: ...
+    def silu_mul(self, gate: Array, up: Array) -> Array: ...
+    def argmax(self, logits: Array) -> Array: ...
+    def positions(self, offset: int, length: int, pads: np.ndarray | None) -> Array: ...
+    def mask(self, offset: int, length: int, pads: np.ndarray | None) -> Array | None: ...
+    def make_cache(self, num_layers: int, batch: int, kv_heads: int, head_dim: int,
+                   max_len: int) -> KVCache: ...
+    def start(self, x: Array) -> None: ...
+    def synchronize(self) -> None: ...
+    def peak_memory(self) -> int: ...
+    def reset_peak_memory(self) -> None: ...
+
+
+def causal_mask_np(offset: int, length: int, pads: np.ndarray | None) -> np.ndarray | None:
+    """Boolean attention mask (B or 1, 1, length, offset+length); True = may attend.
+
+    Query t sits at absolute slot offset+t and sees slots <= its own; for left-padded
+    batches, sequence b also hides its first pads[b] slots. None when nothing needs masking
+    (one new token and no padding).
+    """
+    total = offset + length
+    if length == 1 and (pads is None or not pads.any()):
+        return None
+    q = np.arange(offset, total)[:, None]
+    k = np.arange(total)[None, :]
+    m = (k <= q)[None, None]  # (1, 1, T, S)
+    if pads is not None and pads.any():
+        m = m & (k[None, None] >= pads[:, None, None, None])
+    return m
+
+
+def positions_np(offset: int, length: int, pads: np.ndarray | None) -> np.ndarray:
+    """Rope positions (B or 1, length) int32: left padding shifts each sequence back so its
+    first real token sits at position 0, as it would when run alone."""
+    pos = np.arange(offset, offset + length, dtype=np.int32)[None]
+    if pads is not None:
+        pos = pos - pads[:, None].astype(np.int32)
+    return pos

@@ -1,0 +1,172 @@
+"""MLX backend: Metal on Apple Silicon, CUDA with mlx-cuda, CPU elsewhere."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mlxrun.backends.base import QuantizedWeight, causal_mask_np
+from mlxrun.errors import MlxrunError
+from mlxrun.weights import Tensor
+
+try:
+    import mlx.core as mx
+except ImportError:  # reported by get_backend with the extra to install
+    mx = None
+
+
+class MLXCache:
+    """Growing KV cache (as mlx-lm's KVCache): buffers grow in steps of `step` positions so
+    decode does not reallocate every token. Per layer k, v: (B, kv_heads, capacity, D)."""
+
+    step = 256
+
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, dtype):
+        self.offset = 0
+        self._shape = (batch, kv_heads, 0, head_dim)
+        self._dtype = dtype
+        self.keys: list = [None] * num_layers
+        self.values: list = [None] * num_layers
+
+    def update_and_fetch(self, layer: int, k, v):
+        end = self.offset + k.shape[2]
+        cur = self.keys[layer]
+        if cur is None or end > cur.shape[2]:
+            grow = ((end - self.offset + self.step - 1) // self.step) * self.step
+            b, h, _, d = self._shape
+            new_k = mx.zeros((b, h, grow, d), self._dtype)
+            new_v = mx.zeros((b, h, grow, d), self._dtype)
+            if cur is not None:
+                new_k = mx.concatenate([cur[:, :, : self.offset], new_k], axis=2)
+                new_v = mx.concatenate([self.values[layer][:, :, : self.offset], new_v], axis=2)
+            self.keys[layer], self.values[layer] = new_k, new_v
+        self.keys[layer][:, :, self.offset : end] = k
+        self.values[layer][:, :, self.offset : end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def advance(self, n: int) -> None:
+        self.offset += n
+
+
+class MLXBackend:
+    name = "mlx"
+
+    def __init__(self, dtype: str | None = None, device: str | None = None):
+        if mx is None:
+            raise MlxrunError("the mlx backend needs MLX: pip install 'mlxrun[mlx]' "
+                              "(mlx on a Mac, mlx[cpu] or mlx-cuda on Linux)")
+        if device is not None:
+            mx.set_default_device(mx.gpu if device == "gpu" else mx.cpu)
+        self.device = "gpu" if mx.default_device() == mx.gpu else "cpu"
+        # bf16 matmuls on MLX's CPU path are far slower than fp32, so CPU defaults to fp32.
+        self.dtype = dtype or ("bfloat16" if self.device == "gpu" else "float32")
+        self._dt = getattr(mx, self.dtype)
+
+    def describe(self) -> str:
+        info = ""
+        if self.device == "gpu":
+            try:
+                info = f" ({mx.device_info().get('device_name', '')})"
+            except Exception:  # device_info is best-effort
+                info = ""
+        return f"mlx {mx.__version__} on {self.device}{info}, {self.dtype}"
+
+    def array(self, t, keep_dtype: bool = False):
+        if isinstance(t, Tensor):
+            a = mx.array(np.ascontiguousarray(t.data))
+            if t.dtype == "BF16":
+                a = a.view(mx.bfloat16)
+        else:
+            a = mx.array(t)
+        if not keep_dtype and mx.issubdtype(a.dtype, mx.floating):
+            a = a.astype(self._dt)
+        return a
+
+    def quantized(self, weight, scales, biases, mode, bits, group_size):
+        fp_mode = mode != "affine"
+        # Scales of the floating-point modes are 8-bit codes (E8M0 / E4M3): keep the bytes.
+        return QuantizedWeight(self.array(weight, keep_dtype=True),
+                               self.array(scales, keep_dtype=fp_mode),
+                               None if biases is None else self.array(biases),
+                               mode, bits, group_size)
+
+    def quantize(self, w, mode, bits, group_size):
+        parts = mx.quantize(w, group_size=group_size, bits=bits, mode=mode)
+        wq, scales = parts[0], parts[1]
+        biases = parts[2] if len(parts) > 2 else None
+        return QuantizedWeight(wq, scales, biases, mode, bits, group_size)
+
+    def dequantize(self, q: QuantizedWeight):
+        return mx.dequantize(q.weight, q.scales, q.biases, group_size=q.group_size,
+                             bits=q.bits, mode=q.mode).astype(self._dt)
+
+    def ids(self, ids: np.ndarray):
+        return mx.array(ids.astype(np.int32))
+
+    def to_numpy(self, x) -> np.ndarray:
+        if x.dtype == mx.bfloat16:
+            x = x.astype(mx.float32)
+        return np.array(x)
+
+    def linear(self, x, w, bias=None):
+        if isinstance(w, QuantizedWeight):
+            y = mx.quantized_matmul(x, w.weight, w.scales, w.biases, transpose=True,
+                                    group_size=w.group_size, bits=w.bits, mode=w.mode)
+        else:
+            y = x @ w.T
+        return y if bias is None else y + bias
+
+    def embedding(self, ids, w):
+        if isinstance(w, QuantizedWeight):
+            return mx.dequantize(w.weight[ids], w.scales[ids],
+                                 None if w.biases is None else w.biases[ids],
+                                 group_size=w.group_size, bits=w.bits, mode=w.mode
+                                 ).astype(self._dt)
+        return w[ids]
+
+    def rms_norm(self, x, w, eps):
+        return mx.fast.rms_norm(x, w, eps)
+
+    def rope_table(self, inv_freq: np.ndarray):
+        # mx.fast.rope takes wavelengths/2pi ("freqs" in MLX's words), not inverse frequencies.
+        return mx.array((1.0 / inv_freq.astype(np.float64)).astype(np.float32))
+
+    def rope(self, x, positions, freqs):
+        # x (B, H, T, D); positions is the start offset, an int or (B,) array.
+        return mx.fast.rope(x, x.shape[-1], traditional=False, base=None, scale=1.0,
+                            offset=positions, freqs=freqs)
+
+    def attention(self, q, k, v, scale, mask):
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+    def silu_mul(self, gate, up):
+        return gate * mx.sigmoid(gate) * up
+
+    def argmax(self, logits):
+        return mx.argmax(logits, axis=-1)
+
+    def positions(self, offset, length, pads):
+        if pads is None or not pads.any():
+            return offset
+        return mx.array((offset - pads).astype(np.int32))
+
+    def mask(self, offset, length, pads):
+        m = causal_mask_np(offset, length, pads)
+        return None if m is None else mx.array(m)
+
+    def make_cache(self, num_layers, batch, kv_heads, head_dim, max_len):
+        return MLXCache(num_layers, batch, kv_heads, head_dim, self._dt)
+
+    def start(self, x) -> None:
+        mx.async_eval(x)
+
+    def synchronize(self) -> None:
+        mx.synchronize()
+
+    def peak_memory(self) -> int:
+        return int(mx.get_peak_memory())
+
+    def reset_peak_memory(self) -> None:
+        mx.reset_peak_memory()
+
+    def eval(self, *xs) -> None:
+        mx.eval(*xs)

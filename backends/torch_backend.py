@@ -1,0 +1,195 @@
+"""PyTorch backend, one implementation for cuda, mps and cpu."""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import numpy as np
+
+from mlxrun.backends.base import QuantizedWeight, causal_mask_np, positions_np
+from mlxrun.errors import MlxrunError
+from mlxrun.weights import Tensor
+
+try:
+    import torch
+    import torch.nn.functional as F
+except ImportError:  # reported by get_backend with the extra to install
+    torch = None
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class StaticCache:
+    """Preallocated KV cache: per layer k, v (B, kv_heads, max_len, D) written at `offset`.
+
+    Fixed buffers keep the decode step's shapes static, which CUDA graphs need; eager code
+    reads the filled prefix only.
+    """
+
+    def __init__(self, num_layers, batch, kv_heads, head_dim, max_len, dtype, device):
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_len = max_len
+        self.offset = 0
+
+    def update_and_fetch(self, layer, k, v):
+        end = self.offset + k.shape[2]
+        if end > self.max_len:
+            raise MlxrunError(f"the KV cache holds {self.max_len} positions and generation "
+                              f"needs {end}; raise the context / max tokens")
+        self.keys[layer][:, :, self.offset:end] = k
+        self.values[layer][:, :, self.offset:end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def advance(self, n: int) -> None:
+        self.offset += n
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, device: str = "cpu", dtype: str | None = None):
+        if torch is None:
+            raise MlxrunError("the PyTorch backends need torch: pip install 'mlxrun[torch]'")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise MlxrunError(f"--backend cuda: no CUDA GPU is visible to torch "
+                              f"{torch.__version__}; use --backend cpu or mlx")
+        if device == "mps" and not torch.backends.mps.is_available():
+            raise MlxrunError("--backend mps: the Metal (MPS) device is not available here "
+                              "(it needs Apple Silicon and macOS 12.3+); use --backend cpu or mlx")
+        self.device = device
+        self.dtype = dtype or {"cpu": "float32", "cuda": "bfloat16", "mps": "float16"}[device]
+        if self.dtype not in _DTYPES:
+            raise MlxrunError(f"unknown dtype {self.dtype!r}: use one of {', '.join(_DTYPES)}")
+        self._dt = getattr(torch, self.dtype)
+        self._dev = torch.device(device)
+
+    def describe(self) -> str:
+        if self.device == "cuda":
+            where = torch.cuda.get_device_name()
+        elif self.device == "cpu":
+            where = f"cpu, {torch.get_num_threads()} threads"
+        else:
+            where = "Apple GPU"
+        return f"torch {torch.__version__} on {self.device} ({where}), {self.dtype}"
+
+    def array(self, t, keep_dtype: bool = False):
+        if isinstance(t, Tensor):
+            a = torch.from_numpy(np.array(t.data))  # one copy out of the memory map
+            if t.dtype == "BF16":
+                a = a.view(torch.bfloat16)
+        else:
+            a = torch.from_numpy(np.ascontiguousarray(t))
+        if not keep_dtype and a.is_floating_point():
+            a = a.to(self._dt)
+        return a.to(self._dev)
+
+    def quantized(self, weight, scales, biases, mode, bits, group_size):
+        fp_mode = mode != "affine"
+        return QuantizedWeight(self.array(weight, keep_dtype=True),
+                               self.array(scales, keep_dtype=fp_mode),
+                               None if biases is None else self.array(biases),
+                               mode, bits, group_size)
+
+    def quantize(self, w, mode, bits, group_size):
+        from mlxrun.quant.reference import quantize  # noqa: PLC0415 (numpy, only when asked)
+        from mlxrun.quant.formats import QuantSpec  # noqa: PLC0415
+
+        parts = quantize(w.float().cpu().numpy(), QuantSpec(mode, bits, group_size))
+        return self.quantized(Tensor.from_numpy(parts["weight"]),
+                              Tensor.from_numpy(parts["scales"]),
+                              Tensor.from_numpy(parts["biases"]) if "biases" in parts else None,
+                              mode, bits, group_size)
+
+    def dequantize(self, q: QuantizedWeight):
+        from mlxrun.quant.torch_dequant import dequantize  # noqa: PLC0415
+
+        return dequantize(q.weight, q.scales, q.biases, q.mode, q.bits, q.group_size, self._dt)
+
+    def ids(self, ids: np.ndarray):
+        return torch.from_numpy(ids.astype(np.int64)).to(self._dev)
+
+    def to_numpy(self, x) -> np.ndarray:
+        return x.detach().float().cpu().numpy()
+
+    def linear(self, x, w, bias=None):
+        if isinstance(w, QuantizedWeight):
+            # No fused kernel on this device: expand this one layer, use it, drop it.
+            w = self.dequantize(w)
+        return F.linear(x, w, bias)
+
+    def embedding(self, ids, w):
+        if isinstance(w, QuantizedWeight):
+            from mlxrun.quant.torch_dequant import dequantize  # noqa: PLC0415
+
+            return dequantize(w.weight[ids], w.scales[ids],
+                              None if w.biases is None else w.biases[ids],
+                              w.mode, w.bits, w.group_size, self._dt)
+        return F.embedding(ids, w)
+
+    def rms_norm(self, x, w, eps):
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), w, eps)
+        # Half precision: normalise in fp32 and round once before the weight, as HF does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return w * x32.to(x.dtype)
+
+    def rope_table(self, inv_freq: np.ndarray):
+        return torch.from_numpy(inv_freq.astype(np.float32)).to(self._dev)
+
+    def rope(self, x, positions, table):
+        # x (B, H, T, D); positions (B or 1, T). Rotate-half layout, as HF Llama.
+        ang = positions.to(torch.float32).unsqueeze(-1) * table  # (B, T, D/2)
+        ang = torch.cat([ang, ang], dim=-1).unsqueeze(1)  # (B, 1, T, D)
+        cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+        half = x.shape[-1] // 2
+        rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rot * sin
+
+    def attention(self, q, k, v, scale, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+
+    def silu_mul(self, gate, up):
+        return F.silu(gate) * up
+
+    def argmax(self, logits):
+        return logits.argmax(-1)
+
+    def positions(self, offset, length, pads):
+        return torch.from_numpy(positions_np(offset, length, pads)).to(self._dev)
+
+    def mask(self, offset, length, pads):
+        m = causal_mask_np(offset, length, pads)
+        return None if m is None else torch.from_numpy(m).to(self._dev)
+
+    def make_cache(self, num_layers, batch, kv_heads, head_dim, max_len):
+        return StaticCache(num_layers, batch, kv_heads, head_dim, max_len, self._dt, self._dev)
+
+    def start(self, x) -> None:
+        pass  # CUDA and MPS queue work asynchronously already
+
+    def synchronize(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        elif self.device == "mps":
+            torch.mps.synchronize()
+
+    def peak_memory(self) -> int:
+        if self.device == "cuda":
+            return int(torch.cuda.max_memory_allocated())
+        if self.device == "mps":
+            return int(torch.mps.driver_allocated_memory())
+        # CPU: the process's resident high-water mark (bytes on macOS, KiB on Linux).
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(rss if sys.platform == "darwin" else rss * 1024)
+
+    def reset_peak_memory(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+
+    def eval(self, *xs) -> None:
+        pass

@@ -1,0 +1,88 @@
+"""The Llama-family forward pass, written once against the backend interface.
+
+Covers Llama 1-3.2, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm); the differences
+are switches in ModelConfig, not separate classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .config import ModelConfig
+
+Array = Any
+
+
+@dataclass
+class Layer:
+    input_layernorm: Array
+    post_attention_layernorm: Array
+    q_proj: Array
+    k_proj: Array
+    v_proj: Array
+    o_proj: Array
+    gate_proj: Array
+    up_proj: Array
+    down_proj: Array
+    q_bias: Array | None = None
+    k_bias: Array | None = None
+    v_bias: Array | None = None
+    q_norm: Array | None = None
+    k_norm: Array | None = None
+
+
+class Transformer:
+    """Parameters on a backend plus the forward pass. Built by `mlxrun.loader.build_model`."""
+
+    def __init__(self, config: ModelConfig, backend, embed, layers: list[Layer], norm, head):
+        self.config = config
+        self.be = backend
+        self.embed = embed
+        self.layers = layers
+        self.norm = norm
+        self.head = head  # the embedding again when tied
+        self.rope = backend.rope_table(config.rope_freqs())
+        self.scale = config.head_dim**-0.5
+
+    def make_cache(self, batch: int, max_len: int):
+        c = self.config
+        return self.be.make_cache(c.num_hidden_layers, batch, c.num_key_value_heads,
+                                  c.head_dim, max_len)
+
+    def __call__(self, ids: Array, cache, pads: np.ndarray | None = None,
+                 last_only: bool = False) -> Array:
+        """ids (B, T) -> logits (B, T, vocab), or (B, vocab) with `last_only`.
+
+        `pads[b]` counts the left-padding slots of sequence b in the cache (batched prompts
+        of different lengths); those slots are masked and the rope positions shifted.
+        """
+        be, c = self.be, self.config
+        B, T = ids.shape
+        nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        offset = cache.offset
+        mask = be.mask(offset, T, pads)
+        pos = be.positions(offset, T, pads)
+        h = be.embedding(ids, self.embed)  # (B, T, hidden)
+        for i, L in enumerate(self.layers):
+            x = be.rms_norm(h, L.input_layernorm, c.rms_norm_eps)
+            q = be.linear(x, L.q_proj, L.q_bias).reshape(B, T, nh, hd).swapaxes(1, 2)
+            k = be.linear(x, L.k_proj, L.k_bias).reshape(B, T, nkv, hd).swapaxes(1, 2)
+            v = be.linear(x, L.v_proj, L.v_bias).reshape(B, T, nkv, hd).swapaxes(1, 2)
+            if L.q_norm is not None:  # Qwen3 normalises each head before rope
+                q = be.rms_norm(q, L.q_norm, c.rms_norm_eps)
+                k = be.rms_norm(k, L.k_norm, c.rms_norm_eps)
+            q = be.rope(q, pos, self.rope)  # (B, nh, T, hd)
+            k = be.rope(k, pos, self.rope)  # (B, nkv, T, hd)
+            k, v = cache.update_and_fetch(i, k, v)  # (B, nkv, offset+T, hd)
+            o = be.attention(q, k, v, self.scale, mask)  # (B, nh, T, hd)
+            h = h + be.linear(o.swapaxes(1, 2).reshape(B, T, nh * hd), L.o_proj)
+            x = be.rms_norm(h, L.post_attention_layernorm, c.rms_norm_eps)
+            h = h + be.linear(be.silu_mul(be.linear(x, L.gate_proj), be.linear(x, L.up_proj)),
+                              L.down_proj)
+        cache.advance(T)
+        if last_only:
+            h = h[:, -1, :]
+        return be.linear(be.rms_norm(h, self.norm, c.rms_norm_eps), self.head)

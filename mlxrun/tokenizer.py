@@ -1,0 +1,148 @@
+"""Tokenizer: the `tokenizers` library for tokenizer.json, chat templates with jinja2, and
+streaming detokenization that never emits half of a multi-byte character."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from .errors import MlxrunError
+
+
+def _token_text(v) -> str | None:
+    # tokenizer_config.json stores special tokens as strings or {"content": ...} dicts.
+    return v.get("content") if isinstance(v, dict) else v
+
+
+class Tokenizer:
+    """Encodes, decodes and renders chat prompts.
+
+    tok: a `tokenizers.Tokenizer`; config: the tokenizer_config.json dict; eos_ids: every id
+    that ends generation (from config.json, generation_config.json and the tokenizer).
+    """
+
+    def __init__(self, tok, config: dict, eos_ids: set[int]):
+        self._tok = tok
+        self.config = config
+        self.chat_template = config.get("chat_template")
+        if isinstance(self.chat_template, list):  # named templates: take the default one
+            named = {t["name"]: t["template"] for t in self.chat_template}
+            self.chat_template = named.get("default", next(iter(named.values())))
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        eos = set(eos_ids)
+        if self.eos_token is not None and tok.token_to_id(self.eos_token) is not None:
+            eos.add(tok.token_to_id(self.eos_token))
+        self.eos_token_ids = eos
+        self.bos_token_id = None if self.bos_token is None else tok.token_to_id(self.bos_token)
+        self.vocab_size = tok.get_vocab_size()
+
+    @classmethod
+    def from_dir(cls, path: Path, eos_ids: set[int]) -> Tokenizer:
+        from tokenizers import Tokenizer as HFTokenizer  # noqa: PLC0415
+
+        tj = path / "tokenizer.json"
+        if not tj.exists():
+            raise MlxrunError(f"{path} has no tokenizer.json; mlxrun needs the fast-tokenizer "
+                              "file (re-save the tokenizer with transformers to create it)")
+        try:
+            tok = HFTokenizer.from_file(str(tj))
+        except Exception as e:  # the library raises a bare Exception on bad JSON
+            raise MlxrunError(f"{tj}: cannot be read ({e}); re-download it") from None
+        cfg = {}
+        tc = path / "tokenizer_config.json"
+        if tc.exists():
+            cfg = json.loads(tc.read_text())
+        jt = path / "chat_template.jinja"
+        if jt.exists():
+            cfg["chat_template"] = jt.read_text()
+        return cls(tok, cfg, eos_ids)
+
+    @classmethod
+    def from_json(cls, tokenizer_json: str, config: dict, eos_ids: set[int]) -> Tokenizer:
+        from tokenizers import Tokenizer as HFTokenizer  # noqa: PLC0415
+
+        return cls(HFTokenizer.from_str(tokenizer_json), config, eos_ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """str -> token ids; `add_special_tokens` lets tokenizer.json's post-processor add
+        BOS (the chat template writes its own, so chat prompts pass False)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render messages [{"role", "content"}] with the model's jinja2 template."""
+        if not self.chat_template:
+            raise MlxrunError("this model has no chat template; use --no-chat")
+        import jinja2  # noqa: PLC0415
+        from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
+
+        def raise_exception(msg):
+            raise MlxrunError(f"chat template: {msg}")
+
+        # Sandboxed, as transformers does: a template is data from the checkpoint.
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    def prompt_ids(self, prompt: str, system: str | None = None, chat: bool | None = None) -> list[int]:
+        """The ids for a user prompt: through the chat template when the model has one
+        (or chat=True), else plain text with the tokenizer's BOS."""
+        if not prompt:
+            raise MlxrunError("the prompt is empty; pass some text with --prompt")
+        if chat is None:
+            chat = bool(self.chat_template)
+        if not chat:
+            text = prompt if system is None else f"{system}\n\n{prompt}"
+            return self.encode(text)
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}]
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+    def detokenizer(self) -> StreamingDetokenizer:
+        return StreamingDetokenizer(self)
+
+
+class StreamingDetokenizer:
+    """Turns a growing token list into text pieces.
+
+    Decoding token by token would split multi-byte characters (an emoji spans several byte
+    tokens) and lose the spaces some tokenizers attach to the next token, so it re-decodes
+    the tokens since the last safe point and emits only text that can no longer change.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tk = tokenizer
+        self._tokens: list[int] = []
+        self._start = 0  # tokens before this index are flushed
+        self._emitted = ""  # text of tokens[_start:] already given out
+        self.text = ""
+
+    def add(self, token: int) -> str:
+        """Add a token; return the new text that is now final (maybe empty)."""
+        self._tokens.append(token)
+        cur = self._tk.decode(self._tokens[self._start:])
+        if cur.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
+            return ""
+        piece = cur[len(self._emitted):]
+        self._emitted = cur
+        if cur.endswith("\n"):  # nothing merges across a newline: restart the window
+            self._start = len(self._tokens)
+            self._emitted = ""
+        self.text += piece
+        return piece
+
+    def flush(self) -> str:
+        cur = self._tk.decode(self._tokens[self._start:])
+        piece = cur[len(self._emitted):]
+        self._emitted = cur
+        self.text += piece
+        return piece

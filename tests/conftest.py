@@ -1,0 +1,96 @@
+"""Shared fixtures: tiny random checkpoints written with transformers (the reference), and
+the bundled SmolLM2 GGUF."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SMOLLM2 = "smollm2"
+
+# name -> (transformers config class kwargs); small enough to build in milliseconds.
+TINY = {
+    "llama_gqa_tied": dict(model_type="llama", hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           vocab_size=96, tie_word_embeddings=True, rope_theta=10000.0,
+                           max_position_embeddings=256, rms_norm_eps=1e-5),
+    "llama3_untied_scaled": dict(model_type="llama", hidden_size=64, intermediate_size=96,
+                                 num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=1, vocab_size=96, tie_word_embeddings=False,
+                                 rope_theta=500000.0, max_position_embeddings=512,
+                                 rms_norm_eps=1e-5,
+                                 rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                               "original_max_position_embeddings": 64}),
+    "mistral": dict(model_type="mistral", hidden_size=64, intermediate_size=128,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    vocab_size=96, tie_word_embeddings=False, rope_theta=1e6,
+                    max_position_embeddings=256, rms_norm_eps=1e-5, sliding_window=None),
+    "qwen2_bias": dict(model_type="qwen2", hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       vocab_size=96, tie_word_embeddings=True, rope_theta=1e6,
+                       max_position_embeddings=256, rms_norm_eps=1e-6),
+    "qwen3_qknorm": dict(model_type="qwen3", hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=32, vocab_size=96, tie_word_embeddings=False,
+                         rope_theta=1e6, max_position_embeddings=256, rms_norm_eps=1e-6),
+}
+
+
+def word_tokenizer_json(vocab_size: int) -> str:
+    """A whitespace word-level tokenizer over w0..wN with <s> / </s> specials."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    return tok.to_str()
+
+
+def make_tiny(tmp: Path, name: str, seed: int = 0):
+    """Write a random tiny checkpoint with transformers; returns (dir, hf_model fp32)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(TINY[name])
+    mt = kw.pop("model_type")
+    cfg = AutoConfig.for_model(mt, bos_token_id=1, eos_token_id=2, **kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():  # HF inits biases and norms to 0/1; randomise so they matter
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif n.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    d = tmp / name
+    model.save_pretrained(d, safe_serialization=True)
+    (d / "tokenizer.json").write_text(word_tokenizer_json(kw["vocab_size"]))
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>"}))
+    return d, model
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """name -> (dir, hf_model): built once per session."""
+    root = tmp_path_factory.mktemp("tiny")
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = make_tiny(root, name)
+        return cache[name]
+
+    return get
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
