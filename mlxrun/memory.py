@@ -1,0 +1,717 @@
+"""The memory model: what a device can hold, what a model needs, and the plan between them.
+
+Backend-free at import (numpy and the standard library only); `probe_device` imports torch or
+mlx when it is called. Every number the planner assumes is a module constant below, so the
+README can quote them and measurements can recalibrate them in one place.
+
+Budget rule (`DeviceMemory.budget_bytes`), quoted by the README:
+
+- CUDA: free VRAM (torch.cuda.mem_get_info, read after the CUDA context exists) minus
+  max(512 MiB, 3% of total VRAM) for allocator fragmentation, cuBLAS workspaces and kernels
+  loaded later.
+- CPU: MemAvailable (Linux /proc/meminfo, clamped to the cgroup limit; free + inactive pages
+  on macOS) minus max(1 GiB, 5% of total RAM) for the OS page cache and the Python process.
+- Apple unified memory: min(the GPU's recommended working set, physical RAM - memory already
+  used by other processes - max(2 GiB, 5% of RAM) kept for macOS). MLX and torch.mps report
+  the working set; macOS sets it to about 2/3 of RAM up to 36 GiB and 3/4 above (newer
+  macOS versions report more, and `sysctl iogpu.wired_limit_mb` raises it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .config import ModelConfig
+from .errors import MlxrunError
+from .weights import read_header
+
+if TYPE_CHECKING:
+    from mlxrun.quant.formats import QuantSpec
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+# --- Device reserves (see the budget rule in the module docstring) -----------------------
+CUDA_RESERVE_MIN = 512 * MiB
+CUDA_RESERVE_PERCENT = 3  # of total VRAM
+CPU_RESERVE_MIN = 1 * GiB
+CPU_RESERVE_PERCENT = 5  # of total RAM
+APPLE_OS_RESERVE_MIN = 2 * GiB
+APPLE_OS_RESERVE_PERCENT = 5  # of physical RAM
+# macOS's default recommendedMaxWorkingSetSize as a fraction of RAM (llama.cpp logs: 32 GB ->
+# 21845 MB = 2/3, 64 GB -> 48 GB and 96 GB -> 72 GB = 3/4). Used only when neither MLX nor
+# torch.mps reports the value.
+APPLE_WS_SMALL_RAM = 36 * GiB
+APPLE_WS_SMALL = (2, 3)
+APPLE_WS_LARGE = (3, 4)
+
+# --- Prefill workspace: fixed per-backend overhead on top of the activation formula --------
+# Calibrate against mx.get_peak_memory / torch.cuda.max_memory_allocated (which does not count
+# the CUDA context: probe_device reads free VRAM after the context exists, so it is already
+# outside the budget).
+WORKSPACE_OVERHEAD = {
+    ("mlx", "apple"): 64 * MiB,  # Metal command buffers, compiled kernels, allocator cache
+    ("mlx", "cpu"): 64 * MiB,
+    ("torch", "cuda"): 128 * MiB,  # cuBLAS workspaces and caching-allocator rounding
+    ("torch", "apple"): 64 * MiB,
+    ("torch", "cpu"): 100 * MiB,  # oneDNN scratch and allocator slack
+}
+SCORES_BYTES = 4  # attention scores are fp32 on the non-flash path
+LOGITS_BYTES = 4  # logits of the last position only, fp32
+
+# The quantization that `--quant int4` means (DESIGN.md: INT4 = affine 4-bit, mlx-lm's group)
+INT4_GROUP_SIZE = 64
+
+# Compute dtype names accepted -> (canonical name, bytes per element)
+DTYPES = {
+    "bfloat16": ("bfloat16", 2), "bf16": ("bfloat16", 2), "BF16": ("bfloat16", 2),
+    "float16": ("float16", 2), "fp16": ("float16", 2), "F16": ("float16", 2),
+    "float32": ("float32", 4), "fp32": ("float32", 4), "F32": ("float32", 4),
+}  # fmt: skip
+# Stored size of each safetensors dtype, for tensors counted as they sit on disk.
+STORED_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+    "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+}  # fmt: skip
+
+Shapes = dict[str, tuple[tuple[int, ...], str]]
+
+
+def _reserve(total: int, minimum: int, percent: int) -> int:
+    return max(minimum, total * percent // 100)
+
+
+def estimate_apple_working_set(total_bytes: int) -> int:
+    """macOS's default GPU working set for `total_bytes` of RAM (2/3 up to 36 GiB, else 3/4)."""
+    num, den = APPLE_WS_SMALL if total_bytes <= APPLE_WS_SMALL_RAM else APPLE_WS_LARGE
+    return total_bytes * num // den
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What a device can hold, with where each number came from.
+
+    kind: "apple" (unified, Metal/MPS), "cuda" or "cpu". available_bytes: free VRAM (CUDA),
+    MemAvailable (CPU), or RAM not used by other processes (Apple). recommended_working_set
+    and wired_limit are Apple-only (None elsewhere).
+    """
+
+    kind: str
+    name: str
+    total_bytes: int
+    available_bytes: int
+    unified: bool
+    recommended_working_set: int | None = None
+    wired_limit: int | None = None
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def reserve_bytes(self) -> int:
+        """What the budget keeps back for the OS/driver (see the module docstring)."""
+        if self.kind == "cuda":
+            return _reserve(self.total_bytes, CUDA_RESERVE_MIN, CUDA_RESERVE_PERCENT)
+        if self.kind == "apple":
+            return _reserve(self.total_bytes, APPLE_OS_RESERVE_MIN, APPLE_OS_RESERVE_PERCENT)
+        return _reserve(self.total_bytes, CPU_RESERVE_MIN, CPU_RESERVE_PERCENT)
+
+    @property
+    def working_set(self) -> int:
+        """Apple: the reported working set, or macOS's default rule when none was reported."""
+        if self.recommended_working_set is not None:
+            return self.recommended_working_set
+        return estimate_apple_working_set(self.total_bytes)
+
+    @property
+    def budget_bytes(self) -> int:
+        """Bytes mlxrun may plan to use.
+
+        CUDA: free VRAM - max(512 MiB, 3% of VRAM). CPU: MemAvailable - max(1 GiB, 5% of
+        RAM). Apple: min(recommended working set, RAM not used by other processes -
+        max(2 GiB, 5% of RAM)). Never negative.
+        """
+        free = self.available_bytes - self.reserve_bytes
+        if self.kind == "apple":
+            free = min(self.working_set, free)
+        return max(0, free)
+
+    def budget_rule(self) -> str:
+        """The budget rule with this device's numbers, for `format_plan`."""
+        avail = "free VRAM" if self.kind == "cuda" else "available"
+        rule = f"{avail} {_fmt(self.available_bytes)} - reserve {_fmt(self.reserve_bytes)}"
+        if self.kind == "apple":
+            return f"min(GPU working set {_fmt(self.working_set)}, {rule})"
+        return rule
+
+
+# --- probing -------------------------------------------------------------------------------
+
+
+def _run(cmd: list[str]) -> str | None:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=5, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        return int(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _host_memory() -> tuple[int, int, dict[str, str]]:
+    """(total RAM, available RAM, sources) of this host, without psutil."""
+    src: dict[str, str] = {}
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        kb = {}
+        for line in meminfo.read_text().splitlines():
+            k, _, v = line.partition(":")
+            kb[k] = int(v.split()[0]) * KiB if v.split() else 0
+        total, avail = kb["MemTotal"], kb.get("MemAvailable", kb.get("MemFree", 0))
+        src["total_bytes"] = "/proc/meminfo MemTotal"
+        src["available_bytes"] = "/proc/meminfo MemAvailable"
+        # In a container the cgroup limit, not the host's RAM, is what the OOM killer enforces.
+        limit = _read_int("/sys/fs/cgroup/memory.max")
+        used = _read_int("/sys/fs/cgroup/memory.current")
+        if limit is not None and limit < total:
+            total = limit
+            avail = min(avail, limit - (used or 0))
+            src["total_bytes"] = "/sys/fs/cgroup/memory.max"
+            src["available_bytes"] = "/proc/meminfo MemAvailable, cgroup memory.max - current"
+        return total, avail, src
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    src["total_bytes"] = "os.sysconf SC_PHYS_PAGES x SC_PAGE_SIZE"
+    avail = None
+    out = _run(["vm_stat"])
+    if out:
+        # Same rule as psutil on macOS: free (already excludes speculative) + inactive pages.
+        page = int(m.group(1)) if (m := re.search(r"page size of (\d+) bytes", out)) else 4096
+        pages = {k.strip(): int(v.strip(" .")) for k, v in re.findall(r"(Pages [^:]+):(.*)", out)}
+        if "Pages free" in pages and "Pages inactive" in pages:
+            avail = (pages["Pages free"] + pages["Pages inactive"]) * page
+            src["available_bytes"] = "vm_stat (Pages free + Pages inactive)"
+    if avail is None:
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        src["available_bytes"] = "os.sysconf SC_AVPHYS_PAGES x SC_PAGE_SIZE"
+    return total, avail, src
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return (_run(["sysctl", "-n", "machdep.cpu.brand_string"]) or "").strip() or "CPU"
+
+
+def _apple_wired_limit(src: dict[str, str]) -> int | None:
+    out = _run(["sysctl", "-n", "iogpu.wired_limit_mb"])
+    if out and out.strip().isdigit() and int(out) > 0:  # 0 means macOS's default
+        src["wired_limit"] = "sysctl iogpu.wired_limit_mb"
+        return int(out) * MiB
+    return None
+
+
+def _probe_cpu() -> DeviceMemory:
+    total, avail, src = _host_memory()
+    return DeviceMemory("cpu", _cpu_name(), total, avail, unified=False, sources=src)
+
+
+def _probe_apple(backend: str) -> DeviceMemory:
+    total, avail, src = _host_memory()
+    if backend == "mlx":
+        import mlx.core as mx
+
+        info = (getattr(mx, "device_info", None) or mx.metal.device_info)()
+        ws = int(info["max_recommended_working_set_size"])
+        total = int(info.get("memory_size", total))
+        name = str(info.get("device_name") or info.get("architecture") or "Apple GPU")
+        src["recommended_working_set"] = "mx.device_info max_recommended_working_set_size"
+        src["total_bytes"] = "mx.device_info memory_size"
+    else:
+        import torch
+
+        ws = int(torch.mps.recommended_max_memory())
+        name = (_run(["sysctl", "-n", "machdep.cpu.brand_string"]) or "Apple GPU").strip()
+        src["recommended_working_set"] = "torch.mps.recommended_max_memory"
+    wired = _apple_wired_limit(src)
+    return DeviceMemory("apple", name, total, avail, True, ws, wired, src)
+
+
+def probe_device(backend: str, device: str) -> DeviceMemory:
+    """Measure the memory of `device` as `backend` sees it.
+
+    (backend, device) is ("mlx", "gpu" | "cpu") or ("torch", "cuda[:N]" | "mps" | "cpu").
+    Raises MlxrunError when that device is not present.
+    """
+    if backend == "mlx" and device == "gpu":
+        import mlx.core as mx
+
+        if mx.metal.is_available():
+            return _probe_apple("mlx")
+        if getattr(mx, "cuda", None) is not None and mx.cuda.is_available():
+            info = mx.device_info(mx.gpu)  # NVML's device-wide free memory when available
+            src = {"total_bytes": "mx.device_info total_memory",
+                   "available_bytes": "mx.device_info free_memory"}  # fmt: skip
+            name, total = str(info["device_name"]), int(info["total_memory"])
+            return DeviceMemory("cuda", name, total, int(info["free_memory"]), False, sources=src)
+        raise MlxrunError("MLX has no GPU on this machine (no Metal, no CUDA); use --device cpu")
+    if backend in ("mlx", "torch") and device == "cpu":
+        return _probe_cpu()
+    if backend == "torch" and device == "mps":
+        import torch
+
+        if not torch.backends.mps.is_available():
+            raise MlxrunError(
+                "torch has no MPS device here (needs Apple Silicon macOS); use --device cpu"
+            )
+        return _probe_apple("torch")
+    if backend == "torch" and (device == "cuda" or device.startswith("cuda:")):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise MlxrunError(
+                "torch sees no CUDA GPU (CPU-only torch build, or no driver); use --device cpu"
+            )
+        idx = int(device.partition(":")[2] or torch.cuda.current_device())
+        if idx >= torch.cuda.device_count():
+            raise MlxrunError(
+                f"no GPU {device}: this machine has {torch.cuda.device_count()}; use cuda:0"
+            )
+        free, total = torch.cuda.mem_get_info(idx)
+        src = {
+            "total_bytes": "torch.cuda.mem_get_info",
+            "available_bytes": "torch.cuda.mem_get_info (free, after CUDA context init)",
+        }
+        return DeviceMemory(
+            "cuda", torch.cuda.get_device_name(idx), total, free, False, sources=src
+        )
+    raise MlxrunError(
+        f"unknown device {device!r} for backend {backend!r}: use mlx with gpu/cpu "
+        "or torch with cuda/mps/cpu"
+    )
+
+
+# --- model footprint -----------------------------------------------------------------------
+
+
+def header_shapes(path: str | os.PathLike) -> Shapes:
+    """{tensor name: (shape, safetensors dtype)} of a safetensors file or checkpoint directory.
+
+    Reads headers only (sharded checkpoints through model.safetensors.index.json).
+    """
+    path = Path(path)
+    if path.is_dir():
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+        else:
+            files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise MlxrunError(f"{path} holds no .safetensors files; is it a model directory?")
+    elif path.exists():
+        files = [path]
+    else:
+        raise MlxrunError(f"{path} does not exist")
+    out: Shapes = {}
+    for f in files:
+        _, header = read_header(f)
+        for name, info in header.items():
+            if name != "__metadata__":
+                out[name] = (tuple(info["shape"]), info["dtype"])
+    return out
+
+
+def config_shapes(config: ModelConfig, dtype: str = "BF16") -> Shapes:
+    """The Hugging Face tensor names and shapes a checkpoint of `config` holds (no file)."""
+    c = config
+    h, d = c.hidden_size, c.head_dim
+    q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
+    out: Shapes = {"model.embed_tokens.weight": ((c.vocab_size, h), dtype)}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for n, shape in [
+            ("self_attn.q_proj.weight", (q, h)),
+            ("self_attn.k_proj.weight", (kv, h)),
+            ("self_attn.v_proj.weight", (kv, h)),
+            ("self_attn.o_proj.weight", (h, q)),
+            ("mlp.gate_proj.weight", (c.intermediate_size, h)),
+            ("mlp.up_proj.weight", (c.intermediate_size, h)),
+            ("mlp.down_proj.weight", (h, c.intermediate_size)),
+            ("input_layernorm.weight", (h,)),
+            ("post_attention_layernorm.weight", (h,)),
+        ]:
+            out[p + n] = (shape, dtype)
+        if c.attention_bias:
+            for n, width in (("q", q), ("k", kv), ("v", kv)):
+                out[f"{p}self_attn.{n}_proj.bias"] = ((width,), dtype)
+        if c.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = ((d,), dtype)
+            out[p + "self_attn.k_norm.weight"] = ((d,), dtype)
+    out["model.norm.weight"] = ((h,), dtype)
+    if not c.tie_word_embeddings:
+        out["lm_head.weight"] = ((c.vocab_size, h), dtype)
+    return out
+
+
+def packed_bytes(
+    out_dim: int, in_dim: int, mode: str, bits: int, group_size: int, dtype_bytes: int
+) -> int:
+    """Bytes of one quantized [out, in] matrix in the canonical (mlx) format.
+
+    weight uint32 [out, in*bits/32]; scales [out, in/group] (affine: `dtype_bytes` each,
+    mxfp4/mxfp8/nvfp4: 1 byte); biases like scales, affine only.
+    """
+    assert in_dim % group_size == 0 and in_dim * bits % 32 == 0, (in_dim, group_size, bits)
+    groups = out_dim * (in_dim // group_size)
+    if mode == "affine":
+        return out_dim * (in_dim * bits // 32) * 4 + 2 * groups * dtype_bytes
+    return out_dim * (in_dim * bits // 32) * 4 + groups
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def _layer_bits(config: ModelConfig, prefix: str) -> int:
+    """Bits of quantized layer `prefix`, from config.json's quantization (per-layer first)."""
+    q = config.quantization
+    if not q:
+        raise MlxrunError(
+            f"checkpoint has quantized tensors ({prefix}.scales) but config.json "
+            "has no 'quantization' entry; re-download config.json"
+        )
+    over = q.get(prefix)
+    q = over if isinstance(over, dict) else q
+    return int(q.get("bits", 4))
+
+
+@dataclass(frozen=True)
+class ModelFootprint:
+    """Bytes a model needs, from config.json and checkpoint headers alone.
+
+    weight_bytes: the weights as they will sit in memory (after quantization).
+    kv_bytes_per_token: one token of one sequence's KV cache (layers x 2 x kv_heads x
+    head_dim x dtype size). dense_weight_bytes / int4_weight_bytes: the same weights
+    unquantized at the compute dtype, and quantized to `--quant int4` (affine 4-bit, group 64).
+    """
+
+    weight_bytes: int
+    kv_bytes_per_token: int
+    n_params: int
+    dense_weight_bytes: int
+    int4_weight_bytes: int
+    dtype: str
+    label: str  # how the weights are stored, e.g. "bfloat16" or "affine 4-bit g64"
+
+    def kv_bytes(self, tokens: int, batch: int = 1) -> int:
+        """KV-cache bytes for `batch` sequences of `tokens` tokens."""
+        return self.kv_bytes_per_token * tokens * batch
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.weight_bytes / self.n_params
+
+
+def footprint(
+    config: ModelConfig,
+    tensor_shapes: Shapes,
+    dtype: str = "bfloat16",
+    quant: QuantSpec | None = None,
+) -> ModelFootprint:
+    """Weight and KV bytes of a model: `tensor_shapes` from `header_shapes` or `config_shapes`.
+
+    A checkpoint that is already quantized (`p.scales` present) counts its quantized tensors
+    as stored; `quant` for an unquantized checkpoint packs every 2-D `.weight` whose in-dim
+    divides by the group size (embedding and lm_head too, as mlx-lm does). Other tensors count
+    at the compute `dtype`. A tied lm_head stored in the file is not counted twice.
+    """
+    if dtype not in DTYPES:
+        raise MlxrunError(f"unknown dtype {dtype!r}: use bfloat16, float16 or float32")
+    dtype, db = DTYPES[dtype]
+    shapes = dict(tensor_shapes)
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)  # the loader drops it and uses the embedding
+    quantized = {n[: -len(".scales")] for n in shapes if n.endswith(".scales")}
+    if quantized and quant is not None:
+        raise MlxrunError("this checkpoint is already quantized; drop --quant")
+    weight = dense = int4 = n_params = 0
+    for name, (shape, sdt) in shapes.items():
+        prefix, _, leaf = name.rpartition(".")
+        is_q = prefix in quantized and leaf in ("weight", "scales", "biases")
+        if is_q:
+            weight += _numel(shape) * STORED_BYTES[sdt]
+            if leaf != "weight":
+                continue
+            # uint32 [out, in*bits/32] -> the logical [out, in]
+            shape = (shape[0], shape[1] * 32 // _layer_bits(config, prefix))
+        n = _numel(shape)
+        n_params += n
+        dense += n * db
+        matrix = len(shape) == 2 and leaf == "weight"
+        int4 += (
+            packed_bytes(*shape, "affine", 4, INT4_GROUP_SIZE, db)
+            if matrix and shape[1] % INT4_GROUP_SIZE == 0
+            else n * db
+        )
+        if is_q:
+            continue
+        if quant is not None and matrix and shape[1] % quant.group_size == 0:
+            weight += packed_bytes(*shape, quant.mode, quant.bits, quant.group_size, db)
+        else:
+            weight += n * db
+    if quantized:
+        q = config.quantization or {}
+        label = f"{q.get('mode', 'affine')} {q.get('bits', 4)}-bit g{q.get('group_size', 64)}"
+    elif quant is not None:
+        label = f"{quant.mode} {quant.bits}-bit g{quant.group_size}"
+    else:
+        label = dtype
+    c = config
+    kv = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * db
+    return ModelFootprint(weight, kv, n_params, dense, int4, dtype, label)
+
+
+# --- planning ------------------------------------------------------------------------------
+
+
+def workspace_bytes(
+    config: ModelConfig,
+    *,
+    context: int,
+    batch: int,
+    prefill_chunk: int,
+    dtype_bytes: int,
+    backend: str,
+    kind: str,
+) -> int:
+    """Peak activation bytes of prefilling a chunk of C = min(prefill_chunk, context) tokens.
+
+    B*C*(hidden + q + 2*kv) hidden states and q/k/v/o + B*C*intermediate*3 MLP intermediates
+    (both x dtype_bytes) + B*heads*C*context fp32 attention scores (non-flash path) + B*vocab
+    fp32 logits of the last position + WORKSPACE_OVERHEAD[(backend, kind)].
+    """
+    per_seq = _ws_per_seq(config, context, prefill_chunk, dtype_bytes)
+    return per_seq * batch + _overhead(backend, kind)
+
+
+def _overhead(backend: str, kind: str) -> int:
+    return WORKSPACE_OVERHEAD.get((backend, kind), 128 * MiB)
+
+
+def _ws_per_seq(c: ModelConfig, context: int, chunk: int, dtype_bytes: int) -> int:
+    C = min(chunk, context)
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    act = C * (c.hidden_size + q + 2 * kv) * dtype_bytes
+    mlp = C * c.intermediate_size * 3 * dtype_bytes
+    scores = c.num_attention_heads * C * context * SCORES_BYTES
+    return act + mlp + scores + c.vocab_size * LOGITS_BYTES
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Whether `batch` sequences of `context` tokens fit on `device`, and what would."""
+
+    device: DeviceMemory
+    footprint: ModelFootprint
+    context: int
+    batch: int
+    prefill_chunk: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kv_bytes: int  # batch x context tokens
+    workspace_bytes: int
+    total_bytes: int
+    budget_bytes: int
+    fits: bool
+    max_batch: int  # largest batch at this context (0: not even one)
+    max_context: int  # longest context at this batch, <= max_position_embeddings (0: none)
+    advice: str  # "" when it fits, else "try --quant int4 (Z GiB), --context N or ..."
+    backend: str = "torch"
+
+
+def _limits(
+    config: ModelConfig,
+    weights: int,
+    kv_tok: int,
+    budget: int,
+    *,
+    context: int,
+    batch: int,
+    chunk: int,
+    dtype_bytes: int,
+    overhead: int,
+) -> tuple[int, int]:
+    """(max batch at `context`, max context at `batch`) for `weights` bytes of weights."""
+    per_seq = kv_tok * context + _ws_per_seq(config, context, chunk, dtype_bytes)
+    max_batch = max(0, (budget - weights - overhead) // per_seq)
+
+    def need(ctx: int) -> int:  # grows with ctx, so bisect
+        return (
+            weights
+            + overhead
+            + batch * (kv_tok * ctx + _ws_per_seq(config, ctx, chunk, dtype_bytes))
+        )
+
+    lo, hi = 0, config.max_position_embeddings
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if need(mid) <= budget else (lo, mid - 1)
+    return int(max_batch), lo
+
+
+def make_plan(
+    config: ModelConfig,
+    footprint: ModelFootprint,
+    device: DeviceMemory,
+    *,
+    context: int,
+    batch: int = 1,
+    prefill_chunk: int = 512,
+    dtype_bytes: int = 2,
+    backend: str = "torch",
+) -> Plan:
+    """Plan `batch` sequences of up to `context` tokens (prompt + generation) on `device`.
+
+    total = weights + KV (kv_bytes_per_token x context x batch) + prefill workspace; it fits
+    when total <= device.budget_bytes. Raises MlxrunError for batch < 1, context < 1 or a
+    context beyond config.max_position_embeddings.
+    """
+    if batch < 1:
+        raise MlxrunError(f"--batch-size must be at least 1 (got {batch})")
+    if context < 1 or prefill_chunk < 1:
+        raise MlxrunError(
+            f"--context and the prefill chunk must be at least 1 (got {context}, {prefill_chunk})"
+        )
+    if context > config.max_position_embeddings:
+        raise MlxrunError(
+            f"--context {context} is longer than this model's "
+            f"max_position_embeddings ({config.max_position_embeddings}); use "
+            f"--context {config.max_position_embeddings} or less"
+        )
+    fp, budget = footprint, device.budget_bytes
+    overhead = _overhead(backend, device.kind)
+    kw = dict(
+        context=context,
+        batch=batch,
+        chunk=prefill_chunk,
+        dtype_bytes=dtype_bytes,
+        overhead=overhead,
+    )
+    kv = fp.kv_bytes(context, batch)
+    ws = workspace_bytes(
+        config,
+        context=context,
+        batch=batch,
+        prefill_chunk=prefill_chunk,
+        dtype_bytes=dtype_bytes,
+        backend=backend,
+        kind=device.kind,
+    )
+    total = fp.weight_bytes + kv + ws
+    max_batch, max_context = _limits(config, fp.weight_bytes, fp.kv_bytes_per_token, budget, **kw)
+    advice = ""
+    if total > budget:
+        opts = []
+        if fp.int4_weight_bytes < fp.weight_bytes:
+            int4_total = fp.int4_weight_bytes + kv + ws
+            _, ctx4 = _limits(config, fp.int4_weight_bytes, fp.kv_bytes_per_token, budget, **kw)
+            if int4_total <= budget:
+                opts.append(f"--quant int4 ({_gib(int4_total)} GiB)")
+            elif max_context == 0 and ctx4 > 0:
+                opts.append(f"--quant int4 --context {ctx4}")
+        if max_context > 0:
+            opts.append(f"--context {max_context}")
+        if batch > 1 and max_batch > 0:
+            opts.append(f"--batch-size {max_batch}")
+        if opts:
+            advice = "try " + (", ".join(opts[:-1]) + " or " if len(opts) > 1 else "") + opts[-1]
+        else:
+            advice = (
+                f"nothing fits: the weights alone need {_gib(fp.weight_bytes)} GiB "
+                f"({_gib(fp.int4_weight_bytes)} GiB as int4); use a device with more "
+                "memory"
+            )
+    return Plan(
+        device,
+        fp,
+        context,
+        batch,
+        prefill_chunk,
+        fp.weight_bytes,
+        fp.kv_bytes_per_token,
+        kv,
+        ws,
+        total,
+        budget,
+        total <= budget,
+        max_batch,
+        max_context,
+        advice,
+        backend,
+    )
+
+
+def check_fits(plan: Plan) -> None:
+    """Raise MlxrunError, one line with what would fit, when `plan` does not fit."""
+    if not plan.fits:
+        raise MlxrunError(
+            f"needs {_gib(plan.total_bytes)} GiB (weights {_gib(plan.weight_bytes)} + KV "
+            f"{_gib(plan.kv_bytes)} + workspace {_gib(plan.workspace_bytes)}) but the device "
+            f"budget is {_gib(plan.budget_bytes)} GiB; {plan.advice}"
+        )
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def _fmt(n: int) -> str:
+    if abs(n) >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    if abs(n) >= MiB:
+        return f"{n / MiB:.1f} MiB"
+    return f"{n / KiB:.1f} KiB"
+
+
+def format_plan(plan: Plan) -> str:
+    """A readable multi-line table of `plan`, with units and where the device numbers came from."""
+    d, fp = plan.device, plan.footprint
+    rows = [
+        (
+            "device",
+            f"{d.name} ({d.kind}{', unified memory' if d.unified else ''}, "
+            f"{plan.backend}), total {_fmt(d.total_bytes)}",
+        ),
+        (
+            "model",
+            f"{fp.n_params / 1e9:.2f} B params, {fp.label}, {fp.bits_per_weight:.2f} bits/weight",
+        ),
+        ("weights", _fmt(plan.weight_bytes)),
+        (
+            "KV cache",
+            f"{_fmt(plan.kv_bytes)}  ({plan.batch} x {plan.context} tokens x "
+            f"{_fmt(plan.kv_bytes_per_token)}/token)",
+        ),
+        ("workspace", f"{_fmt(plan.workspace_bytes)}  (prefill chunk {plan.prefill_chunk})"),
+        ("total", _fmt(plan.total_bytes)),
+        ("budget", f"{_fmt(plan.budget_bytes)}  = {d.budget_rule()}"),
+        ("fits", "yes" if plan.fits else "NO"),
+        ("max batch", f"{plan.max_batch} at context {plan.context}"),
+        ("max context", f"{plan.max_context} at batch {plan.batch}"),
+    ]
+    if plan.advice:
+        rows.append(("advice", plan.advice))
+    rows += [(f"source: {k}", v) for k, v in d.sources.items()]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -1,0 +1,484 @@
+"""The memory model against numbers worked out by hand, mx.quantize's packed sizes and real
+safetensors headers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mlxrun.quant.formats import QuantSpec
+
+from mlxrun.config import ModelConfig
+from mlxrun.errors import MlxrunError
+from mlxrun.memory import (
+    DeviceMemory,
+    GiB,
+    MiB,
+    check_fits,
+    config_shapes,
+    estimate_apple_working_set,
+    footprint,
+    format_plan,
+    header_shapes,
+    make_plan,
+    probe_device,
+    workspace_bytes,
+)
+from mlxrun.weights import Tensor, bf16_bits, save_safetensors
+
+
+def Q(mode: str, bits: int, group_size: int) -> QuantSpec:
+    return QuantSpec(mode, bits, group_size).validate()
+
+
+LLAMA3_8B = ModelConfig.from_dict(
+    dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+         max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False)
+)  # fmt: skip
+SMOLLM2 = ModelConfig.from_dict(
+    dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+         max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True)
+)  # fmt: skip
+
+# --- parameter counts by hand ---
+# Llama-3-8B: embedding + lm_head 128256 x 4096 each; per layer q,o 4096x4096, k,v 1024x4096,
+# gate,up,down 14336x4096, two 4096 norms; one final norm.
+L_LAYER = 2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096 + 2 * 4096
+L_PARAMS = 2 * 128256 * 4096 + 32 * L_LAYER + 4096
+L_NORMS = 32 * 2 * 4096 + 4096  # everything else is a 2-D matrix with in-dim 4096 or 14336
+# SmolLM2-135M: tied 49152 x 576 embedding; q,o 576x576, k,v 192x576 (3 kv heads x 64),
+# gate,up,down 1536x576, two 576 norms; final norm.
+S_LAYER = 2 * 576 * 576 + 2 * 192 * 576 + 3 * 1536 * 576 + 2 * 576
+S_PARAMS = 49152 * 576 + 30 * S_LAYER + 576
+S_NORMS = 30 * 2 * 576 + 576
+
+L_BF16 = L_PARAMS * 2
+# int4 = affine 4-bit g64 with bf16 scale and bias per 64 weights: 4/8 + 2*2/64 = 9/16 byte
+L_INT4 = (L_PARAMS - L_NORMS) * 9 // 16 + L_NORMS * 2
+L_KV = 32 * 2 * 8 * 128 * 2  # layers x (k, v) x kv_heads x head_dim x bf16
+S_KV = 30 * 2 * 3 * 64 * 2
+
+
+def test_hand_counts_match_the_published_sizes():
+    assert L_PARAMS == 8_030_261_248  # Llama-3-8B's parameter count
+    assert S_PARAMS == 134_515_008  # SmolLM2-135M's
+    assert L_KV == 131072 and S_KV == 23040
+
+
+# --- simulated devices ---
+# Apple: 3 GiB in use by other processes; the working set macOS reports is 2/3 of RAM up to
+# 36 GiB and 3/4 above (llama.cpp logs: 32 GB -> 21845.34 MB, 64 GB -> 48 GB, 96 GB -> 72 GB).
+APPLE_WS = {8: 8 * GiB * 2 // 3, 16: 16 * GiB * 2 // 3, 36: 24 * GiB, 64: 48 * GiB,
+            128: 96 * GiB, 192: 144 * GiB}  # fmt: skip
+
+
+def apple(ram: int, used: int = 3) -> DeviceMemory:
+    return DeviceMemory("apple", f"Apple {ram} GB", ram * GiB, (ram - used) * GiB, True,
+                        APPLE_WS[ram], sources={"total_bytes": "simulated"})  # fmt: skip
+
+
+GPU24 = DeviceMemory("cuda", "RTX 4090", 24 * GiB, 23 * GiB + 512 * MiB, False)
+GPU80 = DeviceMemory("cuda", "H100 80GB", 80 * GiB, 79 * GiB, False)
+CPU = DeviceMemory("cpu", "Xeon", 64 * GiB, 50 * GiB, False)
+
+# budget = min(working set, available - max(2 GiB, 5% RAM)) on Apple;
+# free - max(512 MiB, 3% VRAM) on CUDA; MemAvailable - max(1 GiB, 5% RAM) on CPU.
+BUDGETS = {
+    "apple8": (apple(8), 3 * GiB),  # 5 GiB available - 2 GiB < 5.33 GiB working set
+    "apple16": (apple(16), 16 * GiB * 2 // 3),  # 10.67 GiB < 13 - 2
+    "apple16_busy": (apple(16, used=8), 6 * GiB),  # 8 - 2 < 10.67
+    "apple36": (apple(36), 24 * GiB),  # < 33 - 2 (5% = 1.8 GiB < 2 GiB)
+    "apple64": (apple(64), 48 * GiB),  # < 61 - 3.2
+    "apple128": (apple(128), 96 * GiB),  # < 125 - 6.4
+    "apple192": (apple(192), 144 * GiB),  # < 189 - 9.6
+    "gpu24": (GPU24, 23 * GiB + 512 * MiB - 24 * GiB * 3 // 100),  # 3% = 737 MiB > 512 MiB
+    "gpu80": (GPU80, 79 * GiB - 80 * GiB * 3 // 100),
+    "cpu": (CPU, 50 * GiB - 64 * GiB * 5 // 100),
+}
+
+
+@pytest.mark.parametrize("key", BUDGETS)
+def test_budget_rule(key):
+    dev, want = BUDGETS[key]
+    assert dev.budget_bytes == want
+
+
+def test_apple_working_set_estimate_matches_reported_values():
+    for ram, ws in APPLE_WS.items():
+        assert estimate_apple_working_set(ram * GiB) == ws
+    # with no reported value the estimate stands in
+    dev = DeviceMemory("apple", "M2", 64 * GiB, 61 * GiB, True, None)
+    assert dev.budget_bytes == 48 * GiB
+
+
+def test_budget_is_never_negative():
+    assert DeviceMemory("cuda", "busy", 24 * GiB, 100 * MiB, False).budget_bytes == 0
+
+
+# --- footprints ---
+
+
+def test_footprint_llama3_8b():
+    fp = footprint(LLAMA3_8B, config_shapes(LLAMA3_8B), "bfloat16")
+    assert fp.n_params == L_PARAMS
+    assert fp.weight_bytes == fp.dense_weight_bytes == L_BF16 == 16_060_522_496
+    assert fp.kv_bytes_per_token == L_KV
+    assert fp.int4_weight_bytes == L_INT4 == 4_517_404_672
+    assert fp.kv_bytes(8192, batch=2) == 2 * 8192 * 131072
+    q4 = footprint(LLAMA3_8B, config_shapes(LLAMA3_8B), "bfloat16", Q("affine", 4, 64))
+    assert q4.weight_bytes == L_INT4 and q4.n_params == L_PARAMS
+    assert abs(q4.bits_per_weight - 4.5) < 1e-3
+    # mxfp4: 4-bit values + one 1-byte E8M0 scale per 32 = 17/32 byte; no biases
+    mx4 = footprint(LLAMA3_8B, config_shapes(LLAMA3_8B), "bfloat16", Q("mxfp4", 4, 32))
+    assert mx4.weight_bytes == (L_PARAMS - L_NORMS) * 17 // 32 + L_NORMS * 2
+    # fp32 compute doubles the dense bytes and the KV cache
+    f32 = footprint(LLAMA3_8B, config_shapes(LLAMA3_8B), "float32")
+    assert f32.weight_bytes == L_PARAMS * 4 and f32.kv_bytes_per_token == 2 * L_KV
+
+
+def test_footprint_smollm2_tied_and_group_divisibility():
+    shapes = config_shapes(SMOLLM2)
+    assert "lm_head.weight" not in shapes
+    fp = footprint(SMOLLM2, shapes, "bf16")
+    assert fp.weight_bytes == S_PARAMS * 2 and fp.kv_bytes_per_token == S_KV
+    # a tied checkpoint that also stores lm_head does not count it twice
+    with_head = dict(shapes, **{"lm_head.weight": ((49152, 576), "BF16")})
+    assert footprint(SMOLLM2, with_head, "bf16").weight_bytes == S_PARAMS * 2
+    # g64 divides 576 and 1536: every matrix packs (4/8 + 4/64 byte per weight)
+    q64 = footprint(SMOLLM2, shapes, "bfloat16", Q("affine", 4, 64))
+    assert q64.weight_bytes == (S_PARAMS - S_NORMS) * 9 // 16 + S_NORMS * 2
+    # g128 divides only down_proj's in-dim 1536 (576 = 4.5 x 128): the rest stays bf16
+    q128 = footprint(SMOLLM2, shapes, "bfloat16", Q("affine", 4, 128))
+    down = 576 * 1536
+    packed = 30 * (down // 2 + 2 * (down // 128) * 2)
+    assert q128.weight_bytes == (S_PARAMS - 30 * down) * 2 + packed
+
+
+def test_int4_estimate_keeps_indivisible_matrices_dense():
+    cfg = ModelConfig.from_dict(
+        dict(model_type="llama", hidden_size=96, intermediate_size=128, num_hidden_layers=1,
+             num_attention_heads=3, num_key_value_heads=1, vocab_size=100,
+             tie_word_embeddings=False)
+    )  # fmt: skip
+    fp = footprint(cfg, config_shapes(cfg), "bfloat16")
+    # only down_proj [96, 128] has an in-dim divisible by 64; everything else stays bf16
+    params = 2 * 100 * 96 + 2 * 96 * 96 + 2 * 32 * 96 + 3 * 128 * 96 + 3 * 96
+    assert fp.n_params == params
+    assert fp.int4_weight_bytes == (params - 96 * 128) * 2 + 96 * 128 * 9 // 16
+
+
+def test_unknown_dtype():
+    with pytest.raises(MlxrunError, match="unknown dtype"):
+        footprint(SMOLLM2, config_shapes(SMOLLM2), "int8")
+
+
+# --- plans ---
+
+
+def ws_per_seq(context: int, chunk: int = 512) -> int:
+    """Llama-3-8B prefill workspace per sequence, written out: C*(4096+4096+2*1024) bf16
+    hidden/q/k/v + C*14336*3 bf16 MLP + 32 heads*C*context fp32 scores + 128256 fp32 logits."""
+    c = min(chunk, context)
+    return c * 10240 * 2 + c * 14336 * 3 * 2 + 32 * c * context * 4 + 128256 * 4
+
+
+def test_workspace_formula():
+    assert ws_per_seq(8192) == 10_485_760 + 44_040_192 + 536_870_912 + 513_024
+    ws = workspace_bytes(LLAMA3_8B, context=8192, batch=3, prefill_chunk=512, dtype_bytes=2,
+                         backend="torch", kind="cuda")  # fmt: skip
+    assert ws == 3 * ws_per_seq(8192) + 128 * MiB
+    # a context shorter than the chunk prefills in one piece of `context` tokens
+    ws = workspace_bytes(SMOLLM2, context=100, batch=1, prefill_chunk=512, dtype_bytes=2,
+                         backend="mlx", kind="apple")  # fmt: skip
+    smol = 100 * (576 + 576 + 2 * 192) * 2 + 100 * 1536 * 3 * 2 + 9 * 100 * 100 * 4 + 49152 * 4
+    assert ws == smol + 64 * MiB
+
+
+def test_plan_8b_bf16_on_24gb_gpu():
+    fp = footprint(LLAMA3_8B, config_shapes(LLAMA3_8B), "bfloat16")
+    plan = make_plan(LLAMA3_8B, fp, GPU24, context=8192, batch=1)
+    budget = BUDGETS["gpu24"][1]
+    assert plan.weight_bytes == L_BF16
+    assert plan.kv_bytes == 8192 * 131072 == GiB
+    assert plan.workspace_bytes == ws_per_seq(8192) + 128 * MiB
+    assert plan.total_bytes == L_BF16 + GiB + ws_per_seq(8192) + 128 * MiB
+    assert plan.budget_bytes == budget and plan.fits and plan.advice == ""
+    # batch: the weights and the fixed overhead once, KV + workspace per sequence
+    max_batch = (budget - L_BF16 - 128 * MiB) // (8192 * 131072 + ws_per_seq(8192))
+    assert plan.max_batch == max_batch == 4
+    assert plan.max_context == 8192  # capped at max_position_embeddings
+    check_fits(plan)  # no error
+
+
+def test_max_context_for_a_long_context_model():
+    cfg = LLAMA3_8B.replace(max_position_embeddings=131072)
+    fp = footprint(cfg, config_shapes(cfg), "bfloat16")
+    budget = BUDGETS["gpu24"][1]
+    plan = make_plan(cfg, fp, GPU24, context=8192)
+    # above the 512-token chunk the need is linear in the context: per token 131072 KV bytes
+    # + 32 heads x 512 x 4 score bytes; the rest is fixed
+    fixed = L_BF16 + 128 * MiB + 512 * 10240 * 2 + 512 * 14336 * 6 + 128256 * 4
+    want = (budget - fixed) // (131072 + 32 * 512 * 4)
+    assert plan.max_context == want == 41758
+    assert make_plan(cfg, fp, GPU24, context=want).fits
+    assert not make_plan(cfg, fp, GPU24, context=want + 1).fits
+
+
+def test_does_not_fit_message_lists_what_would():
+    fp = footprint(LLAMA3_8B, config_shapes(LLAMA3_8B), "bfloat16")
+    plan = make_plan(LLAMA3_8B, fp, GPU24, context=8192, batch=8)
+    budget = BUDGETS["gpu24"][1]
+    kv, ws = 8 * 8192 * 131072, 8 * ws_per_seq(8192) + 128 * MiB
+    assert (plan.kv_bytes, plan.workspace_bytes) == (kv, ws)
+    assert not plan.fits and plan.max_batch == 4
+    # longest context at batch 8, linear above the chunk as in the test above
+    fixed = L_BF16 + 128 * MiB + 8 * (512 * 10240 * 2 + 512 * 14336 * 6 + 128256 * 4)
+    assert plan.max_context == (budget - fixed) // (8 * (131072 + 32 * 512 * 4)) == 4974
+    int4_total = L_INT4 + kv + ws
+    assert f"{(L_BF16 + kv + ws) / GiB:.2f}" == "27.49" and f"{int4_total / GiB:.2f}" == "16.74"
+    with pytest.raises(MlxrunError) as e:
+        check_fits(plan)
+    assert str(e.value) == (
+        "needs 27.49 GiB (weights 14.96 + KV 8.00 + workspace 4.54) but the device budget is "
+        "22.78 GiB; try --quant int4 (16.74 GiB), --context 4974 or --batch-size 4"
+    )
+
+
+def test_apple_machines_8b_bf16_and_int4():
+    fp = footprint(LLAMA3_8B, config_shapes(LLAMA3_8B), "bfloat16")
+    need = L_BF16 + 4096 * 131072 + ws_per_seq(4096) + 64 * MiB  # 15.82 GiB with MLX
+    assert need == 16_987_976_704
+    fits = {8: False, 16: False, 36: True, 64: True, 128: True, 192: True}
+    for ram, ok in fits.items():
+        dev = apple(ram)
+        plan = make_plan(LLAMA3_8B, fp, dev, context=4096, backend="mlx")
+        assert plan.total_bytes == need and plan.fits == ok, ram
+        per_seq = 4096 * 131072 + ws_per_seq(4096)
+        assert plan.max_batch == max(0, (dev.budget_bytes - L_BF16 - 64 * MiB) // per_seq)
+    assert make_plan(LLAMA3_8B, fp, apple(36), context=4096, backend="mlx").max_batch == 11
+    assert make_plan(LLAMA3_8B, fp, apple(64), context=4096, backend="mlx").max_batch == 41
+    # 16 GB: bf16 weights alone exceed 10.67 GiB; int4 fits
+    plan = make_plan(LLAMA3_8B, fp, apple(16), context=4096, backend="mlx")
+    assert plan.max_batch == 0 and plan.max_context == 0
+    int4_need = L_INT4 + 4096 * 131072 + ws_per_seq(4096) + 64 * MiB
+    assert (
+        plan.advice
+        == f"try --quant int4 ({int4_need / GiB:.2f} GiB)"
+        == ("try --quant int4 (5.07 GiB)")
+    )
+    q4 = footprint(LLAMA3_8B, config_shapes(LLAMA3_8B), "bfloat16", Q("affine", 4, 64))
+    assert make_plan(LLAMA3_8B, q4, apple(16), context=4096, backend="mlx").fits
+    # 8 GB: 3 GiB budget, even int4 weights (4.21 GiB) do not fit
+    plan = make_plan(LLAMA3_8B, fp, apple(8), context=4096, backend="mlx")
+    with pytest.raises(MlxrunError) as e:
+        check_fits(plan)
+    assert str(e.value).endswith(
+        "but the device budget is 3.00 GiB; nothing fits: the weights alone need 14.96 GiB "
+        "(4.21 GiB as int4); use a device with more memory"
+    )
+
+
+def test_int4_with_shorter_context_when_neither_alone_fits():
+    cfg = LLAMA3_8B.replace(max_position_embeddings=131072)
+    fp = footprint(cfg, config_shapes(cfg), "bfloat16")
+    plan = make_plan(cfg, fp, apple(16), context=131072, backend="mlx")
+    budget = 16 * GiB * 2 // 3
+    fixed = L_INT4 + 64 * MiB + 512 * 10240 * 2 + 512 * 14336 * 6 + 128256 * 4
+    ctx4 = (budget - fixed) // (131072 + 32 * 512 * 4)
+    assert plan.advice == f"try --quant int4 --context {ctx4}"
+
+
+def test_gpus_and_cpu():
+    fp = footprint(LLAMA3_8B, config_shapes(LLAMA3_8B), "bfloat16")
+    for dev in (GPU24, GPU80):
+        assert make_plan(LLAMA3_8B, fp, dev, context=8192).fits
+    plan = make_plan(LLAMA3_8B, fp, GPU80, context=8192)
+    budget = 79 * GiB - 80 * GiB * 3 // 100
+    assert plan.max_batch == (budget - L_BF16 - 128 * MiB) // (GiB + ws_per_seq(8192)) == 39
+    plan = make_plan(LLAMA3_8B, fp, CPU, context=8192, backend="torch")
+    assert plan.fits
+    assert plan.workspace_bytes == ws_per_seq(8192) + 100 * MiB  # torch CPU overhead
+
+
+def test_smollm2_fits_everywhere():
+    fp = footprint(SMOLLM2, config_shapes(SMOLLM2), "bfloat16")
+    for dev, _ in BUDGETS.values():
+        plan = make_plan(SMOLLM2, fp, dev, context=8192, backend="mlx")
+        assert plan.fits and plan.max_context == 8192
+    plan = make_plan(SMOLLM2, fp, apple(8), context=8192, backend="mlx")
+    ws = 512 * (576 + 576 + 384) * 2 + 512 * 1536 * 6 + 9 * 512 * 8192 * 4 + 49152 * 4
+    assert plan.max_batch == (3 * GiB - S_PARAMS * 2 - 64 * MiB) // (8192 * S_KV + ws) == 8
+
+
+def test_bad_context_and_batch():
+    fp = footprint(LLAMA3_8B, config_shapes(LLAMA3_8B), "bfloat16")
+    with pytest.raises(MlxrunError, match=r"max_position_embeddings \(8192\); use --context 8192"):
+        make_plan(LLAMA3_8B, fp, GPU80, context=8193)
+    with pytest.raises(MlxrunError, match="--batch-size must be at least 1"):
+        make_plan(LLAMA3_8B, fp, GPU80, context=1024, batch=0)
+    with pytest.raises(MlxrunError, match="at least 1"):
+        make_plan(LLAMA3_8B, fp, GPU80, context=0)
+
+
+def test_format_plan():
+    fp = footprint(LLAMA3_8B, config_shapes(LLAMA3_8B), "bfloat16")
+    text = format_plan(make_plan(LLAMA3_8B, fp, apple(16), context=4096, backend="mlx"))
+    lines = dict(line.split(None, 1) for line in text.splitlines() if not line.startswith("s"))
+    assert lines["weights"].strip() == "14.96 GiB"
+    assert "512.0 MiB" in lines["KV"] and "128.0 KiB/token" in lines["KV"]
+    assert "10.67 GiB" in lines["budget"] and "GPU working set" in lines["budget"]
+    assert lines["fits"].strip() == "NO"
+    assert "try --quant int4 (5.07 GiB)" in text
+    assert "source: total_bytes  simulated" in text
+
+
+# --- probing the machine the tests run on ---
+
+
+def test_probe_cpu_reads_meminfo():
+    meminfo = {k: int(v.split()[0]) * 1024 for k, v in
+               (line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())}  # fmt: skip
+    limit = Path("/sys/fs/cgroup/memory.max")
+    cg = int(limit.read_text()) if limit.exists() and limit.read_text().strip().isdigit() else None
+    for backend in ("torch", "mlx"):
+        dev = probe_device(backend, "cpu")
+        assert dev.kind == "cpu" and not dev.unified
+        assert dev.total_bytes == min(meminfo["MemTotal"], cg or meminfo["MemTotal"])
+        assert abs(dev.available_bytes - meminfo["MemAvailable"]) < 512 * MiB or cg
+        assert "/proc/meminfo" in dev.sources["available_bytes"]
+        reserve = max(GiB, dev.total_bytes * 5 // 100)
+        assert dev.budget_bytes == max(0, dev.available_bytes - reserve)
+
+
+def test_probe_missing_devices():
+    import mlx.core as mx
+    import torch
+
+    if not (mx.metal.is_available() or mx.cuda.is_available()):
+        with pytest.raises(MlxrunError, match="MLX has no GPU"):
+            probe_device("mlx", "gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(MlxrunError, match="no CUDA GPU"):
+            probe_device("torch", "cuda")
+    with pytest.raises(MlxrunError, match="unknown device"):
+        probe_device("torch", "tpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif("not __import__('torch').cuda.is_available()")
+def test_probe_cuda():
+    import torch
+
+    dev = probe_device("torch", "cuda")
+    free, total = torch.cuda.mem_get_info()
+    assert dev.kind == "cuda" and dev.total_bytes == total
+    assert abs(dev.available_bytes - free) < 256 * MiB
+
+
+def test_module_imports_without_backends():
+    code = "import sys, mlxrun.memory; print(sorted({'torch', 'mlx'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# --- checkpoints on disk ---
+
+TINY = ModelConfig.from_dict(
+    dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+         num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+         tie_word_embeddings=True)
+)  # fmt: skip
+
+
+def tiny_tensors() -> dict[str, Tensor]:
+    rng = np.random.default_rng(0)
+    shapes = {"model.embed_tokens.weight": (256, 64), "model.norm.weight": (64,)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": (64, 64), p + "self_attn.k_proj.weight": (32, 64),
+                   p + "self_attn.v_proj.weight": (32, 64), p + "self_attn.o_proj.weight": (64, 64),
+                   p + "mlp.gate_proj.weight": (128, 64), p + "mlp.up_proj.weight": (128, 64),
+                   p + "mlp.down_proj.weight": (64, 128), p + "input_layernorm.weight": (64,),
+                   p + "post_attention_layernorm.weight": (64,)}  # fmt: skip
+    return {n: Tensor("BF16", bf16_bits(rng.standard_normal(s).astype(np.float32)))
+            for n, s in shapes.items()}  # fmt: skip
+
+
+def test_header_shapes_file_and_sharded_dir(tmp_path):
+    tensors = tiny_tensors()
+    want = {n: (t.shape, "BF16") for n, t in tensors.items()}
+    save_safetensors(tmp_path / "one.safetensors", tensors)
+    assert header_shapes(tmp_path / "one.safetensors") == want
+    shard = tmp_path / "sharded"
+    shard.mkdir()
+    names = list(tensors)
+    parts = {"model-00001-of-00002.safetensors": names[:7],
+             "model-00002-of-00002.safetensors": names[7:]}  # fmt: skip
+    for fname, part in parts.items():
+        save_safetensors(shard / fname, {n: tensors[n] for n in part})
+    index = {"weight_map": {n: f for f, part in parts.items() for n in part}}
+    (shard / "model.safetensors.index.json").write_text(json.dumps(index))
+    (shard / "stray.safetensors").write_bytes(b"")  # not in the index: never opened
+    assert header_shapes(shard) == want
+    assert config_shapes(TINY) == want  # the layout config_shapes assumes is the real one
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(MlxrunError, match="no .safetensors"):
+        header_shapes(tmp_path / "empty")
+
+
+def test_footprint_from_header_matches_mx_quantize(tmp_path):
+    import mlx.core as mx
+
+    tensors = tiny_tensors()
+    save_safetensors(tmp_path / "model.safetensors", tensors)
+    shapes = header_shapes(tmp_path / "model.safetensors")
+    fp = footprint(TINY, shapes, "bfloat16")
+    assert fp.weight_bytes == sum(t.nbytes for t in tensors.values())
+    assert fp.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2
+    for mode, bits, group in [("affine", 4, 32), ("affine", 8, 64), ("affine", 3, 32),
+                              ("mxfp4", 4, 32), ("nvfp4", 4, 16), ("mxfp8", 8, 32)]:  # fmt: skip
+        want = 0
+        for t in tensors.values():
+            if t.data.ndim == 2:  # every in-dim here (64, 128) divides by the group
+                w = mx.array(t.float32()).astype(mx.bfloat16)
+                want += sum(a.nbytes for a in mx.quantize(w, group_size=group, bits=bits,
+                                                         mode=mode))  # fmt: skip
+            else:
+                want += t.nbytes
+        got = footprint(TINY, shapes, "bfloat16", Q(mode, bits, group))
+        assert got.weight_bytes == want, (mode, bits, group)
+
+
+def test_footprint_of_a_quantized_checkpoint(tmp_path):
+    import mlx.core as mx
+
+    tensors, stored = tiny_tensors(), {}
+    for name, t in tensors.items():
+        if t.data.ndim == 2:
+            w = mx.array(t.float32()).astype(mx.bfloat16)
+            wq, scales, biases = mx.quantize(w, group_size=32, bits=4)
+            p = name[: -len(".weight")]
+            stored[name] = Tensor("U32", np.array(wq))
+            stored[p + ".scales"] = Tensor("BF16", bf16_bits(np.array(scales.astype(mx.float32))))
+            stored[p + ".biases"] = Tensor("BF16", bf16_bits(np.array(biases.astype(mx.float32))))
+        else:
+            stored[name] = t
+    save_safetensors(tmp_path / "model.safetensors", stored)
+    cfg = TINY.replace(quantization={"group_size": 32, "bits": 4})
+    fp = footprint(cfg, header_shapes(tmp_path / "model.safetensors"), "bfloat16")
+    dense = footprint(TINY, {n: (t.shape, "BF16") for n, t in tensors.items()}, "bfloat16")
+    assert fp.weight_bytes == sum(t.nbytes for t in stored.values())
+    assert fp.n_params == dense.n_params == sum(t.data.size for t in tensors.values())
+    assert fp.int4_weight_bytes == dense.int4_weight_bytes
+    assert fp.label == "affine 4-bit g32"
+    with pytest.raises(MlxrunError, match="already quantized"):
+        footprint(cfg, header_shapes(tmp_path / "model.safetensors"), "bfloat16",
+                  Q("affine", 4, 64))  # fmt: skip
+    with pytest.raises(MlxrunError, match="no 'quantization' entry"):
+        footprint(TINY, header_shapes(tmp_path / "model.safetensors"), "bfloat16")
