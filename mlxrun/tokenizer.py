@@ -77,7 +77,7 @@ class Tokenizer:
         """Render messages [{"role", "content"}] with the model's jinja2 template."""
         if not self.chat_template:
             raise MlxrunError("this model has no chat template; use --no-chat")
-        import jinja2  # noqa: PLC0415
+        import jinja2.ext  # noqa: PLC0415
         from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
 
         def raise_exception(msg):

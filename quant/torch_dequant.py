@@ -20,15 +20,20 @@ def _lut(device: torch.device) -> torch.Tensor:
 
 
 def unpack(weight: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """uint32-packed (..., n*bits/32) -> integer codes (..., n) int32; value i sits at bit
-    offset i*bits of the row's bit stream, least significant first."""
-    w = weight.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    if 32 % bits == 0:
-        per = 32 // bits
-        shifts = torch.arange(0, 32, bits, device=w.device, dtype=torch.int64)
-        q = (w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-        return q.reshape(*w.shape[:-1], w.shape[-1] * per)[..., :n].to(torch.int32)
+    """uint32-packed (..., n*bits/32) -> integer codes (..., n) uint8 or int32; value i sits
+    at bit offset i*bits of the row's bit stream, least significant first."""
+    if 8 % bits == 0:
+        # Little-endian words: byte j holds values j*per .. j*per+per-1, low bits first.
+        # Working on bytes is several times faster than on 32-bit words.
+        b = weight.contiguous().view(torch.uint8)
+        if bits == 8:
+            return b[..., :n]
+        mask = (1 << bits) - 1
+        q = torch.stack([torch.bitwise_right_shift(b, s) & mask for s in range(0, 8, bits)],
+                        dim=-1)
+        return q.reshape(*b.shape[:-1], b.shape[-1] * (8 // bits))[..., :n]
     # 3, 5, 6 bits: values straddle word boundaries, so read 64-bit windows.
+    w = weight.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     nxt = torch.nn.functional.pad(w[..., 1:], (0, 1))
     pair = w | (nxt << 32)
     bit = torch.arange(n, device=w.device, dtype=torch.int64) * bits
@@ -36,9 +41,15 @@ def unpack(weight: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return q.to(torch.int32)
 
 
-def dequantize(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,
-               mode: str, bits: int, group_size: int,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    biases: torch.Tensor | None,
+    mode: str,
+    bits: int,
+    group_size: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Packed weight (out, in*bits/32) -> dense (out, in) in `dtype`.
 
     affine: scales*q + biases per group; mxfp4/mxfp8: E2M1/E4M3 value x 2^(e8m0-127);
