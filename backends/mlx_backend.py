@@ -52,8 +52,10 @@ class MLXBackend:
 
     def __init__(self, dtype: str | None = None, device: str | None = None):
         if mx is None:
-            raise MlxrunError("the mlx backend needs MLX: pip install 'mlxrun[mlx]' "
-                              "(mlx on a Mac, mlx[cpu] or mlx-cuda on Linux)")
+            raise MlxrunError(
+                "the mlx backend needs MLX: pip install 'mlxrun[mlx]' "
+                "(mlx on a Mac, mlx[cpu] or mlx-cuda on Linux)"
+            )
         if device is not None:
             mx.set_default_device(mx.gpu if device == "gpu" else mx.cpu)
         self.device = "gpu" if mx.default_device() == mx.gpu else "cpu"
@@ -84,10 +86,14 @@ class MLXBackend:
     def quantized(self, weight, scales, biases, mode, bits, group_size):
         fp_mode = mode != "affine"
         # Scales of the floating-point modes are 8-bit codes (E8M0 / E4M3): keep the bytes.
-        return QuantizedWeight(self.array(weight, keep_dtype=True),
-                               self.array(scales, keep_dtype=fp_mode),
-                               None if biases is None else self.array(biases),
-                               mode, bits, group_size)
+        return QuantizedWeight(
+            self.array(weight, keep_dtype=True),
+            self.array(scales, keep_dtype=fp_mode),
+            None if biases is None else self.array(biases),
+            mode,
+            bits,
+            group_size,
+        )
 
     def quantize(self, w, mode, bits, group_size):
         parts = mx.quantize(w, group_size=group_size, bits=bits, mode=mode)
@@ -96,8 +102,9 @@ class MLXBackend:
         return QuantizedWeight(wq, scales, biases, mode, bits, group_size)
 
     def dequantize(self, q: QuantizedWeight):
-        return mx.dequantize(q.weight, q.scales, q.biases, group_size=q.group_size,
-                             bits=q.bits, mode=q.mode).astype(self._dt)
+        return mx.dequantize(
+            q.weight, q.scales, q.biases, group_size=q.group_size, bits=q.bits, mode=q.mode
+        ).astype(self._dt)
 
     def ids(self, ids: np.ndarray):
         return mx.array(ids.astype(np.int32))
@@ -109,18 +116,30 @@ class MLXBackend:
 
     def linear(self, x, w, bias=None):
         if isinstance(w, QuantizedWeight):
-            y = mx.quantized_matmul(x, w.weight, w.scales, w.biases, transpose=True,
-                                    group_size=w.group_size, bits=w.bits, mode=w.mode)
+            y = mx.quantized_matmul(
+                x,
+                w.weight,
+                w.scales,
+                w.biases,
+                transpose=True,
+                group_size=w.group_size,
+                bits=w.bits,
+                mode=w.mode,
+            )
         else:
             y = x @ w.T
         return y if bias is None else y + bias
 
     def embedding(self, ids, w):
         if isinstance(w, QuantizedWeight):
-            return mx.dequantize(w.weight[ids], w.scales[ids],
-                                 None if w.biases is None else w.biases[ids],
-                                 group_size=w.group_size, bits=w.bits, mode=w.mode
-                                 ).astype(self._dt)
+            return mx.dequantize(
+                w.weight[ids],
+                w.scales[ids],
+                None if w.biases is None else w.biases[ids],
+                group_size=w.group_size,
+                bits=w.bits,
+                mode=w.mode,
+            ).astype(self._dt)
         return w[ids]
 
     def rms_norm(self, x, w, eps):
@@ -132,8 +151,9 @@ class MLXBackend:
 
     def rope(self, x, positions, freqs):
         # x (B, H, T, D); positions is the start offset, an int or (B,) array.
-        return mx.fast.rope(x, x.shape[-1], traditional=False, base=None, scale=1.0,
-                            offset=positions, freqs=freqs)
+        return mx.fast.rope(
+            x, x.shape[-1], traditional=False, base=None, scale=1.0, offset=positions, freqs=freqs
+        )
 
     def attention(self, q, k, v, scale, mask):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)

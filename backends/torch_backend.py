@@ -37,10 +37,12 @@ class StaticCache:
     def update_and_fetch(self, layer, k, v):
         end = self.offset + k.shape[2]
         if end > self.max_len:
-            raise MlxrunError(f"the KV cache holds {self.max_len} positions and generation "
-                              f"needs {end}; raise the context / max tokens")
-        self.keys[layer][:, :, self.offset:end] = k
-        self.values[layer][:, :, self.offset:end] = v
+            raise MlxrunError(
+                f"the KV cache holds {self.max_len} positions and generation "
+                f"needs {end}; raise the context / max tokens"
+            )
+        self.keys[layer][:, :, self.offset : end] = k
+        self.values[layer][:, :, self.offset : end] = v
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
     def advance(self, n: int) -> None:
@@ -54,11 +56,15 @@ class TorchBackend:
         if torch is None:
             raise MlxrunError("the PyTorch backends need torch: pip install 'mlxrun[torch]'")
         if device == "cuda" and not torch.cuda.is_available():
-            raise MlxrunError(f"--backend cuda: no CUDA GPU is visible to torch "
-                              f"{torch.__version__}; use --backend cpu or mlx")
+            raise MlxrunError(
+                f"--backend cuda: no CUDA GPU is visible to torch "
+                f"{torch.__version__}; use --backend cpu or mlx"
+            )
         if device == "mps" and not torch.backends.mps.is_available():
-            raise MlxrunError("--backend mps: the Metal (MPS) device is not available here "
-                              "(it needs Apple Silicon and macOS 12.3+); use --backend cpu or mlx")
+            raise MlxrunError(
+                "--backend mps: the Metal (MPS) device is not available here "
+                "(it needs Apple Silicon and macOS 12.3+); use --backend cpu or mlx"
+            )
         self.device = device
         self.dtype = dtype or {"cpu": "float32", "cuda": "bfloat16", "mps": "float16"}[device]
         if self.dtype not in _DTYPES:
@@ -88,20 +94,28 @@ class TorchBackend:
 
     def quantized(self, weight, scales, biases, mode, bits, group_size):
         fp_mode = mode != "affine"
-        return QuantizedWeight(self.array(weight, keep_dtype=True),
-                               self.array(scales, keep_dtype=fp_mode),
-                               None if biases is None else self.array(biases),
-                               mode, bits, group_size)
+        return QuantizedWeight(
+            self.array(weight, keep_dtype=True),
+            self.array(scales, keep_dtype=fp_mode),
+            None if biases is None else self.array(biases),
+            mode,
+            bits,
+            group_size,
+        )
 
     def quantize(self, w, mode, bits, group_size):
-        from mlxrun.quant.reference import quantize  # noqa: PLC0415 (numpy, only when asked)
         from mlxrun.quant.formats import QuantSpec  # noqa: PLC0415
+        from mlxrun.quant.reference import quantize  # noqa: PLC0415 (numpy, only when asked)
 
         parts = quantize(w.float().cpu().numpy(), QuantSpec(mode, bits, group_size))
-        return self.quantized(Tensor.from_numpy(parts["weight"]),
-                              Tensor.from_numpy(parts["scales"]),
-                              Tensor.from_numpy(parts["biases"]) if "biases" in parts else None,
-                              mode, bits, group_size)
+        return self.quantized(
+            Tensor.from_numpy(parts["weight"]),
+            Tensor.from_numpy(parts["scales"]),
+            Tensor.from_numpy(parts["biases"]) if "biases" in parts else None,
+            mode,
+            bits,
+            group_size,
+        )
 
     def dequantize(self, q: QuantizedWeight):
         from mlxrun.quant.torch_dequant import dequantize  # noqa: PLC0415
@@ -124,9 +138,15 @@ class TorchBackend:
         if isinstance(w, QuantizedWeight):
             from mlxrun.quant.torch_dequant import dequantize  # noqa: PLC0415
 
-            return dequantize(w.weight[ids], w.scales[ids],
-                              None if w.biases is None else w.biases[ids],
-                              w.mode, w.bits, w.group_size, self._dt)
+            return dequantize(
+                w.weight[ids],
+                w.scales[ids],
+                None if w.biases is None else w.biases[ids],
+                w.mode,
+                w.bits,
+                w.group_size,
+                self._dt,
+            )
         return F.embedding(ids, w)
 
     def rms_norm(self, x, w, eps):
@@ -150,8 +170,9 @@ class TorchBackend:
         return x * cos + rot * sin
 
     def attention(self, q, k, v, scale, mask):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
 
     def silu_mul(self, gate, up):
         return F.silu(gate) * up

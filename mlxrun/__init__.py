@@ -1,8 +1,8 @@
 """mlxrun: run Llama-family models on MLX and PyTorch (CPU, CUDA, MPS).
 
-    >>> import mlxrun
-    >>> m = mlxrun.load("smollm2", backend="cpu", dtype="float32")
-    >>> m.generate("What is the capital of France?", max_tokens=32)
+>>> import mlxrun
+>>> m = mlxrun.load("smollm2", backend="cpu", dtype="float32")
+>>> m.generate("What is the capital of France?", max_tokens=32)
 """
 
 from .api import Model, load

@@ -34,23 +34,50 @@ class Model:
     def _ids(self, prompt: str, system: str | None, chat: bool | None) -> list[int]:
         return self.tokenizer.prompt_ids(prompt, system=system, chat=chat)
 
-    def stream(self, prompt: str, max_tokens: int = 256, *, system: str | None = None,
-               chat: bool | None = None, stop: list[str] | None = None,
-               **sampling) -> Iterator[GenerationResponse]:
+    def stream(
+        self,
+        prompt: str,
+        max_tokens: int = 256,
+        *,
+        system: str | None = None,
+        chat: bool | None = None,
+        stop: list[str] | None = None,
+        **sampling,
+    ) -> Iterator[GenerationResponse]:
         """Yield GenerationResponse pieces (text, token, running stats, finish_reason).
 
         sampling: temperature, top_p, top_k, min_p, repetition_penalty, seed.
         """
         ids = self._ids(prompt, system, chat)
-        yield from stream(self.transformer, self.tokenizer, ids, SamplingParams(**sampling),
-                          max_tokens=max_tokens, stop=stop)
+        yield from stream(
+            self.transformer,
+            self.tokenizer,
+            ids,
+            SamplingParams(**sampling),
+            max_tokens=max_tokens,
+            stop=stop,
+        )
 
-    def generate(self, prompt: str, max_tokens: int = 256, *, system: str | None = None,
-                 chat: bool | None = None, stop: list[str] | None = None, **sampling) -> str:
+    def generate(
+        self,
+        prompt: str,
+        max_tokens: int = 256,
+        *,
+        system: str | None = None,
+        chat: bool | None = None,
+        stop: list[str] | None = None,
+        **sampling,
+    ) -> str:
         """The whole answer as a string (same options as `stream`)."""
         ids = self._ids(prompt, system, chat)
-        text, _ = generate(self.transformer, self.tokenizer, ids,
-                           params=SamplingParams(**sampling), max_tokens=max_tokens, stop=stop)
+        text, _ = generate(
+            self.transformer,
+            self.tokenizer,
+            ids,
+            params=SamplingParams(**sampling),
+            max_tokens=max_tokens,
+            stop=stop,
+        )
         return text
 
     def logits(self, token_ids) -> np.ndarray:
@@ -65,9 +92,15 @@ class Model:
         return be.to_numpy(self.transformer(be.ids(ids), cache))[0]
 
 
-def load(model: str = "smollm2", backend: str = "auto", dtype: str | None = None,
-         quant: str | None = None, group_size: int | None = None, bits: int | None = None,
-         progress: bool = True) -> Model:
+def load(
+    model: str = "smollm2",
+    backend: str = "auto",
+    dtype: str | None = None,
+    quant: str | None = None,
+    group_size: int | None = None,
+    bits: int | None = None,
+    progress: bool = True,
+) -> Model:
     """Load a model: a local directory, a .gguf file, a Hugging Face repo id, or an alias
     ('smollm2' bundled, 'llama'). backend: auto | mlx | cuda | mps | cpu."""
     from mlxrun.backends import get_backend  # noqa: PLC0415

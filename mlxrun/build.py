@@ -30,12 +30,15 @@ class _Builder:
     def _get(self, name: str, shape: tuple[int, ...]) -> Tensor:
         t = self.t.get(name)
         if t is None:
-            raise MlxrunError(f"the checkpoint has no tensor {name!r} (config.json says "
-                              f"{self.cfg.model_type} with {self.cfg.num_hidden_layers} "
-                              "layers); is the download complete?")
+            raise MlxrunError(
+                f"the checkpoint has no tensor {name!r} (config.json says "
+                f"{self.cfg.model_type} with {self.cfg.num_hidden_layers} "
+                "layers); is the download complete?"
+            )
         if t.shape != shape:
-            raise MlxrunError(f"tensor {name!r} has shape {list(t.shape)} but config.json "
-                              f"implies {list(shape)}")
+            raise MlxrunError(
+                f"tensor {name!r} has shape {list(t.shape)} but config.json implies {list(shape)}"
+            )
         self.used.add(name)
         self.bar.update(1)
         return t
@@ -51,8 +54,9 @@ class _Builder:
 
             spec = layer_spec(self.qconfig or {}, path)
             if spec is None:
-                raise MlxrunError(f"{path} is stored quantized but config.json has no "
-                                  "quantization block for it")
+                raise MlxrunError(
+                    f"{path} is stored quantized but config.json has no quantization block for it"
+                )
             per = 32 // spec.bits if 32 % spec.bits == 0 else None
             wcols = inp * spec.bits // 32 if per is None else inp // per
             w = self._get(f"{path}.weight", (out, wcols))
@@ -66,19 +70,24 @@ class _Builder:
         if q is None:
             return w
         if inp % q.group_size:
-            self.notes.append(f"{path} stays unquantized: its input size {inp} is not a "
-                              f"multiple of the group size {q.group_size}")
+            self.notes.append(
+                f"{path} stays unquantized: its input size {inp} is not a "
+                f"multiple of the group size {q.group_size}"
+            )
             return w
         return self.be.quantize(w, q.mode, q.bits, q.group_size)
 
 
-def build_model(cfg: ModelConfig, tensors: dict[str, Tensor], be, quant=None,
-                progress: bool = True) -> tuple[Transformer, list[str]]:
+def build_model(
+    cfg: ModelConfig, tensors: dict[str, Tensor], be, quant=None, progress: bool = True
+) -> tuple[Transformer, list[str]]:
     """Check names and shapes, move weights to `be` (quantizing with `quant`, a QuantSpec,
     if given); returns the model and notes for the user (layers left unquantized)."""
     if quant is not None and cfg.quantization is not None:
-        raise MlxrunError("this checkpoint is already quantized "
-                          f"({cfg.quantization.get('mode', 'affine')}); drop --quant")
+        raise MlxrunError(
+            "this checkpoint is already quantized "
+            f"({cfg.quantization.get('mode', 'affine')}); drop --quant"
+        )
     c = cfg
     H, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
     q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim

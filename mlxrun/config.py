@@ -53,14 +53,20 @@ class ModelConfig:
             )
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in names and k != "extra"}
-        for req in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "vocab_size"):
+        for req in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "vocab_size",
+        ):
             if req not in kw:
                 raise MlxrunError(f"config.json has no {req!r}; is this a {mt} checkpoint?")
         kw.setdefault("num_key_value_heads", kw["num_attention_heads"])
         if kw["num_attention_heads"] % kw["num_key_value_heads"]:
-            raise MlxrunError("config.json: num_attention_heads must be a multiple of "
-                              "num_key_value_heads")
+            raise MlxrunError(
+                "config.json: num_attention_heads must be a multiple of num_key_value_heads"
+            )
         if not kw.get("head_dim"):
             kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
         # Newer configs (transformers >= 4.56) nest rope settings in `rope_parameters`.
@@ -76,11 +82,14 @@ class ModelConfig:
             if rtype in (None, "default"):
                 kw["rope_scaling"] = None
             elif rtype not in ("llama3", "linear"):
-                raise MlxrunError(f"unsupported rope_scaling type {rtype!r}: "
-                                  "mlxrun supports 'llama3' and 'linear'")
+                raise MlxrunError(
+                    f"unsupported rope_scaling type {rtype!r}: "
+                    "mlxrun supports 'llama3' and 'linear'"
+                )
         eos = d.get("eos_token_id")
-        kw["eos_token_id"] = tuple(eos) if isinstance(eos, list) else (
-            (eos,) if eos is not None else ())
+        kw["eos_token_id"] = (
+            tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        )
         if mt == "qwen2":
             kw["attention_bias"] = True
         if mt == "qwen3":
@@ -89,21 +98,6 @@ class ModelConfig:
             kw["quantization"] = d["quantization_config"]
         kw["extra"] = {k: v for k, v in d.items() if k not in names}
         return cls(**kw)
-
-    def to_dict(self) -> dict[str, Any]:
-        """A config.json dict that `from_dict` (and transformers / mlx-lm) read back."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-             if f.name not in ("extra", "qk_norm")}
-        d.update(self.extra)
-        d["eos_token_id"] = list(self.eos_token_id) if len(self.eos_token_id) != 1 \
-            else self.eos_token_id[0]
-        if self.quantization is None:
-            d.pop("quantization")
-        else:
-            d["quantization_config"] = self.quantization
-        if self.rope_scaling is None:
-            d.pop("rope_scaling")
-        return d
 
     def replace(self, **kw: Any) -> ModelConfig:
         return dataclasses.replace(self, **kw)

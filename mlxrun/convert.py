@@ -15,8 +15,17 @@ from .weights import Tensor, save_safetensors
 
 SHARD_BYTES = 5 * 10**9
 # Linear and embedding weights: what mlx-lm quantizes (norms and biases stay dense).
-MATRICES = ("embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-            "down_proj", "lm_head")
+MATRICES = (
+    "embed_tokens",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "lm_head",
+)
 
 
 def is_matrix(path: str) -> bool:
@@ -35,16 +44,23 @@ def quantize_tensors(tensors: dict[str, Tensor], spec, notes: list[str]):
             yield name, t
             continue
         if t.shape[1] % spec.group_size:
-            notes.append(f"{path} stays unquantized: its input size {t.shape[1]} is not a "
-                         f"multiple of the group size {spec.group_size}")
+            notes.append(
+                f"{path} stays unquantized: its input size {t.shape[1]} is not a "
+                f"multiple of the group size {spec.group_size}"
+            )
             yield name, t
             continue
         bf16 = t.dtype == "BF16"
-        parts = quantize(t.data if t.dtype in ("BF16", "F16") else t.float32(),
-                         spec, bf16=bf16, name=name)
+        parts = quantize(
+            t.data if t.dtype in ("BF16", "F16") else t.float32(), spec, bf16=bf16, name=name
+        )
         for k, v in parts.items():
-            yield f"{path}.{k}", Tensor("BF16", v) if bf16 and k != "weight" and \
-                spec.mode == "affine" else Tensor.from_numpy(v)
+            yield (
+                f"{path}.{k}",
+                Tensor("BF16", v)
+                if bf16 and k != "weight" and spec.mode == "affine"
+                else Tensor.from_numpy(v),
+            )
 
 
 def _write_shards(tmp: Path, items, progress: bool) -> None:
@@ -52,8 +68,7 @@ def _write_shards(tmp: Path, items, progress: bool) -> None:
 
     shards: list[dict[str, Tensor]] = [{}]
     size = 0
-    for name, t in tqdm(items, desc="converting", unit="tensor", disable=not progress,
-                        leave=False):
+    for name, t in tqdm(items, desc="converting", unit="tensor", disable=not progress, leave=False):
         if size and size + t.nbytes > SHARD_BYTES:
             shards.append({})
             size = 0
@@ -69,12 +84,19 @@ def _write_shards(tmp: Path, items, progress: bool) -> None:
         for n, t in shard.items():
             weight_map[n] = fname
             total += t.nbytes
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (tmp / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
 
 
-def convert(model: str, out_dir: str, quant: str | None = None, group_size: int | None = None,
-            bits: int | None = None, progress: bool = True) -> list[str]:
+def convert(
+    model: str,
+    out_dir: str,
+    quant: str | None = None,
+    group_size: int | None = None,
+    bits: int | None = None,
+    progress: bool = True,
+) -> list[str]:
     """Write `model` to `out_dir` (a new directory); returns notes for the user."""
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -85,19 +107,23 @@ def convert(model: str, out_dir: str, quant: str | None = None, group_size: int 
 
         spec = resolve(quant, group_size=group_size, bits=bits)
     ckpt = open_checkpoint(model)
-    config = ckpt.config.to_dict()
+    config = dict(ckpt.raw_config)
     notes: list[str] = []
     items = iter(ckpt.tensors.items())
     if spec is not None:
         if ckpt.config.quantization is not None:
-            raise MlxrunError(f"{model} is already quantized; convert from the "
-                              "full-precision checkpoint")
+            raise MlxrunError(
+                f"{model} is already quantized; convert from the full-precision checkpoint"
+            )
         items = quantize_tensors(ckpt.tensors, spec, notes)
         config["quantization"] = config["quantization_config"] = to_config(spec)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    try:
+        tmp.mkdir()
+    except OSError as e:
+        raise MlxrunError(f"cannot write to {out.parent}: {e.strerror}") from None
     try:
         _write_shards(tmp, items, progress)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
@@ -105,10 +131,14 @@ def convert(model: str, out_dir: str, quant: str | None = None, group_size: int 
             (tmp / name).write_text(text)
         if ckpt.generation_config:
             (tmp / "generation_config.json").write_text(
-                json.dumps(ckpt.generation_config, indent=2))
+                json.dumps(ckpt.generation_config, indent=2)
+            )
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise MlxrunError(f"cannot write {out}: {e.strerror or e}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -39,12 +39,17 @@ def left_pad(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray | None]:
     ids = np.zeros((len(prompts), L), dtype=np.int64)
     pads = np.array([L - len(p) for p in prompts], dtype=np.int64)
     for b, p in enumerate(prompts):
-        ids[b, pads[b]:] = p
+        ids[b, pads[b] :] = p
     return ids, (pads if pads.any() else None)
 
 
-def generate_step(model: Transformer, prompts: list[list[int]], params: SamplingParams,
-                  max_tokens: int, prefill_chunk: int = PREFILL_CHUNK) -> Iterator[np.ndarray]:
+def generate_step(
+    model: Transformer,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    max_tokens: int,
+    prefill_chunk: int = PREFILL_CHUNK,
+) -> Iterator[np.ndarray]:
     """Yield the next token of every sequence (B,) int64, `max_tokens` times at most.
 
     The step after the one being yielded is already queued on the device (greedy path),
@@ -65,7 +70,7 @@ def generate_step(model: Transformer, prompts: list[list[int]], params: Sampling
         return be.ids(host(be.to_numpy(logits), history))
 
     for s in range(0, L, prefill_chunk):
-        logits = model(be.ids(ids[:, s:s + prefill_chunk]), cache, pads, last_only=True)
+        logits = model(be.ids(ids[:, s : s + prefill_chunk]), cache, pads, last_only=True)
         if s + prefill_chunk < L:
             be.eval(logits)  # bound MLX's lazy graph to one chunk
     y = sample(logits)
@@ -93,10 +98,15 @@ def _stop_hold(text: str, stops: list[str]) -> int:
     return hold
 
 
-def stream(model: Transformer, tokenizer: Tokenizer, prompt_ids: list[int],
-           params: SamplingParams | None = None, max_tokens: int = 256,
-           stop: list[str] | None = None,
-           prefill_chunk: int = PREFILL_CHUNK) -> Iterator[GenerationResponse]:
+def stream(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    prompt_ids: list[int],
+    params: SamplingParams | None = None,
+    max_tokens: int = 256,
+    stop: list[str] | None = None,
+    prefill_chunk: int = PREFILL_CHUNK,
+) -> Iterator[GenerationResponse]:
     """Generate for one prompt, yielding text pieces as they become final."""
     params = params or SamplingParams()
     if max_tokens < 1:
@@ -131,19 +141,27 @@ def stream(model: Transformer, tokenizer: Tokenizer, prompt_ids: list[int],
         # Held-back text means a stop string can only begin at or after `sent`.
         hits = [i for s in stops if (i := text.find(s, sent)) >= 0]
         if hits:
-            text, finish = text[:min(hits)], "stop"
+            text, finish = text[: min(hits)], "stop"
         end = len(text) if finish else len(text) - _stop_hold(text, stops)
         piece, sent = text[sent:end], max(sent, end)
         gen_time = time.perf_counter() - t_first
-        yield GenerationResponse(piece, token, finish, len(prompt_ids), prompt_tps, n,
-                                 (n - 1) / gen_time if n > 1 and gen_time > 0 else 0.0,
-                                 be.peak_memory())
+        yield GenerationResponse(
+            piece,
+            token,
+            finish,
+            len(prompt_ids),
+            prompt_tps,
+            n,
+            (n - 1) / gen_time if n > 1 and gen_time > 0 else 0.0,
+            be.peak_memory(),
+        )
         if finish:
             return
 
 
-def generate(model: Transformer, tokenizer: Tokenizer, prompt_ids: list[int],
-             **kw) -> tuple[str, GenerationResponse]:
+def generate(
+    model: Transformer, tokenizer: Tokenizer, prompt_ids: list[int], **kw
+) -> tuple[str, GenerationResponse]:
     """Run `stream` to the end: (whole text, last response with the final stats)."""
     text, last = [], None
     for r in stream(model, tokenizer, prompt_ids, **kw):

@@ -1,7 +1,7 @@
 """Import a llama-architecture GGUF file (llama.cpp) as a Hugging Face-layout checkpoint.
 
 `read_gguf` memory-maps the file and returns the config.json, the tensors under HF names, and
-a tokenizer.json rebuilt from the GGUF metadata; `convert_gguf` writes them as a directory
+a tokenizer.json rebuilt from the GGUF metadata; `mlxrun.convert` writes them as a directory
 that the safetensors loader (and mlx-lm) reads.
 
 GGUF Q4_0, Q4_1 and Q8_0 blocks are affine groups of 32 values with an fp16 scale, so they
@@ -10,11 +10,8 @@ map without loss onto the canonical packed format (DESIGN.md): `w = scales * q +
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import secrets
-import shutil
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -24,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .errors import MlxrunError
-from .weights import Tensor, save_safetensors
+from .weights import Tensor
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 GROUP = 32  # values per GGUF Q4_0/Q4_1/Q8_0 block = canonical group size
@@ -95,48 +92,6 @@ def read_gguf(path: str | os.PathLike) -> GGUFModel:
         config["quantization_config"] = quant
     tok_json, tok_config, gen = _tokenizer(path, meta, config)
     return GGUFModel(config, tensors, tok_json, tok_config, gen)
-
-
-def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike) -> None:
-    """Write a GGUF as an HF-layout directory (config.json, model.safetensors, tokenizer).
-
-    The files go to a temporary sibling directory that is renamed to `out_dir` only once all
-    are written, so a failure leaves nothing behind.
-    """
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise MlxrunError(f"{out} already exists and is not empty; choose a new output directory")
-    model = read_gguf(path)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        # not tempfile.mkdtemp: its 0700 mode would stick to the renamed directory
-        tmp = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.partial"
-        tmp.mkdir()
-    except OSError as e:
-        raise MlxrunError(f"cannot write to {out.parent}: {e.strerror}") from None
-    try:
-        fmt = "mlx" if "quantization" in model.config else "pt"
-        save_safetensors(tmp / "model.safetensors", model.tensors, {"format": fmt})
-        (tmp / "tokenizer.json").write_text(model.tokenizer_json, encoding="utf-8")
-        for name, d in (
-            ("config.json", model.config),
-            ("tokenizer_config.json", model.tokenizer_config),
-            ("generation_config.json", model.generation_config),
-        ):
-            (tmp / name).write_text(
-                json.dumps(d, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
-            )
-        if out.exists():
-            out.rmdir()  # empty (checked above); rename cannot replace a directory
-        tmp.rename(out)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise MlxrunError(f"cannot write {out}: {e.strerror or e}") from None
-        raise
-
-
-# ---------------------------------------------------------------------------- file and config
 
 
 def _open(path: Path):

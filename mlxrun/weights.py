@@ -18,15 +18,36 @@ from .errors import MlxrunError
 
 # safetensors dtype name -> numpy storage dtype
 _NP = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
-    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
-    "F8_E4M3": np.uint8, "F8_E5M2": np.uint8,
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": np.uint16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U64": np.uint64,
+    "U32": np.uint32,
+    "U16": np.uint16,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+    "F8_E4M3": np.uint8,
+    "F8_E5M2": np.uint8,
 }
-_NAME = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
-         np.dtype(np.int64): "I64", np.dtype(np.int32): "I32", np.dtype(np.int16): "I16",
-         np.dtype(np.int8): "I8", np.dtype(np.uint64): "U64", np.dtype(np.uint32): "U32",
-         np.dtype(np.uint16): "U16", np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL"}
+_NAME = {
+    np.dtype(np.float64): "F64",
+    np.dtype(np.float32): "F32",
+    np.dtype(np.float16): "F16",
+    np.dtype(np.int64): "I64",
+    np.dtype(np.int32): "I32",
+    np.dtype(np.int16): "I16",
+    np.dtype(np.int8): "I8",
+    np.dtype(np.uint64): "U64",
+    np.dtype(np.uint32): "U32",
+    np.dtype(np.uint16): "U16",
+    np.dtype(np.uint8): "U8",
+    np.dtype(np.bool_): "BOOL",
+}
 
 
 @dataclass(frozen=True)
@@ -107,20 +128,26 @@ def load_safetensors(path: str | os.PathLike) -> tuple[dict[str, Tensor], dict[s
         shape = tuple(info["shape"])
         itemsize = np.dtype(_NP[dt]).itemsize
         if start + e > size or e - b != int(np.prod(shape, dtype=np.int64)) * itemsize:
-            raise MlxrunError(f"{path}: tensor {name!r} lies outside the file (truncated "
-                              "download?); re-download it")
-        out[name] = Tensor(dt, mm[start + b:start + e].view(_NP[dt]).reshape(shape))
+            raise MlxrunError(
+                f"{path}: tensor {name!r} lies outside the file (truncated "
+                "download?); re-download it"
+            )
+        out[name] = Tensor(dt, mm[start + b : start + e].view(_NP[dt]).reshape(shape))
     return out, meta
 
 
-def save_safetensors(path: str | os.PathLike, tensors: dict[str, Tensor],
-                     metadata: dict[str, str] | None = None) -> None:
+def save_safetensors(
+    path: str | os.PathLike, tensors: dict[str, Tensor], metadata: dict[str, str] | None = None
+) -> None:
     """Write a safetensors file (to `path` directly; callers write into a temp directory)."""
     header: dict = {"__metadata__": metadata} if metadata else {}
     off = 0
     for name, t in tensors.items():
-        header[name] = {"dtype": t.dtype, "shape": list(t.shape),
-                        "data_offsets": [off, off + t.nbytes]}
+        header[name] = {
+            "dtype": t.dtype,
+            "shape": list(t.shape),
+            "data_offsets": [off, off + t.nbytes],
+        }
         off += t.nbytes
     hb = json.dumps(header, separators=(",", ":")).encode()
     hb += b" " * (-len(hb) % 8)

@@ -40,9 +40,9 @@ import itertools
 import math
 
 import numpy as np
-from mlxrun.quant.formats import QuantSpec
 
 from mlxrun.errors import MlxrunError
+from mlxrun.quant.formats import QuantSpec
 from mlxrun.weights import bf16_bits
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")

@@ -29,8 +29,7 @@ def unpack(weight: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         if bits == 8:
             return b[..., :n]
         mask = (1 << bits) - 1
-        q = torch.stack([torch.bitwise_right_shift(b, s) & mask for s in range(0, 8, bits)],
-                        dim=-1)
+        q = torch.stack([torch.bitwise_right_shift(b, s) & mask for s in range(0, 8, bits)], dim=-1)
         return q.reshape(*b.shape[:-1], b.shape[-1] * (8 // bits))[..., :n]
     # 3, 5, 6 bits: values straddle word boundaries, so read 64-bit windows.
     w = weight.view(torch.int32).to(torch.int64) & 0xFFFFFFFF

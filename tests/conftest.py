@@ -13,36 +13,86 @@ SMOLLM2 = "smollm2"
 
 # name -> (transformers config class kwargs); small enough to build in milliseconds.
 TINY = {
-    "llama_gqa_tied": dict(model_type="llama", hidden_size=64, intermediate_size=128,
-                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           vocab_size=96, tie_word_embeddings=True, rope_theta=10000.0,
-                           max_position_embeddings=256, rms_norm_eps=1e-5),
-    "llama3_untied_scaled": dict(model_type="llama", hidden_size=64, intermediate_size=96,
-                                 num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=1, vocab_size=96, tie_word_embeddings=False,
-                                 rope_theta=500000.0, max_position_embeddings=512,
-                                 rms_norm_eps=1e-5,
-                                 rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                               "original_max_position_embeddings": 64}),
-    "mistral": dict(model_type="mistral", hidden_size=64, intermediate_size=128,
-                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                    vocab_size=96, tie_word_embeddings=False, rope_theta=1e6,
-                    max_position_embeddings=256, rms_norm_eps=1e-5, sliding_window=None),
-    "qwen2_bias": dict(model_type="qwen2", hidden_size=64, intermediate_size=128,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       vocab_size=96, tie_word_embeddings=True, rope_theta=1e6,
-                       max_position_embeddings=256, rms_norm_eps=1e-6),
-    "qwen3_qknorm": dict(model_type="qwen3", hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=32, vocab_size=96, tie_word_embeddings=False,
-                         rope_theta=1e6, max_position_embeddings=256, rms_norm_eps=1e-6),
+    "llama_gqa_tied": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=96,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+    ),
+    "llama3_untied_scaled": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        vocab_size=96,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "mistral": dict(
+        model_type="mistral",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=96,
+        tie_word_embeddings=False,
+        rope_theta=1e6,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        sliding_window=None,
+    ),
+    "qwen2_bias": dict(
+        model_type="qwen2",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=96,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+    ),
+    "qwen3_qknorm": dict(
+        model_type="qwen3",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=96,
+        tie_word_embeddings=False,
+        rope_theta=1e6,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+    ),
 }
 
 
 def word_tokenizer_json(vocab_size: int) -> str:
     """A whitespace word-level tokenizer over w0..wN with <s> / </s> specials."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     vocab.update({f"w{i}": i for i in range(3, vocab_size)})
@@ -73,8 +123,7 @@ def make_tiny(tmp: Path, name: str, seed: int = 0):
     d = tmp / name
     model.save_pretrained(d, safe_serialization=True)
     (d / "tokenizer.json").write_text(word_tokenizer_json(kw["vocab_size"]))
-    (d / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>"}))
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
     return d, model
 
 

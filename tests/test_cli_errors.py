@@ -88,8 +88,9 @@ def test_wrong_shape(capsys, tiny_dir, tmp_path):
 
     _rewrite_tensors(d, edit)
     code, err = run_cli(capsys, "generate", "--model", str(d), "--backend", "cpu")
-    assert_one_line_error(code, err, "model.layers.0.self_attn.k_proj.weight", "[16, 64]",
-                          "[32, 64]")
+    assert_one_line_error(
+        code, err, "model.layers.0.self_attn.k_proj.weight", "[16, 64]", "[32, 64]"
+    )
 
 
 def test_unknown_model_type(capsys, tiny_dir, tmp_path):
@@ -137,8 +138,11 @@ def test_hub_id_offline(capsys, monkeypatch, tmp_path):
 
 
 def test_entry_point_prints_no_traceback(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "mlxrun", "generate", "--model",
-                        str(tmp_path / "missing")], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "mlxrun", "generate", "--model", str(tmp_path / "missing")],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 1
     assert r.stderr.startswith("mlxrun: error: ") and "Traceback" not in r.stderr
 

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from mlxrun.config import ModelConfig
+from mlxrun.convert import convert
 from mlxrun.errors import MlxrunError
-from mlxrun.gguf import convert_gguf, read_gguf
+from mlxrun.gguf import read_gguf
 from mlxrun.weights import bf16_bits, load_safetensors
 
 REAL = Path(
@@ -658,7 +659,7 @@ def test_convert_roundtrip(tmp_path, synthetic):
     m = read_gguf(path)
     out = tmp_path / "out"
     out.mkdir()  # an empty directory may be reused
-    convert_gguf(path, out)
+    convert(str(path), str(out), progress=False)
     assert sorted(p.name for p in out.iterdir()) == [
         "config.json",
         "generation_config.json",
@@ -678,11 +679,11 @@ def test_convert_roundtrip(tmp_path, synthetic):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp dir left
 
     with pytest.raises(MlxrunError, match="not empty"):
-        convert_gguf(path, out)
+        convert(str(path), str(out), progress=False)
 
 
 def test_convert_failure_leaves_nothing(tmp_path, synthetic, monkeypatch):
-    import mlxrun.gguf as mg
+    import mlxrun.convert as mc
 
     bad = tmp_path / "src" / "bad.gguf"
     bad.parent.mkdir()
@@ -690,13 +691,13 @@ def test_convert_failure_leaves_nothing(tmp_path, synthetic, monkeypatch):
     dest = tmp_path / "dest"
     dest.mkdir()
     with pytest.raises(MlxrunError, match="Q6_K"):
-        convert_gguf(bad, dest / "out")
+        convert(str(bad), str(dest / "out"), progress=False)
     assert list(dest.iterdir()) == []
 
     def boom(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(mg, "save_safetensors", boom)
+    monkeypatch.setattr(mc, "save_safetensors", boom)
     with pytest.raises(MlxrunError, match="No space left"):
-        convert_gguf(synthetic[0], dest / "out")
+        convert(str(synthetic[0]), str(dest / "out"), progress=False)
     assert list(dest.iterdir()) == []

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mlxrun.quant.formats import QuantSpec
 
 from mlxrun.config import ModelConfig
 from mlxrun.errors import MlxrunError
@@ -28,6 +27,7 @@ from mlxrun.memory import (
     probe_device,
     workspace_bytes,
 )
+from mlxrun.quant.formats import QuantSpec
 from mlxrun.weights import Tensor, bf16_bits, save_safetensors
 
 

@@ -21,9 +21,15 @@ def _ids(n: int, seed: int = 1) -> np.ndarray:
 
 
 def _hf_greedy(hf, ids: np.ndarray, n: int) -> list[int]:
-    out = hf.generate(torch.tensor(ids)[None], max_new_tokens=n, min_new_tokens=n,
-                      do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    out = hf.generate(
+        torch.tensor(ids)[None],
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(ids) :].tolist()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -37,8 +43,12 @@ def test_logits_and_greedy_match_transformers(tiny_dir, name, backend):
     got = m.logits(ids)
     assert got.shape == (24, 96)
     assert rel_err(got, ref) < 1e-4
-    toks = [int(t[0]) for t in generate_step(m.transformer, [ids.tolist()], SamplingParams(),
-                                              max_tokens=32, prefill_chunk=7)]
+    toks = [
+        int(t[0])
+        for t in generate_step(
+            m.transformer, [ids.tolist()], SamplingParams(), max_tokens=32, prefill_chunk=7
+        )
+    ]
     assert toks == _hf_greedy(hf, ids, 32)
 
 
@@ -65,7 +75,7 @@ def test_chunked_prefill_and_cache_equal_one_pass(tiny_dir, backend):
     cache = t.make_cache(1, 19)
     steps = []
     for s in range(0, 12, 5):
-        steps.append(be.to_numpy(t(be.ids(ids[None, s:min(s + 5, 12)]), cache))[0])
+        steps.append(be.to_numpy(t(be.ids(ids[None, s : min(s + 5, 12)]), cache))[0])
     for i in range(12, 19):
-        steps.append(be.to_numpy(t(be.ids(ids[None, i:i + 1]), cache))[0])
+        steps.append(be.to_numpy(t(be.ids(ids[None, i : i + 1]), cache))[0])
     assert rel_err(np.concatenate(steps), full) < 1e-5

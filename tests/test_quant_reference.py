@@ -8,11 +8,11 @@ import itertools
 
 import numpy as np
 import pytest
+
+from mlxrun.errors import MlxrunError
 from mlxrun.quant import formats as F
 from mlxrun.quant import reference as R
 from mlxrun.quant.formats import QuantSpec
-
-from mlxrun.errors import MlxrunError
 from mlxrun.weights import bf16_bits
 
 mx = pytest.importorskip("mlx.core")

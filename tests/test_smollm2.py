@@ -27,8 +27,9 @@ def hf_model():
     from mlxrun.loader import bundled_model_path
 
     g = bundled_model_path()
-    return AutoModelForCausalLM.from_pretrained(g.parent, gguf_file=g.name,
-                                                dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        g.parent, gguf_file=g.name, dtype=torch.float32
+    ).eval()
 
 
 @pytest.fixture(scope="module", params=["cpu", "mlx"])
@@ -54,11 +55,18 @@ def test_logits_and_greedy_tokens_match_transformers(ours, hf_model):
     with torch.no_grad():
         ref = hf_model(torch.tensor([ids])).logits[0].numpy()
     assert rel_err(ours.logits(ids), ref) < 1e-4
-    want = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-    got = [int(t[0]) for t in generate_step(ours.transformer, [ids], SamplingParams(),
-                                            max_tokens=32)]
-    assert got == want[0, len(ids):].tolist()
+    want = hf_model.generate(
+        torch.tensor([ids]),
+        max_new_tokens=32,
+        min_new_tokens=32,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    got = [
+        int(t[0]) for t in generate_step(ours.transformer, [ids], SamplingParams(), max_tokens=32)
+    ]
+    assert got == want[0, len(ids) :].tolist()
 
 
 def test_api_generate_answers_paris(ours):
@@ -77,9 +85,23 @@ def test_sampling_is_reproducible_with_a_seed(ours):
 
 @pytest.mark.parametrize("backend", ["cpu", "mlx"])
 def test_cli_answers_paris(backend):
-    r = subprocess.run([sys.executable, "-m", "mlxrun", "generate", "--backend", backend,
-                        "--prompt", QUESTION, "--max-tokens", "32"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlxrun",
+            "generate",
+            "--backend",
+            backend,
+            "--prompt",
+            QUESTION,
+            "--max-tokens",
+            "32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "Generation:" in r.stderr and "tokens-per-sec" in r.stderr

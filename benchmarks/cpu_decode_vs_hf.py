@@ -1,0 +1,127 @@
+"""Decode speed on the CPU: mlxrun (PyTorch-CPU and MLX-CPU) against Hugging Face
+transformers' generate() on the same SmolLM2 weights and dtype, in one process.
+
+    python benchmarks/cpu_decode_vs_hf.py [--tokens 128] [--reps 3]
+
+Both load one dense float32 copy of the bundled GGUF (transformers dequantizes it and saves
+it; mlxrun loads the saved directory), greedy decoding from the same prompt. Decode
+tokens/s = (N - 1) / (time of token N - time of token 1): prefill is excluded for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def hf_dense_dir(tmp: Path) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    from mlxrun.loader import bundled_model_path, open_checkpoint
+
+    gguf = bundled_model_path()
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    out = tmp / "smollm2-f32"
+    hf.save_pretrained(out, safe_serialization=True)
+    for name, text in open_checkpoint("smollm2").tokenizer_files.items():
+        (out / name).write_text(text)
+    return out
+
+
+class Timer:
+    """Streamer for transformers' generate(): records when each new token arrives."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.first = True
+
+    def put(self, value):
+        if self.first:  # the prompt is put first
+            self.first = False
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def decode_tps(times: list[float]) -> float:
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def bench_hf(d: Path, ids: list[int], n: int, reps: int) -> list[float]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    x = torch.tensor([ids])
+    out = []
+    for _ in range(reps + 1):
+        t = Timer()
+        with torch.no_grad():
+            hf.generate(
+                x, max_new_tokens=n, min_new_tokens=n, do_sample=False, streamer=t, pad_token_id=0
+            )
+        out.append(decode_tps(t.times))
+    return out[1:]  # the first run warms up
+
+
+def bench_mlxrun(d: Path, backend: str, ids: list[int], n: int, reps: int) -> list[float]:
+    import mlxrun
+    from mlxrun.generate import generate_step
+    from mlxrun.sampling import SamplingParams
+
+    m = mlxrun.load(str(d), backend=backend, dtype="float32", progress=False)
+    out = []
+    for _ in range(reps + 1):
+        times = []
+        for _tok in generate_step(m.transformer, [ids], SamplingParams(), max_tokens=n):
+            times.append(time.perf_counter())
+        out.append(decode_tps(times))
+    return out[1:]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    import mlxrun
+
+    tmp = Path(tempfile.mkdtemp())
+    try:
+        d = hf_dense_dir(tmp)
+        tok = mlxrun.loader.open_checkpoint(str(d)).tokenizer
+        ids = tok.prompt_ids("What is the capital of France?")
+        rows = {"transformers generate()": bench_hf(d, ids, args.tokens, args.reps)}
+        rows["mlxrun --backend cpu"] = bench_mlxrun(d, "cpu", ids, args.tokens, args.reps)
+        try:
+            rows["mlxrun --backend mlx"] = bench_mlxrun(d, "mlx", ids, args.tokens, args.reps)
+        except mlxrun.MlxrunError as e:
+            print(f"skipped mlx: {e}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    base = statistics.median(rows["transformers generate()"])
+    print(
+        f"SmolLM2-135M float32, {len(ids)}-token prompt, {args.tokens} greedy tokens, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.reps}"
+    )
+    print(f"{'engine':28s} {'decode tok/s':>12s} {'min':>8s} {'max':>8s} {'vs HF':>7s}")
+    for name, v in rows.items():
+        med = statistics.median(v)
+        print(f"{name:28s} {med:12.1f} {min(v):8.1f} {max(v):8.1f} {med / base:6.2f}x")
+    ours = statistics.median(rows["mlxrun --backend cpu"])
+    print(
+        f"PyTorch-CPU ratio mlxrun / transformers = {ours / base:.2f} "
+        f"({'OK' if ours >= base else 'SLOWER'})"
+    )
+    return 0 if ours >= base else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
