@@ -176,6 +176,15 @@ class MLXBackend:
     def make_cache(self, num_layers, batch, kv_heads, head_dim, max_len):
         return MLXCache(num_layers, batch, kv_heads, head_dim, self._dt)
 
+    def random_normal(self, shape, std, seed):
+        """Random weights made on the device (speed runs of big shapes need no host copy)."""
+        return (mx.random.normal(shape, key=mx.random.key(seed)) * std).astype(self._dt)
+
+    def random_bits(self, shape, seed):
+        """Random uint32 words: packed quantized weights of random values."""
+        return mx.random.randint(0, 2**31 - 1, shape, dtype=mx.int32,
+                                 key=mx.random.key(seed)).view(mx.uint32)
+
     def start(self, x) -> None:
         mx.async_eval(x)
 

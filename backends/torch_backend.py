@@ -190,6 +190,17 @@ class TorchBackend:
     def make_cache(self, num_layers, batch, kv_heads, head_dim, max_len):
         return StaticCache(num_layers, batch, kv_heads, head_dim, max_len, self._dt, self._dev)
 
+    def random_normal(self, shape, std, seed):
+        """Random weights made on the device (speed runs of big shapes need no host copy)."""
+        g = torch.Generator(self._dev).manual_seed(seed)
+        return (torch.randn(shape, generator=g, device=self._dev) * std).to(self._dt)
+
+    def random_bits(self, shape, seed):
+        """Random uint32 words: packed quantized weights of random values."""
+        g = torch.Generator(self._dev).manual_seed(seed)
+        return torch.randint(-(2**31), 2**31 - 1, shape, generator=g, device=self._dev,
+                             dtype=torch.int32).view(torch.uint32)
+
     def start(self, x) -> None:
         pass  # CUDA and MPS queue work asynchronously already
 
