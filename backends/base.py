@@ -111,7 +111,9 @@ def causal_mask_np(offset: int, length: int, pads: np.ndarray | None) -> np.ndar
     k = np.arange(total)[None, :]
     m = (k <= q)[None, None]  # (1, 1, T, S)
     if pads is not None and pads.any():
-        m = m & (k[None, None] >= pads[:, None, None, None])
+        # Real queries never see padding. A padding query sees only itself: a row with no
+        # key at all would give NaN, which would reach real rows through the cache (0 * NaN).
+        m = m & ((k >= pads[:, None, None, None]) | (k == q))
     return m
 
 

@@ -168,3 +168,66 @@ def generate(
         text.append(r.text)
         last = r
     return "".join(text), last
+
+
+@dataclass
+class BatchResult:
+    """One prompt's outcome in a batch, in the caller's order."""
+
+    text: str
+    tokens: list[int]
+    finish_reason: str  # "stop" or "length"
+
+
+def _finish(tokenizer: Tokenizer, toks: list[int], stops: list[str]) -> tuple[str, bool]:
+    text = tokenizer.decode(toks)
+    hits = [i for s in stops if (i := text.find(s)) >= 0]
+    return (text[: min(hits)], True) if hits else (text, False)
+
+
+def generate_batch(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    prompts: list[list[int]],
+    params: SamplingParams | None = None,
+    max_tokens: int = 256,
+    stop: list[str] | None = None,
+    batch_size: int = 8,
+    prefill_chunk: int = PREFILL_CHUNK,
+) -> list[BatchResult]:
+    """Generate for many prompts, `batch_size` at a time, each stopping on its own.
+
+    Prompts are grouped by length so batches carry little padding; results come back in
+    input order. With greedy decoding each result equals running that prompt alone.
+    """
+    params = params or SamplingParams()
+    if max_tokens < 1:
+        raise MlxrunError(f"--max-tokens must be at least 1, got {max_tokens}")
+    if batch_size < 1:
+        raise MlxrunError(f"--batch-size must be at least 1, got {batch_size}")
+    stops = [s for s in (stop or []) if s]
+    eos = tokenizer.eos_token_ids
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    results: list[BatchResult | None] = [None] * len(prompts)
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        toks: list[list[int]] = [[] for _ in idx]
+        reason: list[str | None] = [None] * len(idx)
+        for step in generate_step(
+            model, [prompts[i] for i in idx], params, max_tokens, prefill_chunk
+        ):
+            for b, t in enumerate(step.tolist()):
+                if reason[b]:
+                    continue
+                if t in eos:
+                    reason[b] = "stop"
+                    continue
+                toks[b].append(t)
+                if stops and _finish(tokenizer, toks[b], stops)[1]:
+                    reason[b] = "stop"
+            if all(reason):
+                break
+        for b, i in enumerate(idx):
+            text, _ = _finish(tokenizer, toks[b], stops)
+            results[i] = BatchResult(text, toks[b], reason[b] or "length")
+    return results
