@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import numpy as np
 
 from mlxrun.backends.base import QuantizedWeight, causal_mask_np
@@ -182,8 +185,29 @@ class MLXBackend:
 
     def random_bits(self, shape, seed):
         """Random uint32 words: packed quantized weights of random values."""
-        return mx.random.randint(0, 2**31 - 1, shape, dtype=mx.int32,
-                                 key=mx.random.key(seed)).view(mx.uint32)
+        return mx.random.randint(0, 2**31 - 1, shape, dtype=mx.int32, key=mx.random.key(seed)).view(
+            mx.uint32
+        )
+
+    @contextlib.contextmanager
+    def wired(self, nbytes: int):
+        """Raise MLX's wired-memory limit to `nbytes` for the duration of a call and restore
+        it after, so macOS does not page the weights out mid-generation (Metal only)."""
+        if self.device != "gpu" or not mx.metal.is_available():
+            yield
+            return
+        ws = mx.device_info().get("max_recommended_working_set_size", 0)
+        if ws and nbytes > 0.9 * ws:
+            print(
+                f"mlxrun: warning: the model needs {nbytes / 2**30:.1f} GiB, over 90% of "
+                f"the GPU working set ({ws / 2**30:.1f} GiB); expect slowdowns",
+                file=sys.stderr,
+            )
+        old = mx.set_wired_limit(min(nbytes, ws) if ws else nbytes)
+        try:
+            yield
+        finally:
+            mx.set_wired_limit(old)
 
     def start(self, x) -> None:
         mx.async_eval(x)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import sys
 
@@ -198,8 +199,12 @@ class TorchBackend:
     def random_bits(self, shape, seed):
         """Random uint32 words: packed quantized weights of random values."""
         g = torch.Generator(self._dev).manual_seed(seed)
-        return torch.randint(-(2**31), 2**31 - 1, shape, generator=g, device=self._dev,
-                             dtype=torch.int32).view(torch.uint32)
+        return torch.randint(
+            -(2**31), 2**31 - 1, shape, generator=g, device=self._dev, dtype=torch.int32
+        ).view(torch.uint32)
+
+    def wired(self, nbytes: int):
+        return contextlib.nullcontext()  # only unified memory on MLX needs wiring
 
     def start(self, x) -> None:
         pass  # CUDA and MPS queue work asynchronously already

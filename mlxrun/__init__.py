@@ -7,6 +7,7 @@
 
 from .api import Model, load
 from .errors import MlxrunError
+from .planning import plan
 
-__all__ = ["Model", "MlxrunError", "load"]
+__all__ = ["Model", "MlxrunError", "load", "plan"]
 __version__ = "0.1.0"

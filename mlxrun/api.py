@@ -19,8 +19,19 @@ class Model:
     `notes` lists what loading decided that the user should know (unquantized layers).
     """
 
-    def __init__(self, transformer, tokenizer, source: str, notes: list[str], load_time: float):
+    def __init__(
+        self,
+        transformer,
+        tokenizer,
+        source: str,
+        notes: list[str],
+        load_time: float,
+        shapes: dict,
+        quant=None,
+    ):
         self.transformer = transformer
+        self._shapes = shapes  # {tensor: (shape, dtype)} as stored, for memory plans
+        self.quant = quant
         self.tokenizer = tokenizer
         self.config = transformer.config
         self.backend = transformer.be
@@ -80,6 +91,79 @@ class Model:
         )
         return text
 
+    def plan(self, context: int, batch: int):
+        """The memory plan (mlxrun.memory.Plan) for `batch` sequences of `context` tokens."""
+        from .planning import plan_shapes  # noqa: PLC0415
+
+        be = self.backend
+        return plan_shapes(
+            self.config,
+            self._shapes,
+            self.quant,
+            "mlx" if be.name == "mlx" else be.device,
+            be.dtype,
+            context,
+            batch,
+        )
+
+    def generate_many(
+        self,
+        prompts: list[str],
+        max_tokens: int = 256,
+        *,
+        system: str | None = None,
+        chat: bool | None = None,
+        stop: list[str] | None = None,
+        batch_size: int | str = "auto",
+        params: SamplingParams | None = None,
+        **sampling,
+    ):
+        """Run many prompts as batches: ([BatchResult] in input order, stats dict).
+
+        batch_size "auto" takes the largest batch the memory plan allows for the longest
+        prompt plus max_tokens; a fixed size that cannot fit is refused before it runs.
+        """
+        from .generate import generate_batch  # noqa: PLC0415
+        from .memory import check_fits  # noqa: PLC0415
+
+        if not prompts:
+            raise MlxrunError("no prompts given")
+        ids = [self._ids(p, system, chat) for p in prompts]
+        context = max(len(i) for i in ids) + max_tokens
+        if context > self.config.max_position_embeddings:
+            raise MlxrunError(
+                f"the longest prompt ({context - max_tokens} tokens) + "
+                f"--max-tokens ({max_tokens}) exceeds the model's context of "
+                f"{self.config.max_position_embeddings} tokens"
+            )
+        want = len(prompts) if batch_size == "auto" else int(batch_size)
+        if want < 1:
+            raise MlxrunError(f"--batch-size must be at least 1, got {batch_size}")
+        p = self.plan(context, want)
+        if batch_size == "auto":
+            if p.max_batch < 1:
+                check_fits(p)
+            bs = min(want, p.max_batch)
+        else:
+            check_fits(p)
+            bs = want
+        t0 = time.perf_counter()
+        results = generate_batch(
+            self.transformer,
+            self.tokenizer,
+            ids,
+            params or SamplingParams(**sampling),
+            max_tokens=max_tokens,
+            stop=stop,
+            batch_size=bs,
+        )
+        stats = {
+            "batch_size": bs,
+            "tokens": sum(len(r.tokens) for r in results),
+            "seconds": time.perf_counter() - t0,
+        }
+        return results, stats
+
     def logits(self, token_ids) -> np.ndarray:
         """Logits at every position: token ids [T] -> float32 array [T, vocab]."""
         ids = np.asarray(token_ids, dtype=np.int64).reshape(1, -1)
@@ -100,13 +184,19 @@ def load(
     group_size: int | None = None,
     bits: int | None = None,
     progress: bool = True,
+    check_memory: bool = True,
 ) -> Model:
     """Load a model: a local directory, a .gguf file, a Hugging Face repo id, or an alias
-    ('smollm2' bundled, 'llama'). backend: auto | mlx | cuda | mps | cpu."""
+    ('smollm2' bundled, 'llama'). backend: auto | mlx | cuda | mps | cpu.
+
+    With `check_memory`, a model that cannot fit (weights + KV for one 2048-token sequence)
+    is refused before its weights are moved to the device."""
     from mlxrun.backends import get_backend  # noqa: PLC0415
 
     from .build import build_model  # noqa: PLC0415
     from .loader import open_checkpoint  # noqa: PLC0415
+    from .memory import check_fits  # noqa: PLC0415
+    from .planning import plan_shapes  # noqa: PLC0415
 
     t0 = time.perf_counter()
     be = get_backend(backend, dtype)
@@ -116,6 +206,22 @@ def load(
 
         spec = resolve(quant, group_size=group_size, bits=bits)
     ckpt = open_checkpoint(model)
+    shapes = {n: (t.shape, t.dtype) for n, t in ckpt.tensors.items()}
+    if check_memory:  # refuse before anything large is allocated
+        ctx = min(ckpt.config.max_position_embeddings, 2048)
+        check_fits(
+            plan_shapes(
+                ckpt.config,
+                shapes,
+                spec,
+                "mlx" if be.name == "mlx" else be.device,
+                be.dtype,
+                ctx,
+                1,
+            )
+        )
     transformer, notes = build_model(ckpt.config, ckpt.tensors, be, spec, progress=progress)
     be.synchronize()
-    return Model(transformer, ckpt.tokenizer, ckpt.source, notes, time.perf_counter() - t0)
+    return Model(
+        transformer, ckpt.tokenizer, ckpt.source, notes, time.perf_counter() - t0, shapes, spec
+    )

@@ -54,14 +54,65 @@ def cli():
     """Run Llama-family language models on MLX and PyTorch (CPU, CUDA, MPS)."""
 
 
+def read_prompts(path: str) -> list[str]:
+    """One prompt per line, or JSONL objects with a "prompt" field (by extension or when the
+    first non-blank line starts with '{')."""
+    import json  # noqa: PLC0415
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        why = getattr(e, "strerror", None) or str(e)
+        raise MlxrunError(f"cannot read prompts file {path}: {why}") from None
+    first = next((ln for ln in lines if ln.strip()), "")
+    prompts = []
+    if path.endswith(".jsonl") or first.lstrip().startswith("{"):
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                prompt = json.loads(line)["prompt"]
+            except (json.JSONDecodeError, TypeError, KeyError):
+                raise MlxrunError(f'{path}:{n}: not a JSON object with a "prompt" field') from None
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise MlxrunError(f'{path}:{n}: "prompt" must be a non-empty string')
+            prompts.append(prompt)
+    else:
+        prompts = [ln for ln in lines if ln.strip()]
+    if not prompts:
+        raise MlxrunError(f"prompts file {path} holds no prompts")
+    return prompts
+
+
 @cli.command()
 @model_options
 @click.option(
     "--prompt",
     "-p",
-    default="What is the capital of France?",
+    "prompts",
+    multiple=True,
+    help="The user message (repeat for a batch) [default: 'What is the capital of France?'].",
+)
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=str,
+    default=None,
+    help="File with one prompt per line, or JSONL with a 'prompt' field.",
+)
+@click.option(
+    "--batch-size",
+    default="auto",
     show_default=True,
-    help="The user message.",
+    help="Prompts run together: a number, or auto (the largest the memory plan "
+    "allows for the longest prompt plus --max-tokens).",
+)
+@click.option(
+    "--output",
+    "-o",
+    default=None,
+    help="Write results as JSONL (prompt, text, tokens, finish_reason), in input order.",
 )
 @click.option("--system", default=None, help="System message (chat models).")
 @click.option(
@@ -104,7 +155,10 @@ def generate(
     model,
     backend,
     dtype,
-    prompt,
+    prompts,
+    prompts_file,
+    batch_size,
+    output,
     system,
     chat,
     max_tokens,
@@ -119,15 +173,19 @@ def generate(
     group_size,
     bits,
 ):
-    """Generate text and stream it to the terminal, then print stats."""
+    """Generate text: one prompt streams to the terminal; many run as batches."""
     from .api import load  # noqa: PLC0415
     from .sampling import SamplingParams  # noqa: PLC0415
 
     if max_tokens < 1:
         raise MlxrunError(f"--max-tokens must be at least 1, got {max_tokens}")
-    if not prompt.strip():
+    if batch_size != "auto" and not (batch_size.isdigit() and int(batch_size) >= 1):
+        raise MlxrunError(f"--batch-size must be a positive integer or 'auto', got {batch_size!r}")
+    prompts = list(prompts) + (read_prompts(prompts_file) if prompts_file else [])
+    prompts = prompts or ["What is the capital of France?"]
+    if any(not p.strip() for p in prompts):
         raise MlxrunError("the prompt is empty; pass some text with --prompt")
-    params = SamplingParams(temp, top_p, top_k, min_p, repetition_penalty, seed=seed)
+    sampling = SamplingParams(temp, top_p, top_k, min_p, repetition_penalty, seed=seed)
     m = load(
         model,
         backend=backend,
@@ -139,19 +197,70 @@ def generate(
     )
     for note in m.notes:
         click.echo(f"note: {note}", err=True)
+    if len(prompts) == 1 and output is None:
+        _stream_one(m, prompts[0], max_tokens, system, chat, list(stop), sampling)
+        return
+    results, stats = m.generate_many(
+        prompts,
+        max_tokens=max_tokens,
+        system=system,
+        chat=chat,
+        stop=list(stop),
+        batch_size=batch_size,
+        params=sampling,
+    )
+    if output:
+        _write_jsonl(output, prompts, results)
+    else:
+        for i, (p, r) in enumerate(zip(prompts, results)):
+            click.echo(f"[{i}] {p}\n{r.text}\n")
+    click.echo("=" * 10, err=True)
+    click.echo(
+        f"Prompts: {len(prompts)} in batches of {stats['batch_size']}; "
+        f"{stats['tokens']} tokens generated in {stats['seconds']:.2f} s, "
+        f"{stats['tokens'] / stats['seconds']:.3f} tokens-per-sec",
+        err=True,
+    )
+    click.echo(f"Peak memory: {_gib(m.backend.peak_memory())}", err=True)
+    click.echo(f"Backend: {m.backend.describe()}", err=True)
+
+
+def _write_jsonl(path, prompts, results) -> None:
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    tmp = f"{path}.partial"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for p, r in zip(prompts, results):
+                f.write(
+                    json.dumps(
+                        {
+                            "prompt": p,
+                            "text": r.text,
+                            "tokens": len(r.tokens),
+                            "finish_reason": r.finish_reason,
+                        },
+                        ensure_ascii=False,
+                    )
+                )
+                f.write("\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise MlxrunError(f"cannot write {path}: {e.strerror}") from None
+
+
+def _stream_one(m, prompt, max_tokens, system, chat, stop, sampling) -> None:
+    import dataclasses  # noqa: PLC0415
+
     last = None
     for r in m.stream(
         prompt,
         max_tokens=max_tokens,
         system=system,
         chat=chat,
-        stop=list(stop),
-        temperature=params.temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        seed=seed,
+        stop=stop,
+        **dataclasses.asdict(sampling),
     ):
         click.echo(r.text, nl=False)
         sys.stdout.flush()
@@ -168,6 +277,28 @@ def generate(
     click.echo(f"Peak memory: {_gib(last.peak_memory)}", err=True)
     click.echo(f"Finish: {last.finish_reason}", err=True)
     click.echo(f"Backend: {m.backend.describe()}", err=True)
+
+
+@cli.command()
+@model_options
+@click.option("--quant", default=None, help="Plan for this quantization (int4, fp8, ...).")
+@click.option(
+    "--context",
+    type=int,
+    default=None,
+    help="Tokens per sequence (prompt + generation) [default: the model's maximum].",
+)
+@click.option("--batch", type=int, default=1, show_default=True, help="Sequences at once.")
+def plan(model, backend, dtype, quant, context, batch):
+    """Show what the model needs in memory and what fits, without loading the weights."""
+    from .memory import format_plan  # noqa: PLC0415
+    from .planning import plan as make  # noqa: PLC0415
+
+    click.echo(
+        format_plan(
+            make(model, quant=quant, context=context, batch=batch, backend=backend, dtype=dtype)
+        )
+    )
 
 
 @cli.command()
@@ -189,7 +320,8 @@ def convert(model, out_dir):
 def main(argv: list[str] | None = None) -> None:
     """Entry point: user errors become one line on stderr and exit status 1."""
     try:
-        cli.main(args=argv, prog_name="mlxrun", standalone_mode=False)
+        rv = cli.main(args=argv, prog_name="mlxrun", standalone_mode=False)
+        sys.exit(rv if isinstance(rv, int) else 0)
     except MlxrunError as e:
         click.echo(f"mlxrun: error: {e}", err=True)
         sys.exit(1)

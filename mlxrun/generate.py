@@ -60,6 +60,19 @@ def generate_step(
     be = model.be
     ids, pads = left_pad(prompts)
     B, L = ids.shape
+    limit = model.config.max_position_embeddings
+    if L + max_tokens > limit:
+        raise MlxrunError(
+            f"prompt ({L} tokens) + --max-tokens ({max_tokens}) exceeds the "
+            f"model's context of {limit} tokens; shorten one of them"
+        )
+    with be.wired(model.weight_bytes() + model.kv_bytes(B, L + max_tokens)):
+        yield from _steps(model, ids, pads, params, max_tokens, prefill_chunk, prompts)
+
+
+def _steps(model, ids, pads, params, max_tokens, prefill_chunk, prompts):
+    be = model.be
+    B, L = ids.shape
     cache = model.make_cache(B, L + max_tokens)
     history = [list(p) for p in prompts]
     host = None if params.on_device else HostSampler(params)

@@ -47,6 +47,35 @@ class Transformer:
         self.rope = backend.rope_table(config.rope_freqs())
         self.scale = config.head_dim**-0.5
 
+    def weight_bytes(self) -> int:
+        """Bytes of every weight array on the device (packed parts included, tied head once)."""
+        seen, total = set(), 0
+
+        def add(a):
+            nonlocal total
+            if a is None or id(a) in seen:
+                return
+            seen.add(id(a))
+            if hasattr(a, "scales"):  # QuantizedWeight
+                for part in (a.weight, a.scales, a.biases):
+                    add(part)
+            else:
+                total += int(a.nbytes)
+
+        for a in (self.embed, self.norm, self.head):
+            add(a)
+        for L in self.layers:
+            for a in vars(L).values():
+                add(a)
+        return total
+
+    def kv_bytes(self, batch: int, tokens: int) -> int:
+        c = self.config
+        itemsize = 4 if self.be.dtype == "float32" else 2
+        return (
+            c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * itemsize * batch * tokens
+        )
+
     def make_cache(self, batch: int, max_len: int):
         c = self.config
         return self.be.make_cache(

@@ -1,0 +1,85 @@
+"""`mlxrun plan` / `mlxrun.plan()`: what fits where, from config.json and checkpoint
+headers only (no tensor data is read for safetensors checkpoints)."""
+
+from __future__ import annotations
+
+from .config import ModelConfig
+from .errors import MlxrunError
+from .memory import Plan, footprint, header_shapes, make_plan, probe_device
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def backend_device(backend: str) -> tuple[str, str, str]:
+    """--backend value -> (backend name, device, default dtype), without loading a model."""
+    from mlxrun.backends import get_backend  # noqa: PLC0415
+
+    be = get_backend(backend)
+    return be.name, be.device, be.dtype
+
+
+def model_shapes(model: str) -> tuple[ModelConfig, dict]:
+    """(config, {tensor: (shape, dtype)}) of any model source."""
+    from .loader import _read_json, resolve_source  # noqa: PLC0415
+
+    path = resolve_source(model)
+    if path.is_file():  # GGUF: the importer's tensors carry their canonical shapes
+        from .gguf import read_gguf  # noqa: PLC0415
+
+        g = read_gguf(path)
+        return ModelConfig.from_dict(g.config), {
+            n: (t.shape, t.dtype) for n, t in g.tensors.items()
+        }
+    if not (path / "config.json").exists():
+        raise MlxrunError(
+            f"{path} has no config.json; point --model at a Hugging Face model "
+            "directory, a .gguf file or a Hub repo id"
+        )
+    return ModelConfig.from_dict(_read_json(path / "config.json")), header_shapes(path)
+
+
+def plan_shapes(
+    cfg: ModelConfig,
+    shapes: dict,
+    spec,
+    backend: str,
+    dtype: str | None,
+    context: int | None,
+    batch: int,
+    prefill_chunk: int = 512,
+) -> Plan:
+    """The plan for a model given its config and {tensor: (shape, dtype)}."""
+    name, device, default_dtype = backend_device(backend)
+    dtype = dtype or default_dtype
+    dev = probe_device(name, device)
+    fp = footprint(cfg, shapes, dtype, spec)
+    return make_plan(
+        cfg,
+        fp,
+        dev,
+        context=cfg.max_position_embeddings if context is None else context,
+        batch=batch,
+        prefill_chunk=prefill_chunk,
+        dtype_bytes=_DTYPE_BYTES[dtype],
+        backend=name,
+    )
+
+
+def plan(
+    model: str = "smollm2",
+    quant: str | None = None,
+    context: int | None = None,
+    batch: int = 1,
+    backend: str = "auto",
+    dtype: str | None = None,
+    prefill_chunk: int = 512,
+) -> Plan:
+    """Plan `batch` sequences of `context` tokens (default: the model's maximum) of `model`
+    on the device `backend` selects; see mlxrun.memory.Plan for the fields."""
+    spec = None
+    if quant not in (None, "none"):
+        from mlxrun.quant.formats import resolve  # noqa: PLC0415
+
+        spec = resolve(quant)
+    cfg, shapes = model_shapes(model)
+    return plan_shapes(cfg, shapes, spec, backend, dtype, context, batch, prefill_chunk)
