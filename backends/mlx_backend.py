@@ -30,6 +30,16 @@ class MLXCache:
         self.keys: list = [None] * num_layers
         self.values: list = [None] * num_layers
 
+    def mask(self, length, pads):
+        m = causal_mask_np(self.offset, length, pads)
+        return None if m is None else mx.array(m)
+
+    def positions(self, length, pads):
+        # mx.fast.rope takes the start offset: an int, or (B,) for left-padded batches.
+        if pads is None or not pads.any():
+            return self.offset
+        return mx.array((self.offset - pads).astype(np.int32))
+
     def update_and_fetch(self, layer: int, k, v):
         end = self.offset + k.shape[2]
         cur = self.keys[layer]
@@ -167,14 +177,8 @@ class MLXBackend:
     def argmax(self, logits):
         return mx.argmax(logits, axis=-1)
 
-    def positions(self, offset, length, pads):
-        if pads is None or not pads.any():
-            return offset
-        return mx.array((offset - pads).astype(np.int32))
-
-    def mask(self, offset, length, pads):
-        m = causal_mask_np(offset, length, pads)
-        return None if m is None else mx.array(m)
+    def decode_step(self, model, cache, batch: int, pads):
+        return None  # MLX already overlaps steps through async_eval
 
     def make_cache(self, num_layers, batch, kv_heads, head_dim, max_len):
         return MLXCache(num_layers, batch, kv_heads, head_dim, self._dt)

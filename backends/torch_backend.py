@@ -24,8 +24,9 @@ _DTYPES = ("float32", "bfloat16", "float16")
 class StaticCache:
     """Preallocated KV cache: per layer k, v (B, kv_heads, max_len, D) written at `offset`.
 
-    Fixed buffers keep the decode step's shapes static, which CUDA graphs need; eager code
-    reads the filled prefix only.
+    Eager passes read the filled prefix. In graph mode (CUDA-graph decode) the write
+    position lives on the device in `pos`, writes go through index_copy_ and attention spans
+    the whole buffer under a mask, so one captured step serves every position.
     """
 
     def __init__(self, num_layers, batch, kv_heads, head_dim, max_len, dtype, device):
@@ -34,8 +35,38 @@ class StaticCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_len = max_len
         self.offset = 0
+        self.device = device
+        self.graph = False
+        self.pos = torch.zeros(1, dtype=torch.int64, device=device)  # graph mode only
+        self._slots = torch.arange(max_len, device=device)
+
+    def enter_graph(self, pads: np.ndarray | None) -> None:
+        self.graph = True
+        self.pos.fill_(self.offset)
+        pad = (
+            torch.zeros(len(self.keys[0]), dtype=torch.int64)
+            if pads is None
+            else torch.from_numpy(pads.astype(np.int64))
+        )
+        self._pads = pad.to(self.device)  # (B,)
+        self._key_ok = self._slots[None, :] >= self._pads[:, None]  # (B, max_len)
+
+    def mask(self, length, pads):
+        if self.graph:  # one query at slot pos: keys <= pos that are not padding
+            return (self._key_ok & (self._slots[None, :] <= self.pos))[:, None, None, :]
+        m = causal_mask_np(self.offset, length, pads)
+        return None if m is None else torch.from_numpy(m).to(self.device)
+
+    def positions(self, length, pads):
+        if self.graph:
+            return (self.pos - self._pads).view(-1, 1)  # (B, 1)
+        return torch.from_numpy(positions_np(self.offset, length, pads)).to(self.device)
 
     def update_and_fetch(self, layer, k, v):
+        if self.graph:
+            self.keys[layer].index_copy_(2, self.pos, k)
+            self.values[layer].index_copy_(2, self.pos, v)
+            return self.keys[layer], self.values[layer]
         end = self.offset + k.shape[2]
         if end > self.max_len:
             raise MlxrunError(
@@ -47,13 +78,49 @@ class StaticCache:
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
     def advance(self, n: int) -> None:
-        self.offset += n
+        if self.graph:
+            self.pos += n  # recorded in the graph; the host offset is kept by the caller
+        else:
+            self.offset += n
+
+
+class GraphDecoder:
+    """Greedy decode steps replayed from one captured CUDA graph.
+
+    Capturing removes the per-kernel launch cost (hundreds of launches per token), which
+    otherwise dominates batch-1 decode. The graph reads tokens from a static buffer and
+    writes the argmax to another; `__call__` copies in, replays, and hands back a copy.
+    """
+
+    def __init__(self, model, cache: StaticCache, batch: int, pads: np.ndarray | None):
+        self.cache = cache
+        cache.enter_graph(pads)
+        dev = cache.device
+        self.tok = torch.zeros((batch, 1), dtype=torch.int64, device=dev)
+        start = cache.offset
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up runs (autotuning, workspaces) before capture
+            for _ in range(2):
+                model(self.tok, cache, pads, last_only=True)
+                cache.pos.fill_(start)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = model(self.tok, cache, pads, last_only=True).argmax(-1)
+        cache.pos.fill_(start)
+
+    def __call__(self, y):
+        self.tok.copy_(y.view(-1, 1))
+        self.graph.replay()
+        self.cache.offset += 1
+        return self.out.clone()
 
 
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, device: str = "cpu", dtype: str | None = None):
+    def __init__(self, device: str = "cpu", dtype: str | None = None, cuda_graphs: bool = True):
         if torch is None:
             raise MlxrunError("the PyTorch backends need torch: pip install 'mlxrun[torch]'")
         if device == "cuda" and not torch.cuda.is_available():
@@ -72,6 +139,7 @@ class TorchBackend:
             raise MlxrunError(f"unknown dtype {self.dtype!r}: use one of {', '.join(_DTYPES)}")
         self._dt = getattr(torch, self.dtype)
         self._dev = torch.device(device)
+        self.cuda_graphs = cuda_graphs and device == "cuda"
 
     def describe(self) -> str:
         if self.device == "cuda":
@@ -181,15 +249,14 @@ class TorchBackend:
     def argmax(self, logits):
         return logits.argmax(-1)
 
-    def positions(self, offset, length, pads):
-        return torch.from_numpy(positions_np(offset, length, pads)).to(self._dev)
-
-    def mask(self, offset, length, pads):
-        m = causal_mask_np(offset, length, pads)
-        return None if m is None else torch.from_numpy(m).to(self._dev)
-
     def make_cache(self, num_layers, batch, kv_heads, head_dim, max_len):
         return StaticCache(num_layers, batch, kv_heads, head_dim, max_len, self._dt, self._dev)
+
+    def decode_step(self, model, cache, batch: int, pads):
+        """A captured greedy decode step (CUDA), or None to run steps eagerly."""
+        if not self.cuda_graphs:
+            return None
+        return GraphDecoder(model, cache, batch, pads)
 
     def random_normal(self, shape, std, seed):
         """Random weights made on the device (speed runs of big shapes need no host copy)."""

@@ -88,9 +88,14 @@ def _steps(model, ids, pads, params, max_tokens, prefill_chunk, prompts):
             be.eval(logits)  # bound MLX's lazy graph to one chunk
     y = sample(logits)
     be.start(y)
+    # Greedy decode may run as one captured graph per step (CUDA); same math, fewer launches.
+    graph = be.decode_step(model, cache, B, pads) if host is None and max_tokens > 1 else None
     for n in range(max_tokens):
         if n + 1 < max_tokens:
-            nxt = sample(model(y.reshape(B, 1), cache, pads, last_only=True))
+            if graph is not None:
+                nxt = graph(y)
+            else:
+                nxt = sample(model(y.reshape(B, 1), cache, pads, last_only=True))
             be.start(nxt)
         toks = be.to_numpy(y).astype(np.int64).reshape(B)
         for b in range(B):

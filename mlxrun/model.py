@@ -93,9 +93,8 @@ class Transformer:
         be, c = self.be, self.config
         B, T = ids.shape
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        offset = cache.offset
-        mask = be.mask(offset, T, pads)
-        pos = be.positions(offset, T, pads)
+        mask = cache.mask(T, pads)  # (B or 1, 1, T, keys) or None
+        pos = cache.positions(T, pads)
         h = be.embedding(ids, self.embed)  # (B, T, hidden)
         for i, L in enumerate(self.layers):
             x = be.rms_norm(h, L.input_layernorm, c.rms_norm_eps)
