@@ -96,7 +96,7 @@ class MLXBackend:
             a = a.astype(self._dt)
         return a
 
-    def quantized(self, weight, scales, biases, mode, bits, group_size):
+    def quantized(self, weight, scales, biases, mode, bits, group_size, embedding=False):
         fp_mode = mode != "affine"
         # Scales of the floating-point modes are 8-bit codes (E8M0 / E4M3): keep the bytes.
         return QuantizedWeight(
@@ -108,7 +108,7 @@ class MLXBackend:
             group_size,
         )
 
-    def quantize(self, w, mode, bits, group_size):
+    def quantize(self, w, mode, bits, group_size, embedding=False):
         parts = mx.quantize(w, group_size=group_size, bits=bits, mode=mode)
         wq, scales = parts[0], parts[1]
         biases = parts[2] if len(parts) > 2 else None

@@ -161,30 +161,32 @@ class TorchBackend:
             a = a.to(self._dt)
         return a.to(self._dev)
 
-    def quantized(self, weight, scales, biases, mode, bits, group_size):
-        fp_mode = mode != "affine"
-        return QuantizedWeight(
-            self.array(weight, keep_dtype=True),
-            self.array(scales, keep_dtype=fp_mode),
-            None if biases is None else self.array(biases),
-            mode,
-            bits,
-            group_size,
-        )
+    def quantized(self, weight, scales, biases, mode, bits, group_size, embedding=False):
+        # Scales of the float modes are 8-bit codes; affine scales/biases keep their dtype.
+        w = self.array(weight, keep_dtype=True)
+        s = self.array(scales, keep_dtype=True)
+        b = None if biases is None else self.array(biases, keep_dtype=True)
+        if self.device != "cuda":
+            return QuantizedWeight(w, s, b, mode, bits, group_size)
+        from mlxrun.quant.triton_kernels import prepare  # noqa: PLC0415
 
-    def quantize(self, w, mode, bits, group_size):
+        # The Triton kernels read a load-time repack of the same bytes; the canonical copy
+        # is kept only where rows are gathered (the embedding, maybe tied to the head).
+        kern = prepare(w, s, b, mode, bits, group_size)
+        if embedding:
+            return QuantizedWeight(w, s, b, mode, bits, group_size, kern)
+        return QuantizedWeight(None, None, None, mode, bits, group_size, kern)
+
+    def quantize(self, w, mode, bits, group_size, embedding=False):
         from mlxrun.quant.formats import QuantSpec  # noqa: PLC0415
         from mlxrun.quant.reference import quantize  # noqa: PLC0415 (numpy, only when asked)
 
         parts = quantize(w.float().cpu().numpy(), QuantSpec(mode, bits, group_size))
-        return self.quantized(
-            Tensor.from_numpy(parts["weight"]),
-            Tensor.from_numpy(parts["scales"]),
-            Tensor.from_numpy(parts["biases"]) if "biases" in parts else None,
-            mode,
-            bits,
-            group_size,
-        )
+        biases = parts.get("biases")
+        return self.quantized(Tensor.from_numpy(parts["weight"]),
+                              Tensor.from_numpy(parts["scales"]),
+                              None if biases is None else Tensor.from_numpy(biases),
+                              mode, bits, group_size, embedding)
 
     def dequantize(self, q: QuantizedWeight):
         from mlxrun.quant.torch_dequant import dequantize  # noqa: PLC0415
@@ -199,6 +201,11 @@ class TorchBackend:
 
     def linear(self, x, w, bias=None):
         if isinstance(w, QuantizedWeight):
+            if w.kernel is not None:
+                from mlxrun.quant.triton_kernels import qmatmul  # noqa: PLC0415
+
+                y = qmatmul(x, w.kernel)
+                return y if bias is None else y + bias
             # No fused kernel on this device: expand this one layer, use it, drop it.
             w = self.dequantize(w)
         return F.linear(x, w, bias)

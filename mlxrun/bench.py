@@ -1,0 +1,1011 @@
+"""The benchmark instrument behind `mlxrun bench`: per backend and weight format, load time,
+time to first token, prefill and decode speed, peak memory, and the fraction of the memory
+roofline that batch decode reaches.
+
+Decode is memory-bound, so its ceiling is (copy bandwidth) / (bytes read per token). Both
+numbers come from this run: the bandwidth from a large device-to-device copy timed here (bytes
+read + bytes written), the bytes from the model's actual arrays (every weight once per step,
+packed words, scales and biases included; an untied embedding by the rows it gathers; the KV
+cache at the mean context length). roofline = decode tok/s x bytes/token / bandwidth.
+
+Models: anything `mlxrun.load` takes, or `shape:NAME`, a real model's shapes with random
+weights made on the device (no host copy), for speed runs of models we do not download.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .config import ModelConfig
+from .errors import MlxrunError
+from .generate import PREFILL_CHUNK, generate_step
+from .model import Layer, Transformer
+from .sampling import SamplingParams
+
+GB = 1e9  # the report's unit for bytes, bandwidth and memory (decimal, as vendors quote)
+
+# Shapes of real models, weights random. Llama-3-8B is DESIGN.md's reference shape.
+# fmt: off
+SHAPES: dict[str, dict] = {
+    "llama3-8b": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
+        tie_word_embeddings=False,
+    ),
+    "llama3-1b": dict(  # Llama 3.2 1B
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+        rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    ),
+    "smollm2": dict(  # SmolLM2-135M
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+        rope_theta=100000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    ),
+    "tiny": dict(  # for tests: builds and runs in milliseconds; untied to cover both heads
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+        rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    ),
+}
+# fmt: on
+SHAPE_PREFIX = "shape:"
+WEIGHT_STD = 0.02  # random dense weights ~ N(0, 0.02), the usual init
+
+# Bytes per copy-bandwidth trial: well past every cache; smaller on CPUs, whose copies are slow.
+COPY_BYTES = {"cpu": 256 << 20, "gpu": 1 << 30}
+COPY_TRIALS = 7  # timed, after 2 untimed
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+COMPARE = ("transformers",)
+
+
+@dataclass
+class BenchRow:
+    """One measured configuration. Speeds in tokens/s summed over the batch; bytes in bytes.
+
+    bytes_per_token = (weights read per decode step + KV read at the mean context, all
+    sequences) / batch; roofline = decode_tps x bytes_per_token / bandwidth.
+    """
+
+    engine: str  # "mlxrun" or "transformers"
+    backend: str  # mlx | cpu | cuda | mps (transformers: the torch device)
+    device: str  # short: "cpu, float32", "cuda (NVIDIA H100), bfloat16"
+    quant: str  # as asked: none | int4 | ...
+    weights: str  # as run: "float32", "affine4 g64", "affine4 g32 (stored)"
+    load_s: float
+    ttft_ms: float  # median: prefill of the whole batch + first sample
+    prefill_tps: float  # batch x prompt_tokens / TTFT
+    decode_tps: float  # median over reps: batch x (N-1) / (t_N - t_1)
+    decode_tps_min: float
+    decode_tps_max: float
+    decode_tps_reps: list[float]
+    ttft_ms_reps: list[float]
+    peak_memory_bytes: int
+    weight_bytes: int  # every array the model holds (a tied head once)
+    weight_bytes_per_step: int  # what one decode step reads of them
+    kv_bytes_per_step: int  # KV cache read per step at the mean context, all sequences
+    bytes_per_token: float
+    memory: str  # the memory it streams from: "cpu", "cuda" or "apple-gpu"
+    bandwidth_Bps: float = 0.0  # that memory's copy bandwidth measured in this run
+    roofline: float = 0.0  # fraction (can pass 1 when caches hold part of the weights)
+    description: str = ""  # the backend's full describe()
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Skipped:
+    backend: str
+    quant: str  # "*" when the whole backend could not run
+    reason: str
+
+
+@dataclass
+class BenchReport:
+    model: str
+    source: str
+    config: dict  # hidden, layers, heads, ... of the model measured
+    settings: dict  # prompt_tokens, gen_tokens, batch, reps, prefill_chunk, dtype
+    rows: list[BenchRow]
+    skipped: list[Skipped]
+    bandwidth: dict[str, dict]  # "torch:cpu" -> {"device", "median_Bps", "trials_Bps", ...}
+    environment: dict
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --- models --------------------------------------------------------------------------------
+
+
+def shape_config(name: str) -> ModelConfig:
+    """`llama3-8b` (or `shape:llama3-8b`) -> a llama ModelConfig with that model's shapes."""
+    key = name.removeprefix(SHAPE_PREFIX)
+    if key not in SHAPES:
+        known = ", ".join(SHAPE_PREFIX + k for k in SHAPES)
+        raise MlxrunError(f"unknown model shape {name!r}: use one of {known}")
+    return ModelConfig.from_dict({"model_type": "llama", **SHAPES[key]})
+
+
+def _u8(be, words):
+    """uint32 array (..., n) -> its bytes as uint8 (..., 4n), on the device."""
+    if be.name == "mlx":
+        import mlx.core as mx  # noqa: PLC0415
+
+        return words.view(mx.uint8)
+    import torch  # noqa: PLC0415
+
+    return words.view(torch.uint8)
+
+
+def _finite_e4m3(be, words):
+    """Clear bit 6 of every byte: E4M3 codes with exponent < 8, so never the NaN code 0x7F
+    (|value| < 2). Random E2M1 nibbles need no such care: all 16 codes are finite."""
+    if be.name == "mlx":
+        import mlx.core as mx  # noqa: PLC0415
+
+        return words & mx.array(0xBFBFBFBF, dtype=mx.uint32)
+    import torch  # noqa: PLC0415
+
+    # torch has no bitwise ops on uint32: work on the same bits as int32.
+    return (words.view(torch.int32) & (0xBFBFBFBF - (1 << 32))).view(torch.uint32)
+
+
+def _wrap_quantized(be, weight, scales, biases, spec, embedding: bool):
+    """Device arrays in the canonical format -> the backend's QuantizedWeight, through the
+    backend's own `quantized` (so it prepares its kernels, e.g. the Triton repack on CUDA,
+    exactly as for a loaded checkpoint)."""
+    return be.quantized(
+        weight, scales, biases, spec.mode, spec.bits, spec.group_size, embedding=embedding
+    )
+
+
+class _RandomWeights:
+    """Makes each tensor of a shape model on the backend, one seed per tensor."""
+
+    def __init__(self, be, spec, seed: int):
+        self.be, self.spec, self.seed = be, spec, seed
+
+    def _next(self) -> int:
+        self.seed += 1
+        return self.seed
+
+    def vector(self, n: int):
+        # Norm weights: ones (a (n,) host array is a few KB).
+        return self.be.array(np.ones((n,), np.float32))
+
+    def matrix(self, out: int, inp: int, embedding: bool = False):
+        """(out, inp) weight: dense N(0, WEIGHT_STD), or random packed codes with small scales
+        in the asked format (layers whose input does not divide by the group stay dense)."""
+        be, q = self.be, self.spec
+        if q is None or inp % q.group_size:
+            return be.random_normal((out, inp), WEIGHT_STD, self._next())
+        groups = inp // q.group_size
+        w = be.random_bits((out, inp * q.bits // 32), self._next())
+        if q.mode == "mxfp8":
+            w = _finite_e4m3(be, w)
+        if q.mode == "affine":
+            # w = s*q + b with q in [0, 2^bits): s ~ 0.01, b = -2^(bits-1) s centres it on 0.
+            s = be.random_normal((out, groups), 0.001, self._next()) + 0.01
+            return _wrap_quantized(be, w, s, s * float(-(2 ** (q.bits - 1))), q, embedding)
+        # 8-bit scale codes: E8M0 120..123 is 2^-7..2^-4; E4M3 4..11 is 0.0078..0.027.
+        words = be.random_bits((out, -(-groups // 4)), self._next())
+        base = 4 if q.mode == "nvfp4" else 120
+        s = _u8(be, words)[:, :groups] % (8 if q.mode == "nvfp4" else 4) + base
+        return _wrap_quantized(be, w, s, None, q, embedding)
+
+
+def build_random(cfg: ModelConfig, be, spec=None, seed: int = 0) -> Transformer:
+    """A Transformer of `cfg`'s shapes with random weights made on `be` (QuantSpec `spec`
+    packs every matrix whose input divides by its group, embedding and head included)."""
+    r = _RandomWeights(be, spec, seed)
+    c = cfg
+    H, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
+    q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    embed = r.matrix(V, H, embedding=True)  # rows are gathered from it (and tied: the head)
+    be.eval(*_arrays(embed))
+    layers = []
+    for _ in range(c.num_hidden_layers):
+        L = Layer(
+            input_layernorm=r.vector(H),
+            post_attention_layernorm=r.vector(H),
+            q_proj=r.matrix(q_out, H),
+            k_proj=r.matrix(kv_out, H),
+            v_proj=r.matrix(kv_out, H),
+            o_proj=r.matrix(H, q_out),
+            gate_proj=r.matrix(I, H),
+            up_proj=r.matrix(I, H),
+            down_proj=r.matrix(H, I),
+        )
+        be.eval(*_arrays(*_layer_arrays(L)))  # one layer at a time bounds MLX's lazy graph
+        layers.append(L)
+    head = embed if c.tie_word_embeddings else r.matrix(V, H)
+    norm = r.vector(H)
+    be.eval(*_arrays(head, norm))
+    return Transformer(cfg, be, embed, layers, norm, head)
+
+
+# --- bytes read per token ------------------------------------------------------------------
+
+
+def _arrays(*ws) -> list:
+    """Weights (dense arrays or QuantizedWeights; None skipped) -> their canonical arrays."""
+    from mlxrun.backends.base import QuantizedWeight  # noqa: PLC0415
+
+    out = []
+    for w in ws:
+        if isinstance(w, QuantizedWeight):
+            out += [a for a in (w.weight, w.scales, w.biases) if a is not None]
+        elif w is not None:
+            out.append(w)
+    return out
+
+
+def _layer_arrays(L: Layer) -> list:
+    return [getattr(L, f.name) for f in dataclasses.fields(Layer)]
+
+
+def _canonical_bytes(w) -> int:
+    return sum(int(a.nbytes) for a in _arrays(w))
+
+
+def _kernel_bytes(w) -> int | None:
+    """Bytes of a backend's prepared copy of a quantized weight (QuantizedWeight.kernel, e.g.
+    the Triton repack, which reports its `nbytes`), None where it made none."""
+    from mlxrun.backends.base import QuantizedWeight  # noqa: PLC0415
+
+    if isinstance(w, QuantizedWeight) and w.kernel is not None:
+        return int(w.kernel.nbytes)
+    return None
+
+
+def _read_bytes(w) -> int:
+    """Bytes a matmul reads of weight `w`: the prepared copy where there is one."""
+    k = _kernel_bytes(w)
+    return _canonical_bytes(w) if k is None else k
+
+
+def _held_bytes(w) -> int:
+    return _canonical_bytes(w) + (_kernel_bytes(w) or 0)
+
+
+def weight_bytes(model: Transformer, batch: int = 1) -> tuple[int, int]:
+    """(bytes the weights hold, bytes one decode step of `batch` sequences reads of them).
+
+    A step reads every layer, the final norm and the head in full once, whatever the batch;
+    an untied embedding only by the rows it gathers (nbytes / vocab per sequence); a tied
+    one is the head, counted once. Quantized weights count packed codes, scales and biases.
+    """
+    parts = [w for L in model.layers for w in _layer_arrays(L)] + [model.norm, model.head]
+    held = sum(_held_bytes(w) for w in parts)
+    read = sum(_read_bytes(w) for w in parts)
+    if model.embed is not model.head:
+        held += _held_bytes(model.embed)
+        read += batch * (_canonical_bytes(model.embed) // model.config.vocab_size)
+    return held, read
+
+
+def kv_bytes_per_position(cfg: ModelConfig, dtype: str) -> int:
+    """K and V of every layer for one position of one sequence."""
+    c = cfg
+    return c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * DTYPE_BYTES[dtype]
+
+
+def mean_context(prompt_tokens: int, gen_tokens: int) -> float:
+    """Mean number of cached positions a timed decode step attends over.
+
+    The timed steps are forwards 2..N (token 1 comes from prefill); forward i feeds token
+    i-1 and attends over prompt + i - 1 positions, whose mean over i = 2..N is prompt + N/2.
+    """
+    return prompt_tokens + gen_tokens / 2
+
+
+# --- timing --------------------------------------------------------------------------------
+
+
+def _device_key(be) -> str:
+    """Which physical memory a backend streams from; rows on one share one bandwidth."""
+    if be.device == "cpu":
+        return "cpu"
+    if be.device in ("mps",) or (be.name == "mlx" and sys.platform == "darwin"):
+        return "apple-gpu"
+    return "cuda"  # torch cuda, or mlx-cuda
+
+
+def measure_bandwidth(be) -> list[float]:
+    """Copy bandwidth (bytes read + written per second) of `be`'s device, one per trial.
+
+    torch: dst.copy_(src), timed with CUDA events on CUDA; MLX: y = |x| (reads and writes
+    every byte once), timed around mx.eval. Buffers are COPY_BYTES and freed after.
+    """
+    n = COPY_BYTES["cpu" if be.device == "cpu" else "gpu"]
+    out = []
+    if be.name == "mlx":
+        import mlx.core as mx  # noqa: PLC0415
+
+        x = mx.ones((n // 4,), mx.float32)
+        mx.eval(x)
+        for i in range(COPY_TRIALS + 2):
+            mx.synchronize()
+            t0 = time.perf_counter()
+            y = mx.abs(x)
+            mx.eval(y)
+            mx.synchronize()
+            dt = time.perf_counter() - t0
+            del y
+            if i >= 2:
+                out.append(2 * n / dt)
+        del x
+        mx.clear_cache()
+        return out
+    import torch  # noqa: PLC0415
+
+    src = torch.ones(n // 4, dtype=torch.float32, device=be.device)
+    dst = torch.empty_like(src)
+    for i in range(COPY_TRIALS + 2):
+        if be.device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            dt = start.elapsed_time(end) / 1e3
+        else:
+            be.synchronize()
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            be.synchronize()
+            dt = time.perf_counter() - t0
+        if i >= 2:
+            out.append(2 * n / dt)
+    del src, dst
+    if be.device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def _run_once(model: Transformer, prompts: list[list[int]], gen: int) -> tuple[float, float]:
+    """One greedy generation: (TTFT s, decode steps per s over tokens 2..gen).
+
+    Each yield follows a device-to-host read of the new token (a synchronisation on every
+    backend), so host clock times at the yields bound the device's work exactly; CUDA
+    events recorded there would sit behind the next step, already queued by generate_step.
+    """
+    model.be.synchronize()
+    t0 = time.perf_counter()
+    times = []
+    for _ in generate_step(model, prompts, SamplingParams(), gen, PREFILL_CHUNK):
+        times.append(time.perf_counter())
+    return times[0] - t0, (len(times) - 1) / (times[-1] - times[0])
+
+
+def _release(be) -> None:
+    """Hand the previous row's memory back so the next row's peak is its own."""
+    gc.collect()
+    if be.name == "mlx":
+        import mlx.core as mx  # noqa: PLC0415
+
+        mx.clear_cache()
+    elif be.device == "cuda":
+        import torch  # noqa: PLC0415
+
+        torch.cuda.empty_cache()
+
+
+def _short_device(be) -> str:
+    if be.name == "torch" and be.device == "cuda":
+        import torch  # noqa: PLC0415
+
+        return f"cuda ({torch.cuda.get_device_name()}), {be.dtype}"
+    return f"{be.device}, {be.dtype}"
+
+
+def _weights_label(model: Transformer, stored: bool) -> str:
+    from mlxrun.backends.base import QuantizedWeight  # noqa: PLC0415
+
+    w = model.layers[0].q_proj if model.layers else model.head
+    if isinstance(w, QuantizedWeight):
+        label = f"int{w.bits} g{w.group_size}" if w.mode == "affine" else w.mode
+        return label + " (stored)" if stored else label
+    return model.be.dtype
+
+
+@dataclass
+class _Run:
+    prompt_tokens: int
+    gen_tokens: int
+    batch: int
+    reps: int
+    progress: bool
+
+    def say(self, msg: str) -> None:
+        if self.progress:
+            print(f"bench: {msg}", file=sys.stderr, flush=True)
+
+    def prompts(self, vocab: int) -> list[list[int]]:
+        rng = np.random.default_rng(0)
+        return rng.integers(0, vocab, size=(self.batch, self.prompt_tokens)).tolist()
+
+
+def _bench_model(run: _Run, model: Transformer) -> dict:
+    """Warm up, then time `reps` generations: the BenchRow fields measured on the model."""
+    be, cfg = model.be, model.config
+    prompts = run.prompts(cfg.vocab_size)
+    # Warm-up with the timed shapes: a shorter one leaves cache sizes, allocator blocks and
+    # kernel choices of the first timed rep cold (seen on CUDA: TTFT 1.1 s, then 0.18 s).
+    _run_once(model, prompts, run.gen_tokens)
+    be.reset_peak_memory()
+    samples = [_run_once(model, prompts, run.gen_tokens) for _ in range(run.reps)]
+    peak = be.peak_memory()
+    held, per_step = weight_bytes(model, run.batch)
+    ctx = mean_context(run.prompt_tokens, run.gen_tokens)
+    kv = round(run.batch * kv_bytes_per_position(cfg, be.dtype) * ctx)
+    return _timings(run, samples) | dict(
+        peak_memory_bytes=int(peak),
+        weight_bytes=int(held),
+        weight_bytes_per_step=int(per_step),
+        kv_bytes_per_step=int(kv),
+        bytes_per_token=(per_step + kv) / run.batch,
+        memory=_device_key(be),
+        description=be.describe(),
+    )
+
+
+def _timings(run: _Run, samples: list[tuple[float, float]]) -> dict:
+    """(TTFT s, decode steps/s) per rep -> medians, ranges, prefill speed."""
+    ttft = [t for t, _ in samples]
+    tps = [run.batch * steps for _, steps in samples]
+    ttft_med, tps_med = statistics.median(ttft), statistics.median(tps)
+    return dict(
+        ttft_ms=1e3 * ttft_med,
+        prefill_tps=run.batch * run.prompt_tokens / ttft_med,
+        decode_tps=tps_med,
+        decode_tps_min=min(tps),
+        decode_tps_max=max(tps),
+        decode_tps_reps=tps,
+        ttft_ms_reps=[1e3 * t for t in ttft],
+    )
+
+
+# --- rows ----------------------------------------------------------------------------------
+
+
+def _bench_mlxrun(run: _Run, src: _Source, name: str, be, qname: str, spec, dtype) -> BenchRow:
+    """Load (or build) the model on `be` in format `qname`, and measure it."""
+    from .api import load  # noqa: PLC0415
+
+    run.say(f"{be.name}:{be.device} {qname}: loading")
+    notes: list[str] = []
+    t0 = time.perf_counter()
+    if src.shape:
+        model = build_random(src.config, be, spec)
+        be.synchronize()
+        load_s = time.perf_counter() - t0
+    else:
+        m = load(
+            src.model,
+            backend=name,
+            dtype=dtype,
+            quant=qname,
+            progress=run.progress,
+        )
+        model, notes = m.transformer, list(m.notes)
+        # MLX converts dtypes lazily: finish every weight so load time is all of it.
+        t1 = time.perf_counter()
+        model.be.eval(*_arrays(model.embed, model.norm, model.head))
+        for L in model.layers:
+            model.be.eval(*_arrays(*_layer_arrays(L)))
+        model.be.synchronize()
+        load_s = m.load_time + time.perf_counter() - t1
+        del m
+    run.say(f"{be.name}:{be.device} {qname}: timing {run.reps} x {run.gen_tokens} tokens")
+    fields = _bench_model(run, model)
+    return BenchRow(
+        engine="mlxrun",
+        backend=name,
+        device=_short_device(model.be),
+        quant=qname,
+        weights=_weights_label(model, stored=src.stored is not None),
+        load_s=load_s,
+        notes=notes,
+        **fields,
+    )
+
+
+def _hf_model(src: _Source, be):
+    """The same model in transformers on `be`'s torch device and dtype."""
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    transformers.logging.set_verbosity_error()  # generation-config chatter, not results
+    dt = getattr(torch, be.dtype)
+    if src.shape:
+        cfg = transformers.LlamaConfig(**SHAPES[src.model.removeprefix(SHAPE_PREFIX)])
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dt)  # random init straight in the compute dtype
+        try:
+            with torch.device(be.device):
+                return transformers.LlamaForCausalLM(cfg)
+        finally:
+            torch.set_default_dtype(prev)
+    from .loader import resolve_source  # noqa: PLC0415
+
+    path = resolve_source(src.model)
+    auto = transformers.AutoModelForCausalLM
+    if path.suffix == ".gguf":  # transformers dequantizes GGUF blocks to `dt`
+        return auto.from_pretrained(path.parent, gguf_file=path.name, dtype=dt).to(be.device)
+    return auto.from_pretrained(path, dtype=dt).to(be.device)
+
+
+class _PeerLoadError(Exception):
+    """transformers could not build the peer model; the run lists it as skipped."""
+
+
+class _StreamTimer:
+    """transformers streamer that records when each generated token arrives (the first
+    put is the prompt). put() receives tokens moved to the host, a synchronisation."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _hf_once(hf, x, gen: int) -> tuple[float, float]:
+    import torch  # noqa: PLC0415
+
+    timer = _StreamTimer()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        hf.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=gen,
+            min_new_tokens=gen,
+            do_sample=False,
+            streamer=timer,
+            pad_token_id=0,
+        )
+    t = timer.times
+    return t[0] - t0, (len(t) - 1) / (t[-1] - t[0])
+
+
+def _bench_hf(run: _Run, src: _Source, be) -> BenchRow:
+    """transformers' generate() on the same weights, device and dtype, timed like ours."""
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415, F401 (imported before the clock: not load time)
+
+    run.say(f"transformers on {be.device}: loading")
+    t0 = time.perf_counter()
+    try:
+        hf = _hf_model(src, be).eval()
+    except Exception as e:  # the peer's own failure must not discard the rows measured
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise _PeerLoadError(f"transformers could not load it: {type(e).__name__}: {msg}") from e
+    be.synchronize()
+    load_s = time.perf_counter() - t0
+    cfg = src.config
+    x = torch.tensor(run.prompts(cfg.vocab_size), device=be.device)
+    run.say(f"transformers on {be.device}: timing {run.reps} x {run.gen_tokens} tokens")
+    _hf_once(hf, x, run.gen_tokens)
+    be.reset_peak_memory()
+    samples = [_hf_once(hf, x, run.gen_tokens) for _ in range(run.reps)]
+    peak = be.peak_memory()
+    emb, head = hf.get_input_embeddings().weight, hf.get_output_embeddings().weight
+    held = sum(int(p.nbytes) for p in hf.parameters())  # shared (tied) parameters once
+    per_step = held
+    if emb.data_ptr() != head.data_ptr():  # untied: only the gathered rows are read
+        per_step += run.batch * int(emb.nbytes) // emb.shape[0] - int(emb.nbytes)
+    ctx = mean_context(run.prompt_tokens, run.gen_tokens)
+    kv = round(run.batch * kv_bytes_per_position(cfg, be.dtype) * ctx)
+    gguf = not src.shape and src.source.endswith(".gguf")
+    del hf
+    _release(be)
+    return BenchRow(
+        engine="transformers",
+        backend="transformers",
+        device=_short_device(be),
+        quant="none",
+        weights=be.dtype + (" (from GGUF)" if gguf else ""),
+        load_s=load_s,
+        peak_memory_bytes=int(peak),
+        weight_bytes=held,
+        weight_bytes_per_step=per_step,
+        kv_bytes_per_step=int(kv),
+        bytes_per_token=(per_step + kv) / run.batch,
+        memory=_device_key(be),
+        description=f"transformers {_version('transformers')} generate(), torch on {be.device}",
+        notes=["transformers dequantizes GGUF weights to a dense copy"] if gguf else [],
+        **_timings(run, samples),
+    )
+
+
+# --- the run -------------------------------------------------------------------------------
+
+
+@dataclass
+class _Source:
+    model: str
+    shape: bool
+    config: ModelConfig
+    source: str
+    stored: dict | None  # the checkpoint's quantization block when it is stored quantized
+
+
+def _open_source(model: str) -> _Source:
+    if model.startswith(SHAPE_PREFIX):
+        cfg = shape_config(model)
+        return _Source(model, True, cfg, f"random weights, {model} shapes", None)
+    from .loader import open_checkpoint  # noqa: PLC0415
+
+    ckpt = open_checkpoint(model)
+    return _Source(model, False, ckpt.config, ckpt.source, ckpt.config.quantization)
+
+
+def _version(module: str) -> str | None:
+    m = sys.modules.get(module)
+    return getattr(m, "__version__", None) if m is not None else None
+
+
+def _check_args(backends, quants, prompt_tokens, gen_tokens, batch, reps, compare, paths):
+    if reps < 1:
+        raise MlxrunError(f"--reps must be at least 1, got {reps}")
+    if gen_tokens < 2:
+        raise MlxrunError(f"--gen-tokens must be at least 2 to time decoding, got {gen_tokens}")
+    if prompt_tokens < 1:
+        raise MlxrunError(f"--prompt-tokens must be at least 1, got {prompt_tokens}")
+    if batch < 1:
+        raise MlxrunError(f"--batch must be at least 1, got {batch}")
+    if not backends:
+        raise MlxrunError("--backends is empty: name at least one of mlx, cpu, cuda, mps")
+    if not quants:
+        raise MlxrunError("--quant is empty: name at least one format, e.g. none,int4")
+    for c in compare:
+        if c not in COMPARE:
+            raise MlxrunError(f"--compare {c!r} is not supported: use {', '.join(COMPARE)}")
+    for p in paths:
+        if p is not None and not Path(p).expanduser().resolve().parent.is_dir():
+            raise MlxrunError(f"{p}: its directory does not exist; create it first")
+
+
+def _quant_specs(quants: list[str]) -> dict:
+    from mlxrun.quant.formats import resolve  # noqa: PLC0415
+
+    specs = {}
+    for q in quants:
+        key = q.strip().lower()
+        if key == "auto":
+            raise MlxrunError("--quant auto is not measurable: list formats, e.g. none,int4,fp8")
+        specs[key] = None if key == "none" else resolve(key)
+    return specs
+
+
+def run_bench(
+    model: str,
+    backends: list[str],
+    quants: list[str],
+    *,
+    prompt_tokens: int = 512,
+    gen_tokens: int = 128,
+    batch: int = 1,
+    reps: int = 5,
+    compare: list[str] | tuple[str, ...] = (),
+    json_path: str | os.PathLike | None = None,
+    plot_path: str | os.PathLike | None = None,
+    dtype: str | None = None,
+    progress: bool = True,
+) -> BenchReport:
+    """Measure `model` on each backend in each weight format; returns the report (and writes
+    the JSON / PNG when paths are given).
+
+    model: anything `mlxrun.load` takes, or `shape:llama3-8b` / `shape:llama3-1b` /
+    `shape:smollm2` / `shape:tiny` (random weights made on the device). backends: mlx, cpu,
+    cuda, mps (auto allowed); those that cannot run here are listed in `report.skipped`.
+    quants: none, int4, int8, fp8, fp4, nvfp4; a checkpoint stored quantized runs as stored
+    under `none` and skips the others. compare: ("transformers",) adds HF generate() on the
+    first torch device listed. The prompt is batch x prompt_tokens random ids; decoding is
+    greedy for gen_tokens tokens, after one untimed warm-up generation.
+    """
+    from mlxrun.backends import get_backend, resolve_backend_name  # noqa: PLC0415
+
+    _check_args(
+        backends, quants, prompt_tokens, gen_tokens, batch, reps, compare, (json_path, plot_path)
+    )
+    if plot_path is not None:
+        _matplotlib()  # fail before the run, not after it
+    names = list(dict.fromkeys(resolve_backend_name(b.strip().lower()) for b in backends))
+    specs = _quant_specs(quants)
+    src = _open_source(model)
+    run = _Run(prompt_tokens, gen_tokens, batch, reps, progress)
+    rows: list[BenchRow] = []
+    skipped: list[Skipped] = []
+    bandwidth: dict[str, dict] = {}
+    torch_be = None
+    for name in names:
+        try:
+            be = get_backend(name, dtype)
+        except MlxrunError as e:
+            skipped.append(Skipped(name, "*", str(e)))
+            continue
+        if be.name == "torch" and torch_be is None:
+            torch_be = be
+        key = f"{be.name}:{be.device}"
+        if key not in bandwidth:
+            run.say(f"{key}: measuring copy bandwidth")
+            trials = measure_bandwidth(be)
+            bandwidth[key] = dict(
+                memory=_device_key(be), median_Bps=statistics.median(trials), trials_Bps=trials
+            )
+        for qname, spec in specs.items():
+            if src.stored is not None and spec is not None:
+                skipped.append(Skipped(name, qname, _stored_reason(src)))
+                continue
+            try:
+                rows.append(_bench_mlxrun(run, src, name, be, qname, spec, dtype))
+            except MlxrunError as e:
+                skipped.append(Skipped(name, qname, str(e)))
+            _release(be)
+    if not rows:
+        why = "; ".join(f"{s.backend} {s.quant}: {s.reason}" for s in skipped)
+        raise MlxrunError(f"nothing could be measured here ({why})")
+    if "transformers" in compare:
+        if torch_be is None:
+            skipped.append(
+                Skipped(
+                    "transformers",
+                    "none",
+                    "no torch backend (cpu, cuda, mps) ran; add cpu to --backends",
+                )
+            )
+        elif src.stored is not None and not src.source.endswith(".gguf"):
+            skipped.append(
+                Skipped(
+                    "transformers", "none", "transformers cannot load MLX-quantized checkpoints"
+                )
+            )
+        else:
+            try:
+                rows.append(_bench_hf(run, src, torch_be))
+            except _PeerLoadError as e:
+                skipped.append(Skipped("transformers", "none", str(e)))
+    _roofline(rows, bandwidth)
+    report = BenchReport(
+        model=model,
+        source=src.source,
+        config=_config_summary(src.config),
+        settings=dict(
+            prompt_tokens=prompt_tokens,
+            gen_tokens=gen_tokens,
+            batch=batch,
+            reps=reps,
+            prefill_chunk=PREFILL_CHUNK,
+            dtype=dtype,
+            mean_context=mean_context(prompt_tokens, gen_tokens),
+        ),
+        rows=rows,
+        skipped=skipped,
+        bandwidth=bandwidth,
+        environment=_environment(),
+    )
+    if json_path is not None:
+        write_json(report, json_path)
+    if plot_path is not None:
+        plot_report(report, plot_path)
+    return report
+
+
+def _stored_reason(src: _Source) -> str:
+    q = src.stored or {}
+    what = f"{q.get('mode', 'affine')} {q.get('bits', 4)}-bit g{q.get('group_size', 64)}"
+    return f"the checkpoint is stored quantized ({what}); quant 'none' runs it as stored"
+
+
+def _roofline(rows: list[BenchRow], bandwidth: dict[str, dict]) -> None:
+    """Each row's bandwidth: the best copy measured on its memory (frameworks differ: MLX's
+    CPU copy runs on one thread, torch's on all), and its roofline fraction."""
+    for r in rows:
+        r.bandwidth_Bps = max(
+            b["median_Bps"] for b in bandwidth.values() if b["memory"] == r.memory
+        )
+        r.roofline = r.decode_tps * r.bytes_per_token / r.bandwidth_Bps
+
+
+def _config_summary(c: ModelConfig) -> dict:
+    keys = (
+        "model_type",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "tie_word_embeddings",
+        "quantization",
+    )
+    return {k: getattr(c, k) for k in keys}
+
+
+def _environment() -> dict:
+    return dict(
+        python=platform.python_version(),
+        platform=platform.platform(),
+        machine=platform.machine(),
+        cpu_count=os.cpu_count(),
+        numpy=np.__version__,
+        torch=_version("torch"),
+        mlx=_mlx_version(),
+        transformers=_version("transformers"),
+    )
+
+
+def _mlx_version() -> str | None:
+    return _version("mlx.core")
+
+
+# --- output --------------------------------------------------------------------------------
+
+
+def format_report(report: BenchReport) -> str:
+    """One table (a row per backend x format, transformers last) and the skipped list."""
+    s = report.settings
+    head = (
+        f"{report.model} ({report.source}): batch {s['batch']}, {s['prompt_tokens']}-token "
+        f"prompt, {s['gen_tokens']} greedy tokens, median of {s['reps']} (GB = 1e9 bytes)"
+    )
+    cols = [
+        "backend",
+        "device",
+        "quant",
+        "weights",
+        "load s",
+        "TTFT ms",
+        "prefill tok/s",
+        "decode tok/s [min-max]",
+        "peak GB",
+        "bytes/tok GB",
+        "BW GB/s",
+        "roofline %",
+    ]
+    table = [cols]
+    for r in report.rows:
+        table.append(
+            [
+                r.backend,
+                r.device,
+                r.quant,
+                r.weights,
+                f"{r.load_s:.2f}",
+                f"{r.ttft_ms:.1f}",
+                f"{r.prefill_tps:.1f}",
+                f"{r.decode_tps:.1f} [{r.decode_tps_min:.1f}-{r.decode_tps_max:.1f}]",
+                f"{r.peak_memory_bytes / GB:.3f}",
+                f"{r.bytes_per_token / GB:.4f}",
+                f"{r.bandwidth_Bps / GB:.1f}",
+                f"{100 * r.roofline:.1f}",
+            ]
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
+    right = set(range(4, len(cols)))
+    lines = [head]
+    for k, row in enumerate(table):
+        cells = [
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    bw = ", ".join(f"{k} {v['median_Bps'] / GB:.1f}" for k, v in report.bandwidth.items())
+    lines.append(
+        f"copy bandwidth measured (GB/s, read+write): {bw}; each row uses its memory's best"
+    )
+    if any(r.backend in ("cpu", "transformers") and r.memory == "cpu" for r in report.rows):
+        lines.append(
+            "peak GB on torch CPU rows is the process's RSS high-water mark (earlier rows included)"
+        )
+    for r in report.rows:
+        for n in r.notes:
+            lines.append(f"note ({r.backend} {r.quant}): {n}")
+    for sk in report.skipped:
+        what = sk.backend if sk.quant == "*" else f"{sk.backend} {sk.quant}"
+        lines.append(f"skipped {what}: {sk.reason}")
+    return "\n".join(lines)
+
+
+def _atomic_write(path: str | os.PathLike, write) -> None:
+    """Write through a temporary file in the same directory, then rename over `path`."""
+    path = Path(path).expanduser()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(report: BenchReport, path: str | os.PathLike) -> None:
+    """Every number of the report as JSON (atomic)."""
+    text = json.dumps(report.to_dict(), indent=2, allow_nan=False)
+    _atomic_write(path, lambda f: f.write(text.encode() + b"\n"))
+
+
+def _matplotlib():
+    try:
+        import matplotlib  # noqa: PLC0415, F401
+    except ImportError:
+        raise MlxrunError("--plot needs matplotlib: pip install matplotlib") from None
+    from matplotlib.figure import Figure  # noqa: PLC0415 (no pyplot: no GUI backend state)
+
+    return Figure
+
+
+def plot_report(report: BenchReport, path: str | os.PathLike) -> None:
+    """PNG: decode tok/s per backend and format (bars, min-max whiskers) against each row's
+    roofline ceiling, bandwidth / bytes per token (black ticks). Written atomically."""
+    Figure = _matplotlib()
+    rows = report.rows
+    fig = Figure(figsize=(max(6.0, 1.1 * len(rows) + 2), 4.5), dpi=120)
+    ax = fig.add_subplot()
+    xs = np.arange(len(rows))
+    med = np.array([r.decode_tps for r in rows])
+    err = np.array(
+        [
+            [r.decode_tps - r.decode_tps_min for r in rows],
+            [r.decode_tps_max - r.decode_tps for r in rows],
+        ]
+    )
+    colors = {"mlx": "tab:blue", "cpu": "tab:orange", "cuda": "tab:green", "mps": "tab:purple"}
+    ax.bar(xs, med, yerr=err, capsize=3, color=[colors.get(r.backend, "tab:gray") for r in rows])
+    ceiling = np.array([r.bandwidth_Bps / r.bytes_per_token for r in rows])
+    ax.scatter(xs, ceiling, marker="_", s=900, color="black", label="roofline (copy BW / bytes)")
+    for x, r in zip(xs, rows, strict=True):
+        ax.annotate(
+            f"{100 * r.roofline:.0f}%",
+            (x, r.decode_tps),
+            ha="center",
+            va="bottom",
+            xytext=(0, 3),
+            textcoords="offset points",
+            fontsize=8,
+        )
+    labels = [f"{r.backend}\n{r.quant}" for r in rows]
+    ax.set_xticks(xs, [t.replace("transformers\nnone", "transformers") for t in labels], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("decode tokens/s (log)")
+    s = report.settings
+    ax.set_title(
+        f"{report.model}: batch {s['batch']}, {s['prompt_tokens']}+{s['gen_tokens']} tokens",
+        fontsize=10,
+    )
+    ax.set_ylim(top=4 * max(ceiling.max(), med.max()))  # head room for the legend
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    _atomic_write(path, lambda f: fig.savefig(f, format="png"))

@@ -1,0 +1,452 @@
+"""`mlxrun eval`: how much quantization changes a model, measured on text.
+
+The reference is the same model unquantized on the same backend and dtype. For a source
+that is already quantized (the bundled SmolLM2 GGUF: Q4_1 linears, Q8_0 embedding) the
+reference is its dequantized dense weights, and the formats under test are quantized from
+those, so every row of the table compares against one and the same dense model.
+
+Per position of a text split into non-overlapping windows, with P the reference's and Q the
+quantized model's next-token distribution:
+    kl   = mean KL(P || Q) in nats
+    top1 = fraction of positions where argmax Q == argmax P
+    perplexity = exp(mean -log Q(next token))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from .config import ModelConfig
+from .convert import is_matrix
+from .errors import MlxrunError
+from .loader import Checkpoint, open_checkpoint
+from .weights import Tensor, bf16_bits, save_safetensors
+
+MIN_TOKENS = 64  # fewer scored positions than this give noise, not a measurement
+_KL_ROWS = 64  # positions per float64 softmax chunk: 64 x vocab x 8 bytes stays small
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """One row of the table. kl in nats; top1 in [0, 1]; bytes_per_weight over the linear
+    and embedding matrices as the backend holds them (packed values + scales + biases, or
+    dense elements for layers left unquantized); n_tokens: scored positions."""
+
+    quant: str
+    perplexity: float
+    kl: float
+    top1: float
+    bytes_per_weight: float
+    n_tokens: int
+
+
+@dataclass(frozen=True)
+class QuantChoice:
+    """A format to evaluate: `name` as for --quant (None or 'none': the reference itself)."""
+
+    name: str | None
+    group_size: int | None = None
+    bits: int | None = None
+    clip_search: bool = False
+
+    def spec(self):
+        """The QuantSpec, or None for the unquantized reference (raises MlxrunError)."""
+        if self.name in (None, "none"):
+            return None
+        if self.name.strip().lower() == "auto":
+            raise MlxrunError(
+                "eval measures one named format: use int4, int8, fp8, fp4 or nvfp4, not auto"
+            )
+        from mlxrun.quant.formats import resolve  # noqa: PLC0415
+
+        return resolve(self.name, group_size=self.group_size, bits=self.bits)
+
+    @property
+    def label(self) -> str:
+        """'none', 'int4 g64', 'fp4 g32', 'int4 g64 clip-search'."""
+        spec = self.spec()
+        if spec is None:
+            return "none"
+        label = f"{self.name.strip().lower()} g{spec.group_size}"
+        return label + (" clip-search" if self.clip_search else "")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A model to score against the reference that mlxrun did not build (e.g. mlx-lm's
+    own quantization): `logits(ids [T]) -> float32 [T, vocab]` for one window."""
+
+    label: str
+    logits: Callable[[np.ndarray], np.ndarray]
+    bytes_per_weight: float
+
+
+# ---------------------------------------------------------------- dense checkpoints
+
+
+def dense_tensors(ckpt: Checkpoint) -> dict[str, Tensor]:
+    """Every packed matrix of `ckpt` (weight/scales[/biases]) dequantized to an F32
+    `[out, in]` `<path>.weight`; other tensors unchanged. A dense checkpoint comes back
+    as is. Affine groups are expanded in float32 (scales and biases widened first), which
+    is what the float32 backends compute for the packed layer, so the dense model gives
+    the packed model's logits."""
+    from mlxrun.quant.formats import layer_spec  # noqa: PLC0415
+    from mlxrun.quant.reference import dequantize  # noqa: PLC0415
+
+    t = ckpt.tensors
+    out: dict[str, Tensor] = {}
+    for name, x in t.items():
+        path, _, leaf = name.rpartition(".")
+        if f"{path}.scales" not in t:
+            out[name] = x
+            continue
+        if leaf != "weight":
+            continue  # scales / biases are folded into the dense weight
+        spec = layer_spec(ckpt.config.quantization or {}, path)
+        if spec is None:
+            raise MlxrunError(
+                f"{path} is stored quantized but config.json has no quantization block for it"
+            )
+        scales = t[f"{path}.scales"]
+        if spec.mode == "affine":
+            s, b = scales.float32(), t[f"{path}.biases"].float32()
+            w = dequantize(x.data, s, b, spec)
+        else:
+            w = dequantize(x.data, np.asarray(scales.data), None, spec, dtype="float32")
+        out[name] = Tensor("F32", w)
+    return out
+
+
+def dense_checkpoint(model: str) -> Checkpoint:
+    """`open_checkpoint(model)` with its packed matrices dequantized (see `dense_tensors`)
+    and the quantization blocks dropped from the config."""
+    ckpt = open_checkpoint(model)
+    raw = {
+        k: v for k, v in ckpt.raw_config.items() if k not in ("quantization", "quantization_config")
+    }
+    return dataclasses.replace(
+        ckpt,
+        config=ckpt.config.replace(quantization=None),
+        raw_config=raw,
+        tensors=dense_tensors(ckpt),
+    )
+
+
+def save_dense(model: str, out_dir: str | os.PathLike, dtype: str = "float32") -> Path:
+    """Write `model` dequantized as a Hugging Face-layout directory (config.json,
+    model.safetensors in `dtype` float32 | bfloat16 | float16, tokenizer files), e.g. to
+    feed a dense copy of the bundled GGUF to mlx-lm or transformers. Returns the path."""
+    names = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+    if dtype not in names:
+        raise MlxrunError(f"unknown dtype {dtype!r}: use {', '.join(names)}")
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise MlxrunError(f"{out} already exists and is not empty; choose a new directory")
+    ckpt = dense_checkpoint(model)
+    tensors = {}
+    for name, t in ckpt.tensors.items():
+        if t.dtype in ("F32", "F16", "BF16", "F64"):
+            v = t.float32()
+            data = bf16_bits(v) if dtype == "bfloat16" else v.astype(np.dtype(dtype))
+            t = Tensor(names[dtype], data)
+        tensors[name] = t
+    config = dict(ckpt.raw_config, torch_dtype=dtype)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        save_safetensors(tmp / "model.safetensors", tensors, {"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        for name, text in ckpt.tokenizer_files.items():
+            (tmp / name).write_text(text)
+        if ckpt.generation_config:
+            (tmp / "generation_config.json").write_text(json.dumps(ckpt.generation_config))
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise MlxrunError(f"cannot write {out}: {e.strerror or e}") from None
+    return out
+
+
+def quantize_tensors(
+    tensors: dict[str, Tensor], spec, *, dtype: str = "float32", clip_search: bool = False
+) -> tuple[dict[str, Tensor], list[str]]:
+    """Dense matrices -> packed canonical tensors with the numpy reference, from the values
+    rounded to the compute `dtype` (so stored scales match what quantizing on the backend
+    would give). Matrices whose input size is not a multiple of the group stay dense (a
+    note says so). Returns (tensors, notes)."""
+    from mlxrun.quant.reference import quantize  # noqa: PLC0415
+
+    out: dict[str, Tensor] = {}
+    notes: list[str] = []
+    for name, t in tensors.items():
+        path = name.removesuffix(".weight")
+        if not (name.endswith(".weight") and is_matrix(path) and t.data.ndim == 2):
+            out[name] = t
+            continue
+        if t.shape[1] % spec.group_size:
+            notes.append(
+                f"{path} stays unquantized: its input size {t.shape[1]} is not a "
+                f"multiple of the group size {spec.group_size}"
+            )
+            out[name] = t
+            continue
+        v = t.float32()
+        w = bf16_bits(v) if dtype == "bfloat16" else v.astype(np.dtype(dtype))
+        parts = quantize(w, spec, bf16=dtype == "bfloat16", name=name, clip_search=clip_search)
+        for k, a in parts.items():
+            bf = dtype == "bfloat16" and k != "weight" and spec.mode == "affine"
+            out[f"{path}.{k}"] = Tensor("BF16", a) if bf else Tensor.from_numpy(a)
+    return out, notes
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def matrix_bytes_per_weight(transformer) -> float:
+    """Bytes the backend holds per element of the linear and embedding matrices (a tied
+    head counted once): packed weight + scales + biases, plus any kernel-specific repack
+    (CUDA keeps only the repack, except for the embedding), or the dense array."""
+    from mlxrun.backends.base import QuantizedWeight  # noqa: PLC0415
+
+    mats = [transformer.embed]
+    for L in transformer.layers:
+        mats += [L.q_proj, L.k_proj, L.v_proj, L.o_proj, L.gate_proj, L.up_proj, L.down_proj]
+    if transformer.head is not transformer.embed:
+        mats.append(transformer.head)
+    total = elems = 0
+    for m in mats:
+        if not isinstance(m, QuantizedWeight):
+            total += int(m.nbytes)
+            elems += int(np.prod(m.shape))
+            continue
+        held = [x for x in (m.weight, m.scales, m.biases) if x is not None]
+        total += sum(int(x.nbytes) for x in held)
+        total += int(getattr(m.kernel, "nbytes", 0))
+        if m.weight is not None:
+            out, inp = m.shape
+        else:  # only the kernel's repack is held: QLinear knows its logical [n, k]
+            out, inp = m.kernel.n, m.kernel.k
+        elems += int(out) * int(inp)
+    return total / elems
+
+
+def eval_text(text: str | None = None) -> str:
+    """The text to score: a file path, or None for the bundled mlxrun/data/eval.txt."""
+    if text is None:
+        return resources.files("mlxrun").joinpath("data/eval.txt").read_text(encoding="utf-8")
+    try:
+        return Path(text).expanduser().read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise MlxrunError(f"--text {text}: no such file; give a UTF-8 text file") from None
+    except UnicodeDecodeError:
+        raise MlxrunError(f"--text {text}: not UTF-8 text; give a plain text file") from None
+    except OSError as e:
+        raise MlxrunError(f"--text {text}: cannot be read ({e.strerror or e})") from None
+
+
+def windows(ids: list[int], window: int, max_tokens: int) -> list[np.ndarray]:
+    """Token ids cut to `max_tokens`, split into non-overlapping windows of `window` (the
+    last one shorter; a 1-token tail is dropped since it predicts nothing)."""
+    ids = ids[:max_tokens]
+    chunks = [np.asarray(ids[i : i + window], np.int64) for i in range(0, len(ids), window)]
+    return [c for c in chunks if len(c) >= 2]
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+class _Stats:
+    """Running sums over scored positions."""
+
+    def __init__(self):
+        self.nll = self.kl = 0.0
+        self.agree = self.n = 0
+
+    def add(self, ref_logp: np.ndarray, logits: np.ndarray, targets: np.ndarray) -> None:
+        """ref_logp float64 [T, V] (log P), logits [T, V] of the candidate, targets [T]."""
+        logq = _log_softmax(logits)
+        p = np.exp(ref_logp)
+        self.kl += float((p * (ref_logp - logq)).sum())
+        self.nll -= float(logq[np.arange(len(targets)), targets].sum())
+        self.agree += int((ref_logp.argmax(-1) == logits.argmax(-1)).sum())
+        self.n += len(targets)
+
+    def result(self, label: str, bpw: float) -> EvalResult:
+        n = max(self.n, 1)
+        return EvalResult(
+            label, float(np.exp(self.nll / n)), self.kl / n, self.agree / n, bpw, self.n
+        )
+
+
+def window_logits(transformer, ids: np.ndarray) -> np.ndarray:
+    """One window through the model from an empty cache: ids [T] -> float32 logits [T, V]."""
+    be = transformer.be
+    cache = transformer.make_cache(1, len(ids))
+    return be.to_numpy(transformer(be.ids(ids.reshape(1, -1)), cache))[0]
+
+
+def expanded(transformer):
+    """The same model with every packed matrix dequantized once, for backends whose
+    `linear` has no fused kernel and dequantizes on every call (PyTorch on CPU): the
+    logits are bit-identical and the windows run at dense speed. Others: unchanged."""
+    from mlxrun.backends.base import QuantizedWeight  # noqa: PLC0415
+
+    from .model import Transformer  # noqa: PLC0415
+
+    be = transformer.be
+    if not (be.name == "torch" and be.device == "cpu"):
+        return transformer
+
+    def dense(m):
+        return be.dequantize(m) if isinstance(m, QuantizedWeight) else m
+
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    layers = [
+        dataclasses.replace(L, **{n: dense(getattr(L, n)) for n in names})
+        for L in transformer.layers
+    ]
+    embed = dense(transformer.embed)
+    tied = transformer.head is transformer.embed
+    head = embed if tied else dense(transformer.head)
+    return Transformer(transformer.config, be, embed, layers, transformer.norm, head)
+
+
+def _build(cfg: ModelConfig, tensors: dict[str, Tensor], be, choice: QuantChoice):
+    """(transformer, notes) for one choice, quantizing the dense `tensors`."""
+    from mlxrun.quant.formats import to_config  # noqa: PLC0415
+
+    from .build import build_model  # noqa: PLC0415
+
+    spec = choice.spec()
+    if spec is None or not choice.clip_search:
+        # the backend's own quantize-on-load path (mx.quantize / the numpy reference)
+        return build_model(cfg, tensors, be, spec, progress=False)
+    if spec.mode != "affine":
+        raise MlxrunError(f"clip search applies to int4/int8 only, not {choice.name}")
+    packed, notes = quantize_tensors(tensors, spec, dtype=be.dtype, clip_search=True)
+    model, more = build_model(
+        cfg.replace(quantization=to_config(spec)), packed, be, None, progress=False
+    )
+    return model, notes + more
+
+
+def evaluate_many(
+    model: str,
+    choices: Sequence[QuantChoice],
+    *,
+    backend: str = "cpu",
+    dtype: str | None = "float32",
+    text: str | None = None,
+    max_tokens: int = 4096,
+    window: int = 512,
+    extra: Sequence[Candidate] = (),
+    progress: bool = False,
+) -> tuple[list[EvalResult], list[str]]:
+    """Score every choice (and `extra` candidate) against one unquantized reference over
+    the same windows; the reference's logits are computed once per window. All models are
+    held at once (the dense reference plus one quantized copy each).
+
+    Returns (results in the order given, notes such as layers left unquantized).
+    """
+    from mlxrun.backends import get_backend  # noqa: PLC0415
+
+    if window < 2:
+        raise MlxrunError(f"--window must be at least 2 tokens, got {window}")
+    if max_tokens < MIN_TOKENS:
+        raise MlxrunError(f"--max-tokens must be at least {MIN_TOKENS}, got {max_tokens}")
+    for c in choices:
+        c.spec()  # a bad name, group size or width fails before anything is loaded
+    body = eval_text(text)
+    be = get_backend(backend, dtype)
+    ckpt = dense_checkpoint(model)
+    wins = windows(ckpt.tokenizer.encode(body, add_special_tokens=False), window, max_tokens)
+    scored = sum(len(w) - 1 for w in wins)
+    if scored < MIN_TOKENS:
+        raise MlxrunError(
+            f"the evaluation text gives only {scored} scored tokens; give at least "
+            f"{MIN_TOKENS} (a few paragraphs), or a larger --window"
+        )
+    ref, _ = _build(ckpt.config, ckpt.tensors, be, QuantChoice(None))
+    models, notes = [], []
+    for c in choices:
+        if c.spec() is None:
+            models.append(ref)
+            continue
+        m, n = _build(ckpt.config, ckpt.tensors, be, c)
+        models.append(m)
+        notes += [f"{c.label}: {x}" for x in n]
+    bpws = [matrix_bytes_per_weight(m) for m in models] + [c.bytes_per_weight for c in extra]
+    is_ref = [m is ref for m in models] + [False] * len(extra)
+    models = [expanded(m) for m in models]
+    fns = [lambda ids, m=m: window_logits(m, ids) for m in models] + [c.logits for c in extra]
+    stats = [_Stats() for _ in fns]
+    for k, w in enumerate(wins):
+        if progress:
+            print(f"window {k + 1}/{len(wins)}", flush=True)
+        ref_logits = window_logits(ref, w)[:-1]  # position t predicts token t+1: [T-1, V]
+        targets = w[1:]
+        for fn, st, same in zip(fns, stats, is_ref, strict=True):
+            logits = ref_logits if same else np.asarray(fn(w), dtype=np.float32)[:-1]
+            # float64 softmaxes in row chunks: KL of near-equal models is a small difference
+            for i in range(0, len(targets), _KL_ROWS):
+                sl = slice(i, i + _KL_ROWS)
+                st.add(_log_softmax(ref_logits[sl]), logits[sl], targets[sl])
+    labels = [c.label for c in choices] + [c.label for c in extra]
+    results = [s.result(lb, b) for s, lb, b in zip(stats, labels, bpws, strict=True)]
+    return results, notes
+
+
+def evaluate(
+    model: str,
+    quant: str | None,
+    *,
+    backend: str = "cpu",
+    dtype: str | None = "float32",
+    text: str | None = None,
+    group_size: int | None = None,
+    bits: int | None = None,
+    clip_search: bool = False,
+    max_tokens: int = 4096,
+    window: int = 512,
+) -> EvalResult:
+    """Quantize `model` with `quant` (int4, int8, fp8, fp4, nvfp4, or None/'none') and
+    compare it with the unquantized model on `text` (a file; None: the bundled English
+    sample, ~3900 SmolLM2 tokens), `window` tokens at a time, at most `max_tokens`.
+    backend: auto | mlx | cuda | mps | cpu; dtype None: the backend's default."""
+    results, _ = evaluate_many(
+        model,
+        [QuantChoice(quant, group_size, bits, clip_search)],
+        backend=backend,
+        dtype=dtype,
+        text=text,
+        max_tokens=max_tokens,
+        window=window,
+    )
+    return results[0]
+
+
+def format_table(results: Sequence[EvalResult]) -> str:
+    """A plain-text (Markdown) table, one row per result."""
+    head = "| quant | bytes/weight | perplexity | KL (nats) | top-1 agree | tokens |"
+    lines = [head, "|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        lines.append(
+            f"| {r.quant} | {r.bytes_per_weight:.4f} | {r.perplexity:.3f} | {r.kl:.5f} | "
+            f"{100 * r.top1:.2f}% | {r.n_tokens} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,259 @@
+"""Fused Triton kernels for MLX-format quantized weights (quant/triton_kernels.py).
+
+Without a GPU the kernels run under TRITON_INTERPRET=1 at small sizes; the oracle is
+mx.quantize / mx.dequantize (and an independent numpy decoder of the format, checked bit for
+bit against mx.dequantize, which the GPU tests use since mlx is not installed there).
+"""
+
+import importlib
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    # must be set before triton decorates the kernels
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton", reason="triton is not installed")
+
+import mlxrun.quant.triton_kernels as tk  # noqa: E402
+from mlxrun.errors import MlxrunError  # noqa: E402
+
+if not HAS_CUDA and type(tk._gemv_kernel).__name__ != "InterpretedFunction":
+    tk = importlib.reload(tk)  # imported earlier without the interpreter: decorate again
+
+try:
+    import mlx.core as mx
+except ImportError:
+    mx = None
+need_mlx = pytest.mark.skipif(mx is None, reason="mlx is not installed (the oracle)")
+cuda = pytest.mark.cuda
+need_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+DEV = "cuda" if HAS_CUDA else "cpu"  # where the non-GPU-marked kernel tests run
+
+# (mode, bits, group size): every format the kernels take
+FORMATS = [
+    ("affine", 4, 32),
+    ("affine", 4, 64),
+    ("affine", 4, 128),
+    ("affine", 8, 32),
+    ("affine", 8, 64),
+    ("affine", 8, 128),
+    ("mxfp4", 4, 32),
+    ("nvfp4", 4, 16),
+    ("mxfp8", 8, 32),
+]
+FMT_IDS = [f"{m}{b}g{g}" for m, b, g in FORMATS]
+
+_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)
+
+
+def _e4m3(b: np.ndarray) -> np.ndarray:
+    b = b.astype(np.int64)
+    e, m = (b >> 3) & 15, (b & 7).astype(np.float64)
+    mag = np.where(e == 0, m / 8 * 2.0**-6, (1 + m / 8) * np.exp2(e - 7.0))
+    return np.where(b >= 128, -mag, mag)
+
+
+def ref_dequant(weight, scales, biases, mode, bits, group_size, f32=False) -> np.ndarray:
+    """Independent float64 decoder of the canonical format (value i at bit offset i*bits).
+
+    f32: round affine values as MLX does, fl(fl(q*s) + b) in float32 (fp modes are exact).
+    """
+    w = np.asarray(weight).astype(np.uint32).astype(np.int64)
+    per = 32 // bits
+    codes = (w[..., None] >> (np.arange(per) * bits)) & ((1 << bits) - 1)
+    codes = codes.reshape(w.shape[0], -1)
+    s = np.asarray(scales)
+    if mode == "affine":
+        ft = np.float32 if f32 else np.float64
+        s = np.repeat(s.astype(ft), group_size, 1)
+        b = np.repeat(np.asarray(biases).astype(ft), group_size, 1)
+        return (codes.astype(ft) * s + b).astype(np.float64)
+    if mode == "mxfp8":
+        v = _e4m3(codes)
+    else:
+        v = np.where(codes >= 8, -1.0, 1.0) * _E2M1[codes & 7]
+    sf = _e4m3(s) if mode == "nvfp4" else np.exp2(s.astype(np.float64) - 127)
+    return v * np.repeat(sf, group_size, 1)
+
+
+def random_packed(n, k, mode, bits, group_size, gen, device="cpu"):
+    """Random codes with realistic scales: (weight uint32->int32 [N, K*bits/32], scales, biases)."""
+    kw, kg = k * bits // 32, k // group_size
+    weight = torch.randint(-(2**31), 2**31, (n, kw), generator=gen, dtype=torch.int64)
+    weight = weight.to(torch.int32)
+    if mode == "affine":
+        scales = (torch.rand(n, kg, generator=gen) * 0.01 + 0.001).to(torch.bfloat16)
+        biases = -(2 ** (bits - 1)) * scales.float() * (0.5 + torch.rand(n, kg, generator=gen))
+        return weight.to(device), scales.to(device), biases.to(torch.bfloat16).to(device)
+    if mode == "nvfp4":  # E4M3 codes of 2^-9 .. 2^-4, both mantissas, no sign/NaN
+        scales = torch.randint(0x10, 0x3F, (n, kg), generator=gen).to(torch.uint8)
+    else:  # E8M0 around 2^-6
+        scales = torch.randint(118, 125, (n, kg), generator=gen).to(torch.uint8)
+    return weight.to(device), scales.to(device), None
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(y).all(), "non-finite output"
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+# ----------------------------------------------------------------------------- oracle checks
+
+
+@need_mlx
+@pytest.mark.parametrize("mode,bits,group_size", FORMATS, ids=FMT_IDS)
+def test_reference_decoder_matches_mlx(mode, bits, group_size):
+    mx.random.seed(1)
+    w = mx.random.normal((16, 256)) * 0.05
+    out = mx.quantize(w, group_size=group_size, bits=bits, mode=mode)
+    want = np.array(mx.dequantize(*out, group_size=group_size, bits=bits, mode=mode,
+                                  dtype=mx.float32))  # fmt: skip
+    b = np.array(out[2]) if mode == "affine" else None
+    got = ref_dequant(np.array(out[0]), np.array(out[1]), b, mode, bits, group_size, f32=True)
+    np.testing.assert_array_equal(got.astype(np.float32), want)
+
+
+@need_mlx
+@pytest.mark.parametrize("mode,bits,group_size", FORMATS, ids=FMT_IDS)
+def test_prepare_roundtrip_matches_mlx(mode, bits, group_size):
+    """prepare() repacks (group-transposed codes, row-tiled scales); dequantize_torch undoes it."""
+    mx.random.seed(2)
+    w = mx.random.normal((20, 256)) * 0.05  # 20 rows: the scale tiles of 8 rows get padding
+    out = mx.quantize(w, group_size=group_size, bits=bits, mode=mode)
+    want = np.array(mx.dequantize(*out, group_size=group_size, bits=bits, mode=mode,
+                                  dtype=mx.float32))  # fmt: skip
+    biases = np.array(out[2]) if mode == "affine" else None
+    q = tk.prepare(np.array(out[0]), np.array(out[1]), biases, mode, bits, group_size)
+    assert q.weight.shape == (20, 256 * bits // 32) and q.weight.dtype == torch.int32
+    np.testing.assert_array_equal(tk.dequantize_torch(q).numpy(), want)
+    if mode == "affine":  # bf16 scales and biases, as in real checkpoints
+        s16, b16 = (torch.from_numpy(np.array(a)).to(torch.bfloat16) for a in out[1:])
+        q16 = tk.prepare(np.array(out[0]), s16, b16, mode, bits, group_size)
+        ref = ref_dequant(np.array(out[0]), s16.float().numpy(), b16.float().numpy(), mode,
+                          bits, group_size, f32=True)  # fmt: skip
+        np.testing.assert_array_equal(tk.dequantize_torch(q16).numpy(), ref.astype(np.float32))
+        assert q16.nbytes == 20 * 256 * bits // 8 + 2 * 20 * 256 // group_size * 2
+
+
+# ----------------------------------------------------------------------------- kernels (CPU)
+
+
+def _mlx_case(n, k, mode, bits, group_size, seed):
+    mx.random.seed(seed)
+    w = mx.random.normal((n, k)) * 0.05
+    out = mx.quantize(w, group_size=group_size, bits=bits, mode=mode)
+    ref = np.array(mx.dequantize(*out, group_size=group_size, bits=bits, mode=mode,
+                                 dtype=mx.float32))  # fmt: skip
+    b = np.array(out[2]) if mode == "affine" else None
+    q = tk.prepare(np.array(out[0]), np.array(out[1]), b, mode, bits, group_size)
+    return q, torch.from_numpy(ref).double()
+
+
+@need_mlx
+@pytest.mark.parametrize("mode,bits,group_size", FORMATS, ids=FMT_IDS)
+@pytest.mark.parametrize("m", [1, 3, 33])
+def test_qmatmul_matches_mlx(mode, bits, group_size, m):
+    """M=1, 3 run the GEMV kernel, M=33 the tensor-core GEMM (two row tiles on the CPU)."""
+    n = 36 if m == 3 else 64  # 36: a partial tile of 8 rows
+    q, ref = _mlx_case(n, 256, mode, bits, group_size, seed=m)
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 256, generator=gen)
+    assert rel_err(tk.qmatmul(x, q), x.double() @ ref.T) < 1e-5  # fp32: far below 1e-3
+    xb = x.to(torch.bfloat16)
+    y = tk.qmatmul(xb, q)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    assert rel_err(y, xb.double() @ ref.T) < 1e-2
+
+
+@need_mlx
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        tk.KernelConfig("gemv", 1, 8, 2, prefetch=False),
+        tk.KernelConfig("gemv", 1, 16, 1, prefetch=True),
+        tk.KernelConfig("gemm", 16, 16, 3, ng=4, num_warps=4),
+        tk.KernelConfig("gemm", 16, 32, 2, ng=2, num_warps=4, swap=True),
+    ],
+    ids=["gemv-split2", "gemv-prefetch", "gemm-split3", "gemm-swap-split2"],
+)
+@pytest.mark.parametrize("mode,bits,group_size", [FORMATS[1], FORMATS[6]], ids=["affine", "mxfp4"])
+def test_split_k_and_prefetch(cfg, mode, bits, group_size):
+    """Split-K sums partials through the ticket epilogue; a second call reuses the tickets."""
+    q, ref = _mlx_case(16, 2048, mode, bits, group_size, seed=7)  # 2 GEMV k-steps of 1024
+    x = torch.randn(1, 2048, generator=torch.Generator().manual_seed(3))
+    want = x.double() @ ref.T
+    for _ in range(2):
+        assert rel_err(tk.qmatmul(x, q, cfg), want) < 1e-5
+    x16 = x.to(torch.float16)
+    assert rel_err(tk.qmatmul(x16, q, cfg), x16.double() @ ref.T) < 1e-2
+
+
+def test_leading_dims_and_errors():
+    gen = torch.Generator().manual_seed(0)
+    w, s, b = random_packed(16, 128, "affine", 4, 64, gen)
+    ref = torch.from_numpy(ref_dequant(w.numpy(), s.float().numpy(), b.float().numpy(),
+                                       "affine", 4, 64)).to(DEV)  # fmt: skip
+    w, s, b = w.to(DEV), s.to(DEV), b.to(DEV)
+    q = tk.prepare(w, s, b, "affine", 4, 64)
+    x = torch.randn(2, 1, 128, generator=gen).to(DEV)
+    y = tk.qmatmul(x, q)
+    assert y.shape == (2, 1, 16)
+    assert rel_err(y.reshape(2, 16), x.reshape(2, 128).double() @ ref.T) < 1e-5
+    with pytest.raises(MlxrunError, match="features"):
+        tk.qmatmul(torch.randn(1, 64, device=DEV), q)
+    with pytest.raises(MlxrunError, match="bits"):
+        tk.prepare(w, s, b, "affine", 3, 64)
+    with pytest.raises(MlxrunError, match="scales shape"):
+        tk.prepare(w, s[:, :1], b, "affine", 4, 64)
+    with pytest.raises(MlxrunError, match="biases"):
+        tk.prepare(w, s, None, "affine", 4, 64)
+    with pytest.raises(MlxrunError, match="unknown"):
+        tk.prepare(w, s, b, "int4", 4, 64)
+
+
+# ----------------------------------------------------------------------------- kernels (GPU)
+
+# (M, shapes): GEMV at every shape; skinny tensor-core tiles (M=16); full tiles (M=300)
+CUDA_CASES = [
+    (1, [(4096, 4096), (1024, 4096), (4096, 14336)]),
+    (3, [(1024, 4096)]),
+    (16, [(4096, 4096)]),
+    (300, [(1024, 4096), (4096, 14336)]),
+]
+
+
+@cuda
+@need_cuda
+@pytest.mark.parametrize("mode,bits,group_size", FORMATS, ids=FMT_IDS)
+def test_cuda_llama8b_shapes(mode, bits, group_size):
+    """Llama-3-8B shapes on the GPU against the float64 decoder, bf16 activations; fp32 and
+    fp16 too for the two main formats."""
+    gen = torch.Generator().manual_seed(0)
+    dtypes = [torch.bfloat16]
+    if (mode, group_size) in (("affine", 64), ("mxfp4", 32)):
+        dtypes += [torch.float32, torch.float16]
+    weights = {}
+    for m, shapes in CUDA_CASES:
+        for n, k in shapes:
+            if (n, k) not in weights:
+                w, s, b = random_packed(n, k, mode, bits, group_size, gen)
+                sn = s.float().numpy() if mode == "affine" else s.numpy()
+                bn = None if b is None else b.float().numpy()
+                ref = ref_dequant(w.numpy(), sn, bn, mode, bits, group_size)
+                ref = torch.from_numpy(ref).cuda()
+                b = None if b is None else b.cuda()
+                q = tk.prepare(w.cuda(), s.cuda(), b, mode, bits, group_size)
+                assert torch.equal(tk.dequantize_torch(q).double(), ref)
+                weights[(n, k)] = (q, ref)
+            q, ref = weights[(n, k)]
+            x = torch.randn(m, k, generator=gen).cuda()
+            for dtype in dtypes if m in (1, 300) else dtypes[:1]:
+                xd = x.to(dtype)
+                y = tk.qmatmul(xd, q)
+                tol = 1e-3 if dtype == torch.float32 else 1e-2
+                assert rel_err(y, xd.double() @ ref.T) < tol, (n, k, m, dtype)
+                assert torch.equal(tk.qmatmul(xd, q), y)  # split-K tickets reset; deterministic
