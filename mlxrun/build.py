@@ -1,8 +1,17 @@
 """From checkpoint tensors to a Transformer on a backend: name and shape checks, the
 quantized-or-dense decision per layer (by whether `<path>.scales` exists), and optional
-quantization on load, one tensor at a time."""
+quantization on load, one tensor at a time.
+
+On a checkpoint that is already quantized, `--quant` keeps each stored layer whose format
+already is the one asked for (same mode and bits, and the group size asked, if any) and
+re-quantizes the others from their dequantized values; `--quant none` dequantizes every
+stored layer to the compute dtype. Either way one layer at a time is expanded, never the
+whole model.
+"""
 
 from __future__ import annotations
+
+import numpy as np
 
 from .config import ModelConfig
 from .errors import MlxrunError
@@ -16,9 +25,59 @@ def _progress(total: int, show: bool):
     return tqdm(total=total, desc="loading", unit="tensor", disable=not show, leave=False)
 
 
+def stored_dense(w: Tensor, s: Tensor, b: Tensor | None, spec) -> np.ndarray:
+    """One packed layer (weight uint32 [out, in*bits/32], scales, biases) -> float32
+    [out, in], as a float32 backend computes it: affine scales and biases widened first,
+    the float modes decoded straight to float32."""
+    from mlxrun.quant.reference import dequantize  # noqa: PLC0415
+
+    if spec.mode == "affine":
+        return dequantize(w.data, s.float32(), b.float32(), spec)
+    return dequantize(w.data, np.asarray(s.data), None, spec, dtype="float32")
+
+
+def target_spec(quant, qconfig: dict | None, group_asked: bool):
+    """The format to re-quantize stored layers to: `quant`, but with the checkpoint's group
+    size when none was asked and the mode allows it (re-grouping adds error: SmolLM2's
+    Q4_1 g32 moved to g64 loses its answers)."""
+    from mlxrun.quant.formats import ALLOWED, QuantSpec, from_config  # noqa: PLC0415
+
+    if quant is None or group_asked or not qconfig:
+        return quant
+    g = from_config(qconfig).group_size
+    if g in ALLOWED[quant.mode][1]:
+        return QuantSpec(quant.mode, quant.bits, g)
+    return quant
+
+
+def check_runnable(be, spec, path: str) -> None:
+    """Raise MlxrunError, naming what would work, when backend `be` has no kernel for a
+    stored format. MLX and PyTorch on cpu/mps run every mode (fused or per-layer dequant);
+    the CUDA Triton kernels take only the five user formats (affine 4/8-bit)."""
+    if not (be.name == "torch" and str(be.device).startswith("cuda")):
+        return
+    from mlxrun.quant.formats import USER_FORMATS  # noqa: PLC0415
+
+    if any((f.mode, f.bits) == (spec.mode, spec.bits) for f in USER_FORMATS.values()):
+        return
+    raise MlxrunError(
+        f"{path} is stored as {spec.label} g{spec.group_size}, which --backend cuda cannot "
+        "run (its kernels take int4, int8, fp8, fp4 and nvfp4): use --backend cpu or mlx, "
+        "or re-quantize on load with --quant int4 (or int8, fp8, fp4, nvfp4)"
+    )
+
+
+def _is_embedding(path: str) -> bool:
+    """Rows of the embedding are gathered (and a tied head reuses it), so a backend that
+    repacks for its matmul kernels must also keep the canonical bytes of this one."""
+    return path == "model.embed_tokens"
+
+
 class _Builder:
-    def __init__(self, cfg: ModelConfig, tensors: dict[str, Tensor], be, quant, bar):
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, Tensor], be, quant, bar, dense, asked):
         self.cfg, self.t, self.be, self.quant, self.bar = cfg, tensors, be, quant, bar
+        self.group_asked = asked
+        self.dense_only = dense  # --quant none: expand stored layers to the compute dtype
         self.qconfig = cfg.quantization
         if self.qconfig is not None:
             from mlxrun.quant.formats import from_config  # noqa: PLC0415
@@ -26,6 +85,10 @@ class _Builder:
             from_config(self.qconfig)  # validates the mode before anything is loaded
         self.notes: list[str] = []
         self.used: set[str] = set()
+        # stored layers by what happened to them, for one note each at the end
+        self.kept: list[str] = []
+        self.requantized: dict[str, list[str]] = {}
+        self.expanded: list[str] = []
 
     def _get(self, name: str, shape: tuple[int, ...]) -> Tensor:
         t = self.t.get(name)
@@ -46,25 +109,52 @@ class _Builder:
     def dense(self, name: str, shape: tuple[int, ...]):
         return self.be.array(self._get(name, shape))
 
+    def _stored(self, path: str, out: int, inp: int):
+        """A layer stored packed: kept, re-quantized to `quant`, or expanded (--quant none)."""
+        from mlxrun.quant.formats import layer_spec  # noqa: PLC0415
+
+        spec = layer_spec(self.qconfig or {}, path)
+        if spec is None:
+            raise MlxrunError(
+                f"{path} is stored quantized but config.json has no quantization block for it"
+            )
+        if inp % spec.group_size:
+            raise MlxrunError(
+                f"{path}: input size {inp} is not a multiple of the group size "
+                f"{spec.group_size} that config.json gives it; fix the quantization block"
+            )
+        w = self._get(f"{path}.weight", (out, inp * spec.bits // 32))
+        s = self._get(f"{path}.scales", (out, inp // spec.group_size))
+        b = None
+        if spec.mode == "affine":
+            b = self._get(f"{path}.biases", (out, inp // spec.group_size))
+        q = self.quant
+        same = q is not None and (q.mode, q.bits) == (spec.mode, spec.bits)
+        if not self.dense_only and (q is None or (same and (q == spec or not self.group_asked))):
+            if q is not None:
+                self.kept.append(path)
+            check_runnable(self.be, spec, path)
+            return self.be.quantized(
+                w, s, b, spec.mode, spec.bits, spec.group_size, embedding=_is_embedding(path)
+            )
+        x = self.be.array(stored_dense(w, s, b, spec))  # this one layer, in the compute dtype
+        if self.dense_only:
+            self.expanded.append(path)
+            return x
+        if inp % q.group_size:
+            self.notes.append(
+                f"{path} is dequantized, not re-quantized: its input size {inp} is not a "
+                f"multiple of the group size {q.group_size}"
+            )
+            return x
+        self.requantized.setdefault(f"{spec.label} g{spec.group_size}", []).append(path)
+        return self.be.quantize(x, q.mode, q.bits, q.group_size, embedding=_is_embedding(path))
+
     def matrix(self, path: str, out: int, inp: int):
         """A linear/embedding weight (out, in): packed when the checkpoint is quantized,
         quantized here when asked, else dense."""
         if f"{path}.scales" in self.t:
-            from mlxrun.quant.formats import layer_spec  # noqa: PLC0415
-
-            spec = layer_spec(self.qconfig or {}, path)
-            if spec is None:
-                raise MlxrunError(
-                    f"{path} is stored quantized but config.json has no quantization block for it"
-                )
-            per = 32 // spec.bits if 32 % spec.bits == 0 else None
-            wcols = inp * spec.bits // 32 if per is None else inp // per
-            w = self._get(f"{path}.weight", (out, wcols))
-            s = self._get(f"{path}.scales", (out, inp // spec.group_size))
-            b = None
-            if spec.mode == "affine":
-                b = self._get(f"{path}.biases", (out, inp // spec.group_size))
-            return self.be.quantized(w, s, b, spec.mode, spec.bits, spec.group_size)
+            return self._stored(path, out, inp)
         w = self.dense(f"{path}.weight", (out, inp))
         q = self.quant
         if q is None:
@@ -75,26 +165,58 @@ class _Builder:
                 f"multiple of the group size {q.group_size}"
             )
             return w
-        return self.be.quantize(w, q.mode, q.bits, q.group_size)
+        return self.be.quantize(w, q.mode, q.bits, q.group_size, embedding=_is_embedding(path))
+
+    def summary(self) -> list[str]:
+        """One note per kind of decision on stored layers."""
+        q, out = self.quant, []
+        if self.kept:
+            out.append(
+                f"{len(self.kept)} stored layer(s) already are {q.label}: keeping their "
+                "stored weights"
+            )
+        if self.requantized:
+            n = sum(len(p) for p in self.requantized.values())
+            out.append(
+                f"re-quantizing {n} layer(s) from a quantized source "
+                f"({', '.join(sorted(self.requantized))}) to {q.label} g{q.group_size}: the "
+                "rounding errors add up; quantize the full-precision checkpoint for the best "
+                "quality"
+            )
+        if self.expanded:
+            out.append(
+                f"--quant none: dequantized {len(self.expanded)} stored layer(s) to {self.be.dtype}"
+            )
+        return out + self.notes
 
 
 def build_model(
-    cfg: ModelConfig, tensors: dict[str, Tensor], be, quant=None, progress: bool = True
+    cfg: ModelConfig,
+    tensors: dict[str, Tensor],
+    be,
+    quant=None,
+    progress: bool = True,
+    *,
+    dense: bool = False,
+    group_asked: bool = True,
 ) -> tuple[Transformer, list[str]]:
     """Check names and shapes, move weights to `be` (quantizing with `quant`, a QuantSpec,
-    if given); returns the model and notes for the user (layers left unquantized)."""
-    if quant is not None and cfg.quantization is not None:
-        raise MlxrunError(
-            "this checkpoint is already quantized "
-            f"({cfg.quantization.get('mode', 'affine')}); drop --quant"
-        )
+    if given); returns the model and notes for the user (layers left unquantized, stored
+    layers kept or re-quantized).
+
+    dense: expand stored quantized layers to the compute dtype (`--quant none`).
+    group_asked: False when the user gave no group size, so stored layers may keep theirs.
+    """
+    if dense and quant is not None:
+        raise ValueError("build_model: dense=True and a quant spec exclude each other")
+    quant = target_spec(quant, cfg.quantization, group_asked)
     c = cfg
     H, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
     q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     tied = c.tie_word_embeddings
     per_layer = 9 + (3 if c.attention_bias else 0) + (2 if c.qk_norm else 0)
     bar = _progress(2 + c.num_hidden_layers * per_layer + (0 if tied else 1), progress)
-    b = _Builder(cfg, tensors, be, quant, bar)
+    b = _Builder(cfg, tensors, be, quant, bar, dense, group_asked)
     try:
         embed = b.matrix("model.embed_tokens", V, H)
         layers = []
@@ -123,4 +245,4 @@ def build_model(
         head = embed if tied else b.matrix("lm_head", V, H)
     finally:
         bar.close()
-    return Transformer(cfg, be, embed, layers, norm, head), b.notes
+    return Transformer(cfg, be, embed, layers, norm, head), b.summary()

@@ -1,19 +1,28 @@
 """`mlxrun convert`: write any supported source as a Hugging Face-layout directory, in the
 canonical (mlx-lm) quantized format when asked. Written into a temporary sibling directory
-and renamed only when complete, so a failure leaves nothing half-written."""
+and renamed only when complete, so a failure leaves nothing half-written.
+
+A source that is already quantized follows the rules of quantize-on-load (`build.py`): a
+stored layer already in the asked format keeps its bytes, any other is dequantized and
+re-quantized, one layer at a time; `--quant none` writes every stored layer dequantized.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import MlxrunError
-from .loader import open_checkpoint
-from .weights import Tensor, save_safetensors
+import numpy as np
 
-SHARD_BYTES = 5 * 10**9
+from .build import stored_dense, target_spec
+from .errors import MlxrunError
+from .loader import Checkpoint, open_checkpoint
+from .weights import Tensor, bf16_bits, save_safetensors
+
+SHARD_BYTES = 5 * 10**9  # mlx-lm's and transformers' default shard limit
 # Linear and embedding weights: what mlx-lm quantizes (norms and biases stay dense).
 MATRICES = (
     "embed_tokens",
@@ -26,6 +35,7 @@ MATRICES = (
     "down_proj",
     "lm_head",
 )
+_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
 def is_matrix(path: str) -> bool:
@@ -33,57 +43,183 @@ def is_matrix(path: str) -> bool:
     return path.rsplit(".", 1)[-1] in MATRICES
 
 
-def quantize_tensors(tensors: dict[str, Tensor], spec, notes: list[str]):
-    """Yield (name, Tensor) with every dense matrix quantized by the numpy reference
-    (bit-exact with mx.quantize), one tensor at a time."""
+def _as_dtype(w: np.ndarray, name: str) -> Tensor:
+    """float32 values -> a Tensor of safetensors dtype `name` (F32, F16 or BF16)."""
+    if name == "BF16":
+        return Tensor("BF16", bf16_bits(w))
+    return Tensor(name, w.astype(np.float16 if name == "F16" else np.float32))
+
+
+def _quantize(path: str, t: Tensor, spec) -> Iterator[tuple[str, Tensor]]:
+    """One dense [out, in] matrix -> its packed tensors, by the numpy reference (bit-exact
+    with mx.quantize); affine scales and biases keep the matrix's float dtype."""
     from mlxrun.quant.reference import quantize  # noqa: PLC0415
 
-    for name, t in tensors.items():
-        path = name.removesuffix(".weight")
-        if not (name.endswith(".weight") and is_matrix(path) and t.data.ndim == 2):
-            yield name, t
+    bf16 = t.dtype == "BF16"
+    data = t.data if t.dtype in ("BF16", "F16") else t.float32()
+    parts = quantize(data, spec, bf16=bf16, name=f"{path}.weight")
+    for k, v in parts.items():
+        bf = bf16 and k != "weight" and spec.mode == "affine"
+        yield f"{path}.{k}", Tensor("BF16", v) if bf else Tensor.from_numpy(v)
+
+
+def _check_packed(path: str, w: Tensor, s: Tensor | None, b: Tensor | None, spec) -> None:
+    """The stored tensors of `path` have the shapes `spec` implies for its weight."""
+    rows, words = w.shape if w.data.ndim == 2 else (0, 0)
+    inp = words * 32 // spec.bits
+    groups = (rows, inp // spec.group_size)
+    for k, x, want in (("scales", s, groups), ("biases", b, groups if spec.has_biases else None)):
+        if want is None:
             continue
-        if t.shape[1] % spec.group_size:
-            notes.append(
+        if x is None or x.shape != want or inp % spec.group_size:
+            have = "missing" if x is None else f"shape {list(x.shape)}"
+            raise MlxrunError(
+                f"tensor '{path}.{k}' is {have} but config.json's {spec.label} "
+                f"g{spec.group_size} implies {list(want)} for weight {list(w.shape)}; "
+                "fix the quantization block or re-download the model"
+            )
+
+
+class _Plan:
+    """What happens to each tensor of a checkpoint: (name, Tensor) pairs to write, one
+    layer at a time, and the quantization block and notes that describe them."""
+
+    def __init__(self, ckpt: Checkpoint, spec, dense: bool, group_asked: bool):
+        from mlxrun.quant.formats import from_config, to_config  # noqa: PLC0415
+
+        self.t, self.dense = ckpt.tensors, dense
+        self.qconfig = ckpt.config.quantization
+        if self.qconfig is not None:
+            from_config(self.qconfig)  # an unknown mode fails before anything is written
+        self.spec = target_spec(spec, self.qconfig, group_asked)
+        self.group_asked = group_asked
+        # dequantized layers are written in the checkpoint's own float dtype
+        self.float_name = _DTYPES.get(str(ckpt.raw_config.get("torch_dtype")), "F32")
+        self.block = None if self.spec is None else to_config(self.spec)
+        self.kept = self.requantized = self.expanded = 0
+        self.sources: set[str] = set()
+        self.notes: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self.t)
+
+    def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+        for name, t in self.t.items():
+            path, _, leaf = name.rpartition(".")
+            if f"{path}.scales" in self.t:
+                if leaf == "weight":  # scales/biases travel with their weight
+                    yield from self._stored(path)
+            elif (
+                self.spec is not None and leaf == "weight" and is_matrix(path) and t.data.ndim == 2
+            ):
+                yield from self._dense(path, t)
+            else:
+                yield name, t
+
+    def _dense(self, path: str, t: Tensor):
+        if t.shape[1] % self.spec.group_size:
+            self.notes.append(
                 f"{path} stays unquantized: its input size {t.shape[1]} is not a "
-                f"multiple of the group size {spec.group_size}"
+                f"multiple of the group size {self.spec.group_size}"
             )
-            yield name, t
-            continue
-        bf16 = t.dtype == "BF16"
-        parts = quantize(
-            t.data if t.dtype in ("BF16", "F16") else t.float32(), spec, bf16=bf16, name=name
-        )
-        for k, v in parts.items():
-            yield (
-                f"{path}.{k}",
-                Tensor("BF16", v)
-                if bf16 and k != "weight" and spec.mode == "affine"
-                else Tensor.from_numpy(v),
+            self.block[path] = False
+            yield f"{path}.weight", t
+            return
+        yield from _quantize(path, t, self.spec)
+
+    def _stored(self, path: str):
+        from mlxrun.quant.formats import layer_spec, to_config  # noqa: PLC0415
+
+        have = layer_spec(self.qconfig or {}, path)
+        if have is None:
+            raise MlxrunError(
+                f"{path} is stored quantized but config.json has no quantization block for it"
             )
+        w, s, b = (self.t.get(f"{path}.{k}") for k in ("weight", "scales", "biases"))
+        _check_packed(path, w, s, b, have)
+        q = self.spec
+        if not self.dense:
+            same = q is not None and (q.mode, q.bits) == (have.mode, have.bits)
+            if q is None or same and (q == have or not self.group_asked):
+                if q is not None:
+                    self.kept += 1
+                    if have != q:  # kept with its own group size
+                        self.block[path] = to_config(have)
+                yield from (
+                    (f"{path}.{k}", x)
+                    for k, x in (("weight", w), ("scales", s), ("biases", b))
+                    if x is not None
+                )
+                return
+        try:
+            x = stored_dense(w, s, b, have)  # this one layer, float32 [out, in]
+        except (ValueError, TypeError) as e:
+            raise MlxrunError(
+                f"{path}: the stored tensors do not match config.json's quantization "
+                f"({have.label} g{have.group_size}): {e}"
+            ) from None
+        dense = _as_dtype(x, self.float_name)
+        if self.dense:
+            self.expanded += 1
+            yield f"{path}.weight", dense
+            return
+        self.requantized += 1
+        self.sources.add(f"{have.label} g{have.group_size}")
+        yield from self._dense(path, dense)
+
+    def summary(self) -> list[str]:
+        out = []
+        q = self.spec
+        if self.kept:
+            out.append(f"{self.kept} stored layer(s) already are {q.label}: copied without change")
+        if self.requantized:
+            out.append(
+                f"re-quantized {self.requantized} layer(s) from a quantized source "
+                f"({', '.join(sorted(self.sources))}) to {q.label} g{q.group_size}: the "
+                "rounding errors add up; convert the full-precision checkpoint for the best "
+                "quality"
+            )
+        if self.expanded:
+            out.append(f"--quant none: dequantized {self.expanded} stored layer(s)")
+        return out + self.notes
 
 
-def _write_shards(tmp: Path, items, progress: bool) -> None:
+def _write_shards(tmp: Path, items, shard_bytes: int, progress: bool) -> None:
+    """Write (name, Tensor) pairs as shards of at most `shard_bytes` (a larger single
+    tensor gets a shard of its own), mlx-lm's names, an index when there are several."""
     from tqdm.auto import tqdm  # noqa: PLC0415
 
-    shards: list[dict[str, Tensor]] = [{}]
+    # Each shard is written as soon as it is full, so at most one shard of converted
+    # tensors is held in memory; names are fixed once the count is known.
+    parts: list[tuple[Path, list[str], int]] = []
+    shard: dict[str, Tensor] = {}
     size = 0
-    for name, t in tqdm(items, desc="converting", unit="tensor", disable=not progress, leave=False):
-        if size and size + t.nbytes > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
+
+    def flush():
+        nonlocal shard, size
+        part = tmp / f".part-{len(parts)}.safetensors"
+        save_safetensors(part, shard, {"format": "mlx"})
+        parts.append((part, list(shard), size))
+        shard, size = {}, 0
+
+    bar = tqdm(items, total=len(items), desc="converting", unit="tensor", disable=not progress)
+    for name, t in bar:
+        if shard and size + t.nbytes > shard_bytes:
+            flush()
+        shard[name] = t
         size += t.nbytes
-    if len(shards) == 1:
-        save_safetensors(tmp / "model.safetensors", shards[0], {"format": "mlx"})
+    bar.close()
+    if shard or not parts:
+        flush()
+    if len(parts) == 1:
+        os.replace(parts[0][0], tmp / "model.safetensors")
         return
     weight_map, total = {}, 0
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_safetensors(tmp / fname, shard, {"format": "mlx"})
-        for n, t in shard.items():
-            weight_map[n] = fname
-            total += t.nbytes
+    for i, (part, names, nbytes) in enumerate(parts):
+        fname = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+        os.replace(part, tmp / fname)
+        weight_map.update(dict.fromkeys(names, fname))
+        total += nbytes
     (tmp / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
     )
@@ -96,27 +232,24 @@ def convert(
     group_size: int | None = None,
     bits: int | None = None,
     progress: bool = True,
+    shard_bytes: int = SHARD_BYTES,
 ) -> list[str]:
-    """Write `model` to `out_dir` (a new directory); returns notes for the user."""
+    """Write `model` to `out_dir` (new, or an empty directory): quantized to `quant` (int4, int8, fp8,
+    fp4, nvfp4; 'none' dequantizes a quantized source; None keeps what is stored), in
+    safetensors shards of at most `shard_bytes`. Returns notes for the user."""
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise MlxrunError(f"{out} already exists and is not empty; choose a new directory")
     spec = None
-    if quant not in (None, "none"):
-        from mlxrun.quant.formats import resolve, to_config  # noqa: PLC0415
+    dense = quant is not None and quant.strip().lower() == "none"
+    if quant is not None and not dense:
+        from mlxrun.quant.formats import resolve  # noqa: PLC0415
 
         spec = resolve(quant, group_size=group_size, bits=bits)
+    elif group_size is not None or bits is not None:
+        raise MlxrunError("--group-size and --bits refine --quant; give --quant too")
     ckpt = open_checkpoint(model)
-    config = dict(ckpt.raw_config)
-    notes: list[str] = []
-    items = iter(ckpt.tensors.items())
-    if spec is not None:
-        if ckpt.config.quantization is not None:
-            raise MlxrunError(
-                f"{model} is already quantized; convert from the full-precision checkpoint"
-            )
-        items = quantize_tensors(ckpt.tensors, spec, notes)
-        config["quantization"] = config["quantization_config"] = to_config(spec)
+    plan = _Plan(ckpt, spec, dense, group_size is not None)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -125,7 +258,13 @@ def convert(
     except OSError as e:
         raise MlxrunError(f"cannot write to {out.parent}: {e.strerror}") from None
     try:
-        _write_shards(tmp, items, progress)
+        _write_shards(tmp, plan, shard_bytes, progress)
+        config = dict(ckpt.raw_config)  # no --quant: the checkpoint's own block, as is
+        if plan.block is not None or dense:
+            config.pop("quantization", None)
+            config.pop("quantization_config", None)
+        if plan.block is not None:
+            config["quantization"] = config["quantization_config"] = plan.block
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for name, text in ckpt.tokenizer_files.items():
             (tmp / name).write_text(text)
@@ -134,7 +273,7 @@ def convert(
                 json.dumps(ckpt.generation_config, indent=2)
             )
         if out.exists():
-            out.rmdir()
+            out.rmdir()  # empty (checked above); rmdir refuses if it has filled since
         os.replace(tmp, out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -142,4 +281,4 @@ def convert(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return notes
+    return plan.summary()

@@ -157,3 +157,132 @@ def test_convert_failure_leaves_nothing(tmp_path, tiny_dir):
     with pytest.raises(MlxrunError):
         convert(str(d), str(out), progress=False)
     assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
+# ---------------------------------------------------------------- quantization input
+
+
+@pytest.fixture(scope="module")
+def quantized_tiny(tiny_dir, tmp_path_factory):
+    """llama_gqa_tied converted to int4 g32 by `mlxrun convert`."""
+    from mlxrun.convert import convert
+
+    d, _ = tiny_dir("llama_gqa_tied")
+    out = tmp_path_factory.mktemp("qtiny") / "int4"
+    convert(str(d), str(out), quant="int4", group_size=32, progress=False)
+    return out
+
+
+def _edit_quant(src, dst, **changes):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for block in ("quantization", "quantization_config"):
+        cfg[block].update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_unknown_quant_name_cli(capsys, tiny_dir, tmp_path):
+    d, _ = tiny_dir("llama_gqa_tied")
+    code, err = run_cli(capsys, "generate", "--model", str(d), "--backend", "cpu",
+                        "--quant", "int3")  # fmt: skip
+    assert_one_line_error(code, err, "unknown quantization format 'int3'", "int4", "nvfp4")
+    code, err = run_cli(capsys, "convert", "--model", str(d), "--quant", "q4_k",
+                        "-o", str(tmp_path / "out"))  # fmt: skip
+    assert_one_line_error(code, err, "unknown quantization format 'q4_k'")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "command,args,needle",
+    [
+        ("generate", ["--quant", "fp4", "--group-size", "64"], "group size 64 is not allowed"),
+        ("generate", ["--quant", "int4", "--group-size", "48"], "use 32, 64 or 128"),
+        ("generate", ["--quant", "int4", "--bits", "8"], "int4 stores 4-bit values, not 8-bit"),
+        ("convert", ["--quant", "nvfp4", "--group-size", "32"], "use 16"),
+        ("convert", ["--quant", "fp8", "--bits", "4"], "fp8 stores 8-bit values, not 4-bit"),
+        ("convert", ["--group-size", "64"], "give --quant too"),
+    ],
+)
+def test_group_size_or_bits_not_allowed_cli(capsys, tiny_dir, tmp_path, command, args, needle):
+    d, _ = tiny_dir("llama_gqa_tied")
+    out = ["-o", str(tmp_path / "out")] if command == "convert" else ["--backend", "cpu"]
+    code, err = run_cli(capsys, command, "--model", str(d), *out, *args)
+    assert_one_line_error(code, err, needle)
+    assert not (tmp_path / "out").exists()
+
+
+def test_checkpoint_with_unknown_mode_cli(capsys, quantized_tiny, tmp_path):
+    d = _edit_quant(quantized_tiny, tmp_path / "bad", mode="int3")
+    for args in (
+        ["generate", "--model", str(d), "--backend", "cpu"],
+        ["generate", "--model", str(d), "--backend", "mlx", "--quant", "int8"],
+        ["convert", "--model", str(d), "--quant", "int8", "-o", str(tmp_path / "out")],
+    ):
+        code, err = run_cli(capsys, *args)
+        assert_one_line_error(code, err, "quantization mode 'int3' is not supported", "mxfp8")
+    assert not (tmp_path / "out").exists()
+
+
+def test_packed_shapes_do_not_match_config_cli(capsys, quantized_tiny, tmp_path):
+    d = _edit_quant(quantized_tiny, tmp_path / "bad", bits=8)  # the files hold 4-bit values
+    for backend in ("cpu", "mlx"):
+        code, err = run_cli(capsys, "generate", "--model", str(d), "--backend", backend)
+        assert_one_line_error(
+            code,
+            err,
+            "'model.embed_tokens.weight' has shape [96, 8] but config.json implies [96, 16]",
+        )
+    code, err = run_cli(capsys, "convert", "--model", str(d), "--quant", "fp8",
+                        "-o", str(tmp_path / "out"))  # fmt: skip
+    assert_one_line_error(code, err, "'model.embed_tokens.scales' is shape [96, 2]",
+                          "int8 (affine) g32 implies [96, 1]")  # fmt: skip
+    assert not (tmp_path / "out").exists()
+
+
+def test_format_the_backend_cannot_run_cli(capsys, tiny_dir, tmp_path, monkeypatch):
+    """A 3-bit mlx-lm checkpoint on CUDA (whose kernels take 4/8-bit only), on a machine
+    without a GPU: a PyTorch-CPU backend that says it is cuda stands in for it."""
+    import mlxrun.backends
+    import mlxrun.planning
+    from mlxrun.backends.torch_backend import TorchBackend
+    from mlxrun.evaluate import quantize_tensors
+    from mlxrun.loader import open_checkpoint
+    from mlxrun.memory import probe_device
+    from mlxrun.quant.formats import QuantSpec, to_config
+    from mlxrun.weights import save_safetensors
+
+    d, _ = tiny_dir("llama_gqa_tied")
+    q3 = tmp_path / "q3"
+    shutil.copytree(d, q3)
+    spec = QuantSpec("affine", 3, 64)
+    tensors, _ = quantize_tensors(open_checkpoint(str(d)).tensors, spec)
+    save_safetensors(q3 / "model.safetensors", tensors)
+    cfg = json.loads((q3 / "config.json").read_text())
+    cfg["quantization"] = cfg["quantization_config"] = to_config(spec)
+    (q3 / "config.json").write_text(json.dumps(cfg))
+
+    def fake_cuda(name="auto", dtype=None):
+        be = TorchBackend("cpu", dtype or "float32")
+        be.device = "cuda"
+        return be
+
+    monkeypatch.setattr(mlxrun.backends, "get_backend", fake_cuda)
+    monkeypatch.setattr(mlxrun.planning, "probe_device", lambda b, dev: probe_device(b, "cpu"))
+    code, err = run_cli(capsys, "generate", "--model", str(q3), "--backend", "cuda",
+                        "--max-tokens", "2")  # fmt: skip
+    assert_one_line_error(
+        code, err, "model.embed_tokens is stored as int3 (affine) g64, which --backend cuda "
+        "cannot run", "use --backend cpu or mlx", "--quant int4"
+    )  # fmt: skip
+
+
+def test_convert_refuses_a_non_empty_directory(capsys, tiny_dir, tmp_path):
+    d, _ = tiny_dir("llama_gqa_tied")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code, err = run_cli(capsys, "convert", "--model", str(d), "--quant", "int4", "-o", str(out))
+    assert_one_line_error(code, err, "already exists and is not empty")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary directory left

@@ -62,16 +62,36 @@ def test_mlxrun_runs_mlx_lm_quantized_checkpoint(dense, ids, tmp_path, mode, gro
     assert from_config(q) == QuantSpec(mode, bits, group)
     model, _ = mlx_lm.load(str(out))
     want = np.array(model(mx.array([ids])).astype(mx.float32))[0]
+    logits = {}
     for backend, tol in (("mlx", 1e-4), ("cpu", 1e-2)):
         ours = _ours(out, backend)
         assert isinstance(ours.transformer.layers[0].down_proj, QuantizedWeight)
-        assert rel_err(ours.logits(ids), want) < tol, backend
+        logits[backend] = ours.logits(ids)
+        assert rel_err(logits[backend], want) < tol, backend
+    assert rel_err(logits["cpu"], logits["mlx"]) < 1e-2
 
 
-@pytest.mark.parametrize("quant", ["int4", "nvfp4"])
-def test_mlx_lm_runs_mlxrun_converted_checkpoint(dense, ids, tmp_path, quant):
+@pytest.mark.parametrize(
+    "source,quant,group,stored",
+    [
+        ("dense", "int4", 64, ("affine", 4, 64)),
+        ("dense", "int4", 32, ("affine", 4, 32)),
+        ("dense", "fp4", None, ("mxfp4", 4, 32)),
+        ("dense", "fp8", None, ("mxfp8", 8, 32)),
+        ("dense", "nvfp4", None, ("nvfp4", 4, 16)),
+        # the Q4_1 GGUF itself: linears copied as stored, the Q8_0 embedding re-quantized
+        ("smollm2", "int4", None, ("affine", 4, 32)),
+    ],
+)
+def test_mlx_lm_runs_mlxrun_converted_checkpoint(
+    dense, ids, tmp_path, source, quant, group, stored
+):
     out = tmp_path / "ours"
-    assert convert(str(dense), str(out), quant=quant, progress=False) == []
+    src = str(dense) if source == "dense" else source
+    notes = convert(src, str(out), quant=quant, group_size=group, progress=False)
+    assert len(notes) == (0 if source == "dense" else 2)
+    q = json.loads((out / "config.json").read_text())["quantization"]
+    assert from_config(q) == QuantSpec(*stored)
     model, _ = mlx_lm.load(str(out))
     ours = _ours(out, "mlx")
     prompt = ids  # a short plain prompt: the MLX CPU prefill is slow
