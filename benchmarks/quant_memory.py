@@ -126,6 +126,7 @@ def child(path: str | None, backend: str) -> None:
         t0 = time.perf_counter()
         m = mlxrun.load(path, backend=backend, dtype="bfloat16", progress=False)
         out["load_s"] = time.perf_counter() - t0
+        out["weights"] = m.transformer.weight_bytes()
         out["rss_load"] = _maxrss()
         if backend == "mlx":
             import mlx.core as mx
@@ -189,7 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         raw = (r["bf16"]["rss"], r["int4"]["rss"])
         net = (raw[0] - bl["rss"], raw[1] - bl["rss"])
         load = (r["bf16"]["rss_load"] - bl["rss"], r["int4"]["rss_load"] - bl["rss"])
+        held = (r["bf16"]["weights"], r["int4"]["weights"])
         out = [("RSS", raw), ("RSS - baseline", net), ("  of which load", load)]
+        out.append(("weights held", held))
         if b == "mlx":
             out.append(("mx peak", (r["bf16"]["mlx_peak"], r["int4"]["mlx_peak"])))
             out.append(("  mx peak, load", (r["bf16"]["mlx_load"], r["int4"]["mlx_load"])))

@@ -34,6 +34,7 @@ from mlxrun.evaluate import (
     matrix_bytes_per_weight,
     quantize_tensors,
     save_dense,
+    summarize_notes,
     window_logits,
 )
 from mlxrun.loader import open_checkpoint
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             # the GGUF as shipped (Q4_1/Q8_0, run packed): the reference is its own weights
             cand, _ = _candidate("GGUF Q4_1 as shipped", args.model, be)
             extra.append(cand)
-        results, notes = evaluate_many(
+        run = evaluate_many(
             args.model,
             CHOICES,
             backend=args.backend,
@@ -131,20 +132,16 @@ def main(argv: list[str] | None = None) -> int:
             extra=extra,
             progress=True,
         )
-    print(f"\n{args.model} on {be.describe()}; reference: unquantized (dequantized) weights")
+    print(f"\n{args.model} on {run.backend}\n{run.reference}")
     print(
         "bytes/weight: linear + embedding matrices as the backend holds them (scales and "
         "biases float32 where quantized here from float32; float16 in the GGUF)\n"
     )
-    print(format_table(results))
+    print(format_table(run.results))
     for line in lines:
         print(line)
-    dense_left: dict[str, int] = {}
-    for n in notes:  # "int4 g128: model.layers.0.mlp.up_proj stays unquantized: ..."
-        label = n.split(": ", 1)[0]
-        dense_left[label] = dense_left.get(label, 0) + 1
-    for label, count in dense_left.items():
-        print(f"note: {label}: {count} matrices stay dense (input size not a multiple of G)")
+    for note in summarize_notes(run.notes):
+        print(f"note: {note}")
     print(f"\ntook {time.perf_counter() - t0:.0f} s")
     return 0
 

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -50,6 +51,18 @@ class EvalResult:
 
 
 @dataclass(frozen=True)
+class EvalRun:
+    """What `evaluate_many` measured: one result per choice then per extra candidate, in
+    the order given; notes (layers left unquantized, one per matrix); reference: one line
+    on what the unquantized model is; backend: where it ran."""
+
+    results: list[EvalResult]
+    notes: list[str]
+    reference: str
+    backend: str
+
+
+@dataclass(frozen=True)
 class QuantChoice:
     """A format to evaluate: `name` as for --quant (None or 'none': the reference itself)."""
 
@@ -78,6 +91,59 @@ class QuantChoice:
             return "none"
         label = f"{self.name.strip().lower()} g{spec.group_size}"
         return label + (" clip-search" if self.clip_search else "")
+
+
+def parse_choices(
+    quant: str, group_size: int | None = None, bits: int | None = None
+) -> list[QuantChoice]:
+    """`--quant` as a comma list of NAME[:gG][:clip] -> QuantChoices, checked.
+
+    "none,int8,int4:g32,int4:g64:clip,fp4": G overrides `group_size` for that item; clip
+    turns on the per-group clip search (int formats). Raises MlxrunError on a bad item.
+    """
+    choices = []
+    for item in quant.split(","):
+        name, *opts = [x.strip() for x in item.strip().split(":")]
+        if not name:
+            raise MlxrunError(
+                f"--quant {quant!r} has an empty entry; give a comma list such as "
+                "none,int8,int4:g32,fp4"
+            )
+        g, clip = group_size, False
+        for o in opts:
+            if o.lower() == "clip":
+                clip = True
+            elif o[:1].lower() == "g" and o[1:].isdigit():
+                g = int(o[1:])
+            else:
+                raise MlxrunError(
+                    f"--quant entry {item.strip()!r}: {o!r} is neither gN (a group size) "
+                    "nor clip; write e.g. int4:g32 or int4:g64:clip"
+                )
+        c = QuantChoice(name, g, bits, clip)
+        c.spec()  # unknown names, group sizes and widths fail here, before any loading
+        if clip and c.spec() is not None and c.spec().mode != "affine":
+            raise MlxrunError(f"clip search applies to int4/int8 only, not {name}")
+        choices.append(c)
+    return choices
+
+
+def reference_note(ckpt: Checkpoint) -> str:
+    """One line saying what the unquantized reference is for this checkpoint."""
+    q = ckpt.config.quantization
+    if not q:
+        return "reference: the checkpoint's own unquantized weights"
+
+    def one(d: dict) -> str:
+        return f"{d.get('mode', 'affine')} {d.get('bits')}-bit g{d.get('group_size')}"
+
+    parts = [one(q)] if "bits" in q else []
+    parts += [f"{k} {one(v)}" for k, v in q.items() if isinstance(v, dict)]
+    return (
+        f"reference: the checkpoint is stored quantized ({'; '.join(parts)}), so the "
+        "unquantized reference is its dense copy (packed weights dequantized to float32); "
+        "every format is quantized from that copy"
+    )
 
 
 @dataclass(frozen=True)
@@ -126,10 +192,10 @@ def dense_tensors(ckpt: Checkpoint) -> dict[str, Tensor]:
     return out
 
 
-def dense_checkpoint(model: str) -> Checkpoint:
-    """`open_checkpoint(model)` with its packed matrices dequantized (see `dense_tensors`)
-    and the quantization blocks dropped from the config."""
-    ckpt = open_checkpoint(model)
+def dense_checkpoint(model: str | Checkpoint) -> Checkpoint:
+    """`open_checkpoint(model)` (or an open checkpoint) with its packed matrices dequantized
+    (see `dense_tensors`) and the quantization blocks dropped from the config."""
+    ckpt = open_checkpoint(model) if isinstance(model, str) else model
     raw = {
         k: v for k, v in ckpt.raw_config.items() if k not in ("quantization", "quantization_config")
     }
@@ -247,13 +313,16 @@ def eval_text(text: str | None = None) -> str:
     if text is None:
         return resources.files("mlxrun").joinpath("data/eval.txt").read_text(encoding="utf-8")
     try:
-        return Path(text).expanduser().read_text(encoding="utf-8")
+        body = Path(text).expanduser().read_text(encoding="utf-8")
     except FileNotFoundError:
         raise MlxrunError(f"--text {text}: no such file; give a UTF-8 text file") from None
     except UnicodeDecodeError:
         raise MlxrunError(f"--text {text}: not UTF-8 text; give a plain text file") from None
     except OSError as e:
         raise MlxrunError(f"--text {text}: cannot be read ({e.strerror or e})") from None
+    if not body.strip():
+        raise MlxrunError(f"--text {text}: the file is empty; give a few paragraphs of text")
+    return body
 
 
 def windows(ids: list[int], window: int, max_tokens: int) -> list[np.ndarray]:
@@ -356,12 +425,11 @@ def evaluate_many(
     window: int = 512,
     extra: Sequence[Candidate] = (),
     progress: bool = False,
-) -> tuple[list[EvalResult], list[str]]:
+) -> EvalRun:
     """Score every choice (and `extra` candidate) against one unquantized reference over
     the same windows; the reference's logits are computed once per window. All models are
-    held at once (the dense reference plus one quantized copy each).
-
-    Returns (results in the order given, notes such as layers left unquantized).
+    held at once (the dense reference plus one quantized copy each). progress: a line per
+    window on stderr.
     """
     from mlxrun.backends import get_backend  # noqa: PLC0415
 
@@ -373,7 +441,10 @@ def evaluate_many(
         c.spec()  # a bad name, group size or width fails before anything is loaded
     body = eval_text(text)
     be = get_backend(backend, dtype)
-    ckpt = dense_checkpoint(model)
+    src = open_checkpoint(model)
+    reference = reference_note(src)
+    ckpt = dense_checkpoint(src)
+    del src
     wins = windows(ckpt.tokenizer.encode(body, add_special_tokens=False), window, max_tokens)
     scored = sum(len(w) - 1 for w in wins)
     if scored < MIN_TOKENS:
@@ -397,7 +468,7 @@ def evaluate_many(
     stats = [_Stats() for _ in fns]
     for k, w in enumerate(wins):
         if progress:
-            print(f"window {k + 1}/{len(wins)}", flush=True)
+            print(f"window {k + 1}/{len(wins)}", file=sys.stderr, flush=True)
         ref_logits = window_logits(ref, w)[:-1]  # position t predicts token t+1: [T-1, V]
         targets = w[1:]
         for fn, st, same in zip(fns, stats, is_ref, strict=True):
@@ -408,7 +479,7 @@ def evaluate_many(
                 st.add(_log_softmax(ref_logits[sl]), logits[sl], targets[sl])
     labels = [c.label for c in choices] + [c.label for c in extra]
     results = [s.result(lb, b) for s, lb, b in zip(stats, labels, bpws, strict=True)]
-    return results, notes
+    return EvalRun(results, notes, reference, be.describe())
 
 
 def evaluate(
@@ -428,7 +499,7 @@ def evaluate(
     compare it with the unquantized model on `text` (a file; None: the bundled English
     sample, ~3900 SmolLM2 tokens), `window` tokens at a time, at most `max_tokens`.
     backend: auto | mlx | cuda | mps | cpu; dtype None: the backend's default."""
-    results, _ = evaluate_many(
+    run = evaluate_many(
         model,
         [QuantChoice(quant, group_size, bits, clip_search)],
         backend=backend,
@@ -437,7 +508,23 @@ def evaluate(
         max_tokens=max_tokens,
         window=window,
     )
-    return results[0]
+    return run.results[0]
+
+
+def summarize_notes(notes: Sequence[str]) -> list[str]:
+    """Per-matrix notes ("int4 g128: <path> stays unquantized: ...") counted per label."""
+    counts: dict[str, int] = {}
+    other = []
+    for n in notes:
+        label, _, rest = n.partition(": ")
+        if "stays unquantized" in rest:
+            counts[label] = counts.get(label, 0) + 1
+        else:
+            other.append(n)
+    return other + [
+        f"{label}: {k} matrices stay dense (their input size is not a multiple of the group)"
+        for label, k in counts.items()
+    ]
 
 
 def format_table(results: Sequence[EvalResult]) -> str:
