@@ -89,7 +89,7 @@ class BenchRow:
     backend: str  # mlx | cpu | cuda | mps (transformers: the torch device)
     device: str  # short: "cpu, float32", "cuda (NVIDIA H100), bfloat16"
     quant: str  # as asked: none | int4 | ...
-    weights: str  # as run: "float32", "affine4 g64", "affine4 g32 (stored)"
+    weights: str  # as run: "float32", "int4 g64", "int4 g32, head int8 g32 (stored)"
     load_s: float
     ttft_ms: float  # median: prefill of the whole batch + first sample
     prefill_tps: float  # batch x prompt_tokens / TTFT
@@ -417,14 +417,45 @@ def _short_device(be) -> str:
     return f"{be.device}, {be.dtype}"
 
 
-def _weights_label(model: Transformer, stored: bool) -> str:
+def _format_name(w, dtype: str) -> str:
     from mlxrun.backends.base import QuantizedWeight  # noqa: PLC0415
 
-    w = model.layers[0].q_proj if model.layers else model.head
     if isinstance(w, QuantizedWeight):
-        label = f"int{w.bits} g{w.group_size}" if w.mode == "affine" else w.mode
-        return label + " (stored)" if stored else label
-    return model.be.dtype
+        return f"int{w.bits} g{w.group_size}" if w.mode == "affine" else w.mode
+    return dtype
+
+
+def _weights_label(model: Transformer, how: str = "") -> str:
+    """What ran: the layers' format, the head's where it differs (GGUF often keeps the
+    embedding in 8 bits), and how the weights got there ("stored", "dequantized ...")."""
+    dt = model.be.dtype
+    body = _format_name(model.layers[0].q_proj if model.layers else model.head, dt)
+    head = _format_name(model.head, dt)
+    label = body if head == body else f"{body}, head {head}"
+    return f"{label} ({how})" if how else label
+
+
+def _dequantized(model: Transformer) -> Transformer:
+    """The same model with every packed weight expanded to the compute dtype (the tied
+    head stays one array)."""
+    from mlxrun.backends.base import QuantizedWeight  # noqa: PLC0415
+
+    be = model.be
+
+    def dense(w):
+        return be.dequantize(w) if isinstance(w, QuantizedWeight) else w
+
+    layers = []
+    for L in model.layers:
+        L = dataclasses.replace(
+            L, **{f.name: dense(getattr(L, f.name)) for f in dataclasses.fields(Layer)}
+        )
+        be.eval(*_arrays(*_layer_arrays(L)))
+        layers.append(L)
+    embed = dense(model.embed)
+    head = embed if model.head is model.embed else dense(model.head)
+    be.eval(*_arrays(embed, head))
+    return Transformer(model.config, be, embed, layers, model.norm, head)
 
 
 @dataclass
@@ -489,22 +520,23 @@ def _timings(run: _Run, samples: list[tuple[float, float]]) -> dict:
 
 def _bench_mlxrun(run: _Run, src: _Source, name: str, be, qname: str, spec, dtype) -> BenchRow:
     """Load (or build) the model on `be` in format `qname`, and measure it."""
+    from mlxrun.quant.formats import from_config  # noqa: PLC0415
+
     from .api import load  # noqa: PLC0415
 
     run.say(f"{be.name}:{be.device} {qname}: loading")
     notes: list[str] = []
+    how = ""
     t0 = time.perf_counter()
     if src.shape:
         model = build_random(src.config, be, spec)
         be.synchronize()
         load_s = time.perf_counter() - t0
     else:
+        stored = src.stored is not None
+        # A stored-quantized checkpoint loads as stored; `none` then expands it (below).
         m = load(
-            src.model,
-            backend=name,
-            dtype=dtype,
-            quant=qname,
-            progress=run.progress,
+            src.model, backend=name, dtype=dtype, quant=None if stored else qname, progress=False
         )
         model, notes = m.transformer, list(m.notes)
         # MLX converts dtypes lazily: finish every weight so load time is all of it.
@@ -512,6 +544,16 @@ def _bench_mlxrun(run: _Run, src: _Source, name: str, be, qname: str, spec, dtyp
         model.be.eval(*_arrays(model.embed, model.norm, model.head))
         for L in model.layers:
             model.be.eval(*_arrays(*_layer_arrays(L)))
+        if stored:
+            how = "stored"
+            if spec is None:
+                how = f"dequantized from stored {_weights_label(model)}"
+                model = _dequantized(model)
+            elif spec.group_size != from_config(src.stored).group_size:
+                notes.append(
+                    f"runs the stored group size {from_config(src.stored).group_size}, not "
+                    f"{spec.group_size}: re-quantizing stored weights would round them twice"
+                )
         model.be.synchronize()
         load_s = m.load_time + time.perf_counter() - t1
         del m
@@ -522,7 +564,7 @@ def _bench_mlxrun(run: _Run, src: _Source, name: str, be, qname: str, spec, dtyp
         backend=name,
         device=_short_device(model.be),
         quant=qname,
-        weights=_weights_label(model, stored=src.stored is not None),
+        weights=_weights_label(model, how),
         load_s=load_s,
         notes=notes,
         **fields,
@@ -535,6 +577,7 @@ def _hf_model(src: _Source, be):
     import transformers  # noqa: PLC0415
 
     transformers.logging.set_verbosity_error()  # generation-config chatter, not results
+    transformers.logging.disable_progress_bar()  # GGUF conversion bars would flood stderr
     dt = getattr(torch, be.dtype)
     if src.shape:
         cfg = transformers.LlamaConfig(**SHAPES[src.model.removeprefix(SHAPE_PREFIX)])
@@ -726,10 +769,12 @@ def run_bench(
     model: anything `mlxrun.load` takes, or `shape:llama3-8b` / `shape:llama3-1b` /
     `shape:smollm2` / `shape:tiny` (random weights made on the device). backends: mlx, cpu,
     cuda, mps (auto allowed); those that cannot run here are listed in `report.skipped`.
-    quants: none, int4, int8, fp8, fp4, nvfp4; a checkpoint stored quantized runs as stored
-    under `none` and skips the others. compare: ("transformers",) adds HF generate() on the
-    first torch device listed. The prompt is batch x prompt_tokens random ids; decoding is
-    greedy for gen_tokens tokens, after one untimed warm-up generation.
+    quants: none, int4, int8, fp8, fp4, nvfp4; a checkpoint stored quantized (GGUF Q4_1,
+    an MLX 4-bit model) runs dequantized to the compute dtype under `none`, as stored under
+    its own format (int4 for affine 4-bit, whatever its group size), and skips the others.
+    compare: ("transformers",) adds HF generate() on the first torch device listed. The
+    prompt is batch x prompt_tokens random ids; decoding is greedy for gen_tokens tokens,
+    after one untimed warm-up generation.
     """
     from mlxrun.backends import get_backend, resolve_backend_name  # noqa: PLC0415
 
@@ -762,8 +807,9 @@ def run_bench(
                 memory=_device_key(be), median_Bps=statistics.median(trials), trials_Bps=trials
             )
         for qname, spec in specs.items():
-            if src.stored is not None and spec is not None:
-                skipped.append(Skipped(name, qname, _stored_reason(src)))
+            why = _stored_skip(src, spec)
+            if why is not None:
+                skipped.append(Skipped(name, qname, why))
                 continue
             try:
                 rows.append(_bench_mlxrun(run, src, name, be, qname, spec, dtype))
@@ -819,10 +865,24 @@ def run_bench(
     return report
 
 
-def _stored_reason(src: _Source) -> str:
-    q = src.stored or {}
-    what = f"{q.get('mode', 'affine')} {q.get('bits', 4)}-bit g{q.get('group_size', 64)}"
-    return f"the checkpoint is stored quantized ({what}); quant 'none' runs it as stored"
+def _stored_skip(src: _Source, spec) -> str | None:
+    """Why format `spec` cannot run on a checkpoint stored quantized; None where it can:
+    `none` (dequantized) and the stored format itself (as stored)."""
+    from mlxrun.quant.formats import USER_FORMATS, from_config  # noqa: PLC0415
+
+    if src.stored is None or spec is None:
+        return None
+    st = from_config(src.stored)
+    if (st.mode, st.bits) == (spec.mode, spec.bits):
+        return None
+    name = next(
+        (k for k, v in USER_FORMATS.items() if (v.mode, v.bits) == (st.mode, st.bits)), None
+    )
+    runs = f"it runs as stored under {name} and " if name else "it runs "
+    return (
+        f"the checkpoint is stored quantized ({st.mode} {st.bits}-bit g{st.group_size}): {runs}"
+        f"dequantized under none; re-quantizing it to {spec.label} would round the weights twice"
+    )
 
 
 def _roofline(rows: list[BenchRow], bandwidth: dict[str, dict]) -> None:
@@ -987,9 +1047,10 @@ def plot_report(report: BenchReport, path: str | os.PathLike) -> None:
     ceiling = np.array([r.bandwidth_Bps / r.bytes_per_token for r in rows])
     ax.scatter(xs, ceiling, marker="_", s=900, color="black", label="roofline (copy BW / bytes)")
     for x, r in zip(xs, rows, strict=True):
+        pct = 100 * r.roofline
         ax.annotate(
-            f"{100 * r.roofline:.0f}%",
-            (x, r.decode_tps),
+            f"{pct:.0f}%" if pct >= 10 else f"{pct:.1f}%",
+            (x, r.decode_tps_max),  # above the whisker, so the two never overlap
             ha="center",
             va="bottom",
             xytext=(0, 3),
@@ -1006,6 +1067,6 @@ def plot_report(report: BenchReport, path: str | os.PathLike) -> None:
         fontsize=10,
     )
     ax.set_ylim(top=4 * max(ceiling.max(), med.max()))  # head room for the legend
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="upper left", markerscale=0.4)
     fig.tight_layout()
     _atomic_write(path, lambda f: fig.savefig(f, format="png"))

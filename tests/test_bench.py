@@ -4,6 +4,7 @@ skip reasons, JSON and PNG output, and the user errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -203,11 +204,48 @@ def test_no_runnable_backend_names_each_reason():
     assert reason in str(e.value) and "mps" in str(e.value)
 
 
-def test_stored_quantized_source_skips_other_formats(monkeypatch):
-    """The bundled GGUF is stored Q4_1: --quant int4 cannot apply, and says why."""
-    monkeypatch.setitem(bench.COPY_BYTES, "cpu", 8 << 20)
-    with pytest.raises(MlxrunError, match="stored quantized .*affine 4-bit g32.*'none'"):
-        run_bench("smollm2", ["cpu"], ["int4"], progress=False)
+def test_stored_quantized_source_skips_other_formats():
+    """A checkpoint stored Q4_1 (the bundled GGUF's block, written here to skip the slow
+    GGUF open): none and int4 run, fp8 would round the weights twice and says what runs."""
+    stored = {"group_size": 32, "bits": 4, "mode": "affine"}
+    src = bench._Source("smollm2", False, shape_config("smollm2"), "x.gguf", stored)
+    assert bench._stored_skip(src, None) is None
+    assert bench._stored_skip(src, resolve("int4")) is None  # runs as stored, g32 kept
+    assert bench._stored_skip(src, resolve("fp8")) == (
+        "the checkpoint is stored quantized (affine 4-bit g32): it runs as stored under int4 "
+        "and dequantized under none; re-quantizing it to fp8 (mxfp8) would round the weights "
+        "twice"
+    )
+    src3 = dataclasses.replace(src, stored={"group_size": 64, "bits": 3})
+    assert bench._stored_skip(src3, resolve("int4")).startswith(
+        "the checkpoint is stored quantized (affine 3-bit g64): it runs dequantized under none;"
+    )
+
+
+def test_stored_quantized_source_as_stored_and_dequantized():
+    """What `--quant int4` and `--quant none` run for the bundled Q4_1 GGUF: the stored
+    packing (int4 g32 layers, a Q8_0 tied embedding), and the same model expanded to
+    float32, which gives the same logits; bytes counted by hand from SmolLM2's shapes."""
+    from mlxrun.api import load
+
+    stored = load("smollm2", backend="mlx", progress=False).transformer
+    dense = bench._dequantized(stored)
+    assert bench._weights_label(stored, "stored") == "int4 g32, head int8 g32 (stored)"
+    assert bench._weights_label(dense) == "float32"
+    assert dense.head is dense.embed  # tied: one array, read once
+    # per layer 576x576 (q, o), 192x576 (k, v), 1536x576 (gate, up), 576x1536 (down)
+    layer_params = 2 * 576 * 576 + 2 * 192 * 576 + 3 * 576 * 1536
+    embed_params, norms = 49152 * 576, (30 * 2 + 1) * 576 * 4
+    # int4 g32: half a byte + a float32 scale and bias per 32; Q8_0: a byte + the same
+    packed = 30 * layer_params * (0.5 + 8 / 32) + embed_params * (1 + 8 / 32) + norms
+    assert bench.weight_bytes(stored) == (packed, packed) == (115_156_224, 115_156_224)
+    assert bench.weight_bytes(dense) == (134_515_008 * 4,) * 2  # every parameter in float32
+    be = stored.be
+    ids = be.ids(np.array([[1, 504, 3458, 282, 4649, 314, 5125, 47]]))
+    a = be.to_numpy(stored(ids, stored.make_cache(1, 8)))
+    b = be.to_numpy(dense(ids, dense.make_cache(1, 8)))
+    np.testing.assert_allclose(b, a, atol=1e-3 * np.abs(a).max())
+    assert (a.argmax(-1) == b.argmax(-1)).all()
 
 
 def test_plot(report, tmp_path, monkeypatch):
