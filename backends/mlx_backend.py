@@ -18,15 +18,22 @@ except ImportError:  # reported by get_backend with the extra to install
 
 
 class MLXCache:
-    """Growing KV cache (as mlx-lm's KVCache): buffers grow in steps of `step` positions so
-    decode does not reallocate every token. Per layer k, v: (B, kv_heads, capacity, D)."""
+    """KV cache, per layer k, v: (B, kv_heads, capacity, D), written at `offset`.
+
+    Generation knows its final length, so the buffers are allocated once at `max_len`: no
+    step rounding and no copy-on-grow, which would briefly double the cache (mlx-lm grows
+    in steps of 256 because it does not know the length). Past `max_len` it grows in
+    steps, for callers that keep decoding.
+    """
 
     step = 256
 
-    def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, dtype):
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, dtype,
+                 max_len: int | None = None):  # fmt: skip
         self.offset = 0
         self._shape = (batch, kv_heads, 0, head_dim)
         self._dtype = dtype
+        self._first = max_len
         self.keys: list = [None] * num_layers
         self.values: list = [None] * num_layers
 
@@ -44,7 +51,11 @@ class MLXCache:
         end = self.offset + k.shape[2]
         cur = self.keys[layer]
         if cur is None or end > cur.shape[2]:
-            grow = ((end - self.offset + self.step - 1) // self.step) * self.step
+            need = end - self.offset
+            if cur is None and self._first is not None and self._first >= end:
+                grow = self._first
+            else:
+                grow = ((need + self.step - 1) // self.step) * self.step
             b, h, _, d = self._shape
             new_k = mx.zeros((b, h, grow, d), self._dtype)
             new_v = mx.zeros((b, h, grow, d), self._dtype)
@@ -181,7 +192,7 @@ class MLXBackend:
         return None  # MLX already overlaps steps through async_eval
 
     def make_cache(self, num_layers, batch, kv_heads, head_dim, max_len):
-        return MLXCache(num_layers, batch, kv_heads, head_dim, self._dt)
+        return MLXCache(num_layers, batch, kv_heads, head_dim, self._dt, max_len)
 
     def random_normal(self, shape, std, seed):
         """Random weights made on the device (speed runs of big shapes need no host copy)."""

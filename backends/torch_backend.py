@@ -140,6 +140,9 @@ class TorchBackend:
         self._dt = getattr(torch, self.dtype)
         self._dev = torch.device(device)
         self.cuda_graphs = cuda_graphs and device == "cuda"
+        # Fused Triton kernels for packed weights: CUDA only in use; a test may turn them on
+        # for the CPU under TRITON_INTERPRET to run the CUDA code path end to end.
+        self.triton_kernels = device == "cuda"
 
     def describe(self) -> str:
         if self.device == "cuda":
@@ -166,7 +169,7 @@ class TorchBackend:
         w = self.array(weight, keep_dtype=True)
         s = self.array(scales, keep_dtype=True)
         b = None if biases is None else self.array(biases, keep_dtype=True)
-        if self.device != "cuda":
+        if not self.triton_kernels:
             return QuantizedWeight(w, s, b, mode, bits, group_size)
         from mlxrun.quant.triton_kernels import prepare  # noqa: PLC0415
 
@@ -183,10 +186,15 @@ class TorchBackend:
 
         parts = quantize(w.float().cpu().numpy(), QuantSpec(mode, bits, group_size))
         biases = parts.get("biases")
-        return self.quantized(Tensor.from_numpy(parts["weight"]),
-                              Tensor.from_numpy(parts["scales"]),
-                              None if biases is None else Tensor.from_numpy(biases),
-                              mode, bits, group_size, embedding)
+        return self.quantized(
+            Tensor.from_numpy(parts["weight"]),
+            Tensor.from_numpy(parts["scales"]),
+            None if biases is None else Tensor.from_numpy(biases),
+            mode,
+            bits,
+            group_size,
+            embedding,
+        )
 
     def dequantize(self, q: QuantizedWeight):
         from mlxrun.quant.torch_dequant import dequantize  # noqa: PLC0415

@@ -71,15 +71,24 @@ class Model:
 
     def generate(
         self,
-        prompt: str,
+        prompt: str | list[str],
         max_tokens: int = 256,
         *,
         system: str | None = None,
         chat: bool | None = None,
         stop: list[str] | None = None,
+        batch_size: int | str = "auto",
         **sampling,
-    ) -> str:
-        """The whole answer as a string (same options as `stream`)."""
+    ) -> str | list[str]:
+        """The whole answer as a string (same options as `stream`). A list of prompts runs
+        as batches (`generate_many`, batch_size "auto" from the memory plan) and returns the
+        answers in input order."""
+        if isinstance(prompt, (list, tuple)):
+            results, _ = self.generate_many(
+                list(prompt), max_tokens, system=system, chat=chat, stop=stop,
+                batch_size=batch_size, **sampling,
+            )  # fmt: skip
+            return [r.text for r in results]
         ids = self._ids(prompt, system, chat)
         text, _ = generate(
             self.transformer,
@@ -192,35 +201,51 @@ def load(
     With `check_memory`, a model that cannot fit (weights + KV for one 2048-token sequence)
     is refused before its weights are moved to the device."""
     from mlxrun.backends import get_backend  # noqa: PLC0415
+    from mlxrun.quant.formats import resolve  # noqa: PLC0415
 
-    from .build import build_model  # noqa: PLC0415
+    from .build import build_model, target_spec  # noqa: PLC0415
     from .loader import open_checkpoint  # noqa: PLC0415
     from .memory import check_fits  # noqa: PLC0415
     from .planning import plan_shapes  # noqa: PLC0415
 
     t0 = time.perf_counter()
     be = get_backend(backend, dtype)
-    spec = None
-    if quant not in (None, "none"):
-        from mlxrun.quant.formats import resolve  # noqa: PLC0415
-
-        spec = resolve(quant, group_size=group_size, bits=bits)
+    where = "mlx" if be.name == "mlx" else be.device
     ckpt = open_checkpoint(model)
     shapes = {n: (t.shape, t.dtype) for n, t in ckpt.tensors.items()}
+    ctx = min(ckpt.config.max_position_embeddings, 2048)
+
+    def plan_for(s):  # one 2048-token sequence: what loading must leave room for
+        return plan_shapes(ckpt.config, shapes, s, where, be.dtype, ctx, 1)
+
+    key = None if quant is None else quant.strip().lower()
+    auto_note = []
+    if key == "auto":
+        from mlxrun.quant.profiles import resolve_auto  # noqa: PLC0415
+
+        def fits(fmt: str) -> bool:
+            return plan_for(None if fmt == "none" else resolve(fmt, group_size, bits)).fits
+
+        key, why = resolve_auto(be.name, be.device, fits=fits)
+        # "none" from auto keeps the checkpoint as it is stored (packed stays packed).
+        auto_note.append(f"--quant auto: {key} ({why})")
+        if key == "none":
+            key = None
+    spec = None if key in (None, "none") else resolve(key, group_size=group_size, bits=bits)
     if check_memory:  # refuse before anything large is allocated
-        ctx = min(ckpt.config.max_position_embeddings, 2048)
-        check_fits(
-            plan_shapes(
-                ckpt.config,
-                shapes,
-                spec,
-                "mlx" if be.name == "mlx" else be.device,
-                be.dtype,
-                ctx,
-                1,
-            )
-        )
-    transformer, notes = build_model(ckpt.config, ckpt.tensors, be, spec, progress=progress)
+        check_fits(plan_for(spec))
+    transformer, notes = build_model(
+        ckpt.config,
+        ckpt.tensors,
+        be,
+        spec,
+        progress=progress,
+        dense=key == "none",
+        group_asked=group_size is not None,
+    )
+    notes = auto_note + notes
+    if spec is not None:  # a quantized source keeps its group size when none was asked
+        spec = target_spec(spec, ckpt.config.quantization, group_size is not None)
     be.synchronize()
     return Model(
         transformer, ckpt.tokenizer, ckpt.source, notes, time.perf_counter() - t0, shapes, spec

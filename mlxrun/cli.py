@@ -20,6 +20,14 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.3f} GB"
 
 
+def _weights_line(m) -> str:
+    """The weights' bytes as held on the device, after any quantization on load."""
+    q = m.quant
+    how = f"quantized on load to {q.mode} {q.bits}-bit g{q.group_size}" if q else "as stored"
+    n = m.transformer.weight_bytes()
+    return f"Weights: {_gib(n)} ({n} bytes, {how})"
+
+
 def model_options(f):
     f = click.option(
         "--model",
@@ -147,7 +155,11 @@ def read_prompts(path: str) -> list[str]:
 @click.option("--seed", type=int, default=None, help="Seed for reproducible sampling.")
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable).")
 @click.option(
-    "--quant", default=None, help="Quantize on load: int4, int8, fp8, fp4, nvfp4, auto or none."
+    "--quant",
+    default=None,
+    help="Quantize on load: int4, int8, fp8, fp4, nvfp4, auto or none. On an already "
+    "quantized model, layers already in that format are kept and the others re-quantized; "
+    "none dequantizes them.",
 )
 @click.option("--group-size", type=int, default=None, help="Quantization group size.")
 @click.option("--bits", type=int, default=None, help="Quantization bits (int formats).")
@@ -222,6 +234,7 @@ def generate(
         err=True,
     )
     click.echo(f"Peak memory: {_gib(m.backend.peak_memory())}", err=True)
+    click.echo(_weights_line(m), err=True)
     click.echo(f"Backend: {m.backend.describe()}", err=True)
 
 
@@ -275,6 +288,7 @@ def _stream_one(m, prompt, max_tokens, system, chat, stop, sampling) -> None:
         err=True,
     )
     click.echo(f"Peak memory: {_gib(last.peak_memory)}", err=True)
+    click.echo(_weights_line(m), err=True)
     click.echo(f"Finish: {last.finish_reason}", err=True)
     click.echo(f"Backend: {m.backend.describe()}", err=True)
 
@@ -309,12 +323,148 @@ def plan(model, backend, dtype, quant, context, batch):
     help="Model to convert (.gguf file, directory, Hub id or alias).",
 )
 @click.option("--output", "-o", "out_dir", required=True, help="New directory to write.")
-def convert(model, out_dir):
-    """Write a model as a Hugging Face-layout directory (GGUF -> safetensors)."""
+@click.option(
+    "--quant",
+    default=None,
+    help="Quantize: int4, int8, fp8, fp4 or nvfp4 (mlx-lm's format); none dequantizes a "
+    "quantized source [default: keep the weights as stored].",
+)
+@click.option("--group-size", type=int, default=None, help="Quantization group size.")
+@click.option("--bits", type=int, default=None, help="Quantization bits (a check for --quant).")
+def convert(model, out_dir, quant, group_size, bits):
+    """Write a model as a Hugging Face-layout directory of safetensors (GGUF -> safetensors,
+    or quantized to the format mlx-lm reads)."""
     from .convert import convert as run_convert  # noqa: PLC0415
 
-    run_convert(model, out_dir)
+    notes = run_convert(
+        model, out_dir, quant=quant, group_size=group_size, bits=bits, progress=sys.stderr.isatty()
+    )
+    for note in notes:
+        click.echo(f"note: {note}", err=True)
     click.echo(f"wrote {out_dir}")
+
+
+@cli.command("eval")
+@model_options
+@click.option(
+    "--quant",
+    required=True,
+    help="Formats to measure, a comma list of NAME[:gG][:clip]: none, int4, int8, fp8, fp4, "
+    "nvfp4; e.g. none,int8,int4:g32,int4:g64:clip,fp4.",
+)
+@click.option("--group-size", type=int, default=None, help="Group size for entries without :gG.")
+@click.option("--bits", type=int, default=None, help="Quantization bits (int formats).")
+@click.option(
+    "--text",
+    default=None,
+    help="UTF-8 text file to score [default: the bundled ~3900-token English sample].",
+)
+@click.option(
+    "--max-tokens", type=int, default=4096, show_default=True, help="Most tokens of text scored."
+)
+@click.option("--window", type=int, default=512, show_default=True, help="Tokens per forward pass.")
+def eval_cmd(model, backend, dtype, quant, group_size, bits, text, max_tokens, window):
+    """Measure what quantization costs: perplexity, KL divergence from the unquantized
+    model and top-1 agreement, per format, over a text."""
+    from .evaluate import (  # noqa: PLC0415
+        evaluate_many,
+        format_table,
+        parse_choices,
+        summarize_notes,
+    )
+
+    choices = parse_choices(quant, group_size, bits)
+    run = evaluate_many(
+        model,
+        choices,
+        backend=backend,
+        dtype=dtype,
+        text=text,
+        max_tokens=max_tokens,
+        window=window,
+        progress=sys.stderr.isatty(),
+    )
+    click.echo(f"{model} on {run.backend}; text: {text or 'bundled eval.txt'}")
+    click.echo(run.reference)
+    click.echo(format_table(run.results))
+    for note in summarize_notes(run.notes):
+        click.echo(f"note: {note}")
+
+
+@cli.command()
+@click.option("--verbose", "-v", is_flag=True, help="Add each kernel's note and tile shapes.")
+def devices(verbose):
+    """Show each device found, its memory and profile, the kernel and compute dtype per
+    format, and what --quant auto picks there."""
+    from .devices import detect, format_report  # noqa: PLC0415
+
+    click.echo(format_report(detect(), verbose=verbose))
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+@cli.command()
+@click.option(
+    "--model",
+    "-m",
+    required=True,
+    help="Model (directory, .gguf, Hub id, alias such as smollm2), or shape:llama3-8b, "
+    "shape:llama3-1b, shape:smollm2 for random weights of that shape (no download).",
+)
+@click.option(
+    "--backends",
+    default="mlx,cpu,cuda,mps",
+    show_default=True,
+    help="Comma list; those this machine cannot run are listed as skipped, with the reason.",
+)
+@click.option(
+    "--quant",
+    default="none,int4",
+    show_default=True,
+    help="Comma list of weight formats: none, int4, int8, fp8, fp4, nvfp4.",
+)
+@click.option("--prompt-tokens", type=int, default=512, show_default=True)
+@click.option("--gen-tokens", type=int, default=128, show_default=True)
+@click.option("--batch", type=int, default=1, show_default=True, help="Sequences at once.")
+@click.option(
+    "--reps", type=int, default=5, show_default=True, help="Timed runs after one warm-up."
+)
+@click.option("--compare", default="", help="Peers to add as rows: transformers.")
+@click.option("--json", "json_path", default=None, help="Write every number to this file.")
+@click.option("--plot", "plot_path", default=None, help="Draw decode tok/s vs roofline (PNG).")
+@click.option(
+    "--dtype",
+    type=click.Choice(DTYPE_CHOICES),
+    default=None,
+    help="Compute dtype [default: float32 on CPU, bfloat16 on GPUs, float16 on MPS].",
+)
+def bench(
+    model, backends, quant, prompt_tokens, gen_tokens, batch, reps, compare, json_path,
+    plot_path, dtype,
+):  # fmt: skip
+    """Measure load time, TTFT, prefill and decode speed, peak memory and the fraction of
+    the memory-bandwidth roofline, per backend and weight format, in one table."""
+    from .bench import format_report, run_bench  # noqa: PLC0415
+
+    report = run_bench(
+        model,
+        _csv(backends),
+        _csv(quant),
+        prompt_tokens=prompt_tokens,
+        gen_tokens=gen_tokens,
+        batch=batch,
+        reps=reps,
+        compare=_csv(compare),
+        json_path=json_path,
+        plot_path=plot_path,
+        dtype=dtype,
+    )
+    click.echo(format_report(report))
+    for path in (json_path, plot_path):
+        if path is not None:
+            click.echo(f"wrote {path}", err=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -57,7 +57,7 @@ APPLE_WS_LARGE = (3, 4)
 # outside the budget).
 WORKSPACE_OVERHEAD = {
     ("mlx", "apple"): 64 * MiB,  # Metal command buffers, compiled kernels, allocator cache
-    ("mlx", "cpu"): 64 * MiB,
+    ("mlx", "cpu"): 8 * MiB,  # measured: SmolLM2, context 80-272, batch 1-8 (see README)
     ("torch", "cuda"): 128 * MiB,  # cuBLAS workspaces and caching-allocator rounding
     ("torch", "apple"): 64 * MiB,
     ("torch", "cpu"): 100 * MiB,  # oneDNN scratch and allocator slack
@@ -428,11 +428,13 @@ def footprint(
     tensor_shapes: Shapes,
     dtype: str = "bfloat16",
     quant: QuantSpec | None = None,
+    backend: str = "torch",
 ) -> ModelFootprint:
     """Weight and KV bytes of a model: `tensor_shapes` from `header_shapes` or `config_shapes`.
 
     A checkpoint that is already quantized (`p.scales` present) counts its quantized tensors
-    as stored; `quant` for an unquantized checkpoint packs every 2-D `.weight` whose in-dim
+    as stored (on MLX, float scales and biases at the compute dtype, as its quantized matmul
+    wants them); `quant` for an unquantized checkpoint packs every 2-D `.weight` whose in-dim
     divides by the group size (embedding and lm_head too, as mlx-lm does). Other tensors count
     at the compute `dtype`. A tied lm_head stored in the file is not counted twice.
     """
@@ -443,14 +445,14 @@ def footprint(
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)  # the loader drops it and uses the embedding
     quantized = {n[: -len(".scales")] for n in shapes if n.endswith(".scales")}
-    if quantized and quant is not None:
-        raise MlxrunError("this checkpoint is already quantized; drop --quant")
     weight = dense = int4 = n_params = 0
     for name, (shape, sdt) in shapes.items():
         prefix, _, leaf = name.rpartition(".")
         is_q = prefix in quantized and leaf in ("weight", "scales", "biases")
         if is_q:
-            weight += _numel(shape) * STORED_BYTES[sdt]
+            if quant is None:  # kept as stored; with --quant it is re-quantized below
+                cast = backend == "mlx" and leaf != "weight" and sdt in ("F16", "BF16", "F32")
+                weight += _numel(shape) * (db if cast else STORED_BYTES[sdt])
             if leaf != "weight":
                 continue
             # uint32 [out, in*bits/32] -> the logical [out, in]
@@ -464,17 +466,17 @@ def footprint(
             if matrix and shape[1] % INT4_GROUP_SIZE == 0
             else n * db
         )
-        if is_q:
+        if is_q and quant is None:
             continue
         if quant is not None and matrix and shape[1] % quant.group_size == 0:
             weight += packed_bytes(*shape, quant.mode, quant.bits, quant.group_size, db)
         else:
             weight += n * db
-    if quantized:
+    if quant is not None:
+        label = f"{quant.mode} {quant.bits}-bit g{quant.group_size}"
+    elif quantized:
         q = config.quantization or {}
         label = f"{q.get('mode', 'affine')} {q.get('bits', 4)}-bit g{q.get('group_size', 64)}"
-    elif quant is not None:
-        label = f"{quant.mode} {quant.bits}-bit g{quant.group_size}"
     else:
         label = dtype
     c = config

@@ -56,8 +56,11 @@ class Transformer:
             if a is None or id(a) in seen:
                 return
             seen.add(id(a))
-            if hasattr(a, "scales"):  # QuantizedWeight
-                for part in (a.weight, a.scales, a.biases):
+            if hasattr(a, "scales"):  # QuantizedWeight, and its kernel's repack (CUDA)
+                k = a.kernel
+                for part in (a.weight, a.scales, a.biases) + (
+                    (k.weight, k.scales, k.biases) if k is not None else ()
+                ):
                     add(part)
             else:
                 total += int(a.nbytes)

@@ -52,7 +52,7 @@ def plan_shapes(
     name, device, default_dtype = backend_device(backend)
     dtype = dtype or default_dtype
     dev = probe_device(name, device)
-    fp = footprint(cfg, shapes, dtype, spec)
+    fp = footprint(cfg, shapes, dtype, spec, name)
     return make_plan(
         cfg,
         fp,

@@ -77,3 +77,15 @@ def test_batch_size_zero_is_refused(tiny_dir):
     m = mlxrun.load(str(d), backend="cpu", dtype="float32", progress=False)
     with pytest.raises(mlxrun.MlxrunError, match="--batch-size must be at least 1"):
         generate_batch(m.transformer, m.tokenizer, [[5]], batch_size=0)
+
+
+def test_api_generate_list_equals_one_at_a_time(tiny_dir):
+    """`m.generate([...])` runs the prompts as batches and returns each prompt's own answer,
+    in input order."""
+    d, _ = tiny_dir("llama3_untied_scaled")
+    m = mlxrun.load(str(d), backend="cpu", dtype="float32", progress=False)
+    m.tokenizer.eos_token_ids = set()  # random weights: run every sequence to the end
+    prompts = ["a much longer prompt than the others, to pad", "hi", "three word prompt"]
+    got = m.generate(prompts, max_tokens=8, batch_size=2)
+    assert got == [m.generate(p, max_tokens=8) for p in prompts]
+    assert len(set(got)) > 1  # distinct prompts, distinct answers: the order is checked

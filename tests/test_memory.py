@@ -477,8 +477,11 @@ def test_footprint_of_a_quantized_checkpoint(tmp_path):
     assert fp.n_params == dense.n_params == sum(t.data.size for t in tensors.values())
     assert fp.int4_weight_bytes == dense.int4_weight_bytes
     assert fp.label == "affine 4-bit g32"
-    with pytest.raises(MlxrunError, match="already quantized"):
-        footprint(cfg, header_shapes(tmp_path / "model.safetensors"), "bfloat16",
-                  Q("affine", 4, 64))  # fmt: skip
+    # --quant on a quantized checkpoint re-quantizes it: the dense model quantized
+    requant = footprint(cfg, header_shapes(tmp_path / "model.safetensors"), "bfloat16",
+                        Q("affine", 8, 64))  # fmt: skip
+    want = footprint(TINY, {n: (t.shape, "BF16") for n, t in tensors.items()}, "bfloat16",
+                     Q("affine", 8, 64))  # fmt: skip
+    assert (requant.weight_bytes, requant.label) == (want.weight_bytes, "affine 8-bit g64")
     with pytest.raises(MlxrunError, match="no 'quantization' entry"):
         footprint(TINY, header_shapes(tmp_path / "model.safetensors"), "bfloat16")

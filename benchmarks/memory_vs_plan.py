@@ -1,0 +1,175 @@
+"""Prediction against measurement for the memory planner (issue: memory-aware batch sizing).
+
+For each backend, weight format and batch size from 1 up to the planned maximum, run one
+greedy generation of `--prompt-tokens` + `--gen-tokens` in a fresh process and compare the
+planner's total (weights + KV + prefill workspace + backend overhead) with the peak measured
+there: MLX's peak memory (mx.get_peak_memory), torch.cuda.max_memory_allocated, or, on the
+PyTorch CPU backend, the process's resident high-water mark minus its resident size before
+the model was opened (the interpreter and libraries are not the model's memory).
+
+The planned maximum batch comes from the device's real budget, or from `--budget-gib` to
+plan for a smaller device (a 2-core CI machine cannot run SmolLM2's real maximum of ~270
+sequences); the batches run are powers of two up to that maximum, and the maximum itself.
+
+    python benchmarks/memory_vs_plan.py --model smollm2 --backends mlx,cpu --budget-gib 2
+    python benchmarks/memory_vs_plan.py --model shape:llama3-8b --backends cuda \
+        --quant none,int4 --prompt-tokens 1920 --gen-tokens 128
+
+Models: anything `mlxrun.load` takes, or `shape:NAME` (random weights of a real model's
+shapes, made on the device; see mlxrun.bench.SHAPES).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+
+GiB = 1 << 30
+
+
+def _rss_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _plan(model: str, backend: str, quant: str, context: int, batch: int, budget_gib):
+    """The planner's Plan for this run, on the real device or one with `budget_gib`."""
+    import dataclasses  # noqa: PLC0415
+
+    from mlxrun.memory import footprint, make_plan, probe_device  # noqa: PLC0415
+    from mlxrun.planning import backend_device, model_shapes  # noqa: PLC0415
+    from mlxrun.quant.formats import resolve  # noqa: PLC0415
+
+    name, device, dtype = backend_device(backend)
+    spec = None if quant == "none" else resolve(quant)
+    if model.startswith("shape:"):
+        from mlxrun.bench import shape_config  # noqa: PLC0415
+        from mlxrun.memory import config_shapes  # noqa: PLC0415
+
+        cfg = shape_config(model[len("shape:") :])
+        shapes = config_shapes(cfg)
+    else:
+        cfg, shapes = model_shapes(model)
+    dev = probe_device(name, device)
+    if budget_gib is not None:  # a device whose budget is exactly budget_gib
+        dev = dataclasses.replace(
+            dev, available_bytes=int(budget_gib * GiB) + dev.reserve_bytes, sources={}
+        )
+    fp = footprint(cfg, shapes, dtype, spec, name)
+    return make_plan(
+        cfg, fp, dev, context=context, batch=batch, dtype_bytes=2 if dtype != "float32" else 4,
+        backend=name,
+    )  # fmt: skip
+
+
+def child(args) -> None:
+    """One measured run; prints a JSON line."""
+    import numpy as np  # noqa: PLC0415
+
+    import mlxrun  # noqa: PLC0415
+    from mlxrun.backends import get_backend  # noqa: PLC0415
+    from mlxrun.generate import generate_step  # noqa: PLC0415
+    from mlxrun.sampling import SamplingParams  # noqa: PLC0415
+
+    be = get_backend(args.backends)
+    be.synchronize()
+    base = _rss_now()
+    if args.model.startswith("shape:"):
+        from mlxrun.bench import build_random, shape_config  # noqa: PLC0415
+        from mlxrun.quant.formats import resolve  # noqa: PLC0415
+
+        cfg = shape_config(args.model[len("shape:") :])
+        spec = None if args.quant == "none" else resolve(args.quant)
+        model = build_random(cfg, be, spec)
+    else:
+        m = mlxrun.load(args.model, backend=args.backends, quant=args.quant, progress=False)
+        model, cfg = m.transformer, m.transformer.config
+        be = model.be
+    be.synchronize()
+    loaded = model.weight_bytes()
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, cfg.vocab_size, (args.batch, args.prompt_tokens)).tolist()
+    be.reset_peak_memory()
+    for _ in generate_step(model, prompts, SamplingParams(), args.gen_tokens):
+        pass
+    be.synchronize()
+    if be.name == "torch" and be.device == "cpu":
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    else:
+        peak = be.peak_memory()
+    print(json.dumps(dict(peak=int(peak), weights=int(loaded))))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--backends", default="mlx,cpu")
+    ap.add_argument("--quant", default="none,int4")
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--gen-tokens", type=int, default=32)
+    ap.add_argument("--budget-gib", type=float, default=None)
+    ap.add_argument("--max-runs", type=int, default=8, help="batches per format, at most")
+    ap.add_argument("--batches", default=None, help="these batch sizes (comma list) instead")
+    ap.add_argument("--json", default=None, help="write every row here")
+    ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)  # child
+    args = ap.parse_args()
+    if args.batch is not None:
+        return child(args)
+    context = args.prompt_tokens + args.gen_tokens
+    rows = []
+    print(
+        f"{'backend':8} {'quant':6} {'batch':>5} {'planned':>10} {'measured':>10} "
+        f"{'error':>7}   (MiB; context {context}; planned max batch in brackets)",
+        flush=True,
+    )
+    for backend in args.backends.split(","):
+        for quant in args.quant.split(","):
+            top = _plan(args.model, backend, quant, context, 1, args.budget_gib).max_batch
+            batches = sorted({b for b in (2**i for i in range(12)) if b <= top} | {top})
+            batches = [b for b in batches if b >= 1]
+            if args.batches:
+                batches = [int(b) for b in args.batches.split(",")]
+            elif len(batches) > args.max_runs:  # keep the smallest, the largest, and spread
+                pick = np.linspace(0, len(batches) - 1, args.max_runs).round().astype(int)
+                batches = [batches[i] for i in sorted(set(pick))]
+            for b in batches:
+                plan = _plan(args.model, backend, quant, context, b, args.budget_gib)
+                cmd = [sys.executable, __file__, "--model", args.model, "--backends", backend,
+                       "--quant", quant, "--prompt-tokens", str(args.prompt_tokens),
+                       "--gen-tokens", str(args.gen_tokens), "--batch", str(b)]  # fmt: skip
+                out = subprocess.run(cmd, capture_output=True, text=True)
+                if out.returncode != 0:
+                    print(f"{backend:8} {quant:6} {b:>5}  failed: {out.stderr.strip()[-300:]}")
+                    continue
+                got = json.loads(out.stdout.strip().splitlines()[-1])
+                err = got["peak"] / plan.total_bytes - 1
+                rows.append(dict(backend=backend, quant=quant, batch=b, max_batch=top,
+                                 context=context, planned=plan.total_bytes,
+                                 planned_weights=plan.weight_bytes, planned_kv=plan.kv_bytes,
+                                 planned_workspace=plan.workspace_bytes,
+                                 measured=got["peak"], loaded_weights=got["weights"],
+                                 error=err))  # fmt: skip
+                print(
+                    f"{backend:8} {quant:6} {b:>5} {plan.total_bytes / 2**20:>10.1f} "
+                    f"{got['peak'] / 2**20:>10.1f} {100 * err:>+6.1f}%"
+                    + (f"   [{top}]" if b == top else ""),
+                    flush=True,
+                )
+    if rows:
+        worst = max(abs(r["error"]) for r in rows)
+        print(f"worst |error| {100 * worst:.1f}% over {len(rows)} runs (target: within 10%)")
+    if args.json:
+        tmp = args.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(rows, f, indent=1)
+        os.replace(tmp, args.json)
+
+
+if __name__ == "__main__":
+    import numpy as np
+
+    main()
