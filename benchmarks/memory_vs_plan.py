@@ -86,7 +86,9 @@ def child(args) -> None:
         spec = None if args.quant == "none" else resolve(args.quant)
         model = build_random(cfg, be, spec)
     else:
-        m = mlxrun.load(args.model, backend=args.backends, quant=args.quant, progress=False)
+        # "none" here means as stored, which is what the plan counts for it
+        q = None if args.quant == "none" else args.quant
+        m = mlxrun.load(args.model, backend=args.backends, quant=q, progress=False)
         model, cfg = m.transformer, m.transformer.config
         be = model.be
     be.synchronize()

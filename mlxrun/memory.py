@@ -63,6 +63,11 @@ WORKSPACE_OVERHEAD = {
     ("torch", "cpu"): 100 * MiB,  # oneDNN scratch and allocator slack
 }
 SCORES_BYTES = 4  # attention scores are fp32 on the non-flash path
+# PyTorch on CPU/MPS has no packed-weight kernel: each call expands one packed matrix (uint8
+# codes, fp32 codes, fp32 scaled values: ~10 bytes per weight), the largest being the
+# (often tied) embedding. Measured on SmolLM2's 49152x576 head (see README).
+DEQUANT_BYTES_PER_WEIGHT = 10
+DEQUANTIZING = {("torch", "cpu"), ("torch", "apple")}
 LOGITS_BYTES = 4  # logits of the last position only, fp32
 
 # The quantization that `--quant int4` means (DESIGN.md: INT4 = affine 4-bit, mlx-lm's group)
@@ -413,6 +418,7 @@ class ModelFootprint:
     int4_weight_bytes: int
     dtype: str
     label: str  # how the weights are stored, e.g. "bfloat16" or "affine 4-bit g64"
+    largest_packed: int = 0  # weights of the largest matrix held packed (0: none)
 
     def kv_bytes(self, tokens: int, batch: int = 1) -> int:
         """KV-cache bytes for `batch` sequences of `tokens` tokens."""
@@ -445,7 +451,7 @@ def footprint(
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)  # the loader drops it and uses the embedding
     quantized = {n[: -len(".scales")] for n in shapes if n.endswith(".scales")}
-    weight = dense = int4 = n_params = 0
+    weight = dense = int4 = n_params = largest = 0
     for name, (shape, sdt) in shapes.items():
         prefix, _, leaf = name.rpartition(".")
         is_q = prefix in quantized and leaf in ("weight", "scales", "biases")
@@ -467,8 +473,10 @@ def footprint(
             else n * db
         )
         if is_q and quant is None:
+            largest = max(largest, n)
             continue
         if quant is not None and matrix and shape[1] % quant.group_size == 0:
+            largest = max(largest, n)
             weight += packed_bytes(*shape, quant.mode, quant.bits, quant.group_size, db)
         else:
             weight += n * db
@@ -481,7 +489,7 @@ def footprint(
         label = dtype
     c = config
     kv = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * db
-    return ModelFootprint(weight, kv, n_params, dense, int4, dtype, label)
+    return ModelFootprint(weight, kv, n_params, dense, int4, dtype, label, largest)
 
 
 # --- planning ------------------------------------------------------------------------------
@@ -620,6 +628,9 @@ def make_plan(
         backend=backend,
         kind=device.kind,
     )
+    if (backend, device.kind) in DEQUANTIZING:
+        ws += fp.largest_packed * DEQUANT_BYTES_PER_WEIGHT
+        kw["overhead"] += fp.largest_packed * DEQUANT_BYTES_PER_WEIGHT
     total = fp.weight_bytes + kv + ws
     max_batch, max_context = _limits(config, fp.weight_bytes, fp.kv_bytes_per_token, budget, **kw)
     advice = ""
