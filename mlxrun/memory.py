@@ -610,7 +610,13 @@ def make_plan(
             f"--context {config.max_position_embeddings} or less"
         )
     fp, budget = footprint, device.budget_bytes
-    overhead = _overhead(backend, device.kind)
+    # Per-call expansion of the largest packed matrix, where the backend has no packed kernel.
+    expand = (
+        fp.largest_packed * DEQUANT_BYTES_PER_WEIGHT
+        if (backend, device.kind) in DEQUANTIZING
+        else 0
+    )
+    overhead = _overhead(backend, device.kind) + expand
     kw = dict(
         context=context,
         batch=batch,
@@ -628,9 +634,7 @@ def make_plan(
         backend=backend,
         kind=device.kind,
     )
-    if (backend, device.kind) in DEQUANTIZING:
-        ws += fp.largest_packed * DEQUANT_BYTES_PER_WEIGHT
-        kw["overhead"] += fp.largest_packed * DEQUANT_BYTES_PER_WEIGHT
+    ws += expand
     total = fp.weight_bytes + kv + ws
     max_batch, max_context = _limits(config, fp.weight_bytes, fp.kv_bytes_per_token, budget, **kw)
     advice = ""
