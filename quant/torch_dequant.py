@@ -60,7 +60,8 @@ def dequantize(
     if mode == "affine":
         s = scales.to(torch.float32).unsqueeze(-1)
         b = biases.to(torch.float32).unsqueeze(-1)
-        w = q.reshape(*lead, n // group_size, group_size).to(torch.float32) * s + b
+        # in place: the float copy of the codes is the only full-size temporary
+        w = q.reshape(*lead, n // group_size, group_size).to(torch.float32).mul_(s).add_(b)
     else:
         if bits == 4:
             vals = _lut(q.device)[q.long()]
@@ -71,5 +72,5 @@ def dequantize(
         else:  # E8M0: a bare power of two
             e = scales.view(torch.uint8).to(torch.int32)
             s = torch.ldexp(torch.ones(e.shape, device=e.device), e - 127)
-        w = vals.reshape(*lead, n // group_size, group_size) * s.unsqueeze(-1)
+        w = vals.reshape(*lead, n // group_size, group_size).mul_(s.unsqueeze(-1))
     return w.reshape(*lead, n).to(dtype)
