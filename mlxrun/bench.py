@@ -30,7 +30,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import MlxrunError
-from .generate import PREFILL_CHUNK, generate_step
+from .generate import generate_step
 from .model import Layer, Transformer
 from .sampling import SamplingParams
 
@@ -122,7 +122,7 @@ class BenchReport:
     model: str
     source: str
     config: dict  # hidden, layers, heads, ... of the model measured
-    settings: dict  # prompt_tokens, gen_tokens, batch, reps, prefill_chunk, dtype
+    settings: dict  # prompt_tokens, gen_tokens, batch, reps, prefill_chunk per backend, dtype
     rows: list[BenchRow]
     skipped: list[Skipped]
     bandwidth: dict[str, dict]  # "torch:cpu" -> {"device", "median_Bps", "trials_Bps", ...}
@@ -391,7 +391,7 @@ def _run_once(model: Transformer, prompts: list[list[int]], gen: int) -> tuple[f
     model.be.synchronize()
     t0 = time.perf_counter()
     times = []
-    for _ in generate_step(model, prompts, SamplingParams(), gen, PREFILL_CHUNK):
+    for _ in generate_step(model, prompts, SamplingParams(), gen):
         times.append(time.perf_counter())
     return times[0] - t0, (len(times) - 1) / (times[-1] - times[0])
 
@@ -406,6 +406,8 @@ def _release(be) -> None:
     elif be.device == "cuda":
         import torch  # noqa: PLC0415
 
+        be.release()  # its graph session holds the previous row's model
+        gc.collect()
         torch.cuda.empty_cache()
 
 
@@ -791,12 +793,14 @@ def run_bench(
     skipped: list[Skipped] = []
     bandwidth: dict[str, dict] = {}
     torch_be = None
+    chunks: dict[str, int] = {}
     for name in names:
         try:
             be = get_backend(name, dtype)
         except MlxrunError as e:
             skipped.append(Skipped(name, "*", str(e)))
             continue
+        chunks[name] = be.prefill_chunk
         if be.name == "torch" and torch_be is None:
             torch_be = be
         key = f"{be.name}:{be.device}"
@@ -849,7 +853,7 @@ def run_bench(
             gen_tokens=gen_tokens,
             batch=batch,
             reps=reps,
-            prefill_chunk=PREFILL_CHUNK,
+            prefill_chunk=chunks,  # per backend: its prefill chunk (tokens)
             dtype=dtype,
             mean_context=mean_context(prompt_tokens, gen_tokens),
         ),

@@ -15,8 +15,6 @@ from .model import Transformer
 from .sampling import HostSampler, SamplingParams
 from .tokenizer import Tokenizer
 
-PREFILL_CHUNK = 512
-
 
 @dataclass
 class GenerationResponse:
@@ -48,7 +46,7 @@ def generate_step(
     prompts: list[list[int]],
     params: SamplingParams,
     max_tokens: int,
-    prefill_chunk: int = PREFILL_CHUNK,
+    prefill_chunk: int | None = None,
 ) -> Iterator[np.ndarray]:
     """Yield the next token of every sequence (B,) int64, `max_tokens` times at most.
 
@@ -66,6 +64,8 @@ def generate_step(
             f"prompt ({L} tokens) + --max-tokens ({max_tokens}) exceeds the "
             f"model's context of {limit} tokens; shorten one of them"
         )
+    if prefill_chunk is None:
+        prefill_chunk = be.prefill_chunk
     with be.wired(model.weight_bytes() + model.kv_bytes(B, L + max_tokens)):
         yield from _steps(model, ids, pads, params, max_tokens, prefill_chunk, prompts)
 
@@ -90,19 +90,23 @@ def _steps(model, ids, pads, params, max_tokens, prefill_chunk, prompts):
     be.start(y)
     # Greedy decode may run as one captured graph per step (CUDA); same math, fewer launches.
     graph = be.decode_step(model, cache, B, pads) if host is None and max_tokens > 1 else None
-    for n in range(max_tokens):
-        if n + 1 < max_tokens:
-            if graph is not None:
-                nxt = graph(y)
-            else:
-                nxt = sample(model(y.reshape(B, 1), cache, pads, last_only=True))
-            be.start(nxt)
-        toks = be.to_numpy(y).astype(np.int64).reshape(B)
-        for b in range(B):
-            history[b].append(int(toks[b]))
-        yield toks
-        if n + 1 < max_tokens:
-            y = nxt
+    try:
+        for n in range(max_tokens):
+            if n + 1 < max_tokens:
+                if graph is not None:
+                    nxt = graph(y)
+                else:
+                    nxt = sample(model(y.reshape(B, 1), cache, pads, last_only=True))
+                be.start(nxt)
+            toks = be.to_numpy(y).astype(np.int64).reshape(B)
+            for b in range(B):
+                history[b].append(int(toks[b]))
+            yield toks
+            if n + 1 < max_tokens:
+                y = nxt
+    finally:  # also when the caller stops early (a stop string, a closed stream)
+        if graph is not None:
+            graph.close()
 
 
 def _stop_hold(text: str, stops: list[str]) -> int:
@@ -123,7 +127,7 @@ def stream(
     params: SamplingParams | None = None,
     max_tokens: int = 256,
     stop: list[str] | None = None,
-    prefill_chunk: int = PREFILL_CHUNK,
+    prefill_chunk: int | None = None,
 ) -> Iterator[GenerationResponse]:
     """Generate for one prompt, yielding text pieces as they become final."""
     params = params or SamplingParams()
@@ -211,7 +215,7 @@ def generate_batch(
     max_tokens: int = 256,
     stop: list[str] | None = None,
     batch_size: int = 8,
-    prefill_chunk: int = PREFILL_CHUNK,
+    prefill_chunk: int | None = None,
 ) -> list[BatchResult]:
     """Generate for many prompts, `batch_size` at a time, each stopping on its own.
 

@@ -63,10 +63,29 @@ WORKSPACE_OVERHEAD = {
     ("torch", "cpu"): 100 * MiB,  # oneDNN scratch and allocator slack
 }
 SCORES_BYTES = 4  # attention scores are fp32 on the non-flash path
-# PyTorch on CPU/MPS has no packed-weight kernel: each call expands one packed matrix (uint8
-# codes, fp32 codes, fp32 scaled values: ~10 bytes per weight), the largest being the
-# (often tied) embedding. Measured on SmolLM2's 49152x576 head (see README).
+# PyTorch on CUDA never materialises the scores (flash / memory-efficient SDPA): a prefill
+# chunk past the first holds its boolean mask and the bf16 bias SDPA makes of it instead.
+FUSED_ATTENTION = {("torch", "cuda")}
+MASK_BYTES = 3
+# Tokens per sequence per prefill pass. On CUDA a 512-token chunk of an 8B model took 37-39 ms
+# (H100, bf16: TTFT 36.8 ms at 512 tokens, 154.8 ms at 2048), where its matmuls need ~11 ms
+# at the GPU's bf16 rate: launching ~600 kernels from Python set the pace. 2048 tokens give the
+# GPU enough work per launch; the planner counts the larger workspace this costs.
+PREFILL_CHUNK = {("torch", "cuda"): 2048}
+DEFAULT_PREFILL_CHUNK = 512
+
+
+def prefill_chunk_for(backend: str, kind: str) -> int:
+    """The prefill chunk generation uses on `backend` ("mlx"/"torch") on a `kind` device."""
+    return PREFILL_CHUNK.get((backend, kind), DEFAULT_PREFILL_CHUNK)
+
+
+# PyTorch on CPU/MPS has no packed-weight kernel: each call expands a block of rows of one
+# packed matrix (quant/torch_linear.py: 4 MiB of fp32 values; with the uint8 codes and the
+# float copy dequantize makes, ~10 bytes per weight expanded), a matrix smaller than a block
+# all at once.
 DEQUANT_BYTES_PER_WEIGHT = 10
+DEQUANT_BLOCK_WEIGHTS = (4 << 20) // 4
 DEQUANTIZING = {("torch", "cpu"), ("torch", "apple")}
 LOGITS_BYTES = 4  # logits of the last position only, fp32
 
@@ -511,7 +530,8 @@ def workspace_bytes(
     (both x dtype_bytes) + B*heads*C*context fp32 attention scores (non-flash path) + B*vocab
     fp32 logits of the last position + WORKSPACE_OVERHEAD[(backend, kind)].
     """
-    per_seq = _ws_per_seq(config, context, prefill_chunk, dtype_bytes)
+    fused = (backend, kind) in FUSED_ATTENTION
+    per_seq = _ws_per_seq(config, context, prefill_chunk, dtype_bytes, fused)
     return per_seq * batch + _overhead(backend, kind)
 
 
@@ -519,12 +539,17 @@ def _overhead(backend: str, kind: str) -> int:
     return WORKSPACE_OVERHEAD.get((backend, kind), 128 * MiB)
 
 
-def _ws_per_seq(c: ModelConfig, context: int, chunk: int, dtype_bytes: int) -> int:
+def _ws_per_seq(
+    c: ModelConfig, context: int, chunk: int, dtype_bytes: int, fused: bool = False
+) -> int:
     C = min(chunk, context)
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     act = C * (c.hidden_size + q + 2 * kv) * dtype_bytes
     mlp = C * c.intermediate_size * 3 * dtype_bytes
-    scores = c.num_attention_heads * C * context * SCORES_BYTES
+    if fused:  # one chunk is plain causal (no mask); later ones carry a mask
+        scores = MASK_BYTES * C * context if context > C else 0
+    else:
+        scores = c.num_attention_heads * C * context * SCORES_BYTES
     return act + mlp + scores + c.vocab_size * LOGITS_BYTES
 
 
@@ -561,16 +586,17 @@ def _limits(
     chunk: int,
     dtype_bytes: int,
     overhead: int,
+    fused: bool,
 ) -> tuple[int, int]:
     """(max batch at `context`, max context at `batch`) for `weights` bytes of weights."""
-    per_seq = kv_tok * context + _ws_per_seq(config, context, chunk, dtype_bytes)
+    per_seq = kv_tok * context + _ws_per_seq(config, context, chunk, dtype_bytes, fused)
     max_batch = max(0, (budget - weights - overhead) // per_seq)
 
     def need(ctx: int) -> int:  # grows with ctx, so bisect
         return (
             weights
             + overhead
-            + batch * (kv_tok * ctx + _ws_per_seq(config, ctx, chunk, dtype_bytes))
+            + batch * (kv_tok * ctx + _ws_per_seq(config, ctx, chunk, dtype_bytes, fused))
         )
 
     lo, hi = 0, config.max_position_embeddings
@@ -587,7 +613,7 @@ def make_plan(
     *,
     context: int,
     batch: int = 1,
-    prefill_chunk: int = 512,
+    prefill_chunk: int | None = None,
     dtype_bytes: int = 2,
     backend: str = "torch",
 ) -> Plan:
@@ -599,6 +625,8 @@ def make_plan(
     """
     if batch < 1:
         raise MlxrunError(f"--batch-size must be at least 1 (got {batch})")
+    if prefill_chunk is None:
+        prefill_chunk = prefill_chunk_for(backend, device.kind)
     if context < 1 or prefill_chunk < 1:
         raise MlxrunError(
             f"--context and the prefill chunk must be at least 1 (got {context}, {prefill_chunk})"
@@ -610,9 +638,9 @@ def make_plan(
             f"--context {config.max_position_embeddings} or less"
         )
     fp, budget = footprint, device.budget_bytes
-    # Per-call expansion of the largest packed matrix, where the backend has no packed kernel.
+    # Per-call expansion of one block of packed rows, where the backend has no packed kernel.
     expand = (
-        fp.largest_packed * DEQUANT_BYTES_PER_WEIGHT
+        min(fp.largest_packed, DEQUANT_BLOCK_WEIGHTS) * DEQUANT_BYTES_PER_WEIGHT
         if (backend, device.kind) in DEQUANTIZING
         else 0
     )
@@ -623,6 +651,7 @@ def make_plan(
         chunk=prefill_chunk,
         dtype_bytes=dtype_bytes,
         overhead=overhead,
+        fused=(backend, device.kind) in FUSED_ATTENTION,
     )
     kv = fp.kv_bytes(context, batch)
     ws = workspace_bytes(

@@ -99,11 +99,13 @@ class Transformer:
         mask = cache.mask(T, pads)  # (B or 1, 1, T, keys) or None
         pos = cache.positions(T, pads)
         h = be.embedding(ids, self.embed)  # (B, T, hidden)
+        # Each residual add is done with the norm that follows it (one fused kernel on CUDA).
+        h, x = be.add_rms_norm(h, None, self.layers[0].input_layernorm, c.rms_norm_eps)
         for i, L in enumerate(self.layers):
-            x = be.rms_norm(h, L.input_layernorm, c.rms_norm_eps)
-            q = be.linear(x, L.q_proj, L.q_bias).reshape(B, T, nh, hd).swapaxes(1, 2)
-            k = be.linear(x, L.k_proj, L.k_bias).reshape(B, T, nkv, hd).swapaxes(1, 2)
-            v = be.linear(x, L.v_proj, L.v_bias).reshape(B, T, nkv, hd).swapaxes(1, 2)
+            q, k, v = be.linears(x, (L.q_proj, L.k_proj, L.v_proj), (L.q_bias, L.k_bias, L.v_bias))
+            q = q.reshape(B, T, nh, hd).swapaxes(1, 2)
+            k = k.reshape(B, T, nkv, hd).swapaxes(1, 2)
+            v = v.reshape(B, T, nkv, hd).swapaxes(1, 2)
             if L.q_norm is not None:  # Qwen3 normalises each head before rope
                 q = be.rms_norm(q, L.q_norm, c.rms_norm_eps)
                 k = be.rms_norm(k, L.k_norm, c.rms_norm_eps)
@@ -111,12 +113,13 @@ class Transformer:
             k = be.rope(k, pos, self.rope)  # (B, nkv, T, hd)
             k, v = cache.update_and_fetch(i, k, v)  # (B, nkv, offset+T, hd)
             o = be.attention(q, k, v, self.scale, mask)  # (B, nh, T, hd)
-            h = h + be.linear(o.swapaxes(1, 2).reshape(B, T, nh * hd), L.o_proj)
-            x = be.rms_norm(h, L.post_attention_layernorm, c.rms_norm_eps)
-            h = h + be.linear(
-                be.silu_mul(be.linear(x, L.gate_proj), be.linear(x, L.up_proj)), L.down_proj
-            )
+            o = be.linear(o.swapaxes(1, 2).reshape(B, T, nh * hd), L.o_proj)
+            h, x = be.add_rms_norm(h, o, L.post_attention_layernorm, c.rms_norm_eps)
+            y = be.linear(be.silu_mul(*be.linears(x, (L.gate_proj, L.up_proj))), L.down_proj)
+            last = i + 1 == len(self.layers)
+            nxt = self.norm if last else self.layers[i + 1].input_layernorm
+            h, x = be.add_rms_norm(h, y, nxt, c.rms_norm_eps)
         cache.advance(T)
         if last_only:
-            h = h[:, -1, :]
-        return be.linear(be.rms_norm(h, self.norm, c.rms_norm_eps), self.head)
+            x = x[:, -1, :]
+        return be.linear(x, self.head)

@@ -46,7 +46,7 @@ def plan_shapes(
     dtype: str | None,
     context: int | None,
     batch: int,
-    prefill_chunk: int = 512,
+    prefill_chunk: int | None = None,
 ) -> Plan:
     """The plan for a model given its config and {tensor: (shape, dtype)}."""
     name, device, default_dtype = backend_device(backend)
@@ -72,7 +72,7 @@ def plan(
     batch: int = 1,
     backend: str = "auto",
     dtype: str | None = None,
-    prefill_chunk: int = 512,
+    prefill_chunk: int | None = None,
 ) -> Plan:
     """Plan `batch` sequences of `context` tokens (default: the model's maximum) of `model`
     on the device `backend` selects; see mlxrun.memory.Plan for the fields."""

@@ -193,6 +193,42 @@ def prepare(
     return QLinear(packed.contiguous(), s, b, mode, bits, group_size, n, k)
 
 
+def concat(parts: list[QLinear]) -> QLinear | None:
+    """QLinears that read the same x (q, k, v; gate, up) -> one QLinear of all their rows, or
+    None where their formats differ. Each part's tensors are re-pointed into the joint ones,
+    so the rows are held once."""
+    p0 = parts[0]
+    key = (p0.k, p0.mode, p0.bits, p0.group_size, p0.scales.dtype)
+    if any((p.k, p.mode, p.bits, p.group_size, p.scales.dtype) != key for p in parts) or any(
+        p.n % SCALE_ROWS for p in parts
+    ):  # scale tiles of 8 rows: a part that pads its last tile cannot sit mid-tensor
+        return None
+    names = ("weight", "scales") + (("biases",) if p0.biases is not None else ())
+    joint = {name: join_rows([getattr(p, name) for p in parts]) for name in names}
+    n = sum(p.n for p in parts)
+    return QLinear(
+        joint["weight"],
+        joint["scales"],
+        joint.get("biases"),
+        p0.mode,
+        p0.bits,
+        p0.group_size,
+        n,
+        p0.k,
+    )
+
+
+def join_rows(ts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat along dim 0, then each input becomes a view of its rows of the result (its
+    own storage is freed), so callers holding the parts keep working on the same values."""
+    j = torch.cat(ts)
+    row = 0
+    for t in ts:
+        t.set_(j.untyped_storage(), j.storage_offset() + row * j.stride(0), t.shape, t.stride())
+        row += t.shape[0]
+    return j
+
+
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 

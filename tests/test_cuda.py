@@ -62,15 +62,55 @@ def test_cuda_matches_transformers(tiny_dir, name):
 
 
 @cuda
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_graph_equals_eager_smollm2(dtype):
-    prompts = [[1, 9690, 198, 2683, 359, 253, 5356], [1, 4093, 198, 1780, 314, 260]]
+def test_cuda_graph_session_is_reused(tiny_dir):
+    """A second generation of the same shape replays the first one's graph on its cache, with
+    the new prompts' padding; another shape captures anew. Tokens equal eager decoding."""
+    d, _ = tiny_dir("llama_gqa_tied")
+    m = mlxrun.load(str(d), backend="cuda", dtype="float32", progress=False)
+    first, second = [[5, 6, 7, 8], [9, 10]], [[9, 10], [5, 6, 7, 8]]
+    a = _greedy(m, first, 16)
+    s = m.backend._session
+    b = _greedy(m, second, 16)
+    assert m.backend._session is s and not s.busy
+    c = _greedy(m, [[5, 6, 7, 8, 9]], 16)
+    assert m.backend._session is not s
+    m.backend.cuda_graphs = False
+    assert [a, b, c] == [_greedy(m, p, 16) for p in (first, second, [[5, 6, 7, 8, 9]])]
+
+
+def _graph_vs_eager(transformer, prompts, n=64):
     runs = []
     for graphs in (False, True):
-        m = mlxrun.load("smollm2", backend="cuda", dtype=dtype, progress=False)
-        m.backend.cuda_graphs = graphs
-        runs.append(_greedy(m, prompts, 64))
-    assert runs[0] == runs[1]
+        transformer.be.cuda_graphs = graphs
+        runs.append([t.tolist() for t in generate_step(transformer, prompts, SamplingParams(), n)])
+    return runs
+
+
+@cuda
+@pytest.mark.parametrize(
+    "dtype,quant",
+    [("float32", None), ("bfloat16", None)]
+    + [("bfloat16", q) for q in ("none", "int8", "fp8", "fp4", "nvfp4")],
+)
+def test_cuda_graph_equals_eager_smollm2(dtype, quant):
+    """None: the GGUF as stored (int4 g32 linears, int8 embedding)."""
+    prompts = [[1, 9690, 198, 2683, 359, 253, 5356], [1, 4093, 198, 1780, 314, 260]]
+    m = mlxrun.load("smollm2", backend="cuda", dtype=dtype, quant=quant, progress=False)
+    eager, graph = _graph_vs_eager(m.transformer, prompts)
+    assert graph == eager
+
+
+@cuda
+@pytest.mark.parametrize("quant", ["none", "int4", "fp8", "fp4"])
+def test_cuda_graph_equals_eager_8b_shape(quant):
+    from mlxrun.bench import build_random, shape_config
+    from mlxrun.quant.formats import resolve
+
+    be = TorchBackend("cuda", "bfloat16")
+    model = build_random(shape_config("llama3-8b"), be, None if quant == "none" else resolve(quant))
+    prompts = [[11, 2000, 31000, 7, 99, 1234, 5], [128000, 42, 17]]
+    eager, graph = _graph_vs_eager(model, prompts)
+    assert graph == eager
 
 
 @cuda

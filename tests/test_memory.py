@@ -188,11 +188,25 @@ def ws_per_seq(context: int, chunk: int = 512) -> int:
     return c * 10240 * 2 + c * 14336 * 3 * 2 + 32 * c * context * 4 + 128256 * 4
 
 
+def ws_cuda(context: int, chunk: int = 2048) -> int:
+    """The same on PyTorch CUDA, whose SDPA never materialises scores: a chunk after the
+    first holds its bool mask and the bf16 bias made of it (3 bytes x C x context) instead;
+    the default chunk there is 2048 tokens."""
+    c = min(chunk, context)
+    mask = 3 * c * context if context > c else 0
+    return c * 10240 * 2 + c * 14336 * 3 * 2 + mask + 128256 * 4
+
+
 def test_workspace_formula():
     assert ws_per_seq(8192) == 10_485_760 + 44_040_192 + 536_870_912 + 513_024
     ws = workspace_bytes(LLAMA3_8B, context=8192, batch=3, prefill_chunk=512, dtype_bytes=2,
+                         backend="torch", kind="cpu")  # fmt: skip
+    assert ws == 3 * ws_per_seq(8192) + 100 * MiB
+    assert ws_cuda(8192) == 41_943_040 + 176_160_768 + 50_331_648 + 513_024
+    ws = workspace_bytes(LLAMA3_8B, context=8192, batch=3, prefill_chunk=2048, dtype_bytes=2,
                          backend="torch", kind="cuda")  # fmt: skip
-    assert ws == 3 * ws_per_seq(8192) + 128 * MiB
+    assert ws == 3 * ws_cuda(8192) + 128 * MiB
+    assert ws_cuda(2048) == 41_943_040 + 176_160_768 + 513_024  # one plain-causal chunk
     # a context shorter than the chunk prefills in one piece of `context` tokens
     ws = workspace_bytes(SMOLLM2, context=100, batch=1, prefill_chunk=512, dtype_bytes=2,
                          backend="mlx", kind="apple")  # fmt: skip
@@ -206,12 +220,13 @@ def test_plan_8b_bf16_on_24gb_gpu():
     budget = BUDGETS["gpu24"][1]
     assert plan.weight_bytes == L_BF16
     assert plan.kv_bytes == 8192 * 131072 == GiB
-    assert plan.workspace_bytes == ws_per_seq(8192) + 128 * MiB
-    assert plan.total_bytes == L_BF16 + GiB + ws_per_seq(8192) + 128 * MiB
+    assert plan.prefill_chunk == 2048
+    assert plan.workspace_bytes == ws_cuda(8192) + 128 * MiB
+    assert plan.total_bytes == L_BF16 + GiB + ws_cuda(8192) + 128 * MiB
     assert plan.budget_bytes == budget and plan.fits and plan.advice == ""
     # batch: the weights and the fixed overhead once, KV + workspace per sequence
-    max_batch = (budget - L_BF16 - 128 * MiB) // (8192 * 131072 + ws_per_seq(8192))
-    assert plan.max_batch == max_batch == 4
+    max_batch = (budget - L_BF16 - 128 * MiB) // (8192 * 131072 + ws_cuda(8192))
+    assert plan.max_batch == max_batch == 6
     assert plan.max_context == 8192  # capped at max_position_embeddings
     check_fits(plan)  # no error
 
@@ -221,11 +236,11 @@ def test_max_context_for_a_long_context_model():
     fp = footprint(cfg, config_shapes(cfg), "bfloat16")
     budget = BUDGETS["gpu24"][1]
     plan = make_plan(cfg, fp, GPU24, context=8192)
-    # above the 512-token chunk the need is linear in the context: per token 131072 KV bytes
-    # + 32 heads x 512 x 4 score bytes; the rest is fixed
-    fixed = L_BF16 + 128 * MiB + 512 * 10240 * 2 + 512 * 14336 * 6 + 128256 * 4
-    want = (budget - fixed) // (131072 + 32 * 512 * 4)
-    assert plan.max_context == want == 41758
+    # above the 2048-token chunk the need is linear in the context: per token 131072 KV bytes
+    # + 3 x 2048 mask bytes; the rest is fixed
+    fixed = L_BF16 + 128 * MiB + 2048 * 10240 * 2 + 2048 * 14336 * 6 + 128256 * 4
+    want = (budget - fixed) // (131072 + 3 * 2048)
+    assert plan.max_context == want == 58640
     assert make_plan(cfg, fp, GPU24, context=want).fits
     assert not make_plan(cfg, fp, GPU24, context=want + 1).fits
 
@@ -234,19 +249,19 @@ def test_does_not_fit_message_lists_what_would():
     fp = footprint(LLAMA3_8B, config_shapes(LLAMA3_8B), "bfloat16")
     plan = make_plan(LLAMA3_8B, fp, GPU24, context=8192, batch=8)
     budget = BUDGETS["gpu24"][1]
-    kv, ws = 8 * 8192 * 131072, 8 * ws_per_seq(8192) + 128 * MiB
+    kv, ws = 8 * 8192 * 131072, 8 * ws_cuda(8192) + 128 * MiB
     assert (plan.kv_bytes, plan.workspace_bytes) == (kv, ws)
-    assert not plan.fits and plan.max_batch == 4
+    assert not plan.fits and plan.max_batch == 6
     # longest context at batch 8, linear above the chunk as in the test above
-    fixed = L_BF16 + 128 * MiB + 8 * (512 * 10240 * 2 + 512 * 14336 * 6 + 128256 * 4)
-    assert plan.max_context == (budget - fixed) // (8 * (131072 + 32 * 512 * 4)) == 4974
+    fixed = L_BF16 + 128 * MiB + 8 * (2048 * 10240 * 2 + 2048 * 14336 * 6 + 128256 * 4)
+    assert plan.max_context == (budget - fixed) // (8 * (131072 + 3 * 2048)) == 5936
     int4_total = L_INT4 + kv + ws
-    assert f"{(L_BF16 + kv + ws) / GiB:.2f}" == "27.49" and f"{int4_total / GiB:.2f}" == "16.74"
+    assert f"{(L_BF16 + kv + ws) / GiB:.2f}" == "25.09" and f"{int4_total / GiB:.2f}" == "14.34"
     with pytest.raises(MlxrunError) as e:
         check_fits(plan)
     assert str(e.value) == (
-        "needs 27.49 GiB (weights 14.96 + KV 8.00 + workspace 4.54) but the device budget is "
-        "22.78 GiB; try --quant int4 (16.74 GiB), --context 4974 or --batch-size 4"
+        "needs 25.09 GiB (weights 14.96 + KV 8.00 + workspace 2.13) but the device budget is "
+        "22.78 GiB; try --quant int4 (14.34 GiB), --context 5936 or --batch-size 6"
     )
 
 
@@ -300,7 +315,7 @@ def test_gpus_and_cpu():
         assert make_plan(LLAMA3_8B, fp, dev, context=8192).fits
     plan = make_plan(LLAMA3_8B, fp, GPU80, context=8192)
     budget = 79 * GiB - 80 * GiB * 3 // 100
-    assert plan.max_batch == (budget - L_BF16 - 128 * MiB) // (GiB + ws_per_seq(8192)) == 39
+    assert plan.max_batch == (budget - L_BF16 - 128 * MiB) // (GiB + ws_cuda(8192)) == 49
     plan = make_plan(LLAMA3_8B, fp, CPU, context=8192, backend="torch")
     assert plan.fits
     assert plan.workspace_bytes == ws_per_seq(8192) + 100 * MiB  # torch CPU overhead
