@@ -21,7 +21,7 @@ import triton.language as tl
 def _add_rms_norm_kernel(
     h_ptr, y_ptr, w_ptr, h_out_ptr, x_out_ptr, n, eps, HAS_Y: tl.constexpr, BLOCK: tl.constexpr
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # rows x n passes 2^31 at large batch prefills
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     h = tl.load(h_ptr + row * n + cols, mask=mask, other=0.0)
@@ -77,7 +77,7 @@ def _rope_kernel(
     BLOCK: tl.constexpr,
 ):
     # one program per (b, h, t) row of head_dim values; out is contiguous (B, H, T, D)
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)  # offsets pass 2^31 at large batch prefills
     t = pid % T
     bh = pid // T
     hh = bh % H
@@ -134,7 +134,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> to
 
 @triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, sg, su, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # a joint gate/up row stride x rows passes 2^31
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     g = tl.load(g_ptr + row * sg + offs, mask=m, other=0.0).to(tl.float32)

@@ -9,7 +9,6 @@ import numpy as np
 
 from mlxrun.backends.base import QuantizedWeight, causal_mask_np
 from mlxrun.errors import MlxrunError
-from mlxrun.memory import prefill_chunk_for
 from mlxrun.weights import Tensor
 
 try:
@@ -87,7 +86,7 @@ class MLXBackend:
         # bf16 matmuls on MLX's CPU path are far slower than fp32, so CPU defaults to fp32.
         self.dtype = dtype or ("bfloat16" if self.device == "gpu" else "float32")
         self._dt = getattr(mx, self.dtype)
-        self.prefill_chunk = prefill_chunk_for("mlx", "apple" if self.device == "gpu" else "cpu")
+        self.memory_kind = "apple" if self.device == "gpu" else "cpu"  # the planner's kind
 
     def describe(self) -> str:
         info = ""

@@ -11,7 +11,6 @@ import numpy as np
 
 from mlxrun.backends.base import QuantizedWeight, causal_mask_np, positions_np
 from mlxrun.errors import MlxrunError
-from mlxrun.memory import prefill_chunk_for
 from mlxrun.weights import Tensor
 
 try:
@@ -171,8 +170,7 @@ class TorchBackend:
         self._dt = getattr(torch, self.dtype)
         self._dev = torch.device(device)
         self.cuda_graphs = cuda_graphs and device == "cuda"
-        kind = {"cuda": "cuda", "mps": "apple"}.get(device, "cpu")
-        self.prefill_chunk = prefill_chunk_for("torch", kind)  # tokens per prefill pass
+        self.memory_kind = {"cuda": "cuda", "mps": "apple"}.get(device, "cpu")  # planner's kind
         # Fused Triton kernels (packed-weight matmuls, norms, rope, SiLU): CUDA only in use; a
         # test may turn them on for the CPU under TRITON_INTERPRET to run the CUDA code path.
         self.triton_kernels = device == "cuda"
@@ -192,7 +190,10 @@ class TorchBackend:
 
     def array(self, t, keep_dtype: bool = False):
         if isinstance(t, Tensor):
-            a = torch.from_numpy(np.array(t.data))  # one copy out of the memory map
+            # A memory map (read-only) is copied out once; an array converted at load time
+            # (GGUF blocks) is ours already and is shared, not held twice.
+            d = t.data
+            a = torch.from_numpy(np.ascontiguousarray(d) if d.flags.writeable else np.array(d))
             if t.dtype == "BF16":
                 a = a.view(torch.bfloat16)
         elif isinstance(t, torch.Tensor):  # made on the device already (random weights)

@@ -3,9 +3,9 @@ transformers' generate() on the same SmolLM2 weights and dtype, in one process.
 
     python benchmarks/cpu_decode_vs_hf.py [--tokens 128] [--reps 3]
 
-Both load one dense float32 copy of the bundled GGUF (transformers dequantizes it and saves
-it; mlxrun loads the saved directory), greedy decoding from the same prompt. Decode
-tokens/s = (N - 1) / (time of token N - time of token 1): prefill is excluded for both.
+Both load one dense float32 copy of the bundled GGUF (written by mlxrun.evaluate.save_dense)
+and decode greedily from the same prompt. Decode tokens/s = (N - 1) / (time of token N -
+time of token 1): prefill is excluded for both.
 """
 
 from __future__ import annotations
@@ -21,17 +21,11 @@ import torch
 
 
 def hf_dense_dir(tmp: Path) -> Path:
-    from transformers import AutoModelForCausalLM
+    """The bundled GGUF dequantized to a float32 Hugging Face directory (mlxrun's own
+    `save_dense`: transformers 5 refuses to save a model it loaded from GGUF)."""
+    from mlxrun.evaluate import save_dense
 
-    from mlxrun.loader import bundled_model_path, open_checkpoint
-
-    gguf = bundled_model_path()
-    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    out = tmp / "smollm2-f32"
-    hf.save_pretrained(out, safe_serialization=True)
-    for name, text in open_checkpoint("smollm2").tokenizer_files.items():
-        (out / name).write_text(text)
-    return out
+    return save_dense("smollm2", tmp / "smollm2-f32", "float32")
 
 
 class Timer:

@@ -145,7 +145,11 @@ def main() -> None:
                        "--gen-tokens", str(args.gen_tokens), "--batch", str(b)]  # fmt: skip
                 out = subprocess.run(cmd, capture_output=True, text=True)
                 if out.returncode != 0:
-                    print(f"{backend:8} {quant:6} {b:>5}  failed: {out.stderr.strip()[-300:]}")
+                    # the error's own line (an OOM names what it tried to allocate and what
+                    # was free and reserved), not the traceback around it
+                    lines = out.stderr.strip().splitlines() or ["(no output)"]
+                    why = next((x for x in lines if "Error" in x and ":" in x), lines[-1])
+                    print(f"{backend:8} {quant:6} {b:>5}  failed: {why[:400]}")
                     continue
                 got = json.loads(out.stdout.strip().splitlines()[-1])
                 err = got["peak"] / plan.total_bytes - 1

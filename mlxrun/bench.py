@@ -31,6 +31,7 @@ import numpy as np
 from .config import ModelConfig
 from .errors import MlxrunError
 from .generate import generate_step
+from .memory import prefill_chunk_for
 from .model import Layer, Transformer
 from .sampling import SamplingParams
 
@@ -800,7 +801,7 @@ def run_bench(
         except MlxrunError as e:
             skipped.append(Skipped(name, "*", str(e)))
             continue
-        chunks[name] = be.prefill_chunk
+        chunks[name] = prefill_chunk_for(be.name, be.memory_kind, batch)
         if be.name == "torch" and torch_be is None:
             torch_be = be
         key = f"{be.name}:{be.device}"

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import MlxrunError
+from .memory import prefill_chunk_for
 from .model import Transformer
 from .sampling import HostSampler, SamplingParams
 from .tokenizer import Tokenizer
@@ -64,8 +65,8 @@ def generate_step(
             f"prompt ({L} tokens) + --max-tokens ({max_tokens}) exceeds the "
             f"model's context of {limit} tokens; shorten one of them"
         )
-    if prefill_chunk is None:
-        prefill_chunk = be.prefill_chunk
+    if prefill_chunk is None:  # the planner's choice, so its workspace is what runs
+        prefill_chunk = prefill_chunk_for(be.name, be.memory_kind, B)
     with be.wired(model.weight_bytes() + model.kv_bytes(B, L + max_tokens)):
         yield from _steps(model, ids, pads, params, max_tokens, prefill_chunk, prompts)
 

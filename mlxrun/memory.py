@@ -67,17 +67,18 @@ SCORES_BYTES = 4  # attention scores are fp32 on the non-flash path
 # chunk past the first holds its boolean mask and the bf16 bias SDPA makes of it instead.
 FUSED_ATTENTION = {("torch", "cuda")}
 MASK_BYTES = 3
-# Tokens per sequence per prefill pass. On CUDA a 512-token chunk of an 8B model took 37-39 ms
-# (H100, bf16: TTFT 36.8 ms at 512 tokens, 154.8 ms at 2048), where its matmuls need ~11 ms
-# at the GPU's bf16 rate: launching ~600 kernels from Python set the pace. 2048 tokens give the
-# GPU enough work per launch; the planner counts the larger workspace this costs.
-PREFILL_CHUNK = {("torch", "cuda"): 2048}
+# Tokens per prefill pass. On CUDA a 512-token pass of an 8B model took 37-39 ms (H100, bf16:
+# TTFT 36.8 ms at 512 tokens, 154.8 ms at 2048), where its matmuls need ~11 ms at the GPU's
+# bf16 rate: launching ~600 kernels from Python set the pace. There a pass takes at least
+# 2048 tokens of the batch (one sequence: 2048 of it; 4 or more: 512 each, as elsewhere).
+PREFILL_TOKENS = {("torch", "cuda"): 2048}
 DEFAULT_PREFILL_CHUNK = 512
 
 
-def prefill_chunk_for(backend: str, kind: str) -> int:
-    """The prefill chunk generation uses on `backend` ("mlx"/"torch") on a `kind` device."""
-    return PREFILL_CHUNK.get((backend, kind), DEFAULT_PREFILL_CHUNK)
+def prefill_chunk_for(backend: str, kind: str, batch: int = 1) -> int:
+    """Tokens per sequence per prefill pass for `batch` sequences on `backend` ("mlx" or
+    "torch") on a `kind` device ("cuda", "apple", "cpu")."""
+    return max(DEFAULT_PREFILL_CHUNK, PREFILL_TOKENS.get((backend, kind), 0) // batch)
 
 
 # PyTorch on CPU/MPS has no packed-weight kernel: each call expands a block of rows of one
@@ -544,7 +545,7 @@ def _ws_per_seq(
 ) -> int:
     C = min(chunk, context)
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    act = C * (c.hidden_size + q + 2 * kv) * dtype_bytes
+    act = C * (c.hidden_size + 2 * q + 3 * kv) * dtype_bytes  # h, q, k, v, rotated q and k
     mlp = C * c.intermediate_size * 3 * dtype_bytes
     if fused:  # one chunk is plain causal (no mask); later ones carry a mask
         scores = MASK_BYTES * C * context if context > C else 0
@@ -583,27 +584,29 @@ def _limits(
     *,
     context: int,
     batch: int,
-    chunk: int,
+    chunk_of,
     dtype_bytes: int,
     overhead: int,
     fused: bool,
 ) -> tuple[int, int]:
-    """(max batch at `context`, max context at `batch`) for `weights` bytes of weights."""
-    per_seq = kv_tok * context + _ws_per_seq(config, context, chunk, dtype_bytes, fused)
-    max_batch = max(0, (budget - weights - overhead) // per_seq)
+    """(max batch at `context`, max context at `batch`) for `weights` bytes of weights;
+    chunk_of(b) is the prefill chunk for a batch of b."""
 
-    def need(ctx: int) -> int:  # grows with ctx, so bisect
-        return (
-            weights
-            + overhead
-            + batch * (kv_tok * ctx + _ws_per_seq(config, ctx, chunk, dtype_bytes, fused))
-        )
+    def need(b: int, ctx: int) -> int:  # grows with both, so bisect
+        ws = _ws_per_seq(config, ctx, chunk_of(b), dtype_bytes, fused)
+        return weights + overhead + b * (kv_tok * ctx + ws)
 
-    lo, hi = 0, config.max_position_embeddings
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if need(mid) <= budget else (lo, mid - 1)
-    return int(max_batch), lo
+    def largest(lo: int, hi: int, fits) -> int:
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
+
+    per_seq = kv_tok * context + _ws_per_seq(config, context, chunk_of(1), dtype_bytes, fused)
+    top = max(1, (budget - weights - overhead) // per_seq) * 4 + 4  # chunks only shrink with b
+    max_batch = largest(0, top, lambda b: need(b, context) <= budget) if budget > weights else 0
+    max_context = largest(0, config.max_position_embeddings, lambda c: need(batch, c) <= budget)
+    return int(max_batch), max_context
 
 
 def make_plan(
@@ -625,8 +628,9 @@ def make_plan(
     """
     if batch < 1:
         raise MlxrunError(f"--batch-size must be at least 1 (got {batch})")
+    fixed_chunk = prefill_chunk
     if prefill_chunk is None:
-        prefill_chunk = prefill_chunk_for(backend, device.kind)
+        prefill_chunk = prefill_chunk_for(backend, device.kind, batch)
     if context < 1 or prefill_chunk < 1:
         raise MlxrunError(
             f"--context and the prefill chunk must be at least 1 (got {context}, {prefill_chunk})"
@@ -648,7 +652,7 @@ def make_plan(
     kw = dict(
         context=context,
         batch=batch,
-        chunk=prefill_chunk,
+        chunk_of=lambda b: fixed_chunk or prefill_chunk_for(backend, device.kind, b),
         dtype_bytes=dtype_bytes,
         overhead=overhead,
         fused=(backend, device.kind) in FUSED_ATTENTION,

@@ -182,35 +182,45 @@ def test_unknown_dtype():
 
 
 def ws_per_seq(context: int, chunk: int = 512) -> int:
-    """Llama-3-8B prefill workspace per sequence, written out: C*(4096+4096+2*1024) bf16
-    hidden/q/k/v + C*14336*3 bf16 MLP + 32 heads*C*context fp32 scores + 128256 fp32 logits."""
+    """Llama-3-8B prefill workspace per sequence, written out: C*(4096+2*4096+3*1024) bf16
+    hidden, q, k, v and the rotated q, k + C*14336*3 bf16 MLP + 32 heads*C*context fp32
+    scores + 128256 fp32 logits."""
     c = min(chunk, context)
-    return c * 10240 * 2 + c * 14336 * 3 * 2 + 32 * c * context * 4 + 128256 * 4
+    return c * 15360 * 2 + c * 14336 * 3 * 2 + 32 * c * context * 4 + 128256 * 4
 
 
-def ws_cuda(context: int, chunk: int = 2048) -> int:
+def ws_cuda(context: int, batch: int = 1) -> int:
     """The same on PyTorch CUDA, whose SDPA never materialises scores: a chunk after the
-    first holds its bool mask and the bf16 bias made of it (3 bytes x C x context) instead;
-    the default chunk there is 2048 tokens."""
-    c = min(chunk, context)
+    first holds its bool mask and the bf16 bias made of it (3 bytes x C x context) instead.
+    A prefill pass there takes 2048 tokens of the batch, and at least 512 per sequence."""
+    c = min(max(512, 2048 // batch), context)
     mask = 3 * c * context if context > c else 0
-    return c * 10240 * 2 + c * 14336 * 3 * 2 + mask + 128256 * 4
+    return c * 15360 * 2 + c * 14336 * 3 * 2 + mask + 128256 * 4
+
+
+def cuda_max_batch(budget: int, weights: int, context: int) -> int:
+    """Largest batch whose weights + 128 MiB + per-sequence KV and workspace fit."""
+    b = 0
+    while weights + 128 * MiB + (b + 1) * (context * 131072 + ws_cuda(context, b + 1)) <= budget:
+        b += 1
+    return b
 
 
 def test_workspace_formula():
-    assert ws_per_seq(8192) == 10_485_760 + 44_040_192 + 536_870_912 + 513_024
+    assert ws_per_seq(8192) == 15_728_640 + 44_040_192 + 536_870_912 + 513_024
     ws = workspace_bytes(LLAMA3_8B, context=8192, batch=3, prefill_chunk=512, dtype_bytes=2,
                          backend="torch", kind="cpu")  # fmt: skip
     assert ws == 3 * ws_per_seq(8192) + 100 * MiB
-    assert ws_cuda(8192) == 41_943_040 + 176_160_768 + 50_331_648 + 513_024
-    ws = workspace_bytes(LLAMA3_8B, context=8192, batch=3, prefill_chunk=2048, dtype_bytes=2,
+    assert ws_cuda(8192) == 62_914_560 + 176_160_768 + 50_331_648 + 513_024
+    ws = workspace_bytes(LLAMA3_8B, context=8192, batch=3, prefill_chunk=682, dtype_bytes=2,
                          backend="torch", kind="cuda")  # fmt: skip
-    assert ws == 3 * ws_cuda(8192) + 128 * MiB
-    assert ws_cuda(2048) == 41_943_040 + 176_160_768 + 513_024  # one plain-causal chunk
+    assert ws == 3 * ws_cuda(8192, batch=3) + 128 * MiB
+    assert ws_cuda(2048) == 62_914_560 + 176_160_768 + 513_024  # one plain-causal chunk
+    assert ws_cuda(2048, batch=32) == 15_728_640 + 44_040_192 + 3 * 512 * 2048 + 513_024
     # a context shorter than the chunk prefills in one piece of `context` tokens
     ws = workspace_bytes(SMOLLM2, context=100, batch=1, prefill_chunk=512, dtype_bytes=2,
                          backend="mlx", kind="apple")  # fmt: skip
-    smol = 100 * (576 + 576 + 2 * 192) * 2 + 100 * 1536 * 3 * 2 + 9 * 100 * 100 * 4 + 49152 * 4
+    smol = 100 * (576 + 2 * 576 + 3 * 192) * 2 + 100 * 1536 * 3 * 2 + 9 * 100 * 100 * 4 + 49152 * 4
     assert ws == smol + 64 * MiB
 
 
@@ -225,8 +235,7 @@ def test_plan_8b_bf16_on_24gb_gpu():
     assert plan.total_bytes == L_BF16 + GiB + ws_cuda(8192) + 128 * MiB
     assert plan.budget_bytes == budget and plan.fits and plan.advice == ""
     # batch: the weights and the fixed overhead once, KV + workspace per sequence
-    max_batch = (budget - L_BF16 - 128 * MiB) // (8192 * 131072 + ws_cuda(8192))
-    assert plan.max_batch == max_batch == 6
+    assert plan.max_batch == cuda_max_batch(budget, L_BF16, 8192) == 7
     assert plan.max_context == 8192  # capped at max_position_embeddings
     check_fits(plan)  # no error
 
@@ -238,9 +247,9 @@ def test_max_context_for_a_long_context_model():
     plan = make_plan(cfg, fp, GPU24, context=8192)
     # above the 2048-token chunk the need is linear in the context: per token 131072 KV bytes
     # + 3 x 2048 mask bytes; the rest is fixed
-    fixed = L_BF16 + 128 * MiB + 2048 * 10240 * 2 + 2048 * 14336 * 6 + 128256 * 4
+    fixed = L_BF16 + 128 * MiB + 2048 * 15360 * 2 + 2048 * 14336 * 6 + 128256 * 4
     want = (budget - fixed) // (131072 + 3 * 2048)
-    assert plan.max_context == want == 58640
+    assert plan.max_context == want == 58488
     assert make_plan(cfg, fp, GPU24, context=want).fits
     assert not make_plan(cfg, fp, GPU24, context=want + 1).fits
 
@@ -249,26 +258,26 @@ def test_does_not_fit_message_lists_what_would():
     fp = footprint(LLAMA3_8B, config_shapes(LLAMA3_8B), "bfloat16")
     plan = make_plan(LLAMA3_8B, fp, GPU24, context=8192, batch=8)
     budget = BUDGETS["gpu24"][1]
-    kv, ws = 8 * 8192 * 131072, 8 * ws_cuda(8192) + 128 * MiB
+    kv, ws = 8 * 8192 * 131072, 8 * ws_cuda(8192, batch=8) + 128 * MiB
     assert (plan.kv_bytes, plan.workspace_bytes) == (kv, ws)
-    assert not plan.fits and plan.max_batch == 6
-    # longest context at batch 8, linear above the chunk as in the test above
-    fixed = L_BF16 + 128 * MiB + 8 * (2048 * 10240 * 2 + 2048 * 14336 * 6 + 128256 * 4)
-    assert plan.max_context == (budget - fixed) // (8 * (131072 + 3 * 2048)) == 5936
+    assert not plan.fits and plan.max_batch == 7
+    # longest context at batch 8 (512 tokens a sequence per pass), linear above the chunk
+    fixed = L_BF16 + 128 * MiB + 8 * (512 * 15360 * 2 + 512 * 14336 * 6 + 128256 * 4)
+    assert plan.max_context == (budget - fixed) // (8 * (131072 + 3 * 512)) == 7336
     int4_total = L_INT4 + kv + ws
-    assert f"{(L_BF16 + kv + ws) / GiB:.2f}" == "25.09" and f"{int4_total / GiB:.2f}" == "14.34"
+    assert f"{(L_BF16 + kv + ws) / GiB:.2f}" == "23.63" and f"{int4_total / GiB:.2f}" == "12.88"
     with pytest.raises(MlxrunError) as e:
         check_fits(plan)
     assert str(e.value) == (
-        "needs 25.09 GiB (weights 14.96 + KV 8.00 + workspace 2.13) but the device budget is "
-        "22.78 GiB; try --quant int4 (14.34 GiB), --context 5936 or --batch-size 6"
+        "needs 23.63 GiB (weights 14.96 + KV 8.00 + workspace 0.67) but the device budget is "
+        "22.78 GiB; try --quant int4 (12.88 GiB), --context 7336 or --batch-size 7"
     )
 
 
 def test_apple_machines_8b_bf16_and_int4():
     fp = footprint(LLAMA3_8B, config_shapes(LLAMA3_8B), "bfloat16")
     need = L_BF16 + 4096 * 131072 + ws_per_seq(4096) + 64 * MiB  # 15.82 GiB with MLX
-    assert need == 16_987_976_704
+    assert need == 16_993_219_584
     fits = {8: False, 16: False, 36: True, 64: True, 128: True, 192: True}
     for ram, ok in fits.items():
         dev = apple(ram)
@@ -277,7 +286,7 @@ def test_apple_machines_8b_bf16_and_int4():
         per_seq = 4096 * 131072 + ws_per_seq(4096)
         assert plan.max_batch == max(0, (dev.budget_bytes - L_BF16 - 64 * MiB) // per_seq)
     assert make_plan(LLAMA3_8B, fp, apple(36), context=4096, backend="mlx").max_batch == 11
-    assert make_plan(LLAMA3_8B, fp, apple(64), context=4096, backend="mlx").max_batch == 41
+    assert make_plan(LLAMA3_8B, fp, apple(64), context=4096, backend="mlx").max_batch == 40
     # 16 GB: bf16 weights alone exceed 10.67 GiB; int4 fits
     plan = make_plan(LLAMA3_8B, fp, apple(16), context=4096, backend="mlx")
     assert plan.max_batch == 0 and plan.max_context == 0
@@ -285,7 +294,7 @@ def test_apple_machines_8b_bf16_and_int4():
     assert (
         plan.advice
         == f"try --quant int4 ({int4_need / GiB:.2f} GiB)"
-        == ("try --quant int4 (5.07 GiB)")
+        == ("try --quant int4 (5.08 GiB)")
     )
     q4 = footprint(LLAMA3_8B, config_shapes(LLAMA3_8B), "bfloat16", Q("affine", 4, 64))
     assert make_plan(LLAMA3_8B, q4, apple(16), context=4096, backend="mlx").fits
@@ -304,7 +313,7 @@ def test_int4_with_shorter_context_when_neither_alone_fits():
     fp = footprint(cfg, config_shapes(cfg), "bfloat16")
     plan = make_plan(cfg, fp, apple(16), context=131072, backend="mlx")
     budget = 16 * GiB * 2 // 3
-    fixed = L_INT4 + 64 * MiB + 512 * 10240 * 2 + 512 * 14336 * 6 + 128256 * 4
+    fixed = L_INT4 + 64 * MiB + 512 * 15360 * 2 + 512 * 14336 * 6 + 128256 * 4
     ctx4 = (budget - fixed) // (131072 + 32 * 512 * 4)
     assert plan.advice == f"try --quant int4 --context {ctx4}"
 
@@ -315,7 +324,7 @@ def test_gpus_and_cpu():
         assert make_plan(LLAMA3_8B, fp, dev, context=8192).fits
     plan = make_plan(LLAMA3_8B, fp, GPU80, context=8192)
     budget = 79 * GiB - 80 * GiB * 3 // 100
-    assert plan.max_batch == (budget - L_BF16 - 128 * MiB) // (GiB + ws_cuda(8192)) == 49
+    assert plan.max_batch == cuda_max_batch(budget, L_BF16, 8192) == 57
     plan = make_plan(LLAMA3_8B, fp, CPU, context=8192, backend="torch")
     assert plan.fits
     assert plan.workspace_bytes == ws_per_seq(8192) + 100 * MiB  # torch CPU overhead
@@ -327,7 +336,7 @@ def test_smollm2_fits_everywhere():
         plan = make_plan(SMOLLM2, fp, dev, context=8192, backend="mlx")
         assert plan.fits and plan.max_context == 8192
     plan = make_plan(SMOLLM2, fp, apple(8), context=8192, backend="mlx")
-    ws = 512 * (576 + 576 + 384) * 2 + 512 * 1536 * 6 + 9 * 512 * 8192 * 4 + 49152 * 4
+    ws = 512 * (576 + 2 * 576 + 3 * 192) * 2 + 512 * 1536 * 6 + 9 * 512 * 8192 * 4 + 49152 * 4
     assert plan.max_batch == (3 * GiB - S_PARAMS * 2 - 64 * MiB) // (8192 * S_KV + ws) == 8
 
 
@@ -349,7 +358,7 @@ def test_format_plan():
     assert "512.0 MiB" in lines["KV"] and "128.0 KiB/token" in lines["KV"]
     assert "10.67 GiB" in lines["budget"] and "GPU working set" in lines["budget"]
     assert lines["fits"].strip() == "NO"
-    assert "try --quant int4 (5.07 GiB)" in text
+    assert "try --quant int4 (5.08 GiB)" in text
     assert "source: total_bytes  simulated" in text
 
 

@@ -619,7 +619,11 @@ def test_cuda_matches_mlx_on_converted_checkpoint(converted, quant, group, dtype
     out = converted(quant, group)
     m = mlxrun.load(str(out), backend="cuda", dtype=dtype, progress=False)
     assert m.backend.triton_kernels
-    assert rel_err(m.logits(IDS), _load(out, "mlx").logits(IDS)) < 1e-2
+    # Against MLX in float32. bf16 activations alone move these logits 1.5-1.8% (H100: the
+    # same for every format, int8 included), so bf16 is held to 2.5e-2; a wrong kernel is off
+    # by far more.
+    tol = 1e-2 if dtype == "float32" else 2.5e-2
+    assert rel_err(m.logits(IDS), _load(out, "mlx").logits(IDS)) < tol
 
 
 @cuda

@@ -215,6 +215,22 @@ def test_leading_dims_and_errors():
         tk.prepare(w, s, b, "int4", 4, 64)
 
 
+def test_rows_past_32_bit_offsets_run_in_blocks(monkeypatch):
+    """x with more rows than 32-bit offsets allow (lowered here to 128 x 16 elements) runs in
+    row blocks and gives the one-launch result."""
+    gen = torch.Generator().manual_seed(1)
+    w, s, b = random_packed(16, 128, "affine", 4, 64, gen)
+    q = tk.prepare(w.to(DEV), s.to(DEV), b.to(DEV), "affine", 4, 64)
+    x = torch.randn(3, 20, 128, generator=gen).to(DEV)  # 60 rows: GEMM path
+    want = tk.qmatmul(x, q)
+    monkeypatch.setattr(tk, "MAX_INDEX", 128 * 16)  # 16 rows a block: 4 blocks, 12 in the last
+    blocks = []
+    choose = tk.choose_config
+    monkeypatch.setattr(tk, "choose_config", lambda m, *a: blocks.append(m) or choose(m, *a))
+    assert rel_err(tk.qmatmul(x, q), want.double()) < 1e-6  # block configs round differently
+    assert blocks == [16, 16, 16, 12]
+
+
 # ----------------------------------------------------------------------------- kernels (GPU)
 
 # (M, shapes): GEMV at every shape; skinny tensor-core tiles (M=16); full tiles (M=300)
