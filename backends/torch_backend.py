@@ -45,7 +45,6 @@ class StaticCache:
         self.pos = torch.zeros(1, dtype=torch.int64, device=device)  # graph mode only
         self._slots = torch.arange(max_len, device=device)
         self._pads = self._key_ok = None
-        self.shape = (num_layers, batch, kv_heads, max_len, head_dim)
 
     def reset(self) -> None:
         """Empty again for a new generation. Stale keys and values may stay: every read is
@@ -396,10 +395,11 @@ class TorchBackend:
     def make_cache(self, num_layers, batch, kv_heads, head_dim, max_len):
         s = self._session
         if s is not None and not s.busy:
-            if s.cache.shape == (num_layers, batch, kv_heads, max_len, head_dim):
-                s.cache.reset()
-                return s.cache
-            self._session = s = None  # another shape: free it before allocating the new one
+            c = s.cache
+            if (len(c.keys), *c.keys[0].shape) == (num_layers, batch, kv_heads, max_len, head_dim):
+                c.reset()
+                return c
+            self._session = s = c = None  # another shape: free it before allocating the new one
             torch.cuda.empty_cache()
         return StaticCache(num_layers, batch, kv_heads, head_dim, max_len, self._dt, self._dev)
 

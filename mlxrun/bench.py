@@ -399,6 +399,8 @@ def _run_once(model: Transformer, prompts: list[list[int]], gen: int) -> tuple[f
 
 def _release(be) -> None:
     """Hand the previous row's memory back so the next row's peak is its own."""
+    if be.name == "torch" and be.device == "cuda":
+        be.release()  # its graph session holds the previous row's model
     gc.collect()
     if be.name == "mlx":
         import mlx.core as mx  # noqa: PLC0415
@@ -407,8 +409,6 @@ def _release(be) -> None:
     elif be.device == "cuda":
         import torch  # noqa: PLC0415
 
-        be.release()  # its graph session holds the previous row's model
-        gc.collect()
         torch.cuda.empty_cache()
 
 

@@ -19,7 +19,11 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA
 
 
 def _greedy(m, prompts, n):
-    return [t.tolist() for t in generate_step(m.transformer, prompts, SamplingParams(), n)]
+    return _tokens(m.transformer, prompts, n)
+
+
+def _tokens(transformer, prompts, n):
+    return [t.tolist() for t in generate_step(transformer, prompts, SamplingParams(), n)]
 
 
 def test_graph_mode_cache_equals_eager_on_cpu(tiny_dir):
@@ -82,7 +86,7 @@ def _graph_vs_eager(transformer, prompts, n=64):
     runs = []
     for graphs in (False, True):
         transformer.be.cuda_graphs = graphs
-        runs.append([t.tolist() for t in generate_step(transformer, prompts, SamplingParams(), n)])
+        runs.append(_tokens(transformer, prompts, n))
     return runs
 
 
