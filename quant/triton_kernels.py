@@ -293,39 +293,120 @@ if triton is not None:
         return s, b
 
     @triton.jit
-    def _decode_pos(words, I: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr):
-        """Position I of every packed word -> fp32 = value * 2^-(149 - shift) (affine) etc.
+    def _decode_pos(w, I: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr):
+        """Position I of the packed words w (uint32) -> fp32 f = value * 2^(SH-149) (affine),
+        value * 2^-120 (E4M3) or value * 2^-126 (E2M1); SH = _pos_shift(I, MODE, BITS).
 
-        Returns (f, xk): f the decoded float, xk the power of two to multiply x by so that
-        x*xk*f equals x*value*2^-49 (affine), 2^-26 (fp4) or 2^-20 (fp8) without denormals.
+        Affine: a float bit pattern below 2^24 reads as pattern * 2^-149 (denormals and the
+        exponent-1 binade are linear), so a code masked in place at bits SH..SH+BITS-1 <= 23
+        *is* q * 2^(SH-149): one LOP3. A code that reaches bit 24 is read by a shift alone:
+        w >> BITS*I (SH = 0) leaves the code plus the codes above it times 2^BITS: for the top
+        position nothing is above; for 4-bit position 6 (w >> 24 = q6 + 16*q7) the kernel
+        gives position 7 the input x7 - 16*x6, which cancels the 16*q7 term.
         """
         if MODE == 0:
-            if BITS * I + BITS <= 23:  # field fits in the mantissa where it lies
-                SH: tl.constexpr = BITS * I
-                src = words
+            if BITS * I + BITS <= 24:
+                f = (w & (((1 << BITS) - 1) << (BITS * I))).to(tl.float32, bitcast=True)
             else:
-                SH: tl.constexpr = BITS * I - 16
-                src = words >> 16
-            f = (src & (((1 << BITS) - 1) << SH)).to(tl.float32, bitcast=True)
-            xk = 1.2676506002282294e30 / (1 << SH)  # 2^100 / 2^SH: product = x*q*2^-49
+                f = (w >> (BITS * I)).to(tl.float32, bitcast=True)
         elif MODE == 3:  # E4M3: magnitude bits -> 20..26, sign -> 31: value * 2^-120
-            t = words >> (8 * I)
+            t = w >> (8 * I)
             f = (((t << 20) & 0x07F00000) | ((t << 24) & 0x80000000)).to(tl.float32, bitcast=True)
-            xk = 1.2676506002282294e30
         else:  # E2M1: magnitude bits -> 22..24, sign -> 31: value * 2^-126
             # one multiply adds two shifted copies of the isolated nibble (no carries: they
             # land on bits 22..25 and 28..31); the mask keeps 22..24 of one, 31 of the other
             if I < 4:
                 J: tl.constexpr = I
-                src = words
+                src = w
             else:
                 J: tl.constexpr = I - 4
-                src = words >> 16
+                src = w >> 16
             u = src & (0xF << (4 * J))
             v = u * ((1 << (22 - 4 * J)) + (1 << (28 - 4 * J)))
             f = (v & 0x81C00000).to(tl.float32, bitcast=True)
-            xk = 1.2676506002282294e30
-        return f, xk
+        return f
+
+    @triton.jit
+    def _gemv_x4(x_ptr, offs, mask, I: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr,
+                 EVEN: tl.constexpr):  # fmt: skip
+        """Inputs of position I for a lane's 4 words: offs [32, 2] are the offsets, in pairs
+        of inputs, of the lane's two word pairs. Returns x0..x3 [32] fp32, each x * 2^(100-SH)
+        (the power of two that keeps x * decoded code normal; SH as in _decode_pos).
+
+        bf16 inputs are loaded as uint32 pairs; bf16 -> fp32 * 2^(100-SH) is then one integer
+        op per input: (v << 16) + E (one LEA) and (v & 0xFFFF0000) + E, E = (100-SH) << 23
+        added to the exponent field (x == 0 becomes 2^(-27-SH): its products underflow to 0).
+        """
+        if MODE == 0 and BITS * I + BITS <= 24:
+            SH: tl.constexpr = BITS * I
+        else:
+            SH: tl.constexpr = 0
+        if x_ptr.dtype.element_ty == tl.bfloat16:
+            p32 = x_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+            if EVEN:
+                v = tl.load(p32 + offs)
+            else:
+                v = tl.load(p32 + offs, mask=mask, other=0)
+            va, vb = tl.split(v)
+            E: tl.constexpr = 0 if MODE == 3 else (100 - SH) << 23
+            x0 = ((va << 16) + E).to(tl.float32, bitcast=True)
+            x1 = ((va & 0xFFFF0000) + E).to(tl.float32, bitcast=True)
+            x2 = ((vb << 16) + E).to(tl.float32, bitcast=True)
+            x3 = ((vb & 0xFFFF0000) + E).to(tl.float32, bitcast=True)
+        else:
+            eo = offs[:, :, None] * 2 + tl.arange(0, 2)[None, None, :]  # [32, 2, 2] inputs
+            if EVEN:
+                xv = tl.load(x_ptr + eo)
+            else:
+                xv = tl.load(x_ptr + eo, mask=mask[:, :, None], other=0.0)
+            if MODE != 3:
+                xv = xv.to(tl.float32) * (1.2676506002282294e30 / (1 << SH))
+            else:
+                xv = xv.to(tl.float32)
+            lo, hi = tl.split(xv)  # [32, 2]: first / second input of each pair
+            x0, x2 = tl.split(lo)
+            x1, x3 = tl.split(hi)
+        return x0, x1, x2, x3
+
+    @triton.jit
+    def _gemv_xsum(x0, x1, x2, x3, I: tl.constexpr, BITS: tl.constexpr):
+        """sum of 4 affine inputs of position I from _gemv_x4, times 2^-49 (undoes 2^(100-SH))."""
+        if BITS * I + BITS <= 24:
+            C: tl.constexpr = 1.401298464324817e-45 * (1 << (BITS * I))
+        else:
+            C: tl.constexpr = 1.401298464324817e-45
+        return (x0 + x1 + x2 + x3) * C
+
+    @triton.jit
+    def _gemv_scale(s_ptr, b_ptr, offs, mask, MODE: tl.constexpr, EVEN: tl.constexpr):
+        """Per-group scale and bias [8, 32] as fp32 (bias only in affine mode); GEMV copy of
+        _group_scale without masks when EVEN (one vector of a scale tile's 8 rows a lane)."""
+        if MODE == 0:
+            if EVEN:
+                s = tl.load(s_ptr + offs)
+                b = tl.load(b_ptr + offs)
+            else:
+                s = tl.load(s_ptr + offs, mask=mask, other=0.0)
+                b = tl.load(b_ptr + offs, mask=mask, other=0.0)
+            if s_ptr.dtype.element_ty == tl.bfloat16:  # one shift or mask per value
+                s = (s.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+                b = (b.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            else:
+                s = s.to(tl.float32)
+                b = b.to(tl.float32)
+        else:
+            if EVEN:
+                e = tl.load(s_ptr + offs).to(tl.uint32)
+            else:
+                e = tl.load(s_ptr + offs, mask=mask, other=0).to(tl.uint32)
+            if MODE == 2:  # E4M3 code -> its value times 2^-120 as float bits, then exact
+                bits = ((e & 0x7F) << 20) | ((e & 0x80) << 24)
+                s = bits.to(tl.float32, bitcast=True) * 1.329227995784916e36
+            else:  # E8M0 code e -> 2^(e-127); e == 0 is the denormal 2^-127
+                bits = tl.where(e == 0, 0x00400000, e << 23)
+                s = bits.to(tl.float32, bitcast=True)
+            b = s  # unused outside affine mode
+        return s, b
 
     @triton.jit
     def _splitk_epilogue(
@@ -366,11 +447,158 @@ if triton is not None:
                 tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
-    def _load_step(w_ptr, rn, n_mask, rkw, kb, stride_wn, DO=True):
-        """Words [BLOCK_N, 128] of k-step kb (128 words of each row; stride_wn = words/row)."""
-        kw = kb * 128 + rkw
-        mask = n_mask[:, None] & (kw < stride_wn)[None, :] & DO
-        return tl.load(w_ptr + rn[:, None] * stride_wn + kw[None, :], mask=mask, other=0)
+    def _load_step(w_ptr, rn, n_mask, rkw, kb, stride_wn, EVEN: tl.constexpr, MODE: tl.constexpr):
+        """Words [8, 128] of k-step kb of rows rn (128 words a row; stride_wn = words/row);
+        E4M3 (MODE 3): the same bytes as [8, 512] uint8 (converted by the hardware).
+        EVEN: no row/K masks (stride_wn is then a constexpr: rows at immediate offsets)."""
+        if MODE == 3:
+            kw = kb * 512 + tl.arange(0, 512)  # bytes
+            base = w_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
+            row = stride_wn * 4
+        else:
+            kw = kb * 128 + rkw
+            base = w_ptr
+            row = stride_wn
+        ptrs = base + rn[:, None] * row + kw[None, :]
+        if EVEN:
+            w = tl.load(ptrs)
+        else:
+            w = tl.load(ptrs, mask=n_mask[:, None] & (kw < row)[None, :], other=0)
+        return w
+
+    @triton.jit
+    def _gemv_words(w2):
+        """[8, 128] words -> 4 x [8, 32] (word 4l+j of each row in lane l, j = 0..3)."""
+        w4 = tl.reshape(w2.to(tl.uint32, bitcast=True), [8, 32, 2, 2])
+        w_even, w_odd = tl.split(w4)  # words 4l+2c / 4l+2c+1, [8, 32, 2]
+        w0, w2_ = tl.split(w_even)
+        w1, w3 = tl.split(w_odd)
+        return w0, w1, w2_, w3
+
+    @triton.jit
+    def _split22(t):
+        """t [.., 2, 2] -> t[.., 0, 0], t[.., 0, 1], t[.., 1, 0], t[.., 1, 1]."""
+        lo, hi = tl.split(t)  # last index 0 / 1
+        a00, a10 = tl.split(lo)
+        a01, a11 = tl.split(hi)
+        return a00, a01, a10, a11
+
+    @triton.jit
+    def _gemv_fp8(p, wb, x_base, xo, xmask, G: tl.constexpr, BITS: tl.constexpr,
+                  EVEN: tl.constexpr):  # fmt: skip
+        """p [8, 32] += E4M3 bytes wb [8, 512] (word 4l+j, position b at byte 16l+4j+b) x x:
+        the bytes become fp32 by the hardware conversion (E4M3 pairs -> f16x2 -> f32)."""
+        WPG: tl.constexpr = G // 4
+        v = tl.reshape(wb.to(tl.float8e4nv, bitcast=True).to(tl.float32), [8, 32, 4, 2, 2])
+        f0, f1, f2, f3 = _split22(v)  # positions b = 0..3: [8, 32, 4] (word j)
+        for b in tl.static_range(4):
+            if b == 0:
+                fb = f0
+            elif b == 1:
+                fb = f1
+            elif b == 2:
+                fb = f2
+            else:
+                fb = f3
+            g0, g1, g2, g3 = _split22(tl.reshape(fb, [8, 32, 2, 2]))  # words j = 0..3
+            x0, x1, x2, x3 = _gemv_x4(x_base, xo + b * (WPG // 2), xmask, b, 3, BITS, EVEN)
+            p = p + g0 * x0[None, :] + g1 * x1[None, :] + g2 * x2[None, :] + g3 * x3[None, :]
+        return p
+
+    @triton.jit
+    def _gemv_fma(p, pb, w0, w1, w2, w3, x0, x1, x2, x3, I: tl.constexpr, MODE: tl.constexpr,
+                  BITS: tl.constexpr, TWO: tl.constexpr):  # fmt: skip
+        """p (+ pb: words 2, 3 when TWO) += decoded position I of 8 rows x this lane's inputs;
+        p + a + b + ... left to right: one FFMA chain per row."""
+        f0 = _decode_pos(w0, I, MODE, BITS)
+        f1 = _decode_pos(w1, I, MODE, BITS)
+        f2 = _decode_pos(w2, I, MODE, BITS)
+        f3 = _decode_pos(w3, I, MODE, BITS)
+        if TWO:
+            p = p + f0 * x0[None, :] + f1 * x1[None, :]
+            pb = pb + f2 * x2[None, :] + f3 * x3[None, :]
+        else:
+            p = p + f0 * x0[None, :] + f1 * x1[None, :] + f2 * x2[None, :] + f3 * x3[None, :]
+        return p, pb
+
+    @triton.jit
+    def _gemv_apply(acc, p, pb, xsum, s_ptr, b_ptr, s_row, n_mask, g_a, g_b, kb, KG,
+                    MODE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+                    EVEN: tl.constexpr):  # fmt: skip
+        """acc [8, 32] += p * scale (+ bias * xsum) with the scales of this lane's groups."""
+        EPW: tl.constexpr = 32 // BITS
+        WPG: tl.constexpr = G // EPW
+        NG: tl.constexpr = 128 // WPG  # groups per k-step
+        g_idx = kb * NG + g_a  # [32]
+        smask = n_mask[:, None] & (g_idx < KG)[None, :]
+        scale, bias = _gemv_scale(s_ptr, b_ptr, s_row[:, None] + g_idx[None, :] * 8, smask,
+                                  MODE, EVEN)  # fmt: skip
+        if MODE == 0:
+            acc = acc + p * scale + bias * xsum[None, :]
+        elif WPG < 4:
+            g_idx2 = kb * NG + g_b
+            smask2 = n_mask[:, None] & (g_idx2 < KG)[None, :]
+            scale2, _ = _gemv_scale(s_ptr, b_ptr, s_row[:, None] + g_idx2[None, :] * 8, smask2,
+                                    MODE, EVEN)  # fmt: skip
+            acc = acc + p * scale + pb * scale2
+        else:
+            acc = acc + p * scale
+        return acc
+
+    @triton.jit
+    def _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_row, s_row_h,
+                   n_mask, n_mask_h, s_ptr, b_ptr, KG, MODE: tl.constexpr, BITS: tl.constexpr,
+                   G: tl.constexpr, HALVES: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
+        """One k-step of _gemv_kernel for 8 rows (HALVES == 1) or 16 (wa_h, acc_h: rows 8..15,
+        sharing the x inputs): acc [8, 32] += this lane's 4 words of each row (wa [8, 128])
+        times x, with the scales (and biases) of their groups."""
+        EPW: tl.constexpr = 32 // BITS
+        WPG: tl.constexpr = G // EPW
+        NG: tl.constexpr = 128 // WPG  # groups per k-step
+        TWO: tl.constexpr = WPG < 4  # nvfp4: a lane's words 0,1 and 2,3 are in two groups
+        TRICK: tl.constexpr = MODE == 0 and BITS == 4  # positions 6, 7 by shifts alone
+        NPOS: tl.constexpr = 0 if MODE == 3 else (EPW - 2 if TRICK else EPW)
+        p = tl.zeros([8, 32], dtype=tl.float32)
+        pb = tl.zeros([8, 32], dtype=tl.float32)
+        q = tl.zeros([8, 32], dtype=tl.float32)
+        qb = tl.zeros([8, 32], dtype=tl.float32)
+        xo = x_pair0 + kb * (NG * G // 2)
+        xmask = (kb * NG + g_pair) < KG
+        if MODE == 3:  # E4M3 bytes -> fp32 values by cvt (2 an instruction), x unscaled
+            p = _gemv_fp8(p, wa, x_base, xo, xmask, G, BITS, EVEN)
+            if HALVES == 2:
+                q = _gemv_fp8(q, wa_h, x_base, xo, xmask, G, BITS, EVEN)
+        else:
+            w0, w1, w2, w3 = _gemv_words(wa)
+            if HALVES == 2:
+                v0, v1, v2, v3 = _gemv_words(wa_h)
+        xsum = tl.zeros([32], dtype=tl.float32)  # sum of the lane's inputs * 2^-49
+        for i in tl.static_range(NPOS):
+            x0, x1, x2, x3 = _gemv_x4(x_base, xo + i * (WPG // 2), xmask, i, MODE, BITS, EVEN)
+            p, pb = _gemv_fma(p, pb, w0, w1, w2, w3, x0, x1, x2, x3, i, MODE, BITS, TWO)
+            if HALVES == 2:
+                q, qb = _gemv_fma(q, qb, v0, v1, v2, v3, x0, x1, x2, x3, i, MODE, BITS, TWO)
+            if MODE == 0:
+                xsum += _gemv_xsum(x0, x1, x2, x3, i, BITS)
+        if TRICK:  # position 6: w >> 24 = q6 + 16*q7; position 7: w >> 28 = q7, x7 - 16*x6
+            y0, y1, y2, y3 = _gemv_x4(x_base, xo + 6 * (WPG // 2), xmask, 6, MODE, BITS, EVEN)
+            z0, z1, z2, z3 = _gemv_x4(x_base, xo + 7 * (WPG // 2), xmask, 7, MODE, BITS, EVEN)
+            xsum += (y0 + y1 + y2 + y3 + z0 + z1 + z2 + z3) * 1.401298464324817e-45
+            z0 = z0 - 16.0 * y0
+            z1 = z1 - 16.0 * y1
+            z2 = z2 - 16.0 * y2
+            z3 = z3 - 16.0 * y3
+            p, pb = _gemv_fma(p, pb, w0, w1, w2, w3, y0, y1, y2, y3, 6, MODE, BITS, TWO)
+            p, pb = _gemv_fma(p, pb, w0, w1, w2, w3, z0, z1, z2, z3, 7, MODE, BITS, TWO)
+            if HALVES == 2:
+                q, qb = _gemv_fma(q, qb, v0, v1, v2, v3, y0, y1, y2, y3, 6, MODE, BITS, TWO)
+                q, qb = _gemv_fma(q, qb, v0, v1, v2, v3, z0, z1, z2, z3, 7, MODE, BITS, TWO)
+        acc = _gemv_apply(acc, p, pb, xsum, s_ptr, b_ptr, s_row, n_mask, g_a, g_b, kb, KG,
+                          MODE, G, BITS, EVEN)  # fmt: skip
+        if HALVES == 2:
+            acc_h = _gemv_apply(acc_h, q, qb, xsum, s_ptr, b_ptr, s_row_h, n_mask_h, g_a, g_b,
+                                kb, KG, MODE, G, BITS, EVEN)  # fmt: skip
+        return acc, acc_h
 
     @triton.jit
     def _gemv_kernel(
@@ -394,70 +622,116 @@ if triton is not None:
         SPLIT_K: tl.constexpr,
         KB_PER_SPLIT: tl.constexpr,
         PREFETCH: tl.constexpr,
+        EVEN: tl.constexpr = False,
+        KW: tl.constexpr = 0,
     ):
         """y[m, N] = x[m, K] @ W^T for one row m of x: CUDA-core FMA on decoded codes.
 
-        One warp per program (launch with num_warps=1): lane l loads words 4l..4l+3 of each of
-        BLOCK_N rows per k-step of 128 words, so the x slices and the row-inner scale tiles it
-        needs land in the same lanes with no layout change (no shared memory, no barrier).
+        One warp per program (launch with num_warps=1), BLOCK_N = 8 or 16 rows (two halves of
+        8 sharing each x input). Lane l loads words 4l..4l+3 of each row per k-step of 128
+        words, split into 4 [8, 32] tensors (one word per lane and row), so each row's dot
+        product is one FFMA chain per lane over its 4 words and all positions, and the x
+        inputs and row-inner scale tiles it needs land in the same lanes (no shared memory,
+        no barrier, no shuffle in the loop). Scale and bias are applied per lane
+        (acc += p*s + b*sum(x)); the lanes are summed once after the loop. With PREFETCH the
+        loop runs two k-steps per iteration, each step's words loaded one step ahead (two
+        register buffers, no copies).
         Program (m, pid_n, pid_k) covers rows [pid_n*BLOCK_N, +BLOCK_N) and k-steps
         [pid_k*KB_PER_SPLIT, +KB_PER_SPLIT); m is the fastest grid axis, so the programs of
         several rows of x read the same weights back to back (from L2).
+        EVEN: N % BLOCK_N == 0 and whole k-steps in every split: no masks; KW: the words per
+        row (stride_wn) as a constant, or 0.
         """
+        tl.static_assert(BLOCK_N == 8 or BLOCK_N == 16)
+        HALVES: tl.constexpr = BLOCK_N // 8
         EPW: tl.constexpr = 32 // BITS
         WPG: tl.constexpr = G // EPW
-        NG: tl.constexpr = 128 // WPG  # groups per k-step
+        TWO: tl.constexpr = WPG < 4  # nvfp4: a lane's words 0,1 and 2,3 are in two groups
         m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
         KG = K // G
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if KW > 0:
+            swn = KW
+        else:
+            swn = stride_wn
+        rn = pid_n * BLOCK_N + tl.arange(0, 8)
+        rn_h = rn + 8
         n_mask = rn < N
+        n_mask_h = rn_h < N
         rkw = tl.arange(0, 128)
-        rg = tl.arange(0, NG)
-        rw = tl.arange(0, WPG)
+        lane = tl.arange(0, 32)
         s_row = (rn // 8) * (KG * 8) + (rn % 8)  # scales are stored [N/8, K/G, 8]
+        s_row_h = s_row + KG * 8
+        # pair c of lane l: words 4l+2c, 4l+2c+1; their inputs at position 0, in input pairs
+        # (uint32 units: 2 inputs): one 8-byte vector per lane unless TWO (then 2 x 4 bytes)
+        if TWO:
+            x_pair0 = (2 * lane[:, None] + tl.arange(0, 2)[None, :]) * (G // 2)
+            g_pair = 2 * lane[:, None] + tl.arange(0, 2)[None, :]
+        else:
+            xl = (lane // (WPG // 4)) * (G // 2) + (2 * lane) % (WPG // 2)
+            x_pair0 = tl.multiple_of(xl, 2)[:, None] + tl.arange(0, 2)[None, :]
+            g_pair = (lane // (WPG // 4))[:, None] + 0 * tl.arange(0, 2)[None, :]
+        g_a = (4 * lane) // WPG  # group (within the k-step) of words 0, 1 of the lane
+        g_b = (4 * lane + 2) // WPG  # of words 2, 3 (== g_a unless TWO)
         x_base = x_ptr + m * stride_xm
-        # per-(row, group) sums stay in registers across the loop; reduced over groups once
-        acc2 = tl.zeros([BLOCK_N, NG], dtype=tl.float32)
+        acc = tl.zeros([8, 32], dtype=tl.float32)
+        acc_h = tl.zeros([8, 32], dtype=tl.float32)
         kb0 = pid_k * KB_PER_SPLIT
-        if PREFETCH:
-            w_next = _load_step(w_ptr, rn, n_mask, rkw, kb0, stride_wn)
-        for j in range(0, KB_PER_SPLIT):
-            kb = kb0 + j
-            if PREFETCH:  # the next step's words are in flight while this one computes
-                w2 = w_next
-                w_next = _load_step(w_ptr, rn, n_mask, rkw, kb + 1, stride_wn, j + 1 < KB_PER_SPLIT)
-            else:
-                w2 = _load_step(w_ptr, rn, n_mask, rkw, kb, stride_wn)
-            words = tl.reshape(w2, [BLOCK_N, NG, WPG]).to(tl.uint32, bitcast=True)
-            g_idx = kb * NG + rg  # [NG] group index along K
-            g_mask = g_idx < KG
-            s_offs = s_row[:, None] + g_idx[None, :] * 8
-            smask = n_mask[:, None] & g_mask[None, :]
-            scale, bias = _group_scale(s_ptr, b_ptr, s_offs, smask, MODE)
-            x_row = x_base + g_idx[:, None] * G + rw[None, :]  # [NG, WPG]: position 0
-            xmask = g_mask[:, None]
-            p = tl.zeros([BLOCK_N, NG, WPG], dtype=tl.float32)
-            xsum = tl.zeros([NG, WPG], dtype=tl.float32)
-            for i in tl.static_range(EPW):
-                xi = tl.load(x_row + i * WPG, mask=xmask, other=0.0).to(tl.float32)
-                f, xk = _decode_pos(words, i, MODE, BITS)
-                p += f * (xi * xk)[None, :, :]
-                if MODE == 0:
-                    xsum += xi
-            # decoded products carry 2^-49 (affine), 2^-20 (fp8) or 2^-26 (fp4)
-            if MODE == 0:
-                t = (tl.sum(p, axis=2) * 562949953421312.0) * scale  # [BLOCK_N, NG]
-                acc2 += t + bias * tl.sum(xsum, axis=1)[None, :]
-            elif MODE == 3:
-                acc2 += (tl.sum(p, axis=2) * 1048576.0) * scale
-            else:
-                acc2 += (tl.sum(p, axis=2) * 67108864.0) * scale
-        acc = tl.sum(acc2, axis=1)[None, :]  # [1, BLOCK_N]
+        if PREFETCH:  # each step's words are in flight while the previous step computes
+            wa = _load_step(w_ptr, rn, n_mask, rkw, kb0, swn, EVEN, MODE)
+            wa_h = wa
+            if HALVES == 2:
+                wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb0, swn, EVEN, MODE)
+            kb_last = kb0 + KB_PER_SPLIT - 1
+            for j in range(0, KB_PER_SPLIT // 2):
+                kb = kb0 + 2 * j
+                wb = _load_step(w_ptr, rn, n_mask, rkw, kb + 1, swn, EVEN, MODE)
+                wb_h = wb
+                if HALVES == 2:
+                    wb_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb + 1, swn, EVEN, MODE)
+                acc, acc_h = _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a,
+                                        g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr, KG,
+                                        MODE, BITS, G, HALVES, EVEN)  # fmt: skip
+                # past the last step: reload it (in bounds, no predicate, never used; peeling
+                # the last pair instead makes ptxas spill at 16 rows)
+                kn = tl.minimum(kb + 2, kb_last)
+                wa = _load_step(w_ptr, rn, n_mask, rkw, kn, swn, EVEN, MODE)
+                wa_h = wa
+                if HALVES == 2:
+                    wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kn, swn, EVEN, MODE)
+                acc, acc_h = _gemv_step(acc, acc_h, wb, wb_h, kb + 1, x_base, x_pair0, g_pair,
+                                        g_a, g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr,
+                                        KG, MODE, BITS, G, HALVES, EVEN)  # fmt: skip
+            if KB_PER_SPLIT % 2 == 1:
+                acc, acc_h = _gemv_step(acc, acc_h, wa, wa_h, kb_last, x_base, x_pair0, g_pair,
+                                        g_a, g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr,
+                                        KG, MODE, BITS, G, HALVES, EVEN)  # fmt: skip
+        else:
+            for j in range(0, KB_PER_SPLIT):
+                kb = kb0 + j
+                wa = _load_step(w_ptr, rn, n_mask, rkw, kb, swn, EVEN, MODE)
+                wa_h = wa
+                if HALVES == 2:
+                    wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb, swn, EVEN, MODE)
+                acc, acc_h = _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a,
+                                        g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr, KG,
+                                        MODE, BITS, G, HALVES, EVEN)  # fmt: skip
+        # decoded products carry 2^-49 (affine), 2^-20 (fp8) or 2^-26 (fp4)
+        if MODE == 0:
+            C: tl.constexpr = 562949953421312.0
+        elif MODE == 3:
+            C: tl.constexpr = 1.0
+        else:
+            C: tl.constexpr = 67108864.0
+        out = tl.sum(acc, axis=1) * C  # [8]
+        if HALVES == 2:
+            out_h = tl.sum(acc_h, axis=1) * C
+            out = tl.reshape(tl.trans(tl.join(out, out_h)), [16])
+        rn_all = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         tile = m * tl.num_programs(1) + pid_n
-        _splitk_epilogue(acc, y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr, tl.arange(0, 1),
-                         rn, 1, N, 0, M * N, tile, pid_k, SPLIT_K)  # fmt: skip
+        _splitk_epilogue(out[None, :], y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr,
+                         tl.arange(0, 1), rn_all, 1, N, 0, M * N, tile, pid_k, SPLIT_K)  # fmt: skip
 
     @triton.jit
     def _decode_tile(words, scale, bias, MODE: tl.constexpr, BITS: tl.constexpr, EPW: tl.constexpr):
@@ -474,6 +748,170 @@ if triton is not None:
             f = (((t << 22) & 0x01C00000) | ((t << 28) & 0x80000000)).to(tl.float32, bitcast=True)
             v = (f * 8.507059173023462e37) * scale[:, :, None, None]  # 2^126
         return v
+
+    # Packed bf16x2 dequantization for the GEMM (4-bit codes: affine with bf16 scales, mxfp4,
+    # nvfp4; bf16 x). Each int32 holds two bf16 lanes. ASM: PTX inline assembly (GPU); else
+    # the same bits in plain Triton (the interpreter has no inline assembly).
+
+    @triton.jit
+    def _gq_prmt(a, b, SEL: tl.constexpr, ASM: tl.constexpr):
+        """PTX prmt.b32 with selector 0x5410 (low halves of a, b) or 0x7632 (high halves)."""
+        if ASM:
+            return tl.inline_asm_elementwise(
+                "prmt.b32 $0, $1, $2, " + SEL + ";", "=r,r,r", [a, b], dtype=tl.int32,
+                is_pure=True, pack=1)  # fmt: skip
+        elif SEL == "0x5410":
+            return (a & 0xFFFF) | (b << 16)
+        else:
+            return ((a >> 16) & 0xFFFF) | (b & -65536)
+
+    @triton.jit
+    def _gq_magic(t, ASM: tl.constexpr):
+        """(t & 0x000F000F) | 0x43004300: the low nibble q of each half as the bf16 128 + q."""
+        if ASM:  # one LOP3 (the compiler emits an AND and an OR for the plain expression)
+            return tl.inline_asm_elementwise(
+                "lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xEA;", "=r,r", [t], dtype=tl.int32,
+                is_pure=True, pack=1)  # fmt: skip
+        else:
+            return (t & 0x000F000F) | 0x43004300
+
+    @triton.jit
+    def _gq_e2m1(t):
+        """E2M1 code in the low nibble of each half of t -> bf16 pair = value * 2^-126: one
+        multiply adds the nibble shifted by 6 (magnitude -> bits 6..8) and by 12 (sign -> 15),
+        no carries between them; the mask keeps those bits."""
+        return ((t & 0x000F000F) * 4160) & -2118090304  # 2^6 + 2^12; 0x81C081C0
+
+    @triton.jit
+    def _gq_scale_pair(s_ptr, b_ptr, offs, mask, MODE: tl.constexpr, ASM: tl.constexpr):
+        """Per-group scale and bias (affine; else bias 0) as bf16 pairs (int32) [BN, NG]."""
+        if MODE == 0:
+            s2 = _gq_pair(tl.load(s_ptr + offs, mask=mask, other=0.0), ASM)
+            b2 = _gq_pair(tl.load(b_ptr + offs, mask=mask, other=0.0), ASM)
+        else:
+            e = tl.load(s_ptr + offs, mask=mask, other=0).to(tl.int32)
+            if MODE == 2:  # E4M3 scale: exact in fp32 (value * 2^-120 as bits, times 2^120)
+                f = (((e & 0x7F) << 20) | ((e & 0x80) << 24)).to(tl.float32, bitcast=True)
+                u = ((f * 1.329227995784916e36).to(tl.int32, bitcast=True) >> 16) & 0xFFFF
+            else:  # E8M0 2^(e-127) as bf16 bits; e == 0 is the denormal 2^-127
+                u = tl.where(e == 0, 0x40, e << 7)
+            s2 = u | (u << 16)
+            b2 = tl.full(s2.shape, -2147450880, tl.int32)  # 0x80008000: (-0, -0)
+        return s2, b2
+
+    @triton.jit
+    def _gq_f32(v, HI: tl.constexpr):
+        """bf16 lane (0 low, 1 high) of packed v -> fp32 (exact)."""
+        if HI:
+            return (v & -65536).to(tl.float32, bitcast=True)
+        else:
+            return (v << 16).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _gq_bf16_bits(f):
+        """fp32 -> bf16 bits (round to nearest even) in the low 16 bits of an int32."""
+        b = f.to(tl.int32, bitcast=True)
+        return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+
+    @triton.jit
+    def _gq_fma2(a, b, c, ASM: tl.constexpr):
+        """Packed bf16x2: round_bf16(a * b + c) in each lane."""
+        if ASM:
+            return tl.inline_asm_elementwise(
+                "fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                is_pure=True, pack=1)  # fmt: skip
+        else:
+            lo = _gq_f32(a, 0) * _gq_f32(b, 0) + _gq_f32(c, 0)
+            hi = _gq_f32(a, 1) * _gq_f32(b, 1) + _gq_f32(c, 1)
+            return _gq_bf16_bits(lo) | (_gq_bf16_bits(hi) << 16)
+
+    @triton.jit
+    def _gq_pair(h, ASM: tl.constexpr):
+        """bf16 tensor -> int32 holding it in both lanes."""
+        if ASM:
+            return tl.inline_asm_elementwise(
+                "mov.b32 $0, {$1, $1};", "=r,h", [h], dtype=tl.int32, is_pure=True, pack=1
+            )
+        else:
+            u = (h.to(tl.float32).to(tl.int32, bitcast=True) >> 16) & 0xFFFF
+            return u | (u << 16)
+
+    @triton.jit
+    def _dequant_4bit_bf16x2(
+        words, s2, b2, MODE: tl.constexpr, BLOCK_N: tl.constexpr, NG: tl.constexpr,
+        WPG: tl.constexpr, ASM: tl.constexpr,
+    ):  # fmt: skip
+        """4-bit words [BN, NG, WPG] (group-transposed, see the module docstring) with the
+        scale and bias pairs of _gq_scale_pair [BN, NG] -> the W tile [BN, NG*G] in natural k
+        order: bf16 (ASM) or fp32 holding the same bf16 values (interpreter).
+
+        Two words 2j, 2j+1 of a group hold inputs g*G + i*WPG + 2j + {0, 1} at nibble i: one
+        prmt puts nibbles 0-3 of both into one register (0x7632: nibbles 4-7), so a shift and
+        one LOP3 give positions i of both as the bf16 pair (128 + q), two packed bf16 FMAs
+        give q*s + b (q exact, one rounding, as the fp32 path rounded to bf16). The pair is
+        two k-adjacent elements: wgmma's register-operand layout (kWidth 2) takes it as is,
+        so Triton converts the tile to the dot layout in registers (no shared memory).
+        About 2 instructions per weight element. E2M1 (MODE 1, 2): shift, LOP3, IMAD, LOP3
+        give the pair as value * 2^-126, two packed multiplies by 2^126 and the scale (each
+        exact or one rounding, no intermediate overflow)."""
+        HW: tl.constexpr = WPG // 2
+        wa, wb = tl.split(tl.reshape(words.to(tl.int32, bitcast=True), [BLOCK_N, NG, HW, 2]))
+        r = tl.join(_gq_prmt(wa, wb, "0x5410", ASM), _gq_prmt(wa, wb, "0x7632", ASM))
+        r = tl.permute(r, [0, 1, 3, 2])  # [BN, NG, 2 (nibbles 0-3 | 4-7), HW]
+        sh = (tl.arange(0, 4) * 4)[None, None, None, :, None]
+        t = r[:, :, :, None, :] >> sh  # [BN, NG, 2, 4, HW]: position i = 4a + b
+        if MODE == 0:
+            m = _gq_magic(t, ASM)
+            c1 = tl.full([BLOCK_N, NG, 2, 4, HW], 0x3F803F80, tl.int32)  # bf16 (1, 1)
+            c0 = tl.full([BLOCK_N, NG, 2, 4, HW], -1023360256, tl.int32)  # 0xC300C300: -128
+        else:
+            m = _gq_e2m1(t)
+            c1 = tl.full([BLOCK_N, NG, 2, 4, HW], 0x7E807E80, tl.int32)  # bf16 2^126
+            c0 = tl.full([BLOCK_N, NG, 2, 4, HW], -2147450880, tl.int32)  # 0x80008000: -0
+        s2 = s2[:, :, None, None, None]
+        b2 = b2[:, :, None, None, None]
+        v = _gq_fma2(_gq_fma2(m, c1, c0, ASM), s2, b2, ASM)  # ptxas: HADD2/HMUL2 + HFMA2
+        v = tl.reshape(v, [BLOCK_N, NG, 8, HW])
+        if ASM:
+            lo, hi = tl.inline_asm_elementwise(
+                "mov.b32 {$0, $1}, $2;", "=h,=h,r", [v], dtype=(tl.bfloat16, tl.bfloat16),
+                is_pure=True, pack=1)  # fmt: skip
+        else:
+            lo = _gq_f32(v, 0)
+            hi = _gq_f32(v, 1)
+        return tl.reshape(tl.join(lo, hi), [BLOCK_N, NG * WPG * 8])
+
+    @triton.jit
+    def _gq_e4m3(t):
+        """E4M3 code in the low byte of each half of t -> bf16 pair = value * 2^-120
+        (magnitude -> bits 4..10, sign -> 15)."""
+        return ((t & 0x007F007F) << 4) | ((t & 0x00800080) << 8)
+
+    @triton.jit
+    def _dequant_e4m3_bf16x2(
+        words, s2, b2, BLOCK_N: tl.constexpr, NG: tl.constexpr, WPG: tl.constexpr,
+        ASM: tl.constexpr,
+    ):  # fmt: skip
+        """mxfp8 words [BN, NG, WPG] -> the W tile [BN, NG*G] as _dequant_4bit_bf16x2 does
+        (4 bytes a word: positions 2a + p, a from the prmt, p the byte in the half)."""
+        HW: tl.constexpr = WPG // 2
+        wa, wb = tl.split(tl.reshape(words.to(tl.int32, bitcast=True), [BLOCK_N, NG, HW, 2]))
+        r = tl.join(_gq_prmt(wa, wb, "0x5410", ASM), _gq_prmt(wa, wb, "0x7632", ASM))
+        r = tl.permute(r, [0, 1, 3, 2])  # [BN, NG, 2 (bytes 0-1 | 2-3), HW]
+        sh = (tl.arange(0, 2) * 8)[None, None, None, :, None]
+        m = _gq_e4m3(r[:, :, :, None, :] >> sh)  # [BN, NG, 2, 2, HW]
+        c1 = tl.full([BLOCK_N, NG, 2, 2, HW], 0x7B807B80, tl.int32)  # bf16 2^120
+        c0 = tl.full([BLOCK_N, NG, 2, 2, HW], -2147450880, tl.int32)  # 0x80008000: -0
+        v = _gq_fma2(_gq_fma2(m, c1, c0, ASM), s2[:, :, None, None, None], c0, ASM)
+        v = tl.reshape(v, [BLOCK_N, NG, 4, HW])
+        if ASM:
+            lo, hi = tl.inline_asm_elementwise(
+                "mov.b32 {$0, $1}, $2;", "=h,=h,r", [v], dtype=(tl.bfloat16, tl.bfloat16),
+                is_pure=True, pack=1)  # fmt: skip
+        else:
+            lo = _gq_f32(v, 0)
+            hi = _gq_f32(v, 1)
+        return tl.reshape(tl.join(lo, hi), [BLOCK_N, NG * WPG * 4])
 
     @triton.jit
     def _gemm_kernel(
@@ -501,8 +939,17 @@ if triton is not None:
         GROUP_M: tl.constexpr,
         UPCAST: tl.constexpr,
         SWAP: tl.constexpr,
+        PACKED: tl.constexpr = False,
+        EVEN_N: tl.constexpr = False,
+        EVEN_K: tl.constexpr = False,
     ):
-        """y[M, N] = x[M, K] @ W^T on tensor cores; each W tile is dequantized in registers."""
+        """y[M, N] = x[M, K] @ W^T on tensor cores; each W tile is dequantized in registers.
+
+        PACKED (4-bit codes and bf16 x, affine with bf16 scales): packed bf16x2 decode
+        straight into the tensor-core register layout (_dequant_4bit_bf16x2); otherwise fp32
+        per element.
+        EVEN_N: N is a multiple of BLOCK_N; EVEN_K: every split's k-steps lie inside K (no
+        masks on the weight, scale and x loads; the loop has fewer instructions)."""
         EPW: tl.constexpr = 32 // BITS
         WPG: tl.constexpr = G // EPW
         BK: tl.constexpr = NG * G
@@ -520,7 +967,7 @@ if triton is not None:
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_mask = rm < M
-        n_mask = rn < N
+        n_mask = (rn < N) | EVEN_N
         rg = tl.arange(0, NG)
         rw = tl.arange(0, WPG)
         rk = tl.arange(0, BK)
@@ -533,7 +980,7 @@ if triton is not None:
         for j in range(0, KB_PER_SPLIT):
             kb = kb0 + j
             g_idx = kb * NG + rg
-            g_mask = g_idx < KG
+            g_mask = (g_idx < KG) | EVEN_K
             w_ptrs = (
                 w_ptr
                 + rn[:, None, None] * stride_wn
@@ -544,15 +991,22 @@ if triton is not None:
             words = tl.load(w_ptrs, mask=wmask, other=0).to(tl.uint32, bitcast=True)
             s_offs = s_row[:, None] + g_idx[None, :] * 8
             smask = n_mask[:, None] & g_mask[None, :]
-            scale, bias = _group_scale(s_ptr, b_ptr, s_offs, smask, MODE)
-            wv = _decode_tile(words, scale, bias, MODE, BITS, EPW)
             k_idx = kb * BK + rk
             x_tile = tl.load(
                 x_ptr + rm[:, None] * stride_xm + k_idx[None, :],
-                mask=m_mask[:, None] & (k_idx[None, :] < K),
+                mask=m_mask[:, None] & ((k_idx[None, :] < K) | EVEN_K),
                 other=0.0,
             )
-            w_tile = tl.reshape(wv, [BLOCK_N, BK]).to(x_tile.dtype)
+            if PACKED:
+                s2, b2 = _gq_scale_pair(s_ptr, b_ptr, s_offs, smask, MODE, not UPCAST)
+                if BITS == 4:
+                    w_tile = _dequant_4bit_bf16x2(words, s2, b2, MODE, BLOCK_N, NG, WPG, not UPCAST)
+                else:
+                    w_tile = _dequant_e4m3_bf16x2(words, s2, b2, BLOCK_N, NG, WPG, not UPCAST)
+            else:
+                scale, bias = _group_scale(s_ptr, b_ptr, s_offs, smask, MODE)
+                wv = _decode_tile(words, scale, bias, MODE, BITS, EPW)
+                w_tile = tl.reshape(wv, [BLOCK_N, BK]).to(x_tile.dtype)
             if UPCAST:  # the interpreter multiplies bf16 tiles as raw uint16: go through fp32
                 x_tile = x_tile.to(tl.float32)
                 w_tile = w_tile.to(tl.float32)
@@ -624,6 +1078,27 @@ def _split(n_tiles: int, ksteps: int, sms: int, waves: float) -> int:
     return math.ceil(ksteps / per)
 
 
+def _packed_gemm(w: QLinear, x_dtype) -> bool:
+    """The GEMM's packed bf16x2 decode applies: bf16 x and mxfp4, nvfp4, mxfp8, or affine
+    4-bit with bf16 scales and biases (affine 8-bit keeps the per-element path)."""
+    if x_dtype != torch.bfloat16:
+        return False
+    if w.mode == "affine":
+        return w.bits == 4 and w.scales.dtype == torch.bfloat16 and w.biases.dtype == torch.bfloat16
+    return True
+
+
+def _split_even(n_tiles: int, ksteps: int, sms: int, waves: float) -> int:
+    """Like _split, but a divisor of ksteps (every split gets the same whole k-steps, so the
+    GEMM runs without k masks): the smallest one reaching 0.9 of the wanted programs, or
+    _split's count where that divisor would be more than twice too many."""
+    want = waves * sms / max(n_tiles, 1)
+    for d in range(1, ksteps + 1):
+        if ksteps % d == 0 and d >= 0.9 * want:
+            return d if d <= 2 * want + 1 else _split(n_tiles, ksteps, sms, waves)
+    return ksteps
+
+
 def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
     """Heuristic launch parameters for x [m, K] @ W^T (bench/tuning may override).
 
@@ -631,11 +1106,21 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
     """
     sms = _num_sms(device)
     if m <= GEMV_MAX_M:
-        # 8 rows x 128 words per warp-step; split K only until ~4 warps per SM are in flight
-        # (the sweep: more splits cost their partials and the ticket round trip)
-        bn = 8
+        # 8 or 16 rows (affine with >= 2 row blocks per SM: 8% fewer instructions, twice
+        # the work per warp; the fp formats spill at 16) x 128 words per warp-step; split K
+        # only until ~4 warps per SM are in flight (the sweep: more splits cost their
+        # partials and the ticket round trip), into a divisor of the k-steps where one is
+        # near (no masks)
+        # (measured: 16 rows lost at N = 6144, 10.1 against 9.1 us, and won at N >= 28672)
+        bn = 16 if w.mode == "affine" and math.ceil(w.n / 16) >= 4 * sms else 8
         ksteps = math.ceil(w.k * w.bits / 32 / 128)
         sk = _split(m * math.ceil(w.n / bn), ksteps, sms, 4.0)
+        divs = [d for d in range(1, ksteps + 1) if ksteps % d == 0]
+        near = min(divs, key=lambda d: (abs(math.log(d / sk)), -d))
+        if (w.k * w.bits // 32) % 128 == 0 and abs(math.log(near / sk)) <= math.log(2):
+            sk = near
+        if ksteps / sk > 4:  # long serial chains lose: 4096x14336 took 18.2 us in 2 splits
+            sk = math.ceil(ksteps / 4)  # of 7 k-steps, 16.4 us in 4 (H100, cycled weights)
         return KernelConfig("gemv", 1, bn, sk)
     g = w.group_size
     swap = False
@@ -643,10 +1128,25 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
         bm, bn, ng, warps = 32, 64, max(1, 256 // g), 4
     elif x_dtype == torch.float32:  # tf32x3 needs 3 MMAs and hi/lo operands: small tiles
         bm, bn, ng, warps = 16, 64, max(1, 64 // g), 4
-    elif m <= 16:
-        bm, bn, ng, warps = 16, 64, max(1, 256 // g), 4
-    elif w.mode == "affine" and w.bits == 4 and g == 64:  # measured best (0.81x the time)
-        bm, bn, ng, warps, swap = 128, 128, 2, 8, True
+    elif m <= 64:
+        # A few sequences (batched decode): the weight tile is the wgmma's 128-row operand
+        # and x's rows its narrow side, split K to about one wave. Measured at M = 32 on the
+        # 8B shapes (profile_decode.py --linears): 0.6x the time of the 128x128 tiles.
+        # The split divides the k-steps where it can (no k masks in the loop: EVEN_K).
+        bm = 32 if m <= 32 else 64
+        ng = max(2, 128 // g)  # g128: 2 groups a step, so the scale loads are 4 bytes (async)
+        ksteps = math.ceil(w.k / (ng * g))
+        tiles = math.ceil(m / bm) * math.ceil(w.n / 128)
+        sk = _split_even(tiles, ksteps, sms, 1.0)
+        return KernelConfig("gemm", bm, 128, sk, ng, 4, 4, swap=True)
+    elif w.mode == "affine" and w.bits == 4:
+        # measured best for g64 (0.81x the time); with bf16 x the swap puts the packed decode
+        # straight into wgmma's register operand (no shared-memory round trip), any g
+        bm, bn, ng, warps, swap = 128, 128, max(2, 128 // g), 8, True
+    elif w.mode != "affine" and x_dtype == torch.bfloat16:
+        # packed decode (as affine 4-bit): 6.2-6.3 SASS instructions per weight element
+        # against 7.8-8.5 with the 128x256 k64 tiles (sass_gemm.py); not measured on a GPU
+        bm, bn, ng, warps, swap = 128, 128, max(1, 128 // g), 8, True
     elif w.mode in ("mxfp4", "mxfp8"):  # measured best: 128x256 tiles, k-step 64
         bm, bn, ng, warps = 128, 256, 2, 8
     else:
@@ -696,6 +1196,8 @@ def qmatmul(x: torch.Tensor, w: QLinear, config: KernelConfig | None = None) -> 
     cfg = config or choose_config(m, w, x.device, x.dtype)
     if cfg.kernel == "gemv":
         ksteps = math.ceil(w.k * w.bits // 32 / 128)
+        if x2.dtype == torch.bfloat16 and (x2.data_ptr() % 4 or (m > 1 and x2.stride(0) % 2)):
+            x2 = x2.clone()  # the GEMV reads bf16 x as uint32 pairs: 4-byte aligned rows
     else:
         ksteps = math.ceil(w.k / (cfg.ng * w.group_size))
     per = math.ceil(ksteps / cfg.split_k)
@@ -714,7 +1216,16 @@ def qmatmul(x: torch.Tensor, w: QLinear, config: KernelConfig | None = None) -> 
     if cfg.kernel == "gemv":
         tiles = math.ceil(w.n / cfg.block_n)
         grid = (m, tiles, split)
-        kern, extra = _gemv_kernel, dict(PREFETCH=cfg.prefetch and per > 1)
+        kw = w.k * w.bits // 32
+        # whole row blocks, k-steps and splits, contiguous rows: no masks, a constant stride
+        even = (
+            w.n % cfg.block_n == 0
+            and kw == 128 * per * split
+            and w.weight.stride(0) == kw
+            and w.scales.is_contiguous()
+        )
+        extra = dict(PREFETCH=cfg.prefetch and per > 1, EVEN=even, KW=kw if even else 0)
+        kern = _gemv_kernel
     else:
         tiles = math.ceil(m / cfg.block_m) * math.ceil(w.n / cfg.block_n)
         grid = (tiles, split)
@@ -725,6 +1236,9 @@ def qmatmul(x: torch.Tensor, w: QLinear, config: KernelConfig | None = None) -> 
             GROUP_M=cfg.group_m,
             UPCAST=x.device.type != "cuda",
             SWAP=cfg.swap,
+            PACKED=_packed_gemm(w, x.dtype),
+            EVEN_N=w.n % cfg.block_n == 0,
+            EVEN_K=w.k % (cfg.ng * w.group_size) == 0 and ksteps % per == 0,
         )
     part = torch.empty((split, m, w.n), dtype=torch.float32, device=x.device) if split > 1 else y
     cnt = _counters(x.device, m * tiles) if split > 1 else y
