@@ -46,8 +46,8 @@ class KVCache(Protocol):
 
     `offset` is the number of positions already written. For a forward pass of T tokens
     the model asks the cache for the attention mask and rope positions (the cache knows its
-    layout), calls `update_and_fetch(layer, k, v)` with k, v (B, kv_heads, T, head_dim) for
-    each layer, then `advance(T)` once.
+    layout), stores k, v (B, kv_heads, T, head_dim) of each layer through the backend's
+    `rope_and_cache` (by default `update_and_fetch(layer, k, v)`), then calls `advance(T)`.
     """
 
     offset: int
@@ -89,6 +89,9 @@ class Backend(Protocol):
     ) -> tuple[Array, Array]: ...
     def rope_table(self, inv_freq: np.ndarray) -> Array: ...
     def rope(self, x: Array, positions: Array, table: Array) -> Array: ...
+    def rope_and_cache(
+        self, q: Array, k: Array, v: Array, positions: Array, table: Array, cache, layer: int
+    ) -> tuple[Array, Array, Array]: ...  # rope q and k, store k, v: (q, keys, values)
     def attention(
         self, q: Array, k: Array, v: Array, scale: float, mask: Array | None
     ) -> Array: ...

@@ -4,8 +4,10 @@ At batch-1 decode a layer's seven matrix-vector products stream the weights; eve
 (two RMSNorms, rotary embedding of q and k, SiLU-multiply, two residual adds) moves a few KB
 but, written as stock PyTorch ops, took ~40 kernel launches per layer, each ~2 us even when
 replayed from a CUDA graph: about as long as reading the bf16 weights. Each kernel below does
-one of those steps in one launch. They round where the PyTorch ops (and transformers) round,
-so the CUDA backend computes what the CPU backend computes, to float rounding.
+one of those steps in one launch; rope of q and k also stores k and v in the KV cache. They
+round where the PyTorch ops (and transformers) round, so the CUDA backend computes what the
+CPU backend computes, to float rounding. `decode_attention` replaces SDPA for one new token
+per sequence: split over the keys so that batch 1 fills the GPU, skipping unfilled blocks.
 
 Without a GPU they run under TRITON_INTERPRET=1, which is how the tests check them.
 """
@@ -15,6 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from mlxrun.quant.triton_kernels import _num_sms
 
 
 @triton.jit
@@ -62,73 +66,228 @@ def add_rms_norm(h: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor, eps: 
 
 
 @triton.jit
-def _rope_kernel(
-    x_ptr,
+def _rope_qkv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
     pos_ptr,
     inv_ptr,
-    out_ptr,
-    H,
+    qo_ptr,
+    ko_ptr,
+    vo_ptr,
+    slot_ptr,
+    NH,
+    NKV,
     T,
-    sxb,
-    sxh,
-    sxt,
+    sqb,
+    sqh,
+    sqt,
+    skb,
+    skh,
+    skt,
+    svb,
+    svh,
+    svt,
     spb,
+    sob,
+    soh,
+    sot,
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # one program per (b, h, t) row of head_dim values; out is contiguous (B, H, T, D)
-    pid = tl.program_id(0).to(tl.int64)  # offsets pass 2^31 at large batch prefills
-    t = pid % T
-    bh = pid // T
-    hh = bh % H
-    b = bh // H
+    # program (b * T + t, head): heads [0, NH) rotate q into qo (contiguous (B, NH, T, D));
+    # [NH, NH + NKV) rotate k and [NH + NKV, NH + 2 NKV) copy v into the caches at slot + t
+    bt = tl.program_id(0).to(tl.int64)  # offsets pass 2^31 at large batch prefills
+    hh = tl.program_id(1)
+    t = bt % T
+    b = bt // T
     i = tl.arange(0, BLOCK)
     m = i < HALF
-    base = x_ptr + b * sxb + hh * sxh + t * sxt
-    x1 = tl.load(base + i, mask=m, other=0.0)
-    x2 = tl.load(base + HALF + i, mask=m, other=0.0)
-    p = tl.load(pos_ptr + b * spb + t).to(tl.float32)
-    ang = p * tl.load(inv_ptr + i, mask=m, other=0.0)
-    dt = out_ptr.dtype.element_ty
-    # cos/sin rounded to the model dtype and each product rounded, as the PyTorch ops do
-    c = tl.cos(ang).to(dt).to(tl.float32)
-    s = tl.sin(ang).to(dt).to(tl.float32)
-    x1f = x1.to(tl.float32)
-    x2f = x2.to(tl.float32)
-    a1 = (x1f * c).to(dt).to(tl.float32)
-    b1 = (-x2f * s).to(dt).to(tl.float32)
-    a2 = (x2f * c).to(dt).to(tl.float32)
-    b2 = (x1f * s).to(dt).to(tl.float32)
-    o = out_ptr + pid * (2 * HALF)
-    tl.store(o + i, (a1 + b1).to(dt), mask=m)
-    tl.store(o + HALF + i, (a2 + b2).to(dt), mask=m)
+    slot = tl.load(slot_ptr) + t
+    if hh >= NH + NKV:
+        h = hh - NH - NKV
+        src = v_ptr + b * svb + h * svh + t * svt
+        dst = vo_ptr + b * sob + h * soh + slot * sot
+        tl.store(dst + i, tl.load(src + i, mask=m), mask=m)
+        tl.store(dst + HALF + i, tl.load(src + HALF + i, mask=m), mask=m)
+    else:
+        if hh < NH:
+            src = q_ptr + b * sqb + hh * sqh + t * sqt
+            dst = qo_ptr + ((b * NH + hh) * T + t) * (2 * HALF)
+        else:
+            src = k_ptr + b * skb + (hh - NH) * skh + t * skt
+            dst = ko_ptr + b * sob + (hh - NH) * soh + slot * sot
+        x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF + i, mask=m, other=0.0).to(tl.float32)
+        ang = tl.load(pos_ptr + b * spb + t).to(tl.float32) * tl.load(inv_ptr + i, mask=m)
+        dt = qo_ptr.dtype.element_ty
+        # cos/sin rounded to the model dtype and each product rounded, as the PyTorch ops do
+        c = tl.cos(ang).to(dt).to(tl.float32)
+        s = tl.sin(ang).to(dt).to(tl.float32)
+        a1 = (x1 * c).to(dt).to(tl.float32)
+        b1 = (-x2 * s).to(dt).to(tl.float32)
+        a2 = (x2 * c).to(dt).to(tl.float32)
+        b2 = (x1 * s).to(dt).to(tl.float32)
+        tl.store(dst + i, (a1 + b1).to(dt), mask=m)
+        tl.store(dst + HALF + i, (a2 + b2).to(dt), mask=m)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary embedding of x (B, H, T, D), any strides with unit last stride;
-    positions (B or 1, T); inv_freq (D/2,) float32. Returns a contiguous (B, H, T, D)."""
-    B, H, T, D = x.shape
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+def rope_qkv(q, k, v, positions, inv_freq, k_cache, v_cache, slot) -> torch.Tensor:
+    """Rotate q (B, NH, T, D) and k (B, NKV, T, D), and store k and v (B, NKV, T, D) in
+    k_cache, v_cache (B, NKV, S, D, same strides) at positions slot[0] + t along S, in one
+    launch (it was five per layer: two ropes, two cache writes and a q copy). q, k, v may be
+    strided views of the joint q/k/v product. Returns the rotated q, contiguous."""
+    B, NH, T, D = q.shape
+    NKV = k.shape[1]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     pos = positions.reshape(positions.shape[0], T)
     if pos.stride(-1) != 1:
         pos = pos.contiguous()
-    out = torch.empty((B, H, T, D), dtype=x.dtype, device=x.device)
-    _rope_kernel[(B * H * T,)](
-        x,
-        pos,
-        inv_freq,
-        out,
-        H,
-        T,
-        x.stride(0),
-        x.stride(1),
-        x.stride(2),
-        pos.stride(0) if pos.shape[0] > 1 else 0,
-        HALF=D // 2,
-        BLOCK=triton.next_power_of_2(D // 2),
-        num_warps=1,
-    )
+    out = torch.empty((B, NH, T, D), dtype=q.dtype, device=q.device)
+    _rope_qkv_kernel[(B * T, NH + 2 * NKV)](
+        q, k, v, pos, inv_freq, out, k_cache, v_cache, slot, NH, NKV, T,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        pos.stride(0) if pos.shape[0] > 1 else 0, *k_cache.stride()[:3],
+        HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2), num_warps=1,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _decode_attn_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    mask_ptr,
+    part_ptr,
+    stat_ptr,
+    S,
+    KEYS_PER_SPLIT,
+    scale,
+    sqb,
+    sqh,
+    skb,
+    skh,
+    sks,
+    svb,
+    svh,
+    svs,
+    smb,
+    NKV: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    BL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):
+    # program (b * NKV + kv head, split): the G query heads of one kv head against keys
+    # [split * KEYS_PER_SPLIT, +KEYS_PER_SPLIT), an online softmax over blocks of BL keys;
+    # writes the unnormalised output and (max, sum) of each query head for the combine.
+    bh = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    b = bh // NKV
+    kh = bh % NKV
+    rg = tl.arange(0, GP)
+    rd = tl.arange(0, D)
+    rl = tl.arange(0, BL)
+    gmask = rg < G
+    q = tl.load(q_ptr + b * sqb + (kh * G + rg)[:, None] * sqh + rd[None, :],
+                mask=gmask[:, None], other=0.0)  # fmt: skip
+    m_i = tl.full([GP], -1.0e30, tl.float32)  # finite: a fully masked block leaves it
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    start = sp * KEYS_PER_SPLIT
+    for s0 in range(start, tl.minimum(start + KEYS_PER_SPLIT, S), BL):
+        keys = s0 + rl
+        ok = keys < S
+        if HAS_MASK:
+            ok = ok & (tl.load(mask_ptr + b * smb + keys, mask=keys < S, other=0) != 0)
+        if tl.max(ok.to(tl.int32), axis=0) > 0:  # skip blocks with no visible key (unfilled)
+            kt = tl.load(k_ptr + b * skb + kh * skh + keys[:, None] * sks + rd[None, :],
+                         mask=ok[:, None], other=0.0)  # fmt: skip
+            if F32_DOT:
+                sc = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
+            else:
+                sc = tl.dot(q, tl.trans(kt))
+            sc = tl.where(ok[None, :], sc * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            p = tl.exp(sc - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            vt = tl.load(v_ptr + b * svb + kh * svh + keys[:, None] * svs + rd[None, :],
+                         mask=ok[:, None], other=0.0)  # fmt: skip
+            if F32_DOT:
+                pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(vt.dtype), vt)
+            acc = acc * alpha[:, None] + pv
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+    row = (bh * tl.num_programs(1) + sp) * G + rg  # [GP] rows of (B, NKV, SPLITS, G)
+    tl.store(part_ptr + row[:, None] * D + rd[None, :], acc, mask=gmask[:, None])
+    tl.store(stat_ptr + row * 2, m_i, mask=gmask)
+    tl.store(stat_ptr + row * 2 + 1, l_i, mask=gmask)
+
+
+@triton.jit
+def _decode_attn_combine(part_ptr, stat_ptr, out_ptr, SPLITS, G: tl.constexpr,
+                         D: tl.constexpr, SP: tl.constexpr):  # fmt: skip
+    # program (b * NH + head): out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M)
+    bq = tl.program_id(0).to(tl.int64)
+    bkv = bq // G  # = b * NKV + head // G
+    g = bq % G
+    rs = tl.arange(0, SP)
+    rd = tl.arange(0, D)
+    smask = rs < SPLITS
+    row = (bkv * SPLITS + rs) * G + g  # [SP]
+    m = tl.load(stat_ptr + row * 2, mask=smask, other=-1.0e30)
+    l_s = tl.load(stat_ptr + row * 2 + 1, mask=smask, other=0.0)
+    w = tl.exp(m - tl.max(m, axis=0))
+    acc = tl.load(part_ptr + row[:, None] * D + rd[None, :], mask=smask[:, None], other=0.0)
+    o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+    tl.store(out_ptr + bq * D + rd, o.to(out_ptr.dtype.element_ty))
+
+
+def decode_attention(q, k, v, scale: float, mask) -> torch.Tensor:
+    """Attention of one new token per sequence: q (B, NH, 1, D) against k, v (B, NKV, S, D)
+    (GQA: query head h reads kv head h // (NH / NKV)); mask None or bool (B or 1, 1, 1, S),
+    True = may attend. Returns (B, NH, 1, D).
+
+    The keys are split across programs so that a batch of one still spreads over the GPU
+    (split-K over the sequence, "flash decoding"), and blocks with no visible key are not
+    read: in graph decode the cache is masked to its filled prefix, which they skip."""
+    B, NH, _, D = q.shape
+    NKV, S = k.shape[1], k.shape[2]
+    G = NH // NKV
+    BL = 64
+    blocks = triton.cdiv(S, BL)
+    want = max(1, min(blocks, triton.cdiv(2 * _num_sms(q.device), B * NKV)))
+    per = triton.cdiv(blocks, want) * BL
+    splits = triton.cdiv(S, per)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    part = torch.empty((B, NKV, splits, G, D), dtype=torch.float32, device=q.device)
+    stat = torch.empty((B, NKV, splits, G, 2), dtype=torch.float32, device=q.device)
+    if mask is not None:
+        mask = mask.reshape(mask.shape[0], S)
+        if mask.stride(-1) != 1:
+            mask = mask.contiguous()
+    _decode_attn_kernel[(B * NKV, splits)](
+        q, k, v, mask if mask is not None else q, part, stat, S, per, scale,
+        q.stride(0), q.stride(1), *k.stride()[:3], *v.stride()[:3],
+        mask.stride(0) if mask is not None and mask.shape[0] > 1 else 0,
+        NKV=NKV, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BL=BL,
+        HAS_MASK=mask is not None, num_warps=4,
+        # float32 models get float32 dots (not TF32); the interpreter's bf16 dot is wrong
+        F32_DOT=q.dtype == torch.float32 or q.device.type != "cuda",
+    )  # fmt: skip
+    out = torch.empty((B, NH, 1, D), dtype=q.dtype, device=q.device)
+    _decode_attn_combine[(B * NH,)](
+        part, stat, out, splits, G=G, D=D,
+        SP=triton.next_power_of_2(splits), num_warps=1,
+    )  # fmt: skip
     return out
 
 

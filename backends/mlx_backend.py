@@ -189,6 +189,10 @@ class MLXBackend:
             x, x.shape[-1], traditional=False, base=None, scale=1.0, offset=positions, freqs=freqs
         )
 
+    def rope_and_cache(self, q, k, v, positions, freqs, cache, layer):
+        k, v = cache.update_and_fetch(layer, self.rope(k, positions, freqs), v)
+        return self.rope(q, positions, freqs), k, v
+
     def attention(self, q, k, v, scale, mask):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 

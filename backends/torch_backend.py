@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import sys
 import weakref
@@ -43,6 +44,7 @@ class StaticCache:
         self.device = device
         self.graph = False
         self.pos = torch.zeros(1, dtype=torch.int64, device=device)  # graph mode only
+        self._zero = torch.zeros(1, dtype=torch.int64, device=device)
         self._slots = torch.arange(max_len, device=device)
         self._pads = self._key_ok = None
 
@@ -84,15 +86,31 @@ class StaticCache:
         if self.graph:
             self.keys[layer].index_copy_(2, self.pos, k)
             self.values[layer].index_copy_(2, self.pos, v)
-            return self.keys[layer], self.values[layer]
-        end = self.offset + k.shape[2]
+        else:
+            kd, vd, _ = self.slots(layer, k.shape[2])
+            kd[:, :, : k.shape[2]] = k
+            vd[:, :, : v.shape[2]] = v
+        return self.fetch(layer, k.shape[2])
+
+    def slots(self, layer: int, length: int):
+        """(keys, values, slot): where `length` new positions of `layer` go, position t at
+        index slot[0] + t of dim 2 (slot a device int64, so a captured graph reads it)."""
+        if self.graph:
+            return self.keys[layer], self.values[layer], self.pos
+        end = self.offset + length
         if end > self.max_len:
             raise MlxrunError(
                 f"the KV cache holds {self.max_len} positions and generation "
                 f"needs {end}; raise the context / max tokens"
             )
-        self.keys[layer][:, :, self.offset : end] = k
-        self.values[layer][:, :, self.offset : end] = v
+        o = self.offset
+        return self.keys[layer][:, :, o:], self.values[layer][:, :, o:], self._zero
+
+    def fetch(self, layer: int, length: int):
+        """The keys and values to attend to once `length` new positions are written."""
+        if self.graph:  # the whole buffer, masked to the filled prefix
+            return self.keys[layer], self.values[layer]
+        end = self.offset + length
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
     def advance(self, n: int) -> None:
@@ -139,6 +157,23 @@ class GraphDecoder:
         self.busy = False
 
 
+def _expandable_segments() -> None:
+    """Let the CUDA caching allocator grow segments in place instead of carving fixed ones.
+
+    With fixed segments, a generation at the planned maximum batch (an 8B model, batch 198 x
+    2048 tokens on an H100) ran out of memory with memory "reserved but unallocated" (split
+    segments) while the tensors fitted; expandable segments ran it at +0.3% of the plan.
+    vLLM turns it on by default for the same reason. A setting the user gave is kept.
+    """
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    if "expandable_segments" not in conf:
+        # newer torch names it per accelerator (2.11 warns that the CUDA name is deprecated)
+        setting = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        setting = setting or torch.cuda.memory._set_allocator_settings
+        with contextlib.suppress(RuntimeError):  # a platform without virtual memory management
+            setting("expandable_segments:True")
+
+
 def _rows(t, ids):
     # CUDA has no indexing kernel for uint32: gather the same bits as int32.
     if t.dtype == torch.uint32:
@@ -162,6 +197,8 @@ class TorchBackend:
                 "--backend mps: the Metal (MPS) device is not available here "
                 "(it needs Apple Silicon and macOS 12.3+); use --backend cpu or mlx"
             )
+        if device == "cuda":
+            _expandable_segments()
         self.device = device
         self.dtype = dtype or {"cpu": "float32", "cuda": "bfloat16", "mps": "float16"}[device]
         if self.dtype not in _DTYPES:
@@ -177,6 +214,7 @@ class TorchBackend:
         # capture costs three decode passes, which would otherwise land in every TTFT.
         self._session: GraphDecoder | None = None
         self._derived: dict = {}  # id(weight) -> (weakref to it, joint or repacked weight)
+        self.timeline: list | None = None  # CUDA events of start(), while a bench sets it
 
     def describe(self) -> str:
         if self.device == "cuda":
@@ -359,10 +397,6 @@ class TorchBackend:
 
     def rope(self, x, positions, table):
         # x (B, H, T, D); positions (B or 1, T). Rotate-half layout, as HF Llama.
-        if self.triton_kernels:
-            from .cuda_ops import rope  # noqa: PLC0415
-
-            return rope(x, positions, table)
         ang = positions.to(torch.float32).unsqueeze(-1) * table  # (B, T, D/2)
         ang = torch.cat([ang, ang], dim=-1).unsqueeze(1)  # (B, 1, T, D)
         cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
@@ -370,8 +404,23 @@ class TorchBackend:
         rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rot * sin
 
+    def rope_and_cache(self, q, k, v, positions, table, cache, layer):
+        if self.triton_kernels and isinstance(cache, StaticCache):
+            from .cuda_ops import rope_qkv  # noqa: PLC0415
+
+            kd, vd, slot = cache.slots(layer, k.shape[2])
+            q = rope_qkv(q, k, v, positions, table, kd, vd, slot)
+            return q, *cache.fetch(layer, k.shape[2])
+        k, v = cache.update_and_fetch(layer, self.rope(k, positions, table), v)
+        return self.rope(q, positions, table), k, v
+
     def attention(self, q, k, v, scale, mask):
         causal = isinstance(mask, str)  # CAUSAL
+        D = q.shape[-1]
+        if self.triton_kernels and q.shape[2] == 1 and not causal and D >= 16 and D & (D - 1) == 0:
+            from .cuda_ops import decode_attention  # noqa: PLC0415
+
+            return decode_attention(q, k, v, scale, mask)
         return F.scaled_dot_product_attention(
             q,
             k,
@@ -434,7 +483,12 @@ class TorchBackend:
         return contextlib.nullcontext()  # only unified memory on MLX needs wiring
 
     def start(self, x) -> None:
-        pass  # CUDA and MPS queue work asynchronously already
+        # CUDA and MPS queue work asynchronously already. While a benchmark keeps a timeline
+        # (CUDA), each call marks on the device's stream the point where x is computed.
+        if self.timeline is not None:
+            mark = torch.cuda.Event(enable_timing=True)
+            mark.record()
+            self.timeline.append(mark)
 
     def synchronize(self) -> None:
         if self.device == "cuda":

@@ -109,9 +109,8 @@ class Transformer:
             if L.q_norm is not None:  # Qwen3 normalises each head before rope
                 q = be.rms_norm(q, L.q_norm, c.rms_norm_eps)
                 k = be.rms_norm(k, L.k_norm, c.rms_norm_eps)
-            q = be.rope(q, pos, self.rope)  # (B, nh, T, hd)
-            k = be.rope(k, pos, self.rope)  # (B, nkv, T, hd)
-            k, v = cache.update_and_fetch(i, k, v)  # (B, nkv, offset+T, hd)
+            # q (B, nh, T, hd) rotated; k, v (B, nkv, offset+T, hd) from the cache
+            q, k, v = be.rope_and_cache(q, k, v, pos, self.rope, cache, i)
             o = be.attention(q, k, v, self.scale, mask)  # (B, nh, T, hd)
             o = be.linear(o.swapaxes(1, 2).reshape(B, T, nh * hd), L.o_proj)
             h, x = be.add_rms_norm(h, o, L.post_attention_layernorm, c.rms_norm_eps)

@@ -85,6 +85,11 @@ def random_packed(n, k, mode, bits, group_size, gen, device="cpu"):
     kw, kg = k * bits // 32, k // group_size
     weight = torch.randint(-(2**31), 2**31, (n, kw), generator=gen, dtype=torch.int64)
     weight = weight.to(torch.int32)
+    if bits == 8 and mode == "mxfp8":
+        # no quantizer writes the E4M3 NaN codes 0x7F / 0xFF (MLX saturates to 0x7E), and the
+        # GEMV's hardware conversion decodes them as NaN: make them the largest finite code
+        u = weight.view(torch.uint8)
+        u[(u & 0x7F) == 0x7F] -= 1
     if mode == "affine":
         scales = (torch.rand(n, kg, generator=gen) * 0.01 + 0.001).to(torch.bfloat16)
         biases = -(2 ** (bits - 1)) * scales.float() * (0.5 + torch.rand(n, kg, generator=gen))
@@ -190,6 +195,41 @@ def test_split_k_and_prefetch(cfg, mode, bits, group_size):
         assert rel_err(tk.qmatmul(x, q, cfg), want) < 1e-5
     x16 = x.to(torch.float16)
     assert rel_err(tk.qmatmul(x16, q, cfg), x16.double() @ ref.T) < 1e-2
+
+
+PACKED_FORMATS = [FORMATS[i] for i in (0, 1, 2, 6, 7, 8)]  # affine 4-bit, fp4, fp8
+
+
+@pytest.mark.parametrize(
+    "mode,bits,group_size", PACKED_FORMATS, ids=[f"{m}{b}g{g}" for m, b, g in PACKED_FORMATS]
+)
+@pytest.mark.parametrize("m", [32, 33])
+def test_gemm_small_m_swap_packed(mode, bits, group_size, m):
+    """Batched decode (M = 32): the config choose_config gives a GPU for 4 < M <= 64 (BM=32,
+    BN=128, swap, split-K) with bf16 x (and bf16 affine scales), i.e. the packed bf16x2
+    decode, against the float64 decoder; N=136 leaves a partial tile, M=33 a
+    row tile of one row."""
+    gen = torch.Generator().manual_seed(group_size + m)
+    n, k = 136, 512
+    w, s, b = random_packed(n, k, mode, bits, group_size, gen)
+    sn = s.float().numpy() if mode == "affine" else s.numpy()
+    bn = None if b is None else b.float().numpy()
+    ref = ref_dequant(w.numpy(), sn, bn, mode, bits, group_size)
+    q = tk.prepare(w.to(DEV), s.to(DEV), None if b is None else b.to(DEV), mode, bits, group_size)
+    assert tk._packed_gemm(q, torch.bfloat16)
+    ng = 128 // group_size
+    cfg = tk.KernelConfig("gemm", 32, 128, 2, ng, num_warps=4, num_stages=4, swap=True)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    want = x.double() @ torch.from_numpy(ref).T
+    for _ in range(2):  # the split-K tickets reset
+        y = tk.qmatmul(x.to(DEV), q, cfg)
+        assert y.dtype == torch.bfloat16 and rel_err(y.cpu(), want) < 1e-2
+    # fp32 x takes the per-element path with the same config: the two agree
+    y32 = tk.qmatmul(x.float().to(DEV), q, cfg)
+    assert rel_err(y.cpu(), y32.double().cpu()) < 1e-2
+    # the packed decode as the second (shared-memory) operand: no swap
+    cfg = tk.KernelConfig("gemm", 32, 64, 1, ng, num_warps=4, num_stages=3)
+    assert rel_err(tk.qmatmul(x.to(DEV), q, cfg).cpu(), want) < 1e-2
 
 
 def test_leading_dims_and_errors():
@@ -320,8 +360,9 @@ def test_cuda_code_path_end_to_end(tiny_dir, quant):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_small_ops_equal_the_stock_ops(dtype):
-    """RMSNorm (+ residual add), rotary embedding and SiLU-multiply as one kernel each give
-    what the PyTorch backend's stock ops give, rounding steps included."""
+    """RMSNorm (+ residual add), rotary embedding with the KV-cache store, and SiLU-multiply
+    as one kernel each give what the PyTorch backend's stock ops give, rounding steps
+    included."""
     from mlxrun.backends import cuda_ops
     from mlxrun.backends.torch_backend import TorchBackend
 
@@ -344,15 +385,25 @@ def test_fused_small_ops_equal_the_stock_ops(dtype):
     _, x0 = cuda_ops.add_rms_norm(h, None, w, 1e-5)
     assert rel_err(x0.float().cpu(), stock.rms_norm(h, w, 1e-5).float().cpu()) < tol
 
-    # q as the model passes it: a (B, H, T, D) view of (B, T, H, D); left-padded positions
-    q = rnd(2, 7, 4, 32).swapaxes(1, 2)
+    # q, k, v as the model passes them: (B, H, T, D) views of the joint q/k/v product;
+    # left-padded positions; written into a cache at offset 3 (eager) and at a slot (graph)
+    qkv = rnd(2, 7, (4 + 2 + 2) * 32)
+    q = qkv[..., :128].reshape(2, 7, 4, 32).swapaxes(1, 2)
+    k = qkv[..., 128:192].reshape(2, 7, 2, 32).swapaxes(1, 2)
+    v = qkv[..., 192:].reshape(2, 7, 2, 32).swapaxes(1, 2)
     pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6], [-2, -1, 0, 1, 2, 3, 4]], device=DEV)
     inv = torch.from_numpy(1.0 / 10000 ** (np.arange(0, 32, 2) / 32)).float().to(DEV)
-    want = stock.rope(q, pos, inv)
-    got = cuda_ops.rope(q, pos, inv)
-    assert got.is_contiguous() and got.shape == want.shape
-    assert rel_err(got.float().cpu(), want.float().cpu()) < tol
-    one = cuda_ops.rope(q[:1], pos[1:], inv)  # (1, T) positions broadcast over the batch
+    kc, vc = rnd(2, 2, 12, 32), rnd(2, 2, 12, 32)  # stale values around the written slots
+    kw, vw = kc.clone(), vc.clone()
+    kw[:, :, 3:10], vw[:, :, 3:10] = stock.rope(k, pos, inv), v
+    slot = torch.tensor([3], device=DEV)
+    got = cuda_ops.rope_qkv(q, k, v, pos, inv, kc, vc, slot)
+    assert got.is_contiguous() and got.shape == q.shape
+    assert rel_err(got.float().cpu(), stock.rope(q, pos, inv).float().cpu()) < tol
+    assert rel_err(kc.float().cpu(), kw.float().cpu()) < tol
+    assert torch.equal(vc, vw)  # v copied bit for bit, nothing else touched
+    assert torch.equal(kc[:, :, :3], kw[:, :, :3]) and torch.equal(kc[:, :, 10:], kw[:, :, 10:])
+    one = cuda_ops.rope_qkv(q[:1], k[:1], v[:1], pos[1:], inv, kc[:1], vc[:1], slot)
     assert rel_err(one.float().cpu(), stock.rope(q[:1], pos[1:], inv).float().cpu()) < tol
 
     gu = rnd(2, 3, 3000)  # a joint gate/up product; 1500 is not a multiple of the block
@@ -364,3 +415,34 @@ def test_fused_small_ops_equal_the_stock_ops(dtype):
         )
         < tol
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_equals_sdpa(dtype):
+    """One new token per sequence against a GQA cache, split across programs over the keys:
+    what SDPA gives, with no mask, with a per-sequence mask (left padding, an unfilled tail
+    that whole blocks of keys skip), and with one mask for the batch."""
+    import torch.nn.functional as F
+
+    from mlxrun.backends import cuda_ops
+
+    g = torch.Generator().manual_seed(0)
+    B, NH, NKV, S, D = 3, 8, 2, 200, 32  # 200 keys: 4 blocks of 64, the last partial
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dtype).to(DEV)
+
+    q, k, v = rnd(B, NH, 1, D), rnd(B, NKV, S, D), rnd(B, NKV, S, D)
+    slots = torch.arange(S, device=DEV)
+    pads = torch.tensor([0, 5, 70], device=DEV)
+    filled = 90  # keys past it are stale: in graph decode the mask hides them
+    per_seq = ((slots[None] >= pads[:, None]) & (slots[None] < filled))[:, None, None]
+    one = (slots < 150)[None, None, None]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for mask in (None, per_seq, one):
+        want = F.scaled_dot_product_attention(
+            q.float(), k.float(), v.float(), attn_mask=mask, scale=0.2, enable_gqa=True
+        )
+        got = cuda_ops.decode_attention(q, k, v, 0.2, mask)
+        assert got.shape == q.shape and got.dtype == dtype
+        assert rel_err(got.float().cpu(), want.cpu()) < tol
