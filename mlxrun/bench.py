@@ -385,11 +385,29 @@ def measure_bandwidth(be) -> list[float]:
 def _run_once(model: Transformer, prompts: list[list[int]], gen: int) -> tuple[float, float]:
     """One greedy generation: (TTFT s, decode steps per s over tokens 2..gen).
 
-    Each yield follows a device-to-host read of the new token (a synchronisation on every
-    backend), so host clock times at the yields bound the device's work exactly; CUDA
-    events recorded there would sit behind the next step, already queued by generate_step.
+    On CUDA the times are device events: generate_step calls be.start() once each token is
+    queued (the prefill's, then every step's), and the backend records an event there. The
+    host is by then queueing the next step, so host clocks would measure launch, not work.
+    Elsewhere each yield follows a device-to-host read of the new token (a synchronisation),
+    so host clock times at the yields bound the device's work exactly.
     """
-    model.be.synchronize()
+    be = model.be
+    be.synchronize()
+    if be.name == "torch" and be.device == "cuda":
+        import torch  # noqa: PLC0415
+
+        begin = torch.cuda.Event(enable_timing=True)
+        be.timeline = marks = [begin]
+        begin.record()
+        try:
+            for _ in generate_step(model, prompts, SamplingParams(), gen):
+                pass
+        finally:
+            be.timeline = None
+        torch.cuda.synchronize()
+        # marks: begin, first token, then one per decode step (gen - 1 of them)
+        ttft = begin.elapsed_time(marks[1]) / 1e3
+        return ttft, (len(marks) - 2) / (marks[1].elapsed_time(marks[-1]) / 1e3)
     t0 = time.perf_counter()
     times = []
     for _ in generate_step(model, prompts, SamplingParams(), gen):
@@ -606,27 +624,41 @@ class _PeerLoadError(Exception):
 
 class _StreamTimer:
     """transformers streamer that records when each generated token arrives (the first
-    put is the prompt). put() receives tokens moved to the host, a synchronisation."""
+    put is the prompt). put() receives tokens moved to the host, a synchronisation, so the
+    device is idle there: a CUDA event recorded then marks the token's end on the device."""
 
-    def __init__(self):
-        self.times: list[float] = []
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.marks: list = []
         self.prompt_seen = False
+
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        import torch  # noqa: PLC0415
+
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
 
     def put(self, value) -> None:
         if not self.prompt_seen:
             self.prompt_seen = True
             return
-        self.times.append(time.perf_counter())
+        self.marks.append(self.now())
 
     def end(self) -> None:
         pass
+
+    def seconds(self, a, b) -> float:
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
 
 
 def _hf_once(hf, x, gen: int) -> tuple[float, float]:
     import torch  # noqa: PLC0415
 
-    timer = _StreamTimer()
-    t0 = time.perf_counter()
+    timer = _StreamTimer(x.device.type == "cuda")
+    t0 = timer.now()
     with torch.no_grad():
         hf.generate(
             x,
@@ -637,8 +669,10 @@ def _hf_once(hf, x, gen: int) -> tuple[float, float]:
             streamer=timer,
             pad_token_id=0,
         )
-    t = timer.times
-    return t[0] - t0, (len(t) - 1) / (t[-1] - t[0])
+    if timer.cuda:
+        torch.cuda.synchronize()
+    t = timer.marks
+    return timer.seconds(t0, t[0]), (len(t) - 1) / timer.seconds(t[0], t[-1])
 
 
 def _bench_hf(run: _Run, src: _Source, be) -> BenchRow:
