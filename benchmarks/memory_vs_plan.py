@@ -2,10 +2,12 @@
 
 For each backend, weight format and batch size from 1 up to the planned maximum, run one
 greedy generation of `--prompt-tokens` + `--gen-tokens` in a fresh process and compare the
-planner's total (weights + KV + prefill workspace + backend overhead) with the peak measured
-there: MLX's peak memory (mx.get_peak_memory), torch.cuda.max_memory_allocated, or, on the
-PyTorch CPU backend, the process's resident high-water mark minus its resident size before
-the model was opened (the interpreter and libraries are not the model's memory).
+planner's peak (Plan.peak_bytes: its total, weights + KV + prefill workspace + backend
+overhead, or the peak of loading where the plan models it and it is higher: PyTorch CPU)
+with the peak measured there: MLX's peak memory (mx.get_peak_memory),
+torch.cuda.max_memory_allocated, or, on the PyTorch CPU backend, the process's resident
+high-water mark minus its resident size before the model was opened (the interpreter and
+libraries are not the model's memory), which includes loading.
 
 The planned maximum batch comes from the device's real budget, or from `--budget-gib` to
 plan for a smaller device (a 2-core CI machine cannot run SmolLM2's real maximum of ~270
@@ -27,6 +29,7 @@ import os
 import resource
 import subprocess
 import sys
+import types
 
 GiB = 1 << 30
 
@@ -36,7 +39,23 @@ def _rss_now() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+_PLAN_FIELDS = ("max_batch", "peak_bytes", "total_bytes", "load_bytes", "weight_bytes",
+                "kv_bytes", "workspace_bytes")  # fmt: skip
+
+
 def _plan(model: str, backend: str, quant: str, context: int, batch: int, budget_gib):
+    """The plan's numbers, made in a process of its own: probing a GPU creates a CUDA
+    context (~0.5 GB on an H100) that would stay in this process, beside the measured child,
+    and take memory the plan counted as free (the 8B int4 run at its planned maximum ran
+    out of memory that way, and completed alone)."""
+    cmd = [sys.executable, __file__, "--model", model, "--backends", backend, "--quant", quant,
+           "--prompt-tokens", str(context), "--gen-tokens", "0", "--batch", str(batch),
+           "--plan-only"] + ([] if budget_gib is None else ["--budget-gib", str(budget_gib)])  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return types.SimpleNamespace(**json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _plan_here(model: str, backend: str, quant: str, context: int, batch: int, budget_gib):
     """The planner's Plan for this run, on the real device or one with `budget_gib`."""
     import dataclasses  # noqa: PLC0415
 
@@ -54,6 +73,9 @@ def _plan(model: str, backend: str, quant: str, context: int, batch: int, budget
         shapes = config_shapes(cfg)
     else:
         cfg, shapes = model_shapes(model)
+    # PyTorch copies a safetensors checkpoint's tensors out of its memory map; a GGUF import
+    # (a file) or random weights (shape:) are not a mapped load the plan models.
+    mapped = not model.startswith("shape:") and os.path.isdir(_source(model))
     dev = probe_device(name, device)
     if budget_gib is not None:  # a device whose budget is exactly budget_gib
         dev = dataclasses.replace(
@@ -62,8 +84,14 @@ def _plan(model: str, backend: str, quant: str, context: int, batch: int, budget
     fp = footprint(cfg, shapes, dtype, spec, name)
     return make_plan(
         cfg, fp, dev, context=context, batch=batch, dtype_bytes=2 if dtype != "float32" else 4,
-        backend=name,
+        backend=name, mapped=mapped,
     )  # fmt: skip
+
+
+def _source(model: str) -> str:
+    from mlxrun.loader import resolve_source  # noqa: PLC0415
+
+    return str(resolve_source(model))
 
 
 def child(args) -> None:
@@ -118,14 +146,21 @@ def main() -> None:
     ap.add_argument("--batches", default=None, help="these batch sizes (comma list) instead")
     ap.add_argument("--json", default=None, help="write every row here")
     ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)  # child
+    ap.add_argument("--plan-only", action="store_true", help=argparse.SUPPRESS)  # child
     args = ap.parse_args()
+    if args.plan_only:
+        plan = _plan_here(args.model, args.backends, args.quant,
+                          args.prompt_tokens + args.gen_tokens, args.batch, args.budget_gib)  # fmt: skip
+        print(json.dumps({f: int(getattr(plan, f)) for f in _PLAN_FIELDS}))
+        return None
     if args.batch is not None:
         return child(args)
     context = args.prompt_tokens + args.gen_tokens
     rows = []
     print(
         f"{'backend':8} {'quant':6} {'batch':>5} {'planned':>10} {'measured':>10} "
-        f"{'error':>7}   (MiB; context {context}; planned max batch in brackets)",
+        f"{'error':>7}   (MiB; context {context}; planned max batch in brackets; 'load': "
+        "the plan's peak is loading's)",
         flush=True,
     )
     for backend in args.backends.split(","):
@@ -152,27 +187,34 @@ def main() -> None:
                     print(f"{backend:8} {quant:6} {b:>5}  failed: {why[:400]}")
                     continue
                 got = json.loads(out.stdout.strip().splitlines()[-1])
-                err = got["peak"] / plan.total_bytes - 1
+                # the plan's peak: the generation's total, or loading where that is higher
+                err = got["peak"] / plan.peak_bytes - 1
                 rows.append(dict(backend=backend, quant=quant, batch=b, max_batch=top,
-                                 context=context, planned=plan.total_bytes,
+                                 context=context, planned=plan.peak_bytes,
+                                 planned_total=plan.total_bytes, planned_load=plan.load_bytes,
                                  planned_weights=plan.weight_bytes, planned_kv=plan.kv_bytes,
                                  planned_workspace=plan.workspace_bytes,
                                  measured=got["peak"], loaded_weights=got["weights"],
                                  error=err))  # fmt: skip
+                _save(args.json, rows)  # after every row: a long sweep cut short keeps them
                 print(
-                    f"{backend:8} {quant:6} {b:>5} {plan.total_bytes / 2**20:>10.1f} "
+                    f"{backend:8} {quant:6} {b:>5} {plan.peak_bytes / 2**20:>10.1f} "
                     f"{got['peak'] / 2**20:>10.1f} {100 * err:>+6.1f}%"
+                    + (" load" if plan.load_bytes > plan.total_bytes else "")
                     + (f"   [{top}]" if b == top else ""),
                     flush=True,
                 )
     if rows:
         worst = max(abs(r["error"]) for r in rows)
         print(f"worst |error| {100 * worst:.1f}% over {len(rows)} runs (target: within 10%)")
-    if args.json:
-        tmp = args.json + ".tmp"
+
+
+def _save(path: str | None, rows: list) -> None:
+    if path:
+        tmp = path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(rows, f, indent=1)
-        os.replace(tmp, args.json)
+        os.replace(tmp, path)
 
 
 if __name__ == "__main__":

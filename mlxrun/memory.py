@@ -52,6 +52,23 @@ APPLE_WS_SMALL = (2, 3)
 APPLE_WS_LARGE = (3, 4)
 
 # --- Prefill workspace: fixed per-backend overhead on top of the activation formula --------
+# PyTorch CPU is measured as process RSS (its budget is RAM), so its overhead is what loading
+# leaves in the process besides the weights (the tokenizer, modules the loader imports: RSS
+# after mlxrun.load - weight bytes = 23.6 MiB for SmolLM2 as stored, from safetensors; 25.2
+# MiB with --quant int4) ...
+TORCH_CPU_LOAD_RESIDUE = 24 * MiB
+# ... + what glibc malloc keeps of freed tensors: its mmap threshold rises to the largest
+# block freed (up to 32 MiB), so every smaller tensor comes from the heap, which is trimmed
+# only when more than twice that (64 MiB) is free at its top and never below a live block.
+# Peak RSS minus weights, load residue, KV cache, one dequantized block and the live tensors
+# of the prefill (`_ws_per_seq_eager` of its 256 tokens x batch), SmolLM2 as stored, 256 +
+# 32 tokens, two runs: 27-30, 36-39, 67-75, 114-144, 49-81 MiB at batch 4, 8, 16, 32, 64 and
+# 52 / -1 MiB at 79 / 82 (from 64 on, every activation is over 32 MiB: mmapped, and returned
+# when freed). 40 MiB is charged: the plan also charges the activations of the whole context
+# (288 tokens here, 12.5% more), as it does not know the prompt's share, which covers the
+# rest at large batches (errors -6.5% to +7.7% at batch 1-82,
+# benchmarks/memory_vs_plan.py --budget-gib 2 --prompt-tokens 256 --gen-tokens 32).
+TORCH_CPU_HEAP_RETAINED = 40 * MiB
 # Calibrate against mx.get_peak_memory / torch.cuda.max_memory_allocated (which does not count
 # the CUDA context: probe_device reads free VRAM after the context exists, so it is already
 # outside the budget).
@@ -60,13 +77,18 @@ WORKSPACE_OVERHEAD = {
     ("mlx", "cpu"): 8 * MiB,  # measured: SmolLM2, context 80-272, batch 1-8 (see README)
     ("torch", "cuda"): 128 * MiB,  # cuBLAS workspaces and caching-allocator rounding
     ("torch", "apple"): 64 * MiB,
-    ("torch", "cpu"): 100 * MiB,  # oneDNN scratch and allocator slack
+    ("torch", "cpu"): TORCH_CPU_LOAD_RESIDUE + TORCH_CPU_HEAP_RETAINED,
 }
 SCORES_BYTES = 4  # attention scores are fp32 on the non-flash path
 # PyTorch on CUDA never materialises the scores (flash / memory-efficient SDPA): a prefill
 # chunk past the first holds its boolean mask and the bf16 bias SDPA makes of it instead.
 FUSED_ATTENTION = {("torch", "cuda")}
 MASK_BYTES = 3
+# PyTorch on CPU runs op by op in the compute dtype (float32 by default), and its SDPA picks
+# the flash kernel (torch._fused_sdp_choice is FLASH_ATTENTION for a causal pass, with a
+# boolean mask and with GQA): no scores, but the mask of a later chunk becomes a float bias.
+# Its workspace is the tensors alive at once in the forward pass (`_ws_per_seq_eager`).
+EAGER = {("torch", "cpu")}
 # Tokens per prefill pass. On CUDA a 512-token pass of an 8B model took 37-39 ms (H100, bf16:
 # TTFT 36.8 ms at 512 tokens, 154.8 ms at 2048), where its matmuls need ~11 ms at the GPU's
 # bf16 rate: launching ~600 kernels from Python set the pace. There a pass takes at least
@@ -88,6 +110,13 @@ def prefill_chunk_for(backend: str, kind: str, batch: int = 1) -> int:
 DEQUANT_BYTES_PER_WEIGHT = 10
 DEQUANT_BLOCK_WEIGHTS = (4 << 20) // 4
 DEQUANTIZING = {("torch", "cpu"), ("torch", "apple")}
+# Quantizing a matrix at load (`--quant`) on PyTorch CPU goes through numpy
+# (quant/reference.py) with float32 temporaries of the whole matrix: re-quantizing SmolLM2's
+# 49152 x 576 embedding from its stored 8-bit to int4 g64 as the loader does
+# (build.stored_dense from the memory map, be.array, be.quantize) raised peak RSS by 562.6
+# MiB, 20.8 bytes per weight: its file pages (33 MiB), the float32 matrix and the
+# quantizer's temporaries. The whole `--quant int4` load peaked at 609.2 MiB.
+QUANTIZE_BYTES_PER_WEIGHT = 21
 LOGITS_BYTES = 4  # logits of the last position only, fp32
 
 # The quantization that `--quant int4` means (DESIGN.md: INT4 = affine 4-bit, mlx-lm's group)
@@ -439,6 +468,8 @@ class ModelFootprint:
     dtype: str
     label: str  # how the weights are stored, e.g. "bfloat16" or "affine 4-bit g64"
     largest_packed: int = 0  # weights of the largest matrix held packed (0: none)
+    stored_bytes: int = 0  # the tensors the loader reads, as stored (tied head once)
+    load_quantized: int = 0  # weights of the largest matrix quantized at load (0: none)
 
     def kv_bytes(self, tokens: int, batch: int = 1) -> int:
         """KV-cache bytes for `batch` sequences of `tokens` tokens."""
@@ -471,8 +502,9 @@ def footprint(
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)  # the loader drops it and uses the embedding
     quantized = {n[: -len(".scales")] for n in shapes if n.endswith(".scales")}
-    weight = dense = int4 = n_params = largest = 0
+    weight = dense = int4 = n_params = largest = stored = 0
     for name, (shape, sdt) in shapes.items():
+        stored += _numel(shape) * STORED_BYTES.get(sdt, db)
         prefix, _, leaf = name.rpartition(".")
         is_q = prefix in quantized and leaf in ("weight", "scales", "biases")
         if is_q:
@@ -509,7 +541,10 @@ def footprint(
         label = dtype
     c = config
     kv = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * db
-    return ModelFootprint(weight, kv, n_params, dense, int4, dtype, label, largest)
+    quantizing = largest if quant is not None else 0
+    return ModelFootprint(
+        weight, kv, n_params, dense, int4, dtype, label, largest, stored, quantizing
+    )
 
 
 # --- planning ------------------------------------------------------------------------------
@@ -529,10 +564,11 @@ def workspace_bytes(
 
     B*C*(hidden + q + 2*kv) hidden states and q/k/v/o + B*C*intermediate*3 MLP intermediates
     (both x dtype_bytes) + B*heads*C*context fp32 attention scores (non-flash path) + B*vocab
-    fp32 logits of the last position + WORKSPACE_OVERHEAD[(backend, kind)].
+    fp32 logits of the last position + WORKSPACE_OVERHEAD[(backend, kind)]. PyTorch on CUDA
+    charges a later chunk's mask for the scores; PyTorch on CPU the tensors an eager pass
+    holds at once instead (`_ws_per_seq_eager`).
     """
-    fused = (backend, kind) in FUSED_ATTENTION
-    per_seq = _ws_per_seq(config, context, prefill_chunk, dtype_bytes, fused)
+    per_seq = _ws_per_seq(config, context, prefill_chunk, dtype_bytes, (backend, kind))
     return per_seq * batch + _overhead(backend, kind)
 
 
@@ -541,8 +577,12 @@ def _overhead(backend: str, kind: str) -> int:
 
 
 def _ws_per_seq(
-    c: ModelConfig, context: int, chunk: int, dtype_bytes: int, fused: bool = False
+    c: ModelConfig, context: int, chunk: int, dtype_bytes: int, key: tuple[str, str]
 ) -> int:
+    """Workspace of one sequence for (backend, kind) `key`."""
+    if key in EAGER:
+        return _ws_per_seq_eager(c, context, chunk, dtype_bytes)
+    fused = key in FUSED_ATTENTION
     C = min(chunk, context)
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     act = C * (c.hidden_size + 2 * q + 3 * kv) * dtype_bytes  # h, q, k, v, rotated q and k
@@ -552,6 +592,26 @@ def _ws_per_seq(
     else:
         scores = c.num_attention_heads * C * context * SCORES_BYTES
     return act + mlp + scores + c.vocab_size * LOGITS_BYTES
+
+
+def _ws_per_seq_eager(c: ModelConfig, context: int, chunk: int, dtype_bytes: int) -> int:
+    """Tensors alive at once in an eager prefill pass of C = min(chunk, context) tokens
+    (mlxrun/model.py's loop; every tensor B x C x width x dtype_bytes):
+
+    - MLP: h, x and the previous layer's MLP output y, this layer's o_proj output o and
+      rotated q, gate, up, silu(gate) and silu(gate) * up: 4*hidden + q + 4*intermediate;
+    - rope of q: h, x, y and the previous o; q, k, v as projected; rotate_half's copy,
+      q*cos, rot*sin and their sum: 4*hidden + 5*q + 2*kv.
+
+    The larger of the two, + a later chunk's boolean mask and the float bias SDPA makes of
+    it ((1 + dtype_bytes) x C x context), + fp32 logits of the last position.
+    """
+    C = min(chunk, context)
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    mlp = 4 * c.hidden_size + q + 4 * c.intermediate_size
+    rope = 4 * c.hidden_size + 5 * q + 2 * kv
+    mask = (1 + dtype_bytes) * C * context if context > C else 0
+    return C * max(mlp, rope) * dtype_bytes + mask + c.vocab_size * LOGITS_BYTES
 
 
 @dataclass(frozen=True)
@@ -574,6 +634,12 @@ class Plan:
     max_context: int  # longest context at this batch, <= max_position_embeddings (0: none)
     advice: str  # "" when it fits, else "try --quant int4 (Z GiB), --context N or ..."
     backend: str = "torch"
+    load_bytes: int = 0  # peak of loading the model (`load_peak_bytes`; 0 where not modelled)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The predicted high-water mark: the generation's total or the load's peak."""
+        return max(self.total_bytes, self.load_bytes)
 
 
 def _limits(
@@ -587,13 +653,13 @@ def _limits(
     chunk_of,
     dtype_bytes: int,
     overhead: int,
-    fused: bool,
+    key: tuple[str, str],
 ) -> tuple[int, int]:
     """(max batch at `context`, max context at `batch`) for `weights` bytes of weights;
     chunk_of(b) is the prefill chunk for a batch of b."""
 
     def need(b: int, ctx: int) -> int:  # grows with both, so bisect
-        ws = _ws_per_seq(config, ctx, chunk_of(b), dtype_bytes, fused)
+        ws = _ws_per_seq(config, ctx, chunk_of(b), dtype_bytes, key)
         return weights + overhead + b * (kv_tok * ctx + ws)
 
     def largest(lo: int, hi: int, fits) -> int:
@@ -602,11 +668,28 @@ def _limits(
             lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
         return lo
 
-    per_seq = kv_tok * context + _ws_per_seq(config, context, chunk_of(1), dtype_bytes, fused)
+    per_seq = kv_tok * context + _ws_per_seq(config, context, chunk_of(1), dtype_bytes, key)
     top = max(1, (budget - weights - overhead) // per_seq) * 4 + 4  # chunks only shrink with b
     max_batch = largest(0, top, lambda b: need(b, context) <= budget) if budget > weights else 0
     max_context = largest(0, config.max_position_embeddings, lambda c: need(batch, c) <= budget)
     return int(max_batch), max_context
+
+
+def load_peak_bytes(fp: ModelFootprint, backend: str, kind: str, mapped: bool) -> int:
+    """Peak RSS of loading the model, where it is modelled (PyTorch CPU; else 0).
+
+    The loader copies each tensor out of the memory-mapped safetensors file (`mapped`), and
+    the pages it read stay resident until the map is closed at the end: weights + the stored
+    tensors (fp.stored_bytes). Quantizing at load holds ~QUANTIZE_BYTES_PER_WEIGHT per weight
+    of the largest matrix (at its turn; taken as the larger of the two, which fits a largest
+    matrix loaded first, the embedding). Both + TORCH_CPU_LOAD_RESIDUE. A GGUF import is not
+    modelled (its reader's metadata, not the shapes, dominates; pass mapped=False).
+    """
+    if (backend, kind) not in EAGER:
+        return 0
+    resident = fp.weight_bytes + (fp.stored_bytes if mapped else 0)
+    quantizing = fp.load_quantized * QUANTIZE_BYTES_PER_WEIGHT
+    return max(resident, quantizing) + TORCH_CPU_LOAD_RESIDUE
 
 
 def make_plan(
@@ -619,12 +702,16 @@ def make_plan(
     prefill_chunk: int | None = None,
     dtype_bytes: int = 2,
     backend: str = "torch",
+    mapped: bool = False,
 ) -> Plan:
     """Plan `batch` sequences of up to `context` tokens (prompt + generation) on `device`.
 
     total = weights + KV (kv_bytes_per_token x context x batch) + prefill workspace; it fits
     when total <= device.budget_bytes. Raises MlxrunError for batch < 1, context < 1 or a
-    context beyond config.max_position_embeddings.
+    context beyond config.max_position_embeddings. load_bytes is the peak of loading
+    (`load_peak_bytes`; `mapped`: the weights come out of memory-mapped safetensors); it is
+    reported (Plan.peak_bytes), not part of `fits`: without --quant the part above the total
+    is the file's clean pages, which the kernel can drop under pressure.
     """
     if batch < 1:
         raise MlxrunError(f"--batch-size must be at least 1 (got {batch})")
@@ -655,7 +742,7 @@ def make_plan(
         chunk_of=lambda b: fixed_chunk or prefill_chunk_for(backend, device.kind, b),
         dtype_bytes=dtype_bytes,
         overhead=overhead,
-        fused=(backend, device.kind) in FUSED_ATTENTION,
+        key=(backend, device.kind),
     )
     kv = fp.kv_bytes(context, batch)
     ws = workspace_bytes(
@@ -709,6 +796,7 @@ def make_plan(
         max_context,
         advice,
         backend,
+        load_peak_bytes(fp, backend, device.kind, mapped),
     )
 
 
@@ -755,6 +843,11 @@ def format_plan(plan: Plan) -> str:
         ),
         ("workspace", f"{_fmt(plan.workspace_bytes)}  (prefill chunk {plan.prefill_chunk})"),
         ("total", _fmt(plan.total_bytes)),
+        *(
+            [("loading peak", f"{_fmt(plan.load_bytes)}  (transient, while the weights load)")]
+            if plan.load_bytes > plan.total_bytes
+            else []
+        ),
         ("budget", f"{_fmt(plan.budget_bytes)}  = {d.budget_rule()}"),
         ("fits", "yes" if plan.fits else "NO"),
         ("max batch", f"{plan.max_batch} at context {plan.context}"),

@@ -47,8 +47,10 @@ def plan_shapes(
     context: int | None,
     batch: int,
     prefill_chunk: int | None = None,
+    mapped: bool = False,
 ) -> Plan:
-    """The plan for a model given its config and {tensor: (shape, dtype)}."""
+    """The plan for a model given its config and {tensor: (shape, dtype)}; `mapped`: the
+    weights load from a memory-mapped safetensors directory (counts toward loading's peak)."""
     name, device, default_dtype = backend_device(backend)
     dtype = dtype or default_dtype
     dev = probe_device(name, device)
@@ -62,6 +64,7 @@ def plan_shapes(
         prefill_chunk=prefill_chunk,
         dtype_bytes=_DTYPE_BYTES[dtype],
         backend=name,
+        mapped=mapped,
     )
 
 
@@ -81,5 +84,8 @@ def plan(
         from mlxrun.quant.formats import resolve  # noqa: PLC0415
 
         spec = resolve(quant)
+    from .loader import resolve_source  # noqa: PLC0415
+
     cfg, shapes = model_shapes(model)
-    return plan_shapes(cfg, shapes, spec, backend, dtype, context, batch, prefill_chunk)
+    mapped = resolve_source(model).is_dir()
+    return plan_shapes(cfg, shapes, spec, backend, dtype, context, batch, prefill_chunk, mapped)

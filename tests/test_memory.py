@@ -206,11 +206,42 @@ def cuda_max_batch(budget: int, weights: int, context: int) -> int:
     return b
 
 
+def ws_eager(cfg: ModelConfig, context: int, chunk: int = 512, dtype_bytes: int = 4) -> int:
+    """PyTorch CPU's prefill workspace per sequence, written out: the larger of the MLP's
+    live tensors (h, x, previous y, o, rotated q, gate, up, silu(gate), product) and those at
+    q's rope (h, x, y, o, q, k, v, rotate_half's copy, q*cos, rot*sin, sum), C x width x
+    dtype_bytes, + a later chunk's bool mask and its float bias + fp32 logits."""
+    c = min(chunk, context)
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    width = max(4 * h + q + 4 * i, 4 * h + 5 * q + 2 * kv)
+    mask = (1 + dtype_bytes) * c * context if context > c else 0
+    return c * width * dtype_bytes + mask + cfg.vocab_size * 4
+
+
+TORCH_CPU_OVERHEAD = 24 * MiB + 40 * MiB  # load residue + glibc heap retained
+
+
 def test_workspace_formula():
     assert ws_per_seq(8192) == 15_728_640 + 44_040_192 + 536_870_912 + 513_024
-    ws = workspace_bytes(LLAMA3_8B, context=8192, batch=3, prefill_chunk=512, dtype_bytes=2,
+    # PyTorch CPU: flash SDPA (no scores), eager fp32 temporaries; Llama-3-8B's MLP phase
+    # (4*4096 + 4096 + 4*14336 = 77824 wide) beats its rope phase (4*4096 + 5*4096 + 2*1024)
+    assert ws_eager(LLAMA3_8B, 8192) == 512 * 77824 * 4 + 5 * 512 * 8192 + 128256 * 4
+    ws = workspace_bytes(LLAMA3_8B, context=8192, batch=3, prefill_chunk=512, dtype_bytes=4,
                          backend="torch", kind="cpu")  # fmt: skip
-    assert ws == 3 * ws_per_seq(8192) + 100 * MiB
+    assert ws == 3 * ws_eager(LLAMA3_8B, 8192) + TORCH_CPU_OVERHEAD
+    # SmolLM2, one chunk of 288 (no mask): 4*576 + 576 + 4*1536 = 9024 fp32 values a token
+    assert ws_eager(SMOLLM2, 288) == 288 * 9024 * 4 + 49152 * 4 == 10_592_256
+    ws = workspace_bytes(SMOLLM2, context=288, batch=8, prefill_chunk=512, dtype_bytes=4,
+                         backend="torch", kind="cpu")  # fmt: skip
+    assert ws == 8 * 10_592_256 + TORCH_CPU_OVERHEAD
+    # a model whose q is much wider than its MLP peaks at q's rope instead
+    wide_q = SMOLLM2.replace(num_attention_heads=36, intermediate_size=256)
+    assert ws_eager(wide_q, 100) == 100 * (4 * 576 + 5 * 2304 + 2 * 192) * 4 + 49152 * 4
+    ws = workspace_bytes(wide_q, context=100, batch=1, prefill_chunk=512, dtype_bytes=4,
+                         backend="torch", kind="cpu")  # fmt: skip
+    assert ws == ws_eager(wide_q, 100) + TORCH_CPU_OVERHEAD
     assert ws_cuda(8192) == 62_914_560 + 176_160_768 + 50_331_648 + 513_024
     ws = workspace_bytes(LLAMA3_8B, context=8192, batch=3, prefill_chunk=682, dtype_bytes=2,
                          backend="torch", kind="cuda")  # fmt: skip
@@ -327,7 +358,7 @@ def test_gpus_and_cpu():
     assert plan.max_batch == cuda_max_batch(budget, L_BF16, 8192) == 57
     plan = make_plan(LLAMA3_8B, fp, CPU, context=8192, backend="torch")
     assert plan.fits
-    assert plan.workspace_bytes == ws_per_seq(8192) + 100 * MiB  # torch CPU overhead
+    assert plan.workspace_bytes == ws_eager(LLAMA3_8B, 8192, dtype_bytes=2) + TORCH_CPU_OVERHEAD
 
 
 def test_smollm2_fits_everywhere():
@@ -338,6 +369,52 @@ def test_smollm2_fits_everywhere():
     plan = make_plan(SMOLLM2, fp, apple(8), context=8192, backend="mlx")
     ws = 512 * (576 + 2 * 576 + 3 * 192) * 2 + 512 * 1536 * 6 + 9 * 512 * 8192 * 4 + 49152 * 4
     assert plan.max_batch == (3 * GiB - S_PARAMS * 2 - 64 * MiB) // (8192 * S_KV + ws) == 8
+
+
+# SmolLM2 as PyTorch CPU runs it: fp32 weights and KV cache
+S_KV32 = 2 * S_KV
+EXPAND = (4 << 20) // 4 * 10  # one 4 MiB block of dense rows expanded, ~10 bytes a weight
+
+
+def test_torch_cpu_plan_smollm2():
+    dev = DeviceMemory("cpu", "small", 8 * GiB, 3 * GiB, False)  # budget 2 GiB
+    fp = footprint(SMOLLM2, config_shapes(SMOLLM2), "float32")
+    plan = make_plan(SMOLLM2, fp, dev, context=288, batch=8, dtype_bytes=4, backend="torch")
+    assert plan.weight_bytes == S_PARAMS * 4 and plan.kv_bytes == 8 * 288 * S_KV32
+    assert plan.workspace_bytes == 8 * ws_eager(SMOLLM2, 288) + TORCH_CPU_OVERHEAD  # nothing packed
+    assert plan.total_bytes == S_PARAMS * 4 + 8 * 288 * S_KV32 + plan.workspace_bytes
+    # weights and overhead once, KV + workspace per sequence
+    per_seq = 288 * S_KV32 + ws_eager(SMOLLM2, 288)
+    assert plan.max_batch == (2 * GiB - S_PARAMS * 4 - TORCH_CPU_OVERHEAD) // per_seq == 64
+    # int4 g64 packs every matrix: one dequantized block per call on top
+    q4 = footprint(SMOLLM2, config_shapes(SMOLLM2), "float32", Q("affine", 4, 64))
+    w4 = (S_PARAMS - S_NORMS) * 5 // 8 + S_NORMS * 4  # 4 bits + fp32 scale, bias per 64
+    assert q4.weight_bytes == w4
+    plan = make_plan(SMOLLM2, q4, dev, context=288, batch=8, dtype_bytes=4, backend="torch")
+    assert plan.workspace_bytes == 8 * ws_eager(SMOLLM2, 288) + TORCH_CPU_OVERHEAD + EXPAND
+    assert plan.max_batch == (2 * GiB - w4 - TORCH_CPU_OVERHEAD - EXPAND) // per_seq == 83
+
+
+def test_load_peak_torch_cpu():
+    dev = DeviceMemory("cpu", "small", 8 * GiB, 3 * GiB, False)
+    shapes = config_shapes(SMOLLM2)  # BF16 on disk
+    fp = footprint(SMOLLM2, shapes, "float32")
+    assert fp.stored_bytes == S_PARAMS * 2 and fp.load_quantized == 0
+    kw = dict(context=288, batch=1, dtype_bytes=4, backend="torch")
+    # copied out of a memory map: fp32 copies + the bf16 pages read + 24 MiB load residue
+    plan = make_plan(SMOLLM2, fp, dev, mapped=True, **kw)
+    assert plan.load_bytes == S_PARAMS * 4 + S_PARAMS * 2 + 24 * MiB
+    assert plan.peak_bytes == max(plan.total_bytes, plan.load_bytes) == plan.load_bytes
+    assert plan.fits  # the load peak is reported, not budgeted (the pages are reclaimable)
+    assert make_plan(SMOLLM2, fp, dev, **kw).load_bytes == S_PARAMS * 4 + 24 * MiB
+    # quantizing at load: 21 bytes a weight of the largest matrix (the tied embedding)
+    q4 = footprint(SMOLLM2, shapes, "float32", Q("affine", 4, 64))
+    assert q4.load_quantized == 49152 * 576
+    plan = make_plan(SMOLLM2, q4, dev, mapped=True, **kw)
+    assert plan.load_bytes == 49152 * 576 * 21 + 24 * MiB  # > weights + pages (337 MiB)
+    # other backends report no load peak (MLX's peak memory does not see loading)
+    for backend, d in (("mlx", dev), ("torch", GPU24)):
+        assert make_plan(SMOLLM2, fp, d, context=288, backend=backend, mapped=True).load_bytes == 0
 
 
 def test_bad_context_and_batch():
@@ -463,7 +540,9 @@ def test_footprint_from_header_matches_mx_quantize(tmp_path):
     save_safetensors(tmp_path / "model.safetensors", tensors)
     shapes = header_shapes(tmp_path / "model.safetensors")
     fp = footprint(TINY, shapes, "bfloat16")
-    assert fp.weight_bytes == sum(t.nbytes for t in tensors.values())
+    assert fp.weight_bytes == fp.stored_bytes == sum(t.nbytes for t in tensors.values())
+    f32 = footprint(TINY, shapes, "float32")  # the loader's copies double, not the file
+    assert f32.weight_bytes == 2 * f32.stored_bytes == 2 * fp.stored_bytes
     assert fp.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2
     for mode, bits, group in [("affine", 4, 32), ("affine", 8, 64), ("affine", 3, 32),
                               ("mxfp4", 4, 32), ("nvfp4", 4, 16), ("mxfp8", 8, 32)]:  # fmt: skip
@@ -497,7 +576,8 @@ def test_footprint_of_a_quantized_checkpoint(tmp_path):
     cfg = TINY.replace(quantization={"group_size": 32, "bits": 4})
     fp = footprint(cfg, header_shapes(tmp_path / "model.safetensors"), "bfloat16")
     dense = footprint(TINY, {n: (t.shape, "BF16") for n, t in tensors.items()}, "bfloat16")
-    assert fp.weight_bytes == sum(t.nbytes for t in stored.values())
+    assert fp.weight_bytes == fp.stored_bytes == sum(t.nbytes for t in stored.values())
+    assert fp.load_quantized == 0  # kept as stored
     assert fp.n_params == dense.n_params == sum(t.data.size for t in tensors.values())
     assert fp.int4_weight_bytes == dense.int4_weight_bytes
     assert fp.label == "affine 4-bit g32"
