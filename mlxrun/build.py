@@ -148,7 +148,7 @@ class _Builder:
             )
             return x
         self.requantized.setdefault(f"{spec.label} g{spec.group_size}", []).append(path)
-        return self.be.quantize(x, q.mode, q.bits, q.group_size, embedding=_is_embedding(path))
+        return self._quantize(x, q, path)
 
     def matrix(self, path: str, out: int, inp: int):
         """A linear/embedding weight (out, in): packed when the checkpoint is quantized,
@@ -165,7 +165,14 @@ class _Builder:
                 f"multiple of the group size {q.group_size}"
             )
             return w
-        return self.be.quantize(w, q.mode, q.bits, q.group_size, embedding=_is_embedding(path))
+        return self._quantize(w, q, path)
+
+    def _quantize(self, w, q, path: str):
+        out = self.be.quantize(w, q.mode, q.bits, q.group_size, embedding=_is_embedding(path))
+        # MLX is lazy: evaluated here, the full-precision source is freed now, one matrix at a
+        # time, not at the first forward pass (SmolLM2 --quant int4 held 75 MiB of it there)
+        self.be.eval(*(a for a in (out.weight, out.scales, out.biases) if a is not None))
+        return out
 
     def summary(self) -> list[str]:
         """One note per kind of decision on stored layers."""
