@@ -28,20 +28,14 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import triton  # noqa: E402
+
+# name -> (mode, bits, group size), the kernel benchmark's table
+from kernels import FORMATS  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import mlxrun.quant.triton_kernels as tk  # noqa: E402
 
-FORMATS = {  # name -> (mode, bits, group size)
-    "affine4g32": ("affine", 4, 32),
-    "affine4g64": ("affine", 4, 64),
-    "affine4g128": ("affine", 4, 128),
-    "affine8g64": ("affine", 8, 64),
-    "mxfp4": ("mxfp4", 4, 32),
-    "nvfp4": ("nvfp4", 4, 16),
-    "mxfp8": ("mxfp8", 8, 32),
-}
 DEFAULT = ["affine4g64", "affine4g32", "affine4g128", "mxfp4", "nvfp4", "mxfp8", "affine8g64"]
 
 

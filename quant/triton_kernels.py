@@ -837,6 +837,19 @@ if triton is not None:
             return u | (u << 16)
 
     @triton.jit
+    def _gq_unpair(v, ASM: tl.constexpr):
+        """int32 holding a bf16 pair -> (low, high) as bf16 (ASM) or exact fp32 (interpreter):
+        the inverse of _gq_pair."""
+        if ASM:
+            lo, hi = tl.inline_asm_elementwise(
+                "mov.b32 {$0, $1}, $2;", "=h,=h,r", [v], dtype=(tl.bfloat16, tl.bfloat16),
+                is_pure=True, pack=1)  # fmt: skip
+        else:
+            lo = _gq_f32(v, 0)
+            hi = _gq_f32(v, 1)
+        return lo, hi
+
+    @triton.jit
     def _dequant_4bit_bf16x2(
         words, s2, b2, MODE: tl.constexpr, BLOCK_N: tl.constexpr, NG: tl.constexpr,
         WPG: tl.constexpr, ASM: tl.constexpr,
@@ -872,13 +885,7 @@ if triton is not None:
         b2 = b2[:, :, None, None, None]
         v = _gq_fma2(_gq_fma2(m, c1, c0, ASM), s2, b2, ASM)  # ptxas: HADD2/HMUL2 + HFMA2
         v = tl.reshape(v, [BLOCK_N, NG, 8, HW])
-        if ASM:
-            lo, hi = tl.inline_asm_elementwise(
-                "mov.b32 {$0, $1}, $2;", "=h,=h,r", [v], dtype=(tl.bfloat16, tl.bfloat16),
-                is_pure=True, pack=1)  # fmt: skip
-        else:
-            lo = _gq_f32(v, 0)
-            hi = _gq_f32(v, 1)
+        lo, hi = _gq_unpair(v, ASM)
         return tl.reshape(tl.join(lo, hi), [BLOCK_N, NG * WPG * 8])
 
     @triton.jit
@@ -904,13 +911,7 @@ if triton is not None:
         c0 = tl.full([BLOCK_N, NG, 2, 2, HW], -2147450880, tl.int32)  # 0x80008000: -0
         v = _gq_fma2(_gq_fma2(m, c1, c0, ASM), s2[:, :, None, None, None], c0, ASM)
         v = tl.reshape(v, [BLOCK_N, NG, 4, HW])
-        if ASM:
-            lo, hi = tl.inline_asm_elementwise(
-                "mov.b32 {$0, $1}, $2;", "=h,=h,r", [v], dtype=(tl.bfloat16, tl.bfloat16),
-                is_pure=True, pack=1)  # fmt: skip
-        else:
-            lo = _gq_f32(v, 0)
-            hi = _gq_f32(v, 1)
+        lo, hi = _gq_unpair(v, ASM)
         return tl.reshape(tl.join(lo, hi), [BLOCK_N, NG * WPG * 4])
 
     @triton.jit
