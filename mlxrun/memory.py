@@ -74,7 +74,10 @@ TORCH_CPU_HEAP_RETAINED = 40 * MiB
 # outside the budget).
 WORKSPACE_OVERHEAD = {
     ("mlx", "apple"): 64 * MiB,  # Metal command buffers, compiled kernels, allocator cache
-    ("mlx", "cpu"): 8 * MiB,  # measured: SmolLM2, context 80-272, batch 1-8 (see README)
+    # MLX on CPU: what a prefill holds besides the batch's share (`_ws_per_seq_run_ahead`)
+    # measured 0.0-0.8 MiB (SmolLM2, prompts of 64-256 tokens, batch 1-8) and a decode step
+    # ~1 MiB; 8 MiB is kept as the margin it was
+    ("mlx", "cpu"): 8 * MiB,
     ("torch", "cuda"): 128 * MiB,  # cuBLAS workspaces and caching-allocator rounding
     ("torch", "apple"): 64 * MiB,
     ("torch", "cpu"): TORCH_CPU_LOAD_RESIDUE + TORCH_CPU_HEAP_RETAINED,
@@ -89,6 +92,13 @@ MASK_BYTES = 3
 # boolean mask and with GQA): no scores, but the mask of a later chunk becomes a float bias.
 # Its workspace is the tensors alive at once in the forward pass (`_ws_per_seq_eager`).
 EAGER = {("torch", "cpu")}
+# MLX on CPU allocates each op's output when the op is scheduled, on the calling thread, and
+# that thread runs ~55 ops ahead of the worker thread that computes them (mlx 0.32.4: a chain
+# of N fp32 1024x1024 matmuls, nothing else alive, peaked at N extra outputs for N = 5, 10,
+# 20, 50 and at 57 and 56 for N = 100 and 200; evaluated one at a time, at 2). A prefill pass
+# therefore holds the outputs of about one and a half layers at once, not one op's working
+# set (`_ws_per_seq_run_ahead`).
+RUN_AHEAD = {("mlx", "cpu")}
 # Tokens per prefill pass. On CUDA a 512-token pass of an 8B model took 37-39 ms (H100, bf16:
 # TTFT 36.8 ms at 512 tokens, 154.8 ms at 2048), where its matmuls need ~11 ms at the GPU's
 # bf16 rate: launching ~600 kernels from Python set the pace. There a pass takes at least
@@ -450,6 +460,27 @@ def _layer_bits(config: ModelConfig, prefix: str) -> int:
     return int(q.get("bits", 4))
 
 
+def _keeps_stored(
+    config: ModelConfig, prefix: str, quant: QuantSpec | None, group_asked: bool
+) -> bool:
+    """Whether the loader keeps stored quantized layer `prefix` as it is (build._Builder)."""
+    if quant is None:
+        return True
+    from mlxrun.quant.formats import layer_spec  # noqa: PLC0415
+
+    have = layer_spec(config.quantization or {}, prefix)
+    if have is None or (have.mode, have.bits) != (quant.mode, quant.bits):
+        return False
+    return have == quant or not group_asked
+
+
+def _requant_spec(config: ModelConfig, quant: QuantSpec | None, group_asked: bool):
+    """The format a stored layer is re-quantized to (build.target_spec)."""
+    from mlxrun.build import target_spec  # noqa: PLC0415
+
+    return target_spec(quant, config.quantization, group_asked)
+
+
 @dataclass(frozen=True)
 class ModelFootprint:
     """Bytes a model needs, from config.json and checkpoint headers alone.
@@ -486,6 +517,7 @@ def footprint(
     dtype: str = "bfloat16",
     quant: QuantSpec | None = None,
     backend: str = "torch",
+    group_asked: bool = False,
 ) -> ModelFootprint:
     """Weight and KV bytes of a model: `tensor_shapes` from `header_shapes` or `config_shapes`.
 
@@ -494,6 +526,10 @@ def footprint(
     wants them); `quant` for an unquantized checkpoint packs every 2-D `.weight` whose in-dim
     divides by the group size (embedding and lm_head too, as mlx-lm does). Other tensors count
     at the compute `dtype`. A tied lm_head stored in the file is not counted twice.
+
+    `quant` on a quantized checkpoint follows the loader (mlxrun/build.py): a stored layer
+    already in quant's mode and bits (and its group size, when `group_asked`) is kept as
+    stored; the others are re-quantized, in the checkpoint's group size unless one was asked.
     """
     if dtype not in DTYPES:
         raise MlxrunError(f"unknown dtype {dtype!r}: use bfloat16, float16 or float32")
@@ -502,13 +538,14 @@ def footprint(
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)  # the loader drops it and uses the embedding
     quantized = {n[: -len(".scales")] for n in shapes if n.endswith(".scales")}
-    weight = dense = int4 = n_params = largest = stored = 0
+    kept = {p for p in quantized if _keeps_stored(config, p, quant, group_asked)}
+    weight = dense = int4 = n_params = largest = stored = requant = 0
     for name, (shape, sdt) in shapes.items():
         stored += _numel(shape) * STORED_BYTES.get(sdt, db)
         prefix, _, leaf = name.rpartition(".")
         is_q = prefix in quantized and leaf in ("weight", "scales", "biases")
         if is_q:
-            if quant is None:  # kept as stored; with --quant it is re-quantized below
+            if prefix in kept:  # kept as stored; else re-quantized below
                 cast = backend == "mlx" and leaf != "weight" and sdt in ("F16", "BF16", "F32")
                 weight += _numel(shape) * (db if cast else STORED_BYTES[sdt])
             if leaf != "weight":
@@ -524,16 +561,19 @@ def footprint(
             if matrix and shape[1] % INT4_GROUP_SIZE == 0
             else n * db
         )
-        if is_q and quant is None:
+        if is_q and prefix in kept:
             largest = max(largest, n)
             continue
-        if quant is not None and matrix and shape[1] % quant.group_size == 0:
-            largest = max(largest, n)
-            weight += packed_bytes(*shape, quant.mode, quant.bits, quant.group_size, db)
+        # a stored layer is re-quantized in the checkpoint's group size when none was asked
+        q = _requant_spec(config, quant, group_asked) if is_q else quant
+        if q is not None and matrix and shape[1] % q.group_size == 0:
+            largest, requant = max(largest, n), max(requant, n)
+            weight += packed_bytes(*shape, q.mode, q.bits, q.group_size, db)
         else:
             weight += n * db
     if quant is not None:
-        label = f"{quant.mode} {quant.bits}-bit g{quant.group_size}"
+        t = _requant_spec(config, quant, group_asked) if quantized else quant
+        label = f"{t.mode} {t.bits}-bit g{t.group_size}"
     elif quantized:
         q = config.quantization or {}
         label = f"{q.get('mode', 'affine')} {q.get('bits', 4)}-bit g{q.get('group_size', 64)}"
@@ -541,7 +581,7 @@ def footprint(
         label = dtype
     c = config
     kv = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * db
-    quantizing = largest if quant is not None else 0
+    quantizing = requant if quant is not None else 0
     return ModelFootprint(
         weight, kv, n_params, dense, int4, dtype, label, largest, stored, quantizing
     )
@@ -566,7 +606,8 @@ def workspace_bytes(
     (both x dtype_bytes) + B*heads*C*context fp32 attention scores (non-flash path) + B*vocab
     fp32 logits of the last position + WORKSPACE_OVERHEAD[(backend, kind)]. PyTorch on CUDA
     charges a later chunk's mask for the scores; PyTorch on CPU the tensors an eager pass
-    holds at once instead (`_ws_per_seq_eager`).
+    holds at once instead (`_ws_per_seq_eager`), MLX on CPU those its scheduler allocates
+    ahead (`_ws_per_seq_run_ahead`).
     """
     per_seq = _ws_per_seq(config, context, prefill_chunk, dtype_bytes, (backend, kind))
     return per_seq * batch + _overhead(backend, kind)
@@ -582,6 +623,8 @@ def _ws_per_seq(
     """Workspace of one sequence for (backend, kind) `key`."""
     if key in EAGER:
         return _ws_per_seq_eager(c, context, chunk, dtype_bytes)
+    if key in RUN_AHEAD:
+        return _ws_per_seq_run_ahead(c, context, chunk, dtype_bytes)
     fused = key in FUSED_ATTENTION
     C = min(chunk, context)
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
@@ -612,6 +655,36 @@ def _ws_per_seq_eager(c: ModelConfig, context: int, chunk: int, dtype_bytes: int
     rope = 4 * c.hidden_size + 5 * q + 2 * kv
     mask = (1 + dtype_bytes) * C * context if context > C else 0
     return C * max(mlp, rope) * dtype_bytes + mask + c.vocab_size * LOGITS_BYTES
+
+
+def _ws_per_seq_run_ahead(c: ModelConfig, context: int, chunk: int, dtype_bytes: int) -> int:
+    """Tensors alive at once in a prefill pass of C = min(chunk, context) tokens on MLX's CPU
+    backend, whose scheduling thread allocates ~55 ops ahead of the computation (RUN_AHEAD);
+    every row is C x width x dtype_bytes, the scores C x heads x context x SCORES_BYTES:
+
+    - across the MLP into the next layer's attention: gate, up, sigmoid(gate), its product
+      with gate and with up (5 x intermediate); down_proj, the residual add and the norm
+      after it, h and x (5 x hidden); the next q, k, v and the four temporaries that MLX's
+      CPU rope (a composed fallback: both halves times cos and sin) makes of q and of k
+      (5 x q + 6 x kv);
+    - across the attention (composed on CPU too): q as projected, rotated, scaled, the
+      scores @ v output and its transposed copy (5 x q); h, x and o_proj's output
+      (3 x hidden); the scores, the masked scores and their softmax (3 x scores).
+
+    The larger of the two, + fp32 logits of the last position. Measured on SmolLM2 in
+    float32 (mx.get_peak_memory minus weights and KV cache; batch 1 and 2): 3.2, 7.3, 14.5
+    MiB per sequence for prompts of 64, 128, 256 tokens (the MLP side; these give 3.8, 7.3,
+    14.4) and 36.4 at 512 (the attention side; 36.2). One layer evaluated op by op peaked
+    at 5 MiB per sequence at 256 tokens: the extra is the run-ahead, not tensors mlxrun keeps.
+    """
+    C = min(chunk, context)
+    h, i = c.hidden_size, c.intermediate_size
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    mlp = C * (5 * i + 5 * h + 5 * q + 6 * kv) * dtype_bytes
+    attn = (
+        C * (5 * q + 3 * h) * dtype_bytes + 3 * c.num_attention_heads * C * context * SCORES_BYTES
+    )
+    return max(mlp, attn) + c.vocab_size * LOGITS_BYTES
 
 
 @dataclass(frozen=True)

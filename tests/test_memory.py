@@ -581,11 +581,94 @@ def test_footprint_of_a_quantized_checkpoint(tmp_path):
     assert fp.n_params == dense.n_params == sum(t.data.size for t in tensors.values())
     assert fp.int4_weight_bytes == dense.int4_weight_bytes
     assert fp.label == "affine 4-bit g32"
-    # --quant on a quantized checkpoint re-quantizes it: the dense model quantized
-    requant = footprint(cfg, header_shapes(tmp_path / "model.safetensors"), "bfloat16",
-                        Q("affine", 8, 64))  # fmt: skip
-    want = footprint(TINY, {n: (t.shape, "BF16") for n, t in tensors.items()}, "bfloat16",
-                     Q("affine", 8, 64))  # fmt: skip
+    # --quant on a quantized checkpoint follows the loader (build.py). Another format with a
+    # group size asked re-quantizes every layer: the dense model quantized
+    shapes = header_shapes(tmp_path / "model.safetensors")
+    bf16 = {n: (t.shape, "BF16") for n, t in tensors.items()}
+    requant = footprint(cfg, shapes, "bfloat16", Q("affine", 8, 64), group_asked=True)
+    want = footprint(TINY, bf16, "bfloat16", Q("affine", 8, 64))
     assert (requant.weight_bytes, requant.label) == (want.weight_bytes, "affine 8-bit g64")
+    assert requant.load_quantized == 256 * 64  # the largest matrix, the embedding
+    # ... with none asked, in the checkpoint's group size (32)
+    requant = footprint(cfg, shapes, "bfloat16", Q("affine", 8, 64))
+    want = footprint(TINY, bf16, "bfloat16", Q("affine", 8, 32))
+    assert (requant.weight_bytes, requant.label) == (want.weight_bytes, "affine 8-bit g32")
+    # the stored format itself (4-bit) with no group asked: every layer kept as stored
+    kept = footprint(cfg, shapes, "bfloat16", Q("affine", 4, 64))
+    assert kept.weight_bytes == fp.weight_bytes and kept.load_quantized == 0
+    # ... and with g64 asked, re-quantized to g64
+    regroup = footprint(cfg, shapes, "bfloat16", Q("affine", 4, 64), group_asked=True)
+    want = footprint(TINY, bf16, "bfloat16", Q("affine", 4, 64))
+    assert regroup.weight_bytes == want.weight_bytes
     with pytest.raises(MlxrunError, match="no 'quantization' entry"):
         footprint(TINY, header_shapes(tmp_path / "model.safetensors"), "bfloat16")
+
+
+def smollm2_q4_shapes() -> dict:
+    """SmolLM2-135M as `mlxrun convert --model smollm2` stores it: layers affine 4-bit g32,
+    the (tied) embedding 8-bit g32, uint32 weights with F16 scales and biases; F32 norms."""
+    out = {}
+    for name, (shape, _) in config_shapes(SMOLLM2).items():
+        if len(shape) == 1:
+            out[name] = (shape, "F32")
+            continue
+        p, (rows, cols) = name[: -len(".weight")], shape
+        bits = 8 if p == "model.embed_tokens" else 4
+        out[name] = ((rows, cols * bits // 32), "U32")
+        out[p + ".scales"] = out[p + ".biases"] = ((rows, cols // 32), "F16")
+    return out
+
+
+SMOL_Q4 = SMOLLM2.replace(
+    quantization={"group_size": 32, "bits": 4, "mode": "affine",
+                  "model.embed_tokens": {"group_size": 32, "bits": 8, "mode": "affine"}}
+)  # fmt: skip
+S_MATS = S_PARAMS - S_NORMS - 49152 * 576  # the 30 layers' matrices
+
+
+def test_footprint_smollm2_q4_with_quant_int4_on_mlx():
+    # as stored, float32 on MLX: 4-bit layers (1/2 byte + 2 fp32 values per 32 weights =
+    # 3/4 byte a weight), the 8-bit embedding (1 + 1/4 byte), fp32 norms
+    fp = footprint(SMOL_Q4, smollm2_q4_shapes(), "float32", None, "mlx")
+    assert fp.weight_bytes == S_MATS * 3 // 4 + 49152 * 576 * 5 // 4 + S_NORMS * 4
+    # --quant int4: the loader keeps the 210 4-bit layers as stored and re-quantizes only the
+    # embedding, to 4 bits in the checkpoint's group of 32 (not int4's default 64): 96.32
+    # MiB, what mlxrun.load(..., quant="int4") holds (Transformer.weight_bytes)
+    q4 = footprint(SMOL_Q4, smollm2_q4_shapes(), "float32", Q("affine", 4, 64), "mlx")
+    assert q4.weight_bytes == (S_MATS + 49152 * 576) * 3 // 4 + S_NORMS * 4 == 101_000_448
+    assert q4.load_quantized == 49152 * 576 and q4.label == "affine 4-bit g32"
+
+
+def ws_mlx_cpu(cfg: ModelConfig, context: int, chunk: int = 512, dtype_bytes: int = 4) -> int:
+    """MLX CPU's prefill workspace per sequence, written out: its scheduler allocates ~55
+    ops ahead, so the larger of (5 MLP-wide tensors + 5 hidden + 5 q-wide + 6 kv-wide, from
+    the MLP into the next layer's rope) and (5 q-wide + 3 hidden + 3 fp32 score tensors,
+    across the attention), + fp32 logits of the last position."""
+    c = min(chunk, context)
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    mlp = c * (5 * i + 5 * h + 5 * q + 6 * kv) * dtype_bytes
+    attn = c * (5 * q + 3 * h) * dtype_bytes + 3 * cfg.num_attention_heads * c * context * 4
+    return max(mlp, attn) + cfg.vocab_size * 4
+
+
+def test_mlx_cpu_workspace_and_max_batch():
+    # SmolLM2 at 288 tokens: the MLP side, 5*1536 + 5*576 + 5*576 + 6*192 = 14592 fp32 a token
+    assert ws_mlx_cpu(SMOLLM2, 288) == 288 * 14592 * 4 + 49152 * 4 == 17_006_592
+    # (the attention side is 288 * 4608 * 4 + 3 * 9 * 288 * 288 * 4 = 14_266_368, less)
+    ws = workspace_bytes(SMOLLM2, context=288, batch=4, prefill_chunk=512, dtype_bytes=4,
+                         backend="mlx", kind="cpu")  # fmt: skip
+    assert ws == 4 * 17_006_592 + 8 * MiB
+    # at 1024 tokens the three score tensors win: 1024 * 4608 * 4 + 3 * 9 * 1024 * 1024 * 4
+    ws = workspace_bytes(SMOLLM2, context=1024, batch=1, prefill_chunk=512, dtype_bytes=4,
+                         backend="mlx", kind="cpu")  # fmt: skip
+    assert ws == ws_mlx_cpu(SMOLLM2, 1024) + 8 * MiB  # a chunk of 512 over 1024 keys
+    assert ws_mlx_cpu(SMOLLM2, 1024) == 512 * 4608 * 4 + 3 * 9 * 512 * 1024 * 4 + 49152 * 4
+    # a 2 GiB budget: weights and overhead once, KV + workspace per sequence
+    dev = DeviceMemory("cpu", "small", 8 * GiB, 3 * GiB, False)
+    fp = footprint(SMOLLM2, config_shapes(SMOLLM2), "float32", None, "mlx")
+    plan = make_plan(SMOLLM2, fp, dev, context=288, batch=8, dtype_bytes=4, backend="mlx")
+    assert plan.workspace_bytes == 8 * 17_006_592 + 8 * MiB
+    per_seq = 288 * S_KV32 + 17_006_592
+    assert plan.max_batch == (2 * GiB - S_PARAMS * 4 - 8 * MiB) // per_seq == 52
