@@ -138,12 +138,12 @@ class GraphDecoder:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up runs (autotuning, workspaces) before capture
             for _ in range(2):
-                model(self.tok, cache, pads, last_only=True)
+                model.be.argmax(model(self.tok, cache, pads, last_only=True))
                 cache.pos.fill_(start)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.out = model(self.tok, cache, pads, last_only=True).argmax(-1)
+            self.out = model.be.argmax(model(self.tok, cache, pads, last_only=True))
         cache.pos.fill_(start)
 
     def __call__(self, y):
@@ -439,6 +439,10 @@ class TorchBackend:
         return F.silu(gate) * up
 
     def argmax(self, logits):
+        if self.triton_kernels and logits.dim() == 2:
+            from .cuda_ops import argmax  # noqa: PLC0415
+
+            return argmax(logits)
         return logits.argmax(-1)
 
     def make_cache(self, num_layers, batch, kv_heads, head_dim, max_len):

