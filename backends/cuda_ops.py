@@ -23,8 +23,8 @@ from mlxrun.quant.triton_kernels import _counters, _num_sms, pdl, tlc
 
 def _pdl(t: torch.Tensor) -> dict:
     """Launch options and constexpr for programmatic dependent launch (see triton_kernels.pdl):
-    each kernel below lets the next one launch at once and waits for the previous one before
-    it reads anything an earlier kernel wrote."""
+    each kernel below waits for the previous one before it reads anything (its norm weight
+    aside), then lets the next one launch."""
     return {"PDL": True, "launch_pdl": True} if pdl(t.device) else {"PDL": False}
 
 
