@@ -281,6 +281,17 @@ def dequantize_torch(w: QLinear, dtype=None) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
+    def _scale_code(e, MODE: tl.constexpr):
+        """An 8-bit scale code (uint32) as its fp32 value."""
+        if MODE == 2:  # E4M3 code -> its value times 2^-120 as float bits, then exact
+            bits = ((e & 0x7F) << 20) | ((e & 0x80) << 24)
+            s = bits.to(tl.float32, bitcast=True) * 1.329227995784916e36
+        else:  # E8M0 code e -> 2^(e-127); e == 0 is the denormal 2^-127
+            bits = tl.where(e == 0, 0x00400000, e << 23)
+            s = bits.to(tl.float32, bitcast=True)
+        return s
+
+    @triton.jit
     def _group_scale(s_ptr, b_ptr, offs, mask, MODE: tl.constexpr):
         """Per-group scale and bias as fp32 [.., ..] (bias only in affine mode)."""
         if MODE == 0:
@@ -288,12 +299,7 @@ if triton is not None:
             b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         else:
             e = tl.load(s_ptr + offs, mask=mask, other=0).to(tl.uint32)
-            if MODE == 2:  # E4M3 code -> its value times 2^-120 as float bits, then exact
-                bits = ((e & 0x7F) << 20) | ((e & 0x80) << 24)
-                s = bits.to(tl.float32, bitcast=True) * 1.329227995784916e36
-            else:  # E8M0 code e -> 2^(e-127); e == 0 is the denormal 2^-127
-                bits = tl.where(e == 0, 0x00400000, e << 23)
-                s = bits.to(tl.float32, bitcast=True)
+            s = _scale_code(e, MODE)
             b = s  # unused outside affine mode
         return s, b
 
@@ -404,12 +410,7 @@ if triton is not None:
                 e = tl.load(s_ptr + offs).to(tl.uint32)
             else:
                 e = tl.load(s_ptr + offs, mask=mask, other=0).to(tl.uint32)
-            if MODE == 2:  # E4M3 code -> its value times 2^-120 as float bits, then exact
-                bits = ((e & 0x7F) << 20) | ((e & 0x80) << 24)
-                s = bits.to(tl.float32, bitcast=True) * 1.329227995784916e36
-            else:  # E8M0 code e -> 2^(e-127); e == 0 is the denormal 2^-127
-                bits = tl.where(e == 0, 0x00400000, e << 23)
-                s = bits.to(tl.float32, bitcast=True)
+            s = _scale_code(e, MODE)
             b = s  # unused outside affine mode
         return s, b
 
