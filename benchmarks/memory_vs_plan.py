@@ -43,20 +43,21 @@ _PLAN_FIELDS = ("max_batch", "peak_bytes", "total_bytes", "load_bytes", "weight_
                 "kv_bytes", "workspace_bytes")  # fmt: skip
 
 
-def _plan(model: str, backend: str, quant: str, context: int, batch: int, budget_gib):
+def _plan(model, backend, quant, prompt, gen, batch, budget_gib):
     """The plan's numbers, made in a process of its own: probing a GPU creates a CUDA
     context (~0.5 GB on an H100) that would stay in this process, beside the measured child,
     and take memory the plan counted as free (the 8B int4 run at its planned maximum ran
     out of memory that way, and completed alone)."""
     cmd = [sys.executable, __file__, "--model", model, "--backends", backend, "--quant", quant,
-           "--prompt-tokens", str(context), "--gen-tokens", "0", "--batch", str(batch),
+           "--prompt-tokens", str(prompt), "--gen-tokens", str(gen), "--batch", str(batch),
            "--plan-only"] + ([] if budget_gib is None else ["--budget-gib", str(budget_gib)])  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return types.SimpleNamespace(**json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def _plan_here(model: str, backend: str, quant: str, context: int, batch: int, budget_gib):
-    """The planner's Plan for this run, on the real device or one with `budget_gib`."""
+def _plan_here(model, backend, quant, context, batch, budget_gib, prompt):
+    """The planner's Plan for this run (`prompt` of its `context` tokens prefilled, as
+    `generate --batch-size auto` plans it), on the real device or one with `budget_gib`."""
     import dataclasses  # noqa: PLC0415
 
     from mlxrun.memory import footprint, make_plan, probe_device  # noqa: PLC0415
@@ -84,7 +85,7 @@ def _plan_here(model: str, backend: str, quant: str, context: int, batch: int, b
     fp = footprint(cfg, shapes, dtype, spec, name)
     return make_plan(
         cfg, fp, dev, context=context, batch=batch, dtype_bytes=2 if dtype != "float32" else 4,
-        backend=name, mapped=mapped,
+        backend=name, mapped=mapped, prompt_tokens=prompt,
     )  # fmt: skip
 
 
@@ -149,8 +150,8 @@ def main() -> None:
     ap.add_argument("--plan-only", action="store_true", help=argparse.SUPPRESS)  # child
     args = ap.parse_args()
     if args.plan_only:
-        plan = _plan_here(args.model, args.backends, args.quant,
-                          args.prompt_tokens + args.gen_tokens, args.batch, args.budget_gib)  # fmt: skip
+        plan = _plan_here(args.model, args.backends, args.quant, args.prompt_tokens + args.gen_tokens,
+                          args.batch, args.budget_gib, args.prompt_tokens)  # fmt: skip
         print(json.dumps({f: int(getattr(plan, f)) for f in _PLAN_FIELDS}))
         return None
     if args.batch is not None:
@@ -165,7 +166,8 @@ def main() -> None:
     )
     for backend in args.backends.split(","):
         for quant in args.quant.split(","):
-            top = _plan(args.model, backend, quant, context, 1, args.budget_gib).max_batch
+            top = _plan(args.model, backend, quant, args.prompt_tokens, args.gen_tokens, 1,
+                        args.budget_gib).max_batch  # fmt: skip
             batches = sorted({b for b in (2**i for i in range(12)) if b <= top} | {top})
             batches = [b for b in batches if b >= 1]
             if args.batches:
@@ -174,7 +176,8 @@ def main() -> None:
                 pick = np.linspace(0, len(batches) - 1, args.max_runs).round().astype(int)
                 batches = [batches[i] for i in sorted(set(pick))]
             for b in batches:
-                plan = _plan(args.model, backend, quant, context, b, args.budget_gib)
+                plan = _plan(args.model, backend, quant, args.prompt_tokens, args.gen_tokens, b,
+                             args.budget_gib)  # fmt: skip
                 cmd = [sys.executable, __file__, "--model", args.model, "--backends", backend,
                        "--quant", quant, "--prompt-tokens", str(args.prompt_tokens),
                        "--gen-tokens", str(args.gen_tokens), "--batch", str(b)]  # fmt: skip

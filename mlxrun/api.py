@@ -100,8 +100,9 @@ class Model:
         )
         return text
 
-    def plan(self, context: int, batch: int):
-        """The memory plan (mlxrun.memory.Plan) for `batch` sequences of `context` tokens."""
+    def plan(self, context: int, batch: int, prompt_tokens: int | None = None):
+        """The memory plan (mlxrun.memory.Plan) for `batch` sequences of `context` tokens,
+        `prompt_tokens` of them the longest prompt (default: all)."""
         from .planning import plan_shapes  # noqa: PLC0415
 
         be = self.backend
@@ -113,6 +114,7 @@ class Model:
             be.dtype,
             context,
             batch,
+            prompt_tokens=prompt_tokens,
         )
 
     def generate_many(
@@ -138,17 +140,18 @@ class Model:
         if not prompts:
             raise MlxrunError("no prompts given")
         ids = [self._ids(p, system, chat) for p in prompts]
-        context = max(len(i) for i in ids) + max_tokens
+        longest = max(len(i) for i in ids)
+        context = longest + max_tokens
         if context > self.config.max_position_embeddings:
             raise MlxrunError(
-                f"the longest prompt ({context - max_tokens} tokens) + "
+                f"the longest prompt ({longest} tokens) + "
                 f"--max-tokens ({max_tokens}) exceeds the model's context of "
                 f"{self.config.max_position_embeddings} tokens"
             )
         want = len(prompts) if batch_size == "auto" else int(batch_size)
         if want < 1:
             raise MlxrunError(f"--batch-size must be at least 1, got {batch_size}")
-        p = self.plan(context, want)
+        p = self.plan(context, want, prompt_tokens=longest or None)
         if batch_size == "auto":
             if p.max_batch < 1:
                 check_fits(p)

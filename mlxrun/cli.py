@@ -303,16 +303,27 @@ def _stream_one(m, prompt, max_tokens, system, chat, stop, sampling) -> None:
     help="Tokens per sequence (prompt + generation) [default: the model's maximum].",
 )
 @click.option("--batch", type=int, default=1, show_default=True, help="Sequences at once.")
-def plan(model, backend, dtype, quant, context, batch):
+@click.option(
+    "--prompt-tokens",
+    type=int,
+    default=None,
+    help="Tokens of the context that are prompt, prefilled at once [default: all of it].",
+)
+def plan(model, backend, dtype, quant, context, batch, prompt_tokens):
     """Show what the model needs in memory and what fits, without loading the weights."""
     from .memory import format_plan  # noqa: PLC0415
     from .planning import plan as make  # noqa: PLC0415
 
-    click.echo(
-        format_plan(
-            make(model, quant=quant, context=context, batch=batch, backend=backend, dtype=dtype)
-        )
+    p = make(
+        model,
+        quant=quant,
+        context=context,
+        batch=batch,
+        backend=backend,
+        dtype=dtype,
+        prompt_tokens=prompt_tokens,
     )
+    click.echo(format_plan(p))
 
 
 @cli.command()

@@ -708,6 +708,7 @@ class Plan:
     advice: str  # "" when it fits, else "try --quant int4 (Z GiB), --context N or ..."
     backend: str = "torch"
     load_bytes: int = 0  # peak of loading the model (`load_peak_bytes`; 0 where not modelled)
+    prompt_tokens: int | None = None  # the prefill the workspace is for (None: the context)
 
     @property
     def peak_bytes(self) -> int:
@@ -727,12 +728,15 @@ def _limits(
     dtype_bytes: int,
     overhead: int,
     key: tuple[str, str],
+    prompt: int | None = None,
 ) -> tuple[int, int]:
     """(max batch at `context`, max context at `batch`) for `weights` bytes of weights;
-    chunk_of(b) is the prefill chunk for a batch of b."""
+    chunk_of(b) is the prefill chunk for a batch of b; `prompt`: the prompt's tokens where
+    known (the prefill's length; else the whole context)."""
 
     def need(b: int, ctx: int) -> int:  # grows with both, so bisect
-        ws = _ws_per_seq(config, ctx, chunk_of(b), dtype_bytes, key)
+        filled = ctx if prompt is None else min(prompt, ctx)
+        ws = _ws_per_seq(config, filled, chunk_of(b), dtype_bytes, key)
         return weights + overhead + b * (kv_tok * ctx + ws)
 
     def largest(lo: int, hi: int, fits) -> int:
@@ -741,7 +745,8 @@ def _limits(
             lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
         return lo
 
-    per_seq = kv_tok * context + _ws_per_seq(config, context, chunk_of(1), dtype_bytes, key)
+    filled = context if prompt is None else min(prompt, context)
+    per_seq = kv_tok * context + _ws_per_seq(config, filled, chunk_of(1), dtype_bytes, key)
     top = max(1, (budget - weights - overhead) // per_seq) * 4 + 4  # chunks only shrink with b
     max_batch = largest(0, top, lambda b: need(b, context) <= budget) if budget > weights else 0
     max_context = largest(0, config.max_position_embeddings, lambda c: need(batch, c) <= budget)
@@ -776,11 +781,14 @@ def make_plan(
     dtype_bytes: int = 2,
     backend: str = "torch",
     mapped: bool = False,
+    prompt_tokens: int | None = None,
 ) -> Plan:
     """Plan `batch` sequences of up to `context` tokens (prompt + generation) on `device`.
 
     total = weights + KV (kv_bytes_per_token x context x batch) + prefill workspace; it fits
-    when total <= device.budget_bytes. Raises MlxrunError for batch < 1, context < 1 or a
+    when total <= device.budget_bytes. The workspace is that of prefilling `prompt_tokens`
+    (the longest prompt) where the caller knows it, else the whole context: generated
+    tokens are decoded one at a time and never go through a prefill pass. Raises MlxrunError for batch < 1, context < 1 or a
     context beyond config.max_position_embeddings. load_bytes is the peak of loading
     (`load_peak_bytes`; `mapped`: the weights come out of memory-mapped safetensors); it is
     reported (Plan.peak_bytes), not part of `fits`: without --quant the part above the total
@@ -795,6 +803,9 @@ def make_plan(
         raise MlxrunError(
             f"--context and the prefill chunk must be at least 1 (got {context}, {prefill_chunk})"
         )
+    if prompt_tokens is not None and not 1 <= prompt_tokens <= context:
+        raise MlxrunError(f"the prompt ({prompt_tokens} tokens) must be 1 to --context {context}")
+    prompt = context if prompt_tokens is None else prompt_tokens
     if context > config.max_position_embeddings:
         raise MlxrunError(
             f"--context {context} is longer than this model's "
@@ -816,11 +827,12 @@ def make_plan(
         dtype_bytes=dtype_bytes,
         overhead=overhead,
         key=(backend, device.kind),
+        prompt=prompt_tokens,
     )
     kv = fp.kv_bytes(context, batch)
     ws = workspace_bytes(
         config,
-        context=context,
+        context=prompt,
         batch=batch,
         prefill_chunk=prefill_chunk,
         dtype_bytes=dtype_bytes,
@@ -870,6 +882,7 @@ def make_plan(
         advice,
         backend,
         load_peak_bytes(fp, backend, device.kind, mapped),
+        prompt_tokens,
     )
 
 
@@ -914,7 +927,11 @@ def format_plan(plan: Plan) -> str:
             f"{_fmt(plan.kv_bytes)}  ({plan.batch} x {plan.context} tokens x "
             f"{_fmt(plan.kv_bytes_per_token)}/token)",
         ),
-        ("workspace", f"{_fmt(plan.workspace_bytes)}  (prefill chunk {plan.prefill_chunk})"),
+        (
+            "workspace",
+            f"{_fmt(plan.workspace_bytes)}  (prefill of "
+            f"{plan.prompt_tokens or plan.context} tokens, chunk {plan.prefill_chunk})",
+        ),
         ("total", _fmt(plan.total_bytes)),
         *(
             [("loading peak", f"{_fmt(plan.load_bytes)}  (transient, while the weights load)")]

@@ -48,9 +48,11 @@ def plan_shapes(
     batch: int,
     prefill_chunk: int | None = None,
     mapped: bool = False,
+    prompt_tokens: int | None = None,
 ) -> Plan:
     """The plan for a model given its config and {tensor: (shape, dtype)}; `mapped`: the
-    weights load from a memory-mapped safetensors directory (counts toward loading's peak)."""
+    weights load from a memory-mapped safetensors directory (counts toward loading's peak);
+    `prompt_tokens`: the longest prompt, where known (see make_plan)."""
     name, device, default_dtype = backend_device(backend)
     dtype = dtype or default_dtype
     dev = probe_device(name, device)
@@ -65,6 +67,7 @@ def plan_shapes(
         dtype_bytes=_DTYPE_BYTES[dtype],
         backend=name,
         mapped=mapped,
+        prompt_tokens=prompt_tokens,
     )
 
 
@@ -76,9 +79,11 @@ def plan(
     backend: str = "auto",
     dtype: str | None = None,
     prefill_chunk: int | None = None,
+    prompt_tokens: int | None = None,
 ) -> Plan:
     """Plan `batch` sequences of `context` tokens (default: the model's maximum) of `model`
-    on the device `backend` selects; see mlxrun.memory.Plan for the fields."""
+    on the device `backend` selects, `prompt_tokens` of them the prompt (default: all: the
+    prefill workspace is the prompt's); see mlxrun.memory.Plan for the fields."""
     spec = None
     if quant not in (None, "none"):
         from mlxrun.quant.formats import resolve  # noqa: PLC0415
@@ -88,4 +93,6 @@ def plan(
 
     cfg, shapes = model_shapes(model)
     mapped = resolve_source(model).is_dir()
-    return plan_shapes(cfg, shapes, spec, backend, dtype, context, batch, prefill_chunk, mapped)
+    return plan_shapes(
+        cfg, shapes, spec, backend, dtype, context, batch, prefill_chunk, mapped, prompt_tokens
+    )

@@ -122,7 +122,12 @@ def test_batch_that_cannot_fit_names_the_largest_that_does(capsys, tiny_dir, mon
     import mlxrun.planning as planning
 
     d, _ = tiny_dir("llama_gqa_tied")
-    need4 = mlxrun.plan(str(d), context=256, batch=4, backend="cpu").total_bytes
+    prompt = " ".join(["w5"] * 50)
+    n = len(mlxrun.load(str(d), backend="cpu").tokenizer.prompt_ids(prompt, chat=False))
+    # the plan generate makes: the longest prompt + --max-tokens, the prompt prefilled
+    need4 = mlxrun.plan(
+        str(d), context=n + 200, batch=4, backend="cpu", prompt_tokens=n
+    ).total_bytes
     gib = 1 << 30  # with 2 GiB total the CPU reserve is 1 GiB
 
     def small(backend, device):
@@ -131,7 +136,7 @@ def test_batch_that_cannot_fit_names_the_largest_that_does(capsys, tiny_dir, mon
         )
 
     monkeypatch.setattr(planning, "probe_device", small)
-    prompts = sum((["-p", " ".join(["w5"] * 50)] for _ in range(16)), [])
+    prompts = sum((["-p", prompt] for _ in range(16)), [])
     code, err = run_cli(
         capsys,
         "generate",

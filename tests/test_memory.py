@@ -672,3 +672,14 @@ def test_mlx_cpu_workspace_and_max_batch():
     assert plan.workspace_bytes == 8 * 17_006_592 + 8 * MiB
     per_seq = 288 * S_KV32 + 17_006_592
     assert plan.max_batch == (2 * GiB - S_PARAMS * 4 - 8 * MiB) // per_seq == 52
+    # 256 of the 288 tokens prompt (generate's plan): the workspace is the 256-token prefill's,
+    # the KV cache still the whole context's
+    ws256 = 256 * 14592 * 4 + 49152 * 4
+    plan = make_plan(SMOLLM2, fp, dev, context=288, batch=8, dtype_bytes=4, backend="mlx",
+                     prompt_tokens=256)  # fmt: skip
+    assert plan.workspace_bytes == 8 * ws256 + 8 * MiB
+    assert plan.kv_bytes == 8 * 288 * S_KV32
+    per_seq = 288 * S_KV32 + ws256
+    assert plan.max_batch == (2 * GiB - S_PARAMS * 4 - 8 * MiB) // per_seq == 56
+    with pytest.raises(MlxrunError, match="prompt"):
+        make_plan(SMOLLM2, fp, dev, context=288, batch=1, backend="mlx", prompt_tokens=289)
