@@ -215,6 +215,7 @@ class TorchBackend:
         self._session: GraphDecoder | None = None
         self._derived: dict = {}  # id(weight) -> (weakref to it, joint or repacked weight)
         self.timeline: list | None = None  # CUDA events of start(), while a bench sets it
+        self._copies: list = []  # (tensor, pinned host copy, event) queued by start()
 
     def describe(self) -> str:
         if self.device == "cuda":
@@ -282,6 +283,11 @@ class TorchBackend:
         return torch.from_numpy(ids.astype(np.int64)).to(self._dev)
 
     def to_numpy(self, x) -> np.ndarray:
+        for i, (t, host, done) in enumerate(self._copies):
+            if t is x:  # start() already queued its copy: wait for that alone
+                del self._copies[i]
+                done.synchronize()
+                return host.float().numpy()
         return x.detach().float().cpu().numpy()
 
     def linear(self, x, w, bias=None):
@@ -493,6 +499,16 @@ class TorchBackend:
             mark = torch.cuda.Event(enable_timing=True)
             mark.record()
             self.timeline.append(mark)
+        if self.device == "cuda" and x.numel() <= 1 << 16:
+            # Queue x's copy to the host now, so that to_numpy(x) waits for x alone: the decode
+            # loop queues the next step before it reads this token, and a plain .cpu() queued
+            # after that step would wait for it too, leaving the GPU idle until the host
+            # launches the one after (H100, 8B int4: 2.46 ms a token against a 2.38 ms step).
+            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            host.copy_(x.detach(), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            self._copies = [*self._copies[-3:], (x, host, done)]  # x kept: its id stays unique
 
     def synchronize(self) -> None:
         if self.device == "cuda":

