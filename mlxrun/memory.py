@@ -65,8 +65,8 @@ TORCH_CPU_LOAD_RESIDUE = 24 * MiB
 # 32 tokens, two runs: 27-30, 36-39, 67-75, 114-144, 49-81 MiB at batch 4, 8, 16, 32, 64 and
 # 52 / -1 MiB at 79 / 82 (from 64 on, every activation is over 32 MiB: mmapped, and returned
 # when freed). 40 MiB is charged: the plan also charges the activations of the whole context
-# (288 tokens here, 12.5% more), as it does not know the prompt's share, which covers the
-# rest at large batches (errors -6.5% to +7.7% at batch 1-82,
+# (288 tokens here, 12.5% more) on this backend, even where it knows the prompt, which covers
+# the rest at large batches (errors -6.5% to +7.7% at batch 1-82,
 # benchmarks/memory_vs_plan.py --budget-gib 2 --prompt-tokens 256 --gen-tokens 32).
 TORCH_CPU_HEAP_RETAINED = 40 * MiB
 # Calibrate against mx.get_peak_memory / torch.cuda.max_memory_allocated (which does not count
@@ -788,8 +788,9 @@ def make_plan(
     total = weights + KV (kv_bytes_per_token x context x batch) + prefill workspace; it fits
     when total <= device.budget_bytes. The workspace is that of prefilling `prompt_tokens`
     (the longest prompt) where the caller knows it, else the whole context: generated
-    tokens are decoded one at a time and never go through a prefill pass. Raises MlxrunError for batch < 1, context < 1 or a
-    context beyond config.max_position_embeddings. load_bytes is the peak of loading
+    tokens are decoded one at a time and never go through a prefill pass. Raises
+    MlxrunError for batch < 1, context < 1, a prompt outside 1..context or a context beyond
+    config.max_position_embeddings. load_bytes is the peak of loading
     (`load_peak_bytes`; `mapped`: the weights come out of memory-mapped safetensors); it is
     reported (Plan.peak_bytes), not part of `fits`: without --quant the part above the total
     is the file's clean pages, which the kernel can drop under pressure.
@@ -805,6 +806,10 @@ def make_plan(
         )
     if prompt_tokens is not None and not 1 <= prompt_tokens <= context:
         raise MlxrunError(f"the prompt ({prompt_tokens} tokens) must be 1 to --context {context}")
+    if (backend, device.kind) in EAGER:
+        # PyTorch on CPU keeps the whole context's workspace: TORCH_CPU_HEAP_RETAINED was
+        # calibrated with it (the prompt's alone gave +12.1% at batch 32, 256 + 32 tokens)
+        prompt_tokens = None
     prompt = context if prompt_tokens is None else prompt_tokens
     if context > config.max_position_embeddings:
         raise MlxrunError(

@@ -386,6 +386,10 @@ def test_torch_cpu_plan_smollm2():
     # weights and overhead once, KV + workspace per sequence
     per_seq = 288 * S_KV32 + ws_eager(SMOLLM2, 288)
     assert plan.max_batch == (2 * GiB - S_PARAMS * 4 - TORCH_CPU_OVERHEAD) // per_seq == 64
+    # the whole context's workspace even where the prompt is known (the heap calibration)
+    known = make_plan(SMOLLM2, fp, dev, context=288, batch=8, dtype_bytes=4, backend="torch",
+                      prompt_tokens=256)  # fmt: skip
+    assert known.workspace_bytes == plan.workspace_bytes and known.max_batch == 64
     # int4 g64 packs every matrix: one dequantized block per call on top
     q4 = footprint(SMOLLM2, config_shapes(SMOLLM2), "float32", Q("affine", 4, 64))
     w4 = (S_PARAMS - S_NORMS) * 5 // 8 + S_NORMS * 4  # 4 bits + fp32 scale, bias per 64
