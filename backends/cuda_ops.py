@@ -369,7 +369,7 @@ def decode_attention(q, k, v, scale: float, mask) -> torch.Tensor:
         HAS_MASK=mask is not None, num_warps=4,
         # float32 models get float32 dots (not TF32); the interpreter's bf16 dot is wrong
         F32_DOT=q.dtype == torch.float32 or q.device.type != "cuda", **pd,
-        LINES=triton.next_power_of_2(lines) if lines == triton.next_power_of_2(lines) else 0,
+        LINES=lines if lines & (lines - 1) == 0 else 0,  # tl.arange takes powers of two
         EPL=128 // k.element_size(),
     )  # fmt: skip
     out = torch.empty((B, NH, 1, D), dtype=q.dtype, device=q.device)
