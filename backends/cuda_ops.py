@@ -20,14 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-from mlxrun.quant.triton_kernels import _counters, _num_sms, pdl, tlc
+from mlxrun.quant.triton_kernels import _counters, _l2_bytes, _num_sms, pdl_args, tlc
 
-
-def _pdl(t: torch.Tensor) -> dict:
-    """Launch options and constexpr for programmatic dependent launch (see triton_kernels.pdl):
-    each kernel below waits for the previous one before it reads anything (its norm weight
-    aside), then lets the next one launch."""
-    return {"PDL": True, "launch_pdl": True} if pdl(t.device) else {"PDL": False}
+# With programmatic dependent launch (triton_kernels.pdl) each kernel below waits for the
+# previous one before it reads anything (the norm weight and decode attention's cache
+# prefetch aside), then lets the next one launch.
 
 
 @triton.jit
@@ -82,7 +79,7 @@ def add_rms_norm(h: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor, eps: 
         HAS_Y=y is not None,
         BLOCK=triton.next_power_of_2(n),
         num_warps=4 if n <= 4096 else 8,
-        **_pdl(h),
+        **pdl_args(h.device),
     )
     return h_new, x
 
@@ -175,7 +172,7 @@ def rope_qkv(q, k, v, positions, inv_freq, k_cache, v_cache, slot) -> torch.Tens
         q, k, v, pos, inv_freq, out, k_cache, v_cache, slot, NH, NKV, T,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         pos.stride(0) if pos.shape[0] > 1 else 0, *k_cache.stride()[:3],
-        HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2), num_warps=1, **_pdl(q),
+        HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2), num_warps=1, **pdl_args(q.device),
     )  # fmt: skip
     return out
 
@@ -317,13 +314,6 @@ def _decode_attn_combine(part_ptr, stat_ptr, out_ptr, SPLITS, G: tl.constexpr,
 # Decode attention brings its keys and values into L2 before its PDL wait (H100, int4 batch-1
 # step at context 1024: 2.402 -> 2.382 ms, two A/B pairs); MLXRUN_L2PF_KV=0 turns it off.
 L2_PREFETCH_KV = os.environ.get("MLXRUN_L2PF_KV", "1") == "1"
-_L2: dict = {}  # device -> L2 bytes
-
-
-def _l2_bytes(device) -> int:
-    if device not in _L2:
-        _L2[device] = torch.cuda.get_device_properties(device).L2_cache_size
-    return _L2[device]
 
 
 def decode_attention(q, k, v, scale: float, mask) -> torch.Tensor:
@@ -354,7 +344,7 @@ def decode_attention(q, k, v, scale: float, mask) -> torch.Tensor:
         mask = mask.reshape(mask.shape[0], S)
         if mask.stride(-1) != 1:
             mask = mask.contiguous()
-    pd = _pdl(q)
+    pd = pdl_args(q.device)
     row = D * k.element_size()  # bytes of a key; prefetched as whole 128-byte lines
     lines = 0
     # Only where the layer's keys and values take a small share of L2: at batch 32 (128 MB a
@@ -375,7 +365,7 @@ def decode_attention(q, k, v, scale: float, mask) -> torch.Tensor:
     out = torch.empty((B, NH, 1, D), dtype=q.dtype, device=q.device)
     _decode_attn_combine[(B * NH,)](
         part, stat, out, splits, G=G, D=D,
-        SP=triton.next_power_of_2(splits), num_warps=1, **_pdl(q),
+        SP=triton.next_power_of_2(splits), num_warps=1, **pdl_args(q.device),
     )  # fmt: skip
     return out
 
@@ -407,7 +397,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     BLOCK = 1024
     grid = (g.shape[0], triton.cdiv(n, BLOCK))
     _silu_mul_kernel[grid](
-        g, u, out, n, g.stride(0), u.stride(0), BLOCK=BLOCK, num_warps=4, **_pdl(g)
+        g, u, out, n, g.stride(0), u.stride(0), BLOCK=BLOCK, num_warps=4, **pdl_args(g.device)
     )
     return out
 
@@ -454,6 +444,6 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     out = torch.empty((B,), dtype=torch.int64, device=x.device)
     _argmax_kernel[(B, nb)](
         x, val, idx, _counters(x.device, B), out, V, x.stride(0),
-        BLOCK=BLOCK, NB=triton.next_power_of_2(nb), num_warps=4, **_pdl(x),
+        BLOCK=BLOCK, NB=triton.next_power_of_2(nb), num_warps=4, **pdl_args(x.device),
     )  # fmt: skip
     return out

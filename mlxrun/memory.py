@@ -745,8 +745,7 @@ def _limits(
             lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
         return lo
 
-    filled = context if prompt is None else min(prompt, context)
-    per_seq = kv_tok * context + _ws_per_seq(config, filled, chunk_of(1), dtype_bytes, key)
+    per_seq = need(1, context) - weights - overhead
     top = max(1, (budget - weights - overhead) // per_seq) * 4 + 4  # chunks only shrink with b
     max_batch = largest(0, top, lambda b: need(b, context) <= budget) if budget > weights else 0
     max_context = largest(0, config.max_position_embeddings, lambda c: need(batch, c) <= budget)

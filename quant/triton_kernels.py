@@ -24,6 +24,7 @@ Without Triton or a GPU, `dequantize_torch` gives the dense weight for one layer
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 
@@ -1071,19 +1072,35 @@ def _counters(device, n: int) -> torch.Tensor:
     return buf
 
 
-_SMS: dict = {}  # device -> multiprocessor count (the property query costs host time per call)
+_PROPS: dict = {}  # device index -> its properties (the query costs host time per call)
+
+
+def _props(device):
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _PROPS:
+        _PROPS[key] = torch.cuda.get_device_properties(key)
+    return _PROPS[key]
 
 
 def _num_sms(device) -> int:
     if device.type != "cuda":
         return 4  # interpreter: a small grid keeps the CPU tests fast
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _SMS:
-        _SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
-    return _SMS[key]
+    return _props(device).multi_processor_count
 
 
-_PDL: dict = {}  # device index -> launch with programmatic dependent launch
+def _l2_bytes(device) -> int:
+    return _props(device).L2_cache_size
+
+
+@functools.cache
+def _pdl_api() -> bool:
+    """Whether this Triton has grid dependency control and the launch option (3.3/3.4+)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions  # noqa: PLC0415
+    except Exception:
+        return False
+    fields = {f.name for f in dataclasses.fields(CUDAOptions)}
+    return tlc is not None and hasattr(tlc, "gdc_wait") and "launch_pdl" in fields
 
 
 def pdl(device) -> bool:
@@ -1092,24 +1109,18 @@ def pdl(device) -> bool:
     Each kernel then lets the next one start while it runs: the next one's programs are
     placed on the SMs, issue their first weight loads (which depend on no earlier kernel) and
     wait in `gdc_wait` until this one's results are visible. Every kernel triggers the next
-    (gdc_launch_dependents) only once its own wait is over, so at most one kernel waits ahead. Without it every kernel of a
-    decode step pays its launch and its first DRAM round trip after the previous one ends:
-    a few us each, ~300 times a token. MLXRUN_PDL=0 turns it off (for A/B timing)."""
+    (gdc_launch_dependents) only once its own wait is over, so at most one kernel waits
+    ahead. Without it every kernel of a decode step pays its launch and its first DRAM round
+    trip after the previous one ends: a few us each, ~300 times a token. MLXRUN_PDL=0 turns
+    it off (for A/B timing)."""
     if device.type != "cuda" or os.environ.get("MLXRUN_PDL", "1") == "0":
         return False
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _PDL:
-        try:  # gdc_* and the launch option arrived in Triton 3.3/3.4
-            from triton.backends.nvidia.compiler import CUDAOptions  # noqa: PLC0415
-            from triton.language.extra import cuda as tlc  # noqa: PLC0415
+    return _pdl_api() and _props(device).major >= 9
 
-            api = hasattr(tlc, "gdc_wait") and any(
-                f.name == "launch_pdl" for f in dataclasses.fields(CUDAOptions)
-            )
-        except Exception:
-            api = False
-        _PDL[key] = api and torch.cuda.get_device_capability(key)[0] >= 9
-    return _PDL[key]
+
+def pdl_args(device) -> dict:
+    """The PDL constexpr and launch option of a kernel launched on `device` (see pdl)."""
+    return {"PDL": True, "launch_pdl": True} if pdl(device) else {"PDL": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1313,9 +1324,8 @@ def qmatmul(x: torch.Tensor, w: QLinear, config: KernelConfig | None = None) -> 
         )
     part = torch.empty((split, m, w.n), dtype=torch.float32, device=x.device) if split > 1 else y
     cnt = _counters(x.device, m * tiles) if split > 1 else y
-    on = pdl(x.device)
     kern[grid](
         x2, w.weight, w.scales, biases, y, part, cnt, m, w.n, w.k, x2.stride(0), y.stride(0),
-        w.weight.stride(0), **common, **extra, PDL=on, **({"launch_pdl": True} if on else {}),
+        w.weight.stride(0), **common, **extra, **pdl_args(x.device),
     )  # fmt: skip
     return y.reshape(*lead, w.n)
