@@ -199,6 +199,9 @@ class MLXBackend:
     def silu_mul(self, gate, up):
         return gate * mx.sigmoid(gate) * up
 
+    def silu_gated(self, x, gate, up):
+        return self.silu_mul(*self.linears(x, (gate, up)))
+
     def argmax(self, logits):
         return mx.argmax(logits, axis=-1)
 

@@ -454,6 +454,36 @@ if triton is not None:
                 tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
+    def _silu_store(g, u, y_ptrs):
+        """y = silu(g) * u, each product rounded to y's dtype first (as the GEMV's output is,
+        and as F.silu rounds before the multiply)."""
+        dt = y_ptrs.dtype.element_ty
+        g = g.to(dt).to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(y_ptrs, (silu * u.to(dt).to(tl.float32)).to(dt))
+
+    @triton.jit
+    def _silu_epilogue(g, u, y_ptr, part_ptr, cnt_ptr, rn, rn_h, stride_split, tile_id, pid_k,
+                       SPLIT_K: tl.constexpr):  # fmt: skip
+        """_splitk_epilogue for SILU: gate rows rn and up rows rn_h of the partials; y's
+        columns are the gate rows."""
+        if SPLIT_K == 1:
+            _silu_store(g, u, y_ptr + rn)
+        else:
+            tl.store(part_ptr + pid_k * stride_split + rn, g)
+            tl.store(part_ptr + pid_k * stride_split + rn_h, u)
+            tl.debug_barrier()  # every thread's partial is issued before the ticket is taken
+            ticket = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+            if ticket == SPLIT_K - 1:
+                gt = tl.zeros_like(g)
+                ut = tl.zeros_like(u)
+                for s in range(SPLIT_K):
+                    gt += tl.load(part_ptr + s * stride_split + rn, cache_modifier=".cg")
+                    ut += tl.load(part_ptr + s * stride_split + rn_h, cache_modifier=".cg")
+                _silu_store(gt, ut, y_ptr + rn)
+                tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")
+
+    @triton.jit
     def _load_step(w_ptr, rn, n_mask, rkw, kb, stride_wn, EVEN: tl.constexpr, MODE: tl.constexpr):
         """Words [8, 128] of k-step kb of rows rn (128 words a row; stride_wn = words/row);
         E4M3 (MODE 3): the same bytes as [8, 512] uint8 (converted by the hardware).
@@ -632,6 +662,7 @@ if triton is not None:
         EVEN: tl.constexpr = False,
         KW: tl.constexpr = 0,
         PDL: tl.constexpr = False,
+        SILU: tl.constexpr = False,
     ):
         """y[m, N] = x[m, K] @ W^T for one row m of x: CUDA-core FMA on decoded codes.
 
@@ -655,8 +686,12 @@ if triton is not None:
         trigger at entry lets every later kernel of the step launch at once (each one's
         programs trigger on arrival), and their waiting programs and early loads crowd the
         SMs (H100: 4096x4096 7.5 -> 7.8 us, 6144x4096 9.5 -> 12.5 us).
+        SILU (16 rows; W = [gate; up], N/2 a multiple of 8): the second half of the rows is
+        the first half's up rows, N/2 further on, and y[m, N/2] = silu(gate) * up, rounded
+        as cuda_ops.silu_mul rounds the two products: no SiLU launch of its own.
         """
         tl.static_assert(BLOCK_N == 8 or BLOCK_N == 16)
+        tl.static_assert(BLOCK_N == 16 or not SILU)
         HALVES: tl.constexpr = BLOCK_N // 8
         EPW: tl.constexpr = 32 // BITS
         WPG: tl.constexpr = G // EPW
@@ -669,14 +704,18 @@ if triton is not None:
             swn = KW
         else:
             swn = stride_wn
-        rn = pid_n * BLOCK_N + tl.arange(0, 8)
-        rn_h = rn + 8
+        if SILU:
+            rn = pid_n * 8 + tl.arange(0, 8)
+            rn_h = rn + N // 2
+        else:
+            rn = pid_n * BLOCK_N + tl.arange(0, 8)
+            rn_h = rn + 8
         n_mask = rn < N
         n_mask_h = rn_h < N
         rkw = tl.arange(0, 128)
         lane = tl.arange(0, 32)
         s_row = (rn // 8) * (KG * 8) + (rn % 8)  # scales are stored [N/8, K/G, 8]
-        s_row_h = s_row + KG * 8
+        s_row_h = (rn_h // 8) * (KG * 8) + (rn_h % 8)
         # pair c of lane l: words 4l+2c, 4l+2c+1; their inputs at position 0, in input pairs
         # (uint32 units: 2 inputs): one 8-byte vector per lane unless TWO (then 2 x 4 bytes)
         if TWO:
@@ -748,13 +787,19 @@ if triton is not None:
         else:
             C: tl.constexpr = 67108864.0
         out = tl.sum(acc, axis=1) * C  # [8]
-        if HALVES == 2:
-            out_h = tl.sum(acc_h, axis=1) * C
-            out = tl.reshape(tl.trans(tl.join(out, out_h)), [16])
-        rn_all = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         tile = m * tl.num_programs(1) + pid_n
-        _splitk_epilogue(out[None, :], y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr,
-                         tl.arange(0, 1), rn_all, 1, N, 0, M * N, tile, pid_k, SPLIT_K)  # fmt: skip
+        if SILU:
+            out_h = tl.sum(acc_h, axis=1) * C
+            _silu_epilogue(out, out_h, y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr, rn,
+                           rn_h, M * N, tile, pid_k, SPLIT_K)  # fmt: skip
+        else:
+            if HALVES == 2:
+                out_h = tl.sum(acc_h, axis=1) * C
+                out = tl.reshape(tl.trans(tl.join(out, out_h)), [16])
+            rn_all = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            _splitk_epilogue(out[None, :], y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr,
+                             tl.arange(0, 1), rn_all, 1, N, 0, M * N, tile, pid_k,
+                             SPLIT_K)  # fmt: skip
 
     @triton.jit
     def _decode_tile(words, scale, bias, MODE: tl.constexpr, BITS: tl.constexpr, EPW: tl.constexpr):
@@ -1251,22 +1296,39 @@ def _check_runtime(x: torch.Tensor) -> None:
         )
 
 
-def qmatmul(x: torch.Tensor, w: QLinear, config: KernelConfig | None = None) -> torch.Tensor:
-    """x [..., K] (bf16/fp16/fp32) @ W^T -> [..., N] in x's dtype, W quantized (QLinear)."""
+def silu_fusable(x: torch.Tensor, w: QLinear, config: KernelConfig | None = None) -> bool:
+    """Whether qmatmul(x, w, config, silu=True) can run: w = [gate; up] with N/2 a multiple
+    of 8, and the GEMV in 16-row tiles (affine 4-bit on the large shapes)."""
+    m = x.numel() // max(x.shape[-1], 1)
+    if not 0 < m <= GEMV_MAX_M or (w.n // 2) % SCALE_ROWS or w.n % 2:
+        return False
+    cfg = config or choose_config(m, w, x.device, x.dtype)
+    return cfg.kernel == "gemv" and cfg.block_n == 16
+
+
+def qmatmul(
+    x: torch.Tensor, w: QLinear, config: KernelConfig | None = None, silu: bool = False
+) -> torch.Tensor:
+    """x [..., K] (bf16/fp16/fp32) @ W^T -> [..., N] in x's dtype, W quantized (QLinear).
+
+    silu (where silu_fusable): W is the joint [gate; up] and the result [..., N/2] is
+    silu(x @ gate^T) * (x @ up^T), rounded as cuda_ops.silu_mul rounds it."""
     _need_torch()
     _check_runtime(x)
     if x.shape[-1] != w.k:
         raise MlxrunError(f"input has {x.shape[-1]} features but the weight expects {w.k}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise MlxrunError(f"qmatmul takes bf16/fp16/fp32 inputs, got {x.dtype}")
+    if silu and not silu_fusable(x, w, config):
+        raise ValueError("qmatmul: silu needs the 16-row GEMV and an even [gate; up] weight")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    y = torch.empty((m, w.n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, w.n // 2 if silu else w.n), dtype=x.dtype, device=x.device)
     if m == 0:
-        return y.reshape(*lead, w.n)
+        return y.reshape(*lead, y.shape[-1])
     # The kernels index rows of x and y in 32 bits: a prefill of many sequences at once (an
     # 8B model at batch 198 x 512 tokens reaches 2.9e9 output elements) runs in row blocks.
     rows = MAX_INDEX // max(w.n, w.k)
@@ -1295,7 +1357,7 @@ def qmatmul(x: torch.Tensor, w: QLinear, config: KernelConfig | None = None) -> 
         num_stages=cfg.num_stages,
     )
     if cfg.kernel == "gemv":
-        tiles = math.ceil(w.n / cfg.block_n)
+        tiles = math.ceil(w.n / cfg.block_n)  # with silu: 8 gate and their 8 up rows a tile
         grid = (m, tiles, split)
         kw = w.k * w.bits // 32
         # whole row blocks, k-steps and splits, contiguous rows: no masks, a constant stride
@@ -1306,7 +1368,7 @@ def qmatmul(x: torch.Tensor, w: QLinear, config: KernelConfig | None = None) -> 
             and w.scales.is_contiguous()
         )
         # with one k-step per split, PREFETCH still loads it before the loop (before gdc_wait)
-        extra = dict(PREFETCH=cfg.prefetch, EVEN=even, KW=kw if even else 0)
+        extra = dict(PREFETCH=cfg.prefetch, EVEN=even, KW=kw if even else 0, SILU=silu)
         kern = _gemv_kernel
     else:
         tiles = math.ceil(m / cfg.block_m) * math.ceil(w.n / cfg.block_n)
@@ -1328,4 +1390,4 @@ def qmatmul(x: torch.Tensor, w: QLinear, config: KernelConfig | None = None) -> 
         x2, w.weight, w.scales, biases, y, part, cnt, m, w.n, w.k, x2.stride(0), y.stride(0),
         w.weight.stride(0), **common, **extra, **pdl_args(x.device),
     )  # fmt: skip
-    return y.reshape(*lead, w.n)
+    return y.reshape(*lead, y.shape[-1])

@@ -238,6 +238,27 @@ def test_gemm_small_m_swap_packed(mode, bits, group_size, m):
     assert rel_err(tk.qmatmul(x.to(DEV), q, cfg).cpu(), want) < 1e-2
 
 
+def test_silu_in_the_gate_up_epilogue():
+    """The joint [gate; up] GEMV in 16-row tiles (8 gate rows and their 8 up rows) gives
+    silu(gate) * up bit for bit as the GEMV then cuda_ops.silu_mul do, with and without
+    split-K, at 1 and 3 rows; where the tiles are 8 rows it refuses."""
+    from mlxrun.backends import cuda_ops
+
+    gen = torch.Generator().manual_seed(9)
+    n, k = 48, 2048  # 24 gate rows (3 tiles), 2 k-steps
+    w = tk.prepare(*(t.to(DEV) for t in random_packed(n, k, "affine", 4, 64, gen)), "affine", 4, 64)
+    for cfg in (tk.KernelConfig("gemv", 1, 16, 1), tk.KernelConfig("gemv", 1, 16, 2)):
+        for m in (1, 3):
+            x = torch.randn(m, k, generator=gen).bfloat16().to(DEV)
+            y = tk.qmatmul(x, w, cfg)
+            want = cuda_ops.silu_mul(y[:, : n // 2], y[:, n // 2 :])
+            for _ in range(2):  # the split-K tickets reset
+                assert torch.equal(tk.qmatmul(x, w, cfg, silu=True), want)
+    assert not tk.silu_fusable(x, w, tk.KernelConfig("gemv", 1, 8, 1))
+    with pytest.raises(ValueError, match="silu"):
+        tk.qmatmul(x, w, tk.KernelConfig("gemv", 1, 8, 1), silu=True)
+
+
 def test_leading_dims_and_errors():
     gen = torch.Generator().manual_seed(0)
     w, s, b = random_packed(16, 128, "affine", 4, 64, gen)
