@@ -416,6 +416,26 @@ if triton is not None:
         return s, b
 
     @triton.jit
+    def _split_sum(acc, p_ptrs, mask, cnt_ptr, tile_id, pid_k, stride_split,
+                   SPLIT_K: tl.constexpr):  # fmt: skip
+        """Split-K through the partials buffer: store this split's acc at p_ptrs (split s at
+        + s*stride_split) and take the tile's atomic ticket. Returns (last, total): the last
+        program of the tile gets the sum of every split's partial and resets the ticket to 0
+        for the next launch (one launch, no memset); the others get (False, zeros)."""
+        tl.store(p_ptrs + pid_k * stride_split, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is issued before the ticket is taken
+        ticket = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+        last = ticket == SPLIT_K - 1
+        total = tl.zeros_like(acc)
+        if last:
+            for s in range(SPLIT_K):
+                total += tl.load(
+                    p_ptrs + s * stride_split, mask=mask, other=0.0, cache_modifier=".cg"
+                )
+            tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")
+        return last, total
+
+    @triton.jit
     def _splitk_epilogue(
         acc,
         y_ptr,
@@ -432,26 +452,18 @@ if triton is not None:
         SPLIT_K: tl.constexpr,
     ):
         """Write acc [BM, BN] to y, or, with split-K, through the partials buffer [S, M, N]
-        (split s at part_ptr + s*stride_split):
-        the last program of a tile (by an atomic ticket) sums the partials, writes y and
-        resets the ticket to 0 for the next launch (one launch, no memset)."""
+        (split s at part_ptr + s*stride_split), the last program of a tile writing the sum
+        (_split_sum)."""
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
         if SPLIT_K == 1:
             tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
         else:
             p_ptrs = part_ptr + rm[:, None] * N + rn[None, :]
-            tl.store(p_ptrs + pid_k * stride_split, acc, mask=mask)
-            tl.debug_barrier()  # every thread's partial is issued before the ticket is taken
-            ticket = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
-            if ticket == SPLIT_K - 1:
-                total = tl.zeros_like(acc)
-                for s in range(SPLIT_K):
-                    total += tl.load(
-                        p_ptrs + s * stride_split, mask=mask, other=0.0, cache_modifier=".cg"
-                    )
+            last, total = _split_sum(acc, p_ptrs, mask, cnt_ptr, tile_id, pid_k, stride_split,
+                                     SPLIT_K)  # fmt: skip
+            if last:
                 tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
-                tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _silu_store(g, u, y_ptrs):
@@ -463,25 +475,19 @@ if triton is not None:
         tl.store(y_ptrs, (silu * u.to(dt).to(tl.float32)).to(dt))
 
     @triton.jit
-    def _silu_epilogue(g, u, y_ptr, part_ptr, cnt_ptr, rn, rn_h, stride_split, tile_id, pid_k,
-                       SPLIT_K: tl.constexpr):  # fmt: skip
+    def _silu_epilogue(g, u, y_ptr, part_ptr, cnt_ptr, rn, rn_h, N, stride_split, tile_id,
+                       pid_k, SPLIT_K: tl.constexpr):  # fmt: skip
         """_splitk_epilogue for SILU: gate rows rn and up rows rn_h of the partials; y's
         columns are the gate rows."""
         if SPLIT_K == 1:
             _silu_store(g, u, y_ptr + rn)
         else:
-            tl.store(part_ptr + pid_k * stride_split + rn, g)
-            tl.store(part_ptr + pid_k * stride_split + rn_h, u)
-            tl.debug_barrier()  # every thread's partial is issued before the ticket is taken
-            ticket = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
-            if ticket == SPLIT_K - 1:
-                gt = tl.zeros_like(g)
-                ut = tl.zeros_like(u)
-                for s in range(SPLIT_K):
-                    gt += tl.load(part_ptr + s * stride_split + rn, cache_modifier=".cg")
-                    ut += tl.load(part_ptr + s * stride_split + rn_h, cache_modifier=".cg")
+            rows = tl.join(rn, rn_h)  # [8, 2]
+            last, total = _split_sum(tl.join(g, u), part_ptr + rows, rows < N, cnt_ptr,
+                                     tile_id, pid_k, stride_split, SPLIT_K)  # fmt: skip
+            if last:
+                gt, ut = tl.split(total)
                 _silu_store(gt, ut, y_ptr + rn)
-                tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _load_step(w_ptr, rn, n_mask, rkw, kb, stride_wn, EVEN: tl.constexpr, MODE: tl.constexpr):
@@ -791,7 +797,7 @@ if triton is not None:
         if SILU:
             out_h = tl.sum(acc_h, axis=1) * C
             _silu_epilogue(out, out_h, y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr, rn,
-                           rn_h, M * N, tile, pid_k, SPLIT_K)  # fmt: skip
+                           rn_h, N, M * N, tile, pid_k, SPLIT_K)  # fmt: skip
         else:
             if HALVES == 2:
                 out_h = tl.sum(acc_h, axis=1) * C
