@@ -135,8 +135,9 @@ ab)
     ;;
 sweep)
     # every GEMV config at M = 1 for the three weight formats of the bench (PDL on)
-    timeout 300 python3 benchmarks/profile_decode.py --batch 1 --linears --all \
-        --formats affine4g64,mxfp4,mxfp8 2>&1 | tee "$OUT/sweep.txt"
+    timeout 400 python3 benchmarks/profile_decode.py --batch 1 --linears --all \
+        --formats ${SWEEP_FORMATS:-affine4g64,mxfp4,mxfp8} --warps ${SWEEP_WARPS:-1} \
+        2>&1 | tee "$OUT/sweep.txt"
     ;;
 *)
     echo "usage: $0 kernels|tests|bench|mlxbench|prefill|memory|profile|pdl|sweep|step|ab" >&2

@@ -90,7 +90,9 @@ def profile_steps(model, batch: int, context: int, steps: int = 3) -> None:
         print(f"    {t / 1e3:7.3f} ms {100 * t / total:5.1f}%  x{n // steps:<4d} {name[:90]}")
 
 
-def linears(cfg, ms: list[int], formats=("affine4g64",), show_all: bool = False) -> None:
+def linears(
+    cfg, ms: list[int], formats=("affine4g64",), show_all: bool = False, warps=(1,)
+) -> None:
     """Every linear shape of one layer and the head, per format, alone and cycled; with
     show_all, every config of the sweep (else the default and the best)."""
     import sys
@@ -126,7 +128,12 @@ def linears(cfg, ms: list[int], formats=("affine4g64",), show_all: bool = False)
                 wq = [w0] + [make_weight(n, k, mode, bits, g, seed=s) for s in range(1, copies)]
                 kc = tk.KernelConfig
                 if m <= tk.GEMV_MAX_M:
-                    cfgs = [kc("gemv", 1, bn, sk) for bn in (8, 16) for sk in (1, 2, 4, 8, 16)]
+                    cfgs = [
+                        kc("gemv", 1, bn, sk, num_warps=nw)
+                        for nw in warps
+                        for bn in (8, 16)
+                        for sk in (1, 2, 4, 8, 16)
+                    ]
                 else:  # tensor-core tiles for a small batch: M=32 fills half a 64-row wgmma
                     cfgs = [
                         kc("gemm", 32, 128, 1, ng=2, num_warps=4, num_stages=4),
@@ -151,10 +158,11 @@ def linears(cfg, ms: list[int], formats=("affine4g64",), show_all: bool = False)
                         "default"
                         if c is None
                         else f"{c.block_m}x{c.block_n} s{c.split_k}{' swap' * c.swap}"
+                        + (f" w{c.num_warps}" if c.kernel == "gemv" and c.num_warps > 1 else "")
                     )
                     if c is None:
                         d = tk.choose_config(m, w0, x.device, x.dtype)
-                        name += f"({d.kernel} {d.block_m}x{d.block_n} s{d.split_k})"
+                        name += f"({d.kernel} {d.block_m}x{d.block_n} s{d.split_k} w{d.num_warps})"
                         line.append(f"{fmt} {name} {us:6.1f} us {w0.nbytes / us / 1e3:5.0f} GB/s")
                     else:
                         every.append(f"{name} {us:.1f}")
@@ -220,6 +228,7 @@ def main() -> None:
     ap.add_argument("--linears", action="store_true")
     ap.add_argument("--formats", default="affine4g64", help="formats of --linears")
     ap.add_argument("--all", action="store_true", help="--linears: print every config")
+    ap.add_argument("--warps", default="1", help="--linears: GEMV warps per program to sweep")
     ap.add_argument("--attention", action="store_true")
     ap.add_argument("--steps", action="store_true", help="profile whole decode steps")
     a = ap.parse_args()
@@ -235,7 +244,8 @@ def main() -> None:
         attention(cfg, batches, a.context)
     if a.linears:
         print("linears (cycled weights, graph-replayed):")
-        linears(cfg, sorted({1, *batches}), a.formats.split(","), a.all)
+        warps = [int(w) for w in a.warps.split(",")]
+        linears(cfg, sorted({1, *batches}), a.formats.split(","), a.all, warps)
     if a.steps:
         be = TorchBackend("cuda", "bfloat16")
         for qn in a.quant.split(","):

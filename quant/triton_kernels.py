@@ -490,16 +490,17 @@ if triton is not None:
                 _silu_store(gt, ut, y_ptr + rn)
 
     @triton.jit
-    def _load_step(w_ptr, rn, n_mask, rkw, kb, stride_wn, EVEN: tl.constexpr, MODE: tl.constexpr):
-        """Words [8, 128] of k-step kb of rows rn (128 words a row; stride_wn = words/row);
-        E4M3 (MODE 3): the same bytes as [8, 512] uint8 (converted by the hardware).
+    def _load_step(w_ptr, rn, n_mask, rkw, kb, stride_wn, EVEN: tl.constexpr, MODE: tl.constexpr,
+                   LANES: tl.constexpr):  # fmt: skip
+        """Words [8, 4*LANES] of k-step kb of rows rn (stride_wn = words/row); E4M3 (MODE 3):
+        the same bytes as [8, 16*LANES] uint8 (converted by the hardware).
         EVEN: no row/K masks (stride_wn is then a constexpr: rows at immediate offsets)."""
         if MODE == 3:
-            kw = kb * 512 + tl.arange(0, 512)  # bytes
+            kw = kb * (16 * LANES) + tl.arange(0, 16 * LANES)  # bytes
             base = w_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
             row = stride_wn * 4
         else:
-            kw = kb * 128 + rkw
+            kw = kb * (4 * LANES) + rkw
             base = w_ptr
             row = stride_wn
         ptrs = base + rn[:, None] * row + kw[None, :]
@@ -510,10 +511,10 @@ if triton is not None:
         return w
 
     @triton.jit
-    def _gemv_words(w2):
-        """[8, 128] words -> 4 x [8, 32] (word 4l+j of each row in lane l, j = 0..3)."""
-        w4 = tl.reshape(w2.to(tl.uint32, bitcast=True), [8, 32, 2, 2])
-        w_even, w_odd = tl.split(w4)  # words 4l+2c / 4l+2c+1, [8, 32, 2]
+    def _gemv_words(w2, LANES: tl.constexpr):
+        """[8, 4*LANES] words -> 4 x [8, LANES] (word 4l+j of each row in lane l, j = 0..3)."""
+        w4 = tl.reshape(w2.to(tl.uint32, bitcast=True), [8, LANES, 2, 2])
+        w_even, w_odd = tl.split(w4)  # words 4l+2c / 4l+2c+1, [8, LANES, 2]
         w0, w2_ = tl.split(w_even)
         w1, w3 = tl.split(w_odd)
         return w0, w1, w2_, w3
@@ -528,12 +529,13 @@ if triton is not None:
 
     @triton.jit
     def _gemv_fp8(p, wb, x_base, xo, xmask, G: tl.constexpr, BITS: tl.constexpr,
-                  EVEN: tl.constexpr):  # fmt: skip
-        """p [8, 32] += E4M3 bytes wb [8, 512] (word 4l+j, position b at byte 16l+4j+b) x x:
+                  EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
+        """p [8, LANES] += E4M3 bytes wb [8, 16*LANES] (word 4l+j, position b at byte
+        16l+4j+b) x x:
         the bytes become fp32 by the hardware conversion (E4M3 pairs -> f16x2 -> f32)."""
         WPG: tl.constexpr = G // 4
-        v = tl.reshape(wb.to(tl.float8e4nv, bitcast=True).to(tl.float32), [8, 32, 4, 2, 2])
-        f0, f1, f2, f3 = _split22(v)  # positions b = 0..3: [8, 32, 4] (word j)
+        v = tl.reshape(wb.to(tl.float8e4nv, bitcast=True).to(tl.float32), [8, LANES, 4, 2, 2])
+        f0, f1, f2, f3 = _split22(v)  # positions b = 0..3: [8, LANES, 4] (word j)
         for b in tl.static_range(4):
             if b == 0:
                 fb = f0
@@ -543,7 +545,7 @@ if triton is not None:
                 fb = f2
             else:
                 fb = f3
-            g0, g1, g2, g3 = _split22(tl.reshape(fb, [8, 32, 2, 2]))  # words j = 0..3
+            g0, g1, g2, g3 = _split22(tl.reshape(fb, [8, LANES, 2, 2]))  # words j = 0..3
             x0, x1, x2, x3 = _gemv_x4(x_base, xo + b * (WPG // 2), xmask, b, 3, BITS, EVEN)
             p = p + g0 * x0[None, :] + g1 * x1[None, :] + g2 * x2[None, :] + g3 * x3[None, :]
         return p
@@ -567,12 +569,12 @@ if triton is not None:
     @triton.jit
     def _gemv_apply(acc, p, pb, xsum, s_ptr, b_ptr, s_row, n_mask, g_a, g_b, kb, KG,
                     MODE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-                    EVEN: tl.constexpr):  # fmt: skip
-        """acc [8, 32] += p * scale (+ bias * xsum) with the scales of this lane's groups."""
+                    EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
+        """acc [8, LANES] += p * scale (+ bias * xsum) with the scales of this lane's groups."""
         EPW: tl.constexpr = 32 // BITS
         WPG: tl.constexpr = G // EPW
-        NG: tl.constexpr = 128 // WPG  # groups per k-step
-        g_idx = kb * NG + g_a  # [32]
+        NG: tl.constexpr = 4 * LANES // WPG  # groups per k-step
+        g_idx = kb * NG + g_a  # [LANES]
         smask = n_mask[:, None] & (g_idx < KG)[None, :]
         scale, bias = _gemv_scale(s_ptr, b_ptr, s_row[:, None] + g_idx[None, :] * 8, smask,
                                   MODE, EVEN)  # fmt: skip
@@ -591,31 +593,32 @@ if triton is not None:
     @triton.jit
     def _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_row, s_row_h,
                    n_mask, n_mask_h, s_ptr, b_ptr, KG, MODE: tl.constexpr, BITS: tl.constexpr,
-                   G: tl.constexpr, HALVES: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
+                   G: tl.constexpr, HALVES: tl.constexpr, EVEN: tl.constexpr,
+                   LANES: tl.constexpr):  # fmt: skip
         """One k-step of _gemv_kernel for 8 rows (HALVES == 1) or 16 (wa_h, acc_h: rows 8..15,
-        sharing the x inputs): acc [8, 32] += this lane's 4 words of each row (wa [8, 128])
-        times x, with the scales (and biases) of their groups."""
+        sharing the x inputs): acc [8, LANES] += this lane's 4 words of each row (wa [8,
+        4*LANES]) times x, with the scales (and biases) of their groups."""
         EPW: tl.constexpr = 32 // BITS
         WPG: tl.constexpr = G // EPW
-        NG: tl.constexpr = 128 // WPG  # groups per k-step
+        NG: tl.constexpr = 4 * LANES // WPG  # groups per k-step
         TWO: tl.constexpr = WPG < 4  # nvfp4: a lane's words 0,1 and 2,3 are in two groups
         TRICK: tl.constexpr = MODE == 0 and BITS == 4  # positions 6, 7 by shifts alone
         NPOS: tl.constexpr = 0 if MODE == 3 else (EPW - 2 if TRICK else EPW)
-        p = tl.zeros([8, 32], dtype=tl.float32)
-        pb = tl.zeros([8, 32], dtype=tl.float32)
-        q = tl.zeros([8, 32], dtype=tl.float32)
-        qb = tl.zeros([8, 32], dtype=tl.float32)
+        p = tl.zeros([8, LANES], dtype=tl.float32)
+        pb = tl.zeros([8, LANES], dtype=tl.float32)
+        q = tl.zeros([8, LANES], dtype=tl.float32)
+        qb = tl.zeros([8, LANES], dtype=tl.float32)
         xo = x_pair0 + kb * (NG * G // 2)
         xmask = (kb * NG + g_pair) < KG
         if MODE == 3:  # E4M3 bytes -> fp32 values by cvt (2 an instruction), x unscaled
-            p = _gemv_fp8(p, wa, x_base, xo, xmask, G, BITS, EVEN)
+            p = _gemv_fp8(p, wa, x_base, xo, xmask, G, BITS, EVEN, LANES)
             if HALVES == 2:
-                q = _gemv_fp8(q, wa_h, x_base, xo, xmask, G, BITS, EVEN)
+                q = _gemv_fp8(q, wa_h, x_base, xo, xmask, G, BITS, EVEN, LANES)
         else:
-            w0, w1, w2, w3 = _gemv_words(wa)
+            w0, w1, w2, w3 = _gemv_words(wa, LANES)
             if HALVES == 2:
-                v0, v1, v2, v3 = _gemv_words(wa_h)
-        xsum = tl.zeros([32], dtype=tl.float32)  # sum of the lane's inputs * 2^-49
+                v0, v1, v2, v3 = _gemv_words(wa_h, LANES)
+        xsum = tl.zeros([LANES], dtype=tl.float32)  # sum of the lane's inputs * 2^-49
         for i in tl.static_range(NPOS):
             x0, x1, x2, x3 = _gemv_x4(x_base, xo + i * (WPG // 2), xmask, i, MODE, BITS, EVEN)
             p, pb = _gemv_fma(p, pb, w0, w1, w2, w3, x0, x1, x2, x3, i, MODE, BITS, TWO)
@@ -637,10 +640,10 @@ if triton is not None:
                 q, qb = _gemv_fma(q, qb, v0, v1, v2, v3, y0, y1, y2, y3, 6, MODE, BITS, TWO)
                 q, qb = _gemv_fma(q, qb, v0, v1, v2, v3, z0, z1, z2, z3, 7, MODE, BITS, TWO)
         acc = _gemv_apply(acc, p, pb, xsum, s_ptr, b_ptr, s_row, n_mask, g_a, g_b, kb, KG,
-                          MODE, G, BITS, EVEN)  # fmt: skip
+                          MODE, G, BITS, EVEN, LANES)  # fmt: skip
         if HALVES == 2:
             acc_h = _gemv_apply(acc_h, q, qb, xsum, s_ptr, b_ptr, s_row_h, n_mask_h, g_a, g_b,
-                                kb, KG, MODE, G, BITS, EVEN)  # fmt: skip
+                                kb, KG, MODE, G, BITS, EVEN, LANES)  # fmt: skip
         return acc, acc_h
 
     @triton.jit
@@ -669,16 +672,19 @@ if triton is not None:
         KW: tl.constexpr = 0,
         PDL: tl.constexpr = False,
         SILU: tl.constexpr = False,
+        WARPS: tl.constexpr = 1,
     ):
         """y[m, N] = x[m, K] @ W^T for one row m of x: CUDA-core FMA on decoded codes.
 
-        One warp per program (launch with num_warps=1), BLOCK_N = 8 or 16 rows (two halves of
-        8 sharing each x input). Lane l loads words 4l..4l+3 of each row per k-step of 128
-        words, split into 4 [8, 32] tensors (one word per lane and row), so each row's dot
-        product is one FFMA chain per lane over its 4 words and all positions, and the x
-        inputs and row-inner scale tiles it needs land in the same lanes (no shared memory,
-        no barrier, no shuffle in the loop). Scale and bias are applied per lane
-        (acc += p*s + b*sum(x)); the lanes are summed once after the loop. With PREFETCH the
+        WARPS warps per program (launch with num_warps=WARPS), BLOCK_N = 8 or 16 rows (two
+        halves of 8 sharing each x input). Lane l of the LANES = 32*WARPS loads words
+        4l..4l+3 of each row per k-step of 4*LANES words, split into 4 [8, LANES] tensors (one
+        word per lane and row), so each row's dot product is one FFMA chain per lane over its
+        4 words and all positions, and the x inputs and row-inner scale tiles it needs land in
+        the same lanes (no shared memory, no barrier, no shuffle in the loop). Scale and bias
+        are applied per lane (acc += p*s + b*sum(x)); the lanes are summed once after the
+        loop, across warps through shared memory: WARPS > 1 splits K inside the program,
+        without the partials and ticket round trip of SPLIT_K. With PREFETCH the
         loop runs two k-steps per iteration, each step's words loaded one step ahead (two
         register buffers, no copies).
         Program (m, pid_n, pid_k) covers rows [pid_n*BLOCK_N, +BLOCK_N) and k-steps
@@ -699,6 +705,7 @@ if triton is not None:
         tl.static_assert(BLOCK_N == 8 or BLOCK_N == 16)
         tl.static_assert(BLOCK_N == 16 or not SILU)
         HALVES: tl.constexpr = BLOCK_N // 8
+        LANES: tl.constexpr = 32 * WARPS
         EPW: tl.constexpr = 32 // BITS
         WPG: tl.constexpr = G // EPW
         TWO: tl.constexpr = WPG < 4  # nvfp4: a lane's words 0,1 and 2,3 are in two groups
@@ -718,8 +725,8 @@ if triton is not None:
             rn_h = rn + 8
         n_mask = rn < N
         n_mask_h = rn_h < N
-        rkw = tl.arange(0, 128)
-        lane = tl.arange(0, 32)
+        rkw = tl.arange(0, 4 * LANES)
+        lane = tl.arange(0, LANES)
         s_row = (rn // 8) * (KG * 8) + (rn % 8)  # scales are stored [N/8, K/G, 8]
         s_row_h = (rn_h // 8) * (KG * 8) + (rn_h % 8)
         # pair c of lane l: words 4l+2c, 4l+2c+1; their inputs at position 0, in input pairs
@@ -734,57 +741,57 @@ if triton is not None:
         g_a = (4 * lane) // WPG  # group (within the k-step) of words 0, 1 of the lane
         g_b = (4 * lane + 2) // WPG  # of words 2, 3 (== g_a unless TWO)
         x_base = x_ptr + m * stride_xm
-        acc = tl.zeros([8, 32], dtype=tl.float32)
-        acc_h = tl.zeros([8, 32], dtype=tl.float32)
+        acc = tl.zeros([8, LANES], dtype=tl.float32)
+        acc_h = tl.zeros([8, LANES], dtype=tl.float32)
         kb0 = pid_k * KB_PER_SPLIT
         if PREFETCH:  # each step's words are in flight while the previous step computes
             # (with PDL the first step's are issued before the wait, while the previous kernel
             # still runs; a second step issued there too made ptxas hold it through the loop:
             # 134 -> 168 registers at 8 rows, 4096x14336 16.4 -> 21.9 us on the H100)
-            wa = _load_step(w_ptr, rn, n_mask, rkw, kb0, swn, EVEN, MODE)
+            wa = _load_step(w_ptr, rn, n_mask, rkw, kb0, swn, EVEN, MODE, LANES)
             wa_h = wa
             if HALVES == 2:
-                wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb0, swn, EVEN, MODE)
+                wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb0, swn, EVEN, MODE, LANES)
             if PDL:
                 tlc.gdc_wait()
                 tlc.gdc_launch_dependents()
             kb_last = kb0 + KB_PER_SPLIT - 1
             for j in range(0, KB_PER_SPLIT // 2):
                 kb = kb0 + 2 * j
-                wb = _load_step(w_ptr, rn, n_mask, rkw, kb + 1, swn, EVEN, MODE)
+                wb = _load_step(w_ptr, rn, n_mask, rkw, kb + 1, swn, EVEN, MODE, LANES)
                 wb_h = wb
                 if HALVES == 2:
-                    wb_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb + 1, swn, EVEN, MODE)
+                    wb_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb + 1, swn, EVEN, MODE, LANES)
                 acc, acc_h = _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a,
                                         g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr, KG,
-                                        MODE, BITS, G, HALVES, EVEN)  # fmt: skip
+                                        MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
                 # past the last step: reload it (in bounds, no predicate, never used; peeling
                 # the last pair instead makes ptxas spill at 16 rows)
                 kn = tl.minimum(kb + 2, kb_last)
-                wa = _load_step(w_ptr, rn, n_mask, rkw, kn, swn, EVEN, MODE)
+                wa = _load_step(w_ptr, rn, n_mask, rkw, kn, swn, EVEN, MODE, LANES)
                 wa_h = wa
                 if HALVES == 2:
-                    wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kn, swn, EVEN, MODE)
+                    wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kn, swn, EVEN, MODE, LANES)
                 acc, acc_h = _gemv_step(acc, acc_h, wb, wb_h, kb + 1, x_base, x_pair0, g_pair,
                                         g_a, g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr,
-                                        KG, MODE, BITS, G, HALVES, EVEN)  # fmt: skip
+                                        KG, MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
             if KB_PER_SPLIT % 2 == 1:
                 acc, acc_h = _gemv_step(acc, acc_h, wa, wa_h, kb_last, x_base, x_pair0, g_pair,
                                         g_a, g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr,
-                                        KG, MODE, BITS, G, HALVES, EVEN)  # fmt: skip
+                                        KG, MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
         else:
             if PDL:
                 tlc.gdc_wait()
                 tlc.gdc_launch_dependents()
             for j in range(0, KB_PER_SPLIT):
                 kb = kb0 + j
-                wa = _load_step(w_ptr, rn, n_mask, rkw, kb, swn, EVEN, MODE)
+                wa = _load_step(w_ptr, rn, n_mask, rkw, kb, swn, EVEN, MODE, LANES)
                 wa_h = wa
                 if HALVES == 2:
-                    wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb, swn, EVEN, MODE)
+                    wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb, swn, EVEN, MODE, LANES)
                 acc, acc_h = _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a,
                                         g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr, KG,
-                                        MODE, BITS, G, HALVES, EVEN)  # fmt: skip
+                                        MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
         # decoded products carry 2^-49 (affine), 2^-20 (fp8) or 2^-26 (fp4)
         if MODE == 0:
             C: tl.constexpr = 562949953421312.0
@@ -1229,23 +1236,43 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
     """
     sms = _num_sms(device)
     if m <= GEMV_MAX_M:
-        # 8 or 16 rows (affine with >= 2 row blocks per SM: 8% fewer instructions, twice
-        # the work per warp; the fp formats spill at 16) x 128 words per warp-step; split K
-        # until ~6 warps per SM are in flight (more splits cost their partials and the ticket
-        # round trip), into a divisor of the k-steps where one is near (no masks).
-        # From the H100 sweep with PDL on (profile_decode.py --linears --all, cycled weights):
-        # int4 6144x4096 10.8 us in 1 split, 8.3 in 2; 4096x4096 6.8 in 2.
-        # (measured: 16 rows lost at N = 6144, 10.1 against 9.1 us, and won at N >= 28672)
-        bn = 16 if w.mode == "affine" and math.ceil(w.n / 16) >= 4 * sms else 8
-        ksteps = math.ceil(w.k * w.bits / 32 / 128)
+        # Up to 4 warps a program, each taking its own part of every k-step (lanes along K,
+        # summed through shared memory once at the end): a split of K inside the program,
+        # with no partials and no ticket round trip. H100 sweep (profile_decode.py --linears
+        # --all --warps 1,2,4: cycled weights, PDL on), int4 us, best with 1 warp -> 4 warps:
+        # 6144x4096 8.3 -> 6.6, 4096x4096 6.8 -> 5.6, 28672x4096 25.9 -> 24.9, 4096x14336
+        # 14.6 -> 14.2, 128256x4096 101.6 -> 96.4; with 4 warps more splits only lost.
+        # fp4 (bound by its decode instructions) loses on a part-masked last step, so its
+        # warps divide the row's words (4096x14336 mxfp4 19.6 us in 4 warps, 17.2 in 2).
+        kw = w.k * w.bits // 32
+        most = int(os.environ.get("MLXRUN_GEMV_WARPS", "4"))  # 1: the one-warp rules (A/B)
+        fp4 = w.mode in ("mxfp4", "nvfp4")
+        warps = 1
+        while warps < most and 256 * warps <= kw and not (fp4 and kw % (256 * warps)):
+            warps *= 2
+        ksteps = math.ceil(kw / (128 * warps))
+        if warps > 1:
+            # 16 rows (two halves sharing each x input) where a warp has at most 2 k-steps:
+            # mxfp8 4096x4096 8.0 -> 7.4 us, but 4096x14336 (7 k-steps) 23.5 -> 84.2;
+            # fp4 is slower at 16 rows everywhere (6144x4096 8.0 -> 8.3 us)
+            bn = 16 if not fp4 and ksteps <= 2 else 8
+        else:
+            # 8 or 16 rows (affine with >= 2 row blocks per SM: 8% fewer instructions,
+            # twice the work per warp; the fp formats spill at 16)
+            bn = 16 if w.mode == "affine" and math.ceil(w.n / 16) >= 4 * sms else 8
+        # split K until ~6 warps per SM are in flight (more splits cost their partials and
+        # the ticket round trip), into a divisor of the k-steps where one is near (no masks)
         tiles = m * math.ceil(w.n / bn)
-        sk = _split(tiles, ksteps, sms, 6.0)
+        sk = _split(tiles * warps, ksteps, sms, 6.0)
         divs = [d for d in range(1, ksteps + 1) if ksteps % d == 0]
         near = min(divs, key=lambda d: (abs(math.log(d / sk)), -d))
-        if (w.k * w.bits // 32) % 128 == 0 and abs(math.log(near / sk)) <= math.log(2):
+        if kw % (128 * warps) == 0 and abs(math.log(near / sk)) <= math.log(2):
             sk = near
-        few = tiles < 8 * sms  # the small shapes (q/k/v, o, down at batch 1)
-        if few and w.mode in ("mxfp4", "nvfp4"):
+        # One warp a program (rows of fewer than 256 words): from the sweep with PDL on,
+        # int4 6144x4096 10.8 us in 1 split, 8.3 in 2; 4096x4096 6.8 in 2; 16 rows lost at
+        # N = 6144, 10.1 against 9.1 us, and won at N >= 28672.
+        few = warps == 1 and tiles < 8 * sms  # the small shapes (q/k/v, o, down at batch 1)
+        if few and fp4:
             # fp4 decodes with ~2x the instructions of int4 and wants every warp it can get:
             # one k-step each (6144x4096 11.0 -> 9.6 us, 4096x4096 9.3 -> 7.9, 4096x14336
             # 22.2 -> 19.5)
@@ -1253,7 +1280,7 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
         elif few and ksteps / sk > 4:  # long serial chains lose where the rows are few:
             sk = math.ceil(ksteps / 4)  # 4096x14336 int4 17.8 us in 2 splits, 14.6 in 4
         # (with many rows one split wins: mxfp8 28672x4096 45.5 us against 48.6 in 2)
-        return KernelConfig("gemv", 1, bn, sk)
+        return KernelConfig("gemv", 1, bn, sk, num_warps=warps)
     g = w.group_size
     swap = False
     if device.type == "cpu":  # interpreter: small tiles keep the CPU tests fast
@@ -1344,7 +1371,7 @@ def qmatmul(
         return y.reshape(*lead, w.n)
     cfg = config or choose_config(m, w, x.device, x.dtype)
     if cfg.kernel == "gemv":
-        ksteps = math.ceil(w.k * w.bits // 32 / 128)
+        ksteps = math.ceil(w.k * w.bits // 32 / (128 * cfg.num_warps))
         if x2.dtype == torch.bfloat16 and (x2.data_ptr() % 4 or (m > 1 and x2.stride(0) % 2)):
             x2 = x2.clone()  # the GEMV reads bf16 x as uint32 pairs: 4-byte aligned rows
     else:
@@ -1369,12 +1396,14 @@ def qmatmul(
         # whole row blocks, k-steps and splits, contiguous rows: no masks, a constant stride
         even = (
             w.n % cfg.block_n == 0
-            and kw == 128 * per * split
+            and kw == 128 * cfg.num_warps * per * split
             and w.weight.stride(0) == kw
             and w.scales.is_contiguous()
         )
         # with one k-step per split, PREFETCH still loads it before the loop (before gdc_wait)
-        extra = dict(PREFETCH=cfg.prefetch, EVEN=even, KW=kw if even else 0, SILU=silu)
+        extra = dict(
+            PREFETCH=cfg.prefetch, EVEN=even, KW=kw if even else 0, SILU=silu, WARPS=cfg.num_warps
+        )
         kern = _gemv_kernel
     else:
         tiles = math.ceil(m / cfg.block_m) * math.ceil(w.n / cfg.block_n)

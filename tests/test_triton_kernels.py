@@ -186,14 +186,24 @@ def test_qmatmul_matches_mlx(mode, bits, group_size, m):
     [
         tk.KernelConfig("gemv", 1, 8, 2, prefetch=False),
         tk.KernelConfig("gemv", 1, 16, 1, prefetch=True),
+        tk.KernelConfig("gemv", 1, 8, 1, num_warps=2),
+        tk.KernelConfig("gemv", 1, 16, 1, num_warps=4),
         tk.KernelConfig("gemm", 16, 16, 3, ng=4, num_warps=4),
         tk.KernelConfig("gemm", 16, 32, 2, ng=2, num_warps=4, swap=True),
     ],
-    ids=["gemv-split2", "gemv-prefetch", "gemm-split3", "gemm-swap-split2"],
+    ids=[
+        "gemv-split2",
+        "gemv-prefetch",
+        "gemv-2warps",
+        "gemv-4warps-past-k",
+        "gemm-split3",
+        "gemm-swap-split2",
+    ],
 )
 @pytest.mark.parametrize("mode,bits,group_size", [FORMATS[1], FORMATS[6]], ids=["affine", "mxfp4"])
 def test_split_k_and_prefetch(cfg, mode, bits, group_size):
-    """Split-K sums partials through the ticket epilogue; a second call reuses the tickets."""
+    """Split-K sums partials through the ticket epilogue; a second call reuses the tickets.
+    GEMV warps split each k-step inside the program (4 warps: one masked step of 2 rows' K)."""
     q, ref = _mlx_case(16, 2048, mode, bits, group_size, seed=7)  # 2 GEMV k-steps of 1024
     x = torch.randn(1, 2048, generator=torch.Generator().manual_seed(3))
     want = x.double() @ ref.T
@@ -238,16 +248,23 @@ def test_gemm_small_m_swap_packed(mode, bits, group_size, m):
     assert rel_err(tk.qmatmul(x.to(DEV), q, cfg).cpu(), want) < 1e-2
 
 
-def test_silu_in_the_gate_up_epilogue():
+@pytest.mark.parametrize("mode,bits,group_size", [FORMATS[1], FORMATS[8]], ids=["int4", "mxfp8"])
+def test_silu_in_the_gate_up_epilogue(mode, bits, group_size):
     """The joint [gate; up] GEMV in 16-row tiles (8 gate rows and their 8 up rows) gives
     silu(gate) * up bit for bit as the GEMV then cuda_ops.silu_mul do, with and without
-    split-K, at 1 and 3 rows; where the tiles are 8 rows it refuses."""
+    split-K (across programs and across the warps of one), at 1 and 3 rows; where the tiles
+    are 8 rows it refuses."""
     from mlxrun.backends import cuda_ops
 
     gen = torch.Generator().manual_seed(9)
-    n, k = 48, 2048  # 24 gate rows (3 tiles), 2 k-steps
-    w = tk.prepare(*(t.to(DEV) for t in random_packed(n, k, "affine", 4, 64, gen)), "affine", 4, 64)
-    for cfg in (tk.KernelConfig("gemv", 1, 16, 1), tk.KernelConfig("gemv", 1, 16, 2)):
+    n, k = 48, 2048  # 24 gate rows (3 tiles)
+    packed = random_packed(n, k, mode, bits, group_size, gen)
+    w = tk.prepare(*(None if t is None else t.to(DEV) for t in packed), mode, bits, group_size)
+    cfgs = [
+        tk.KernelConfig("gemv", 1, 16, s, num_warps=nw)
+        for s, nw in ((1, 1), (2, 1), (1, 2), (1, 4))
+    ]
+    for cfg in cfgs:
         for m in (1, 3):
             x = torch.randn(m, k, generator=gen).bfloat16().to(DEV)
             y = tk.qmatmul(x, w, cfg)
