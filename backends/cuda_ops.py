@@ -20,7 +20,15 @@ import torch
 import triton
 import triton.language as tl
 
-from mlxrun.quant.triton_kernels import _counters, _l2_bytes, _num_sms, pdl_args, tlc
+from mlxrun.quant.triton_kernels import (
+    _MODE_ID,
+    _counters,
+    _group_scale,
+    _l2_bytes,
+    _num_sms,
+    pdl_args,
+    tlc,
+)
 
 # With programmatic dependent launch (triton_kernels.pdl) each kernel below waits for the
 # previous one before it reads anything (the norm weight and decode attention's cache
@@ -403,6 +411,88 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _embed_kernel(ids_ptr, w_ptr, s_ptr, b_ptr, out_ptr, KW, KG, MODE: tl.constexpr,
+                  BITS: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
+                  PDL: tl.constexpr = False):  # fmt: skip
+    # program (token, block of BLOCK words of its row): code i of word j is element
+    # j*32/BITS + i, dequantized as torch_dequant.dequantize does (fp32, then rounded once)
+    if PDL:
+        tlc.gdc_wait()  # the ids are the previous step's argmax
+        tlc.gdc_launch_dependents()
+    t = tl.program_id(0).to(tl.int64)
+    wo = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = wo < KW
+    r = tl.load(ids_ptr + t).to(tl.int64)
+    words = tl.load(w_ptr + r * KW + wo, mask=ok, other=0).to(tl.uint32, bitcast=True)
+    EPW: tl.constexpr = 32 // BITS
+    for i in tl.static_range(EPW):
+        c = (words >> (BITS * i)) & ((1 << BITS) - 1)
+        if MODE == 0:
+            v = c.to(tl.float32)
+        elif MODE == 3:  # E4M3 by the hardware conversion
+            v = c.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:  # E2M1: magnitude bits -> 22..24, sign -> 31 is value * 2^-126 (exact)
+            f = ((c & 7) << 22) | ((c & 8) << 28)
+            v = f.to(tl.float32, bitcast=True) * 8.507059173023462e37
+        e = wo * EPW + i
+        s, b = _group_scale(s_ptr, b_ptr, r * KG + e // G, ok, MODE)
+        if MODE == 0:
+            v = v * s + b  # two roundings, as torch's mul_ then add_ (launched without FMA)
+        else:
+            v = v * s
+        tl.store(out_ptr + t * KW * EPW + e, v.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def embed_rows(ids: torch.Tensor, w, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ids (B, T) of a packed table (QuantizedWeight: weight (V, K*bits/32), scales,
+    biases row-major) -> (B, T, K) in `dtype`, as torch_dequant.dequantize gives them. One
+    launch: the gathers and element-wise ops of the torch version were ~9 kernels of each
+    decode step."""
+    kw = w.weight.shape[1]
+    k = kw * 32 // w.bits
+    out = torch.empty((*ids.shape, k), dtype=dtype, device=ids.device)
+    n = ids.numel()
+    if n == 0:
+        return out
+    BLOCK = 256
+    biases = w.biases if w.biases is not None else w.scales
+    _embed_kernel[(n, triton.cdiv(kw, BLOCK))](
+        ids.contiguous(), w.weight.view(torch.int32), w.scales, biases, out, kw, k // w.group_size,
+        MODE=_MODE_ID[w.mode], BITS=w.bits, G=w.group_size, BLOCK=BLOCK, num_warps=4,
+        enable_fp_fusion=False, **pdl_args(ids.device),
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _graph_advance_kernel(pos_ptr, pads_ptr, key_ok_ptr, mask_ptr, positions_ptr, B, L,
+                          BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    if PDL:
+        tlc.gdc_wait()
+        tlc.gdc_launch_dependents()
+    b = tl.arange(0, BLOCK)
+    ok = b < B
+    p = tl.load(pos_ptr) + 1
+    tl.store(positions_ptr + b, p - tl.load(pads_ptr + b, mask=ok), mask=ok)
+    ok = ok & (b * 0 + p < L)  # a tensor compare: the interpreter rejects a scalar one here
+    tl.store(mask_ptr + b * L + p, tl.load(key_ok_ptr + b * L + p, mask=ok), mask=ok)
+    tl.debug_barrier()  # every thread has read pos
+    tl.store(pos_ptr, p)
+
+
+def graph_advance(pos, pads, key_ok, mask, positions) -> None:
+    """A graph-mode StaticCache one position on, in one launch: pos += 1, the rope positions
+    (B, 1) = pos - pads, and the new slot of the attention mask (B, L) = key_ok's."""
+    B, L = key_ok.shape
+    assert mask.is_contiguous() and key_ok.is_contiguous() and positions.is_contiguous()
+    _graph_advance_kernel[(1,)](
+        pos, pads, key_ok.view(torch.uint8), mask.view(torch.uint8), positions, B, L,
+        BLOCK=triton.next_power_of_2(B),
+        num_warps=1, **pdl_args(pos.device),
+    )  # fmt: skip
+
+
+@triton.jit
 def _argmax_kernel(x_ptr, val_ptr, idx_ptr, cnt_ptr, out_ptr, V, stride,
                    BLOCK: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     # program (row, block): the max of BLOCK logits and its first index; the last block of
@@ -431,17 +521,20 @@ def _argmax_kernel(x_ptr, val_ptr, idx_ptr, cnt_ptr, out_ptr, V, stride,
         tl.atomic_xchg(cnt_ptr + row, 0, sem="relaxed", scope="gpu")
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """logits (B, V) -> (B,) int64, the first index of each row's maximum (torch.argmax's
-    answer for finite logits). torch's CUDA argmax reduces a 128k vocabulary row in one
-    block (~37 us at batch 1 on an H100); this spreads it over ~32 programs per row."""
+def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits (B, V) -> (B,) int64 (into `out` if given), the first index of each row's
+    maximum (torch.argmax's answer for finite logits). torch's CUDA argmax reduces a 128k
+    vocabulary row in one block (~37 us at batch 1 on an H100); this spreads it over ~32
+    programs per row."""
     B, V = logits.shape
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
     BLOCK = 4096
     nb = triton.cdiv(V, BLOCK)
     val = torch.empty((B, nb), dtype=torch.float32, device=x.device)
     idx = torch.empty((B, nb), dtype=torch.int32, device=x.device)
-    out = torch.empty((B,), dtype=torch.int64, device=x.device)
+    if out is None:
+        out = torch.empty((B,), dtype=torch.int64, device=x.device)
+    assert out.shape == (B,) and out.dtype == torch.int64 and out.is_contiguous()
     _argmax_kernel[(B, nb)](
         x, val, idx, _counters(x.device, B), out, V, x.stride(0),
         BLOCK=BLOCK, NB=triton.next_power_of_2(nb), num_warps=4, **pdl_args(x.device),

@@ -34,10 +34,12 @@ class StaticCache:
 
     Eager passes read the filled prefix. In graph mode (CUDA-graph decode) the write
     position lives on the device in `pos`, writes go through index_copy_ and attention spans
-    the whole buffer under a mask, so one captured step serves every position.
+    the whole buffer under a mask, so one captured step serves every position. The mask and
+    the rope positions are buffers that `advance` moves on with `pos` (with `fused`, one
+    Triton kernel: building them per step took three launches more).
     """
 
-    def __init__(self, num_layers, batch, kv_heads, head_dim, max_len, dtype, device):
+    def __init__(self, num_layers, batch, kv_heads, head_dim, max_len, dtype, device, fused=False):
         shape = (batch, kv_heads, max_len, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -48,7 +50,8 @@ class StaticCache:
         self.pos = torch.zeros(1, dtype=torch.int64, device=device)  # graph mode only
         self._zero = torch.zeros(1, dtype=torch.int64, device=device)
         self._slots = torch.arange(max_len, device=device)
-        self._pads = self._key_ok = None
+        self._pads = self._key_ok = self._mask = self._positions = None
+        self._fused = fused
 
     def reset(self) -> None:
         """Empty again for a new generation. Stale keys and values may stay: every read is
@@ -67,13 +70,23 @@ class StaticCache:
         key_ok = self._slots[None, :] >= pad[:, None]  # (B, max_len)
         if self._pads is None:
             self._pads, self._key_ok = pad, key_ok
+            self._mask, self._positions = key_ok.clone(), pad.clone().view(-1, 1)
         else:  # a captured graph reads these very tensors: update them in place
             self._pads.copy_(pad)
             self._key_ok.copy_(key_ok)
+        self.rewind()
+
+    def rewind(self) -> None:
+        """Graph mode: the device-side position, mask and rope positions at `offset` again
+        (after warm-up or capture runs moved them on)."""
+        self.pos.fill_(self.offset)
+        # one query at slot pos: keys <= pos that are not padding
+        torch.logical_and(self._key_ok, self._slots[None, :] <= self.pos, out=self._mask)
+        torch.sub(self.pos, self._pads, out=self._positions[:, 0])
 
     def mask(self, length, pads):
-        if self.graph:  # one query at slot pos: keys <= pos that are not padding
-            return (self._key_ok & (self._slots[None, :] <= self.pos))[:, None, None, :]
+        if self.graph:
+            return self._mask[:, None, None, :]
         if self.offset == 0 and length > 1 and (pads is None or not pads.any()):
             return CAUSAL
         m = causal_mask_np(self.offset, length, pads)
@@ -81,7 +94,7 @@ class StaticCache:
 
     def positions(self, length, pads):
         if self.graph:
-            return (self.pos - self._pads).view(-1, 1)  # (B, 1)
+            return self._positions  # (B, 1)
         return torch.from_numpy(positions_np(self.offset, length, pads)).to(self.device)
 
     def update_and_fetch(self, layer, k, v):
@@ -116,8 +129,15 @@ class StaticCache:
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
     def advance(self, n: int) -> None:
-        if self.graph:
-            self.pos += n  # recorded in the graph; the host offset is kept by the caller
+        if self.graph:  # recorded in the graph; the host offset is kept by the caller
+            if self._fused and n == 1:
+                from .cuda_ops import graph_advance  # noqa: PLC0415
+
+                graph_advance(self.pos, self._pads, self._key_ok, self._mask, self._positions)
+            else:
+                self.pos += n
+                self._mask |= self._key_ok & (self._slots[None, :] <= self.pos)
+                torch.sub(self.pos, self._pads, out=self._positions[:, 0])
         else:
             self.offset += n
 
@@ -126,8 +146,11 @@ class GraphDecoder:
     """Greedy decode steps replayed from one captured CUDA graph.
 
     Capturing removes the per-kernel launch cost (hundreds of launches per token), which
-    otherwise dominates batch-1 decode. The graph reads tokens from a static buffer and
-    writes the argmax to another; `__call__` copies in, replays, and hands back a copy.
+    otherwise dominates batch-1 decode. The graph reads the tokens from a static buffer and
+    writes their argmax back into it, so consecutive steps need no copy in or out between
+    replays (each was a launch of its own on the GPU's timeline). `__call__` returns a view
+    of that buffer: valid until the next call, which overwrites it (the decode loop queues
+    its host copy first, through `TorchBackend.start`).
     """
 
     def __init__(self, model, cache: StaticCache, batch: int, pads: np.ndarray | None):
@@ -135,24 +158,34 @@ class GraphDecoder:
         cache.enter_graph(pads)
         dev = cache.device
         self.tok = torch.zeros((batch, 1), dtype=torch.int64, device=dev)
-        start = cache.offset
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up runs (autotuning, workspaces) before capture
             for _ in range(2):
-                model.be.argmax(model(self.tok, cache, pads, last_only=True))
-                cache.pos.fill_(start)
+                self._step(pads)
+                cache.rewind()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.out = model.be.argmax(model(self.tok, cache, pads, last_only=True))
-        cache.pos.fill_(start)
+            self._step(pads)
+        cache.rewind()
+
+    def _step(self, pads):
+        be = self.model.be
+        logits = self.model(self.tok, self.cache, pads, last_only=True)
+        if be.triton_kernels:
+            from .cuda_ops import argmax  # noqa: PLC0415
+
+            argmax(logits, out=self.tok.view(-1))
+        else:
+            self.tok.copy_(be.argmax(logits).view(-1, 1))
 
     def __call__(self, y):
-        self.tok.copy_(y.view(-1, 1))
+        if y.data_ptr() != self.tok.data_ptr():
+            self.tok.copy_(y.view(-1, 1))
         self.graph.replay()
         self.cache.offset += 1
-        return self.out.clone()
+        return self.tok.view(-1)
 
     def close(self) -> None:
         """The generation is over: the graph and its cache may serve the next one."""
@@ -367,6 +400,10 @@ class TorchBackend:
 
     def embedding(self, ids, w):
         if isinstance(w, QuantizedWeight):
+            if self.triton_kernels and os.environ.get("MLXRUN_EMBED_KERNEL", "1") != "0":
+                from .cuda_ops import embed_rows  # noqa: PLC0415
+
+                return embed_rows(ids, w, self._dt)
             from mlxrun.quant.torch_dequant import dequantize  # noqa: PLC0415
 
             return dequantize(
@@ -474,7 +511,9 @@ class TorchBackend:
                 return c
             self._session = s = c = None  # another shape: free it before allocating the new one
             torch.cuda.empty_cache()
-        return StaticCache(num_layers, batch, kv_heads, head_dim, max_len, self._dt, self._dev)
+        return StaticCache(
+            num_layers, batch, kv_heads, head_dim, max_len, self._dt, self._dev, self.triton_kernels
+        )
 
     def decode_step(self, model, cache, batch: int, pads):
         """A captured greedy decode step (CUDA), or None to run steps eagerly. The caller

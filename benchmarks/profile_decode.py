@@ -82,7 +82,8 @@ def profile_steps(model, batch: int, context: int, steps: int = 3) -> None:
             per[e.name][1] += 1
     total = sum(t for t, _ in per.values())
     dec = be.decode_step(model, cache, batch, None)
-    graph_ms = _events_ms(lambda: dec(y.view(-1)), reps=10)
+    tok = dec(y.view(-1))  # the graph's own token buffer: fed back without a copy, as in decode
+    graph_ms = _events_ms(lambda: dec(tok), reps=10)
     dec.close()
     print(f"  batch {batch}, context {context}: kernels {total / 1e3:.3f} ms/step "
           f"(sum of device times), graph replay {graph_ms:.3f} ms/step")  # fmt: skip

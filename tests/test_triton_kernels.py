@@ -402,6 +402,60 @@ def test_cuda_code_path_end_to_end(tiny_dir, quant):
     assert len({t.untyped_storage().data_ptr() for t in parts}) == 1
 
 
+@pytest.mark.parametrize("mode,bits,group_size", FORMATS, ids=FMT_IDS)
+def test_packed_embedding_rows_equal_the_torch_dequantize(mode, bits, group_size):
+    """The embedding kernel (a packed table's rows by id, one launch) gives the torch
+    dequantize's rows bit for bit in fp32 (and to bf16 rounding in bf16), for every format;
+    the rows are 5 * 256 bits + a part-block (a masked tail), ids repeat."""
+    from mlxrun.backends import cuda_ops
+    from mlxrun.backends.base import QuantizedWeight
+    from mlxrun.backends.torch_backend import TorchBackend
+
+    gen = torch.Generator().manual_seed(bits * group_size)
+    k = 1280 + 2 * group_size * 32 // bits  # 1280 + 64 codes of 4 bits / 32 of 8: a tail
+    k -= k % group_size
+    w, s, b = (None if t is None else t.to(DEV) for t in random_packed(37, k, mode, bits,
+                                                                        group_size, gen))  # fmt: skip
+    table = QuantizedWeight(w, s, b, mode, bits, group_size)
+    ids = torch.tensor([[0, 36, 5], [5, 17, 2]], device=DEV)
+    for dtype in (torch.float32, torch.bfloat16):
+        stock = TorchBackend(DEV, "float32" if dtype == torch.float32 else "bfloat16")
+        stock.triton_kernels = False
+        want = stock.embedding(ids, table)
+        got = cuda_ops.embed_rows(ids, table, dtype)
+        assert got.shape == (2, 3, k) and got.dtype == dtype
+        if dtype == torch.float32:
+            assert torch.equal(got, want)
+        else:  # the interpreter truncates float32 -> bf16 where the GPU rounds to nearest
+            assert rel_err(got.float().cpu(), want.float().cpu()) < 1e-2
+
+
+def test_graph_advance_kernel_equals_the_torch_ops():
+    """A graph-mode cache moved on by the one-launch kernel holds what the torch ops give:
+    position, rope positions (left padding subtracted) and the mask's new slot; rewind
+    restores the state at the host offset."""
+    from mlxrun.backends.torch_backend import StaticCache
+
+    caches = [StaticCache(1, 3, 1, 4, 9, torch.float32, DEV, fused=f) for f in (False, True)]
+    for c in caches:
+        c.offset = 4
+        c.enter_graph(np.array([0, 2, 4]))
+        for _ in range(3):
+            c.advance(1)
+    plain, fused = caches
+    assert plain.pos.item() == fused.pos.item() == 7
+    assert torch.equal(fused.positions(1, None), plain.positions(1, None))
+    assert fused.positions(1, None).view(-1).tolist() == [7, 5, 3]
+    assert torch.equal(fused.mask(1, None), plain.mask(1, None))
+    assert fused.mask(1, None)[:, 0, 0].int().tolist() == [
+        [1, 1, 1, 1, 1, 1, 1, 1, 0],
+        [0, 0, 1, 1, 1, 1, 1, 1, 0],
+        [0, 0, 0, 0, 1, 1, 1, 1, 0],
+    ]
+    fused.rewind()
+    assert fused.pos.item() == 4 and fused.mask(1, None)[0, 0, 0].int().sum().item() == 5
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_small_ops_equal_the_stock_ops(dtype):
     """RMSNorm (+ residual add), rotary embedding with the KV-cache store, SiLU-multiply and
@@ -456,7 +510,8 @@ def test_fused_small_ops_equal_the_stock_ops(dtype):
     logits[1, 8500] = logits[1, 123] = logits[1].max() + 1
     logits[2, :] = -1.0
     assert torch.equal(cuda_ops.argmax(logits).cpu(), logits.float().cpu().argmax(-1))
-    assert cuda_ops.argmax(logits).tolist()[1:] == [123, 0]
+    out = torch.full((3,), 7, dtype=torch.int64, device=DEV)
+    assert cuda_ops.argmax(logits, out=out) is out and out.tolist()[1:] == [123, 0]
 
     gu = rnd(2, 3, 3000)  # a joint gate/up product; 1500 is not a multiple of the block
     gate, up = gu[..., :1500], gu[..., 1500:]
