@@ -487,8 +487,7 @@ def graph_advance(pos, pads, key_ok, mask, positions) -> None:
     assert mask.is_contiguous() and key_ok.is_contiguous() and positions.is_contiguous()
     _graph_advance_kernel[(1,)](
         pos, pads, key_ok.view(torch.uint8), mask.view(torch.uint8), positions, B, L,
-        BLOCK=triton.next_power_of_2(B),
-        num_warps=1, **pdl_args(pos.device),
+        BLOCK=triton.next_power_of_2(B), num_warps=1, **pdl_args(pos.device),
     )  # fmt: skip
 
 

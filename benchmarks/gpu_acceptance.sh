@@ -136,7 +136,7 @@ ab)
 sweep)
     # every GEMV config at M = 1 for the three weight formats of the bench (PDL on)
     timeout 400 python3 benchmarks/profile_decode.py --batch 1 --linears --all \
-        --formats ${SWEEP_FORMATS:-affine4g64,mxfp4,mxfp8} --warps ${SWEEP_WARPS:-1} \
+        --formats ${SWEEP_FORMATS:-affine4g64,mxfp4,mxfp8} --warps ${SWEEP_WARPS:-1} ${SWEEP_ARGS:-} \
         2>&1 | tee "$OUT/sweep.txt"
     ;;
 *)

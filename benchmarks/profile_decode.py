@@ -92,7 +92,12 @@ def profile_steps(model, batch: int, context: int, steps: int = 3) -> None:
 
 
 def linears(
-    cfg, ms: list[int], formats=("affine4g64",), show_all: bool = False, warps=(1,)
+    cfg,
+    ms: list[int],
+    formats=("affine4g64",),
+    show_all: bool = False,
+    warps=(1,),
+    prefetch=(True,),
 ) -> None:
     """Every linear shape of one layer and the head, per format, alone and cycled; with
     show_all, every config of the sweep (else the default and the best)."""
@@ -130,10 +135,11 @@ def linears(
                 kc = tk.KernelConfig
                 if m <= tk.GEMV_MAX_M:
                     cfgs = [
-                        kc("gemv", 1, bn, sk, num_warps=nw)
+                        kc("gemv", 1, bn, sk, num_warps=nw, prefetch=pf)
                         for nw in warps
                         for bn in (8, 16)
                         for sk in (1, 2, 4, 8, 16)
+                        for pf in prefetch
                     ]
                 else:  # tensor-core tiles for a small batch: M=32 fills half a 64-row wgmma
                     cfgs = [
@@ -145,6 +151,13 @@ def linears(
                         kc("gemm", 32, 256, 1, ng=2, num_warps=8, num_stages=3, swap=True),
                         kc("gemm", 32, 128, 2, ng=2, num_warps=4, num_stages=4, swap=True),
                     ]
+                    if show_all:  # the narrow swapped tiles, more widely
+                        cfgs += [
+                            kc("gemm", 32, 128, sk, ng=ng, num_warps=4, num_stages=st, swap=True)
+                            for ng in (2, 4)
+                            for st in (3, 5, 6)
+                            for sk in (1, 2, 4)
+                        ]
                 best, every = None, []
                 for c in [None, *cfgs]:
                     try:
@@ -160,6 +173,8 @@ def linears(
                         if c is None
                         else f"{c.block_m}x{c.block_n} s{c.split_k}{' swap' * c.swap}"
                         + (f" w{c.num_warps}" if c.kernel == "gemv" and c.num_warps > 1 else "")
+                        + (" nopf" if c.kernel == "gemv" and not c.prefetch else "")
+                        + (f" ng{c.ng} st{c.num_stages}" if c.kernel == "gemm" else "")
                     )
                     if c is None:
                         d = tk.choose_config(m, w0, x.device, x.dtype)
@@ -230,6 +245,7 @@ def main() -> None:
     ap.add_argument("--formats", default="affine4g64", help="formats of --linears")
     ap.add_argument("--all", action="store_true", help="--linears: print every config")
     ap.add_argument("--warps", default="1", help="--linears: GEMV warps per program to sweep")
+    ap.add_argument("--no-prefetch", action="store_true", help="--linears: sweep it off too")
     ap.add_argument("--attention", action="store_true")
     ap.add_argument("--steps", action="store_true", help="profile whole decode steps")
     a = ap.parse_args()
@@ -246,7 +262,8 @@ def main() -> None:
     if a.linears:
         print("linears (cycled weights, graph-replayed):")
         warps = [int(w) for w in a.warps.split(",")]
-        linears(cfg, sorted({1, *batches}), a.formats.split(","), a.all, warps)
+        pf = (True, False) if a.no_prefetch else (True,)
+        linears(cfg, sorted({1, *batches}), a.formats.split(","), a.all, warps, pf)
     if a.steps:
         be = TorchBackend("cuda", "bfloat16")
         for qn in a.quant.split(","):

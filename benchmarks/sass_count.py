@@ -52,7 +52,8 @@ def gemv_params(mode, bits, g, n, k, m=1, sms=132, kb_per_split=None, block_n=No
         cfg = dataclasses.replace(cfg, block_n=block_n)
     params = tk._gemv_launch_params(w, cfg) if hasattr(tk, "_gemv_launch_params") else None
     if params is None:  # older kernel: the constexprs qmatmul passes
-        ksteps = math.ceil(k * bits // 32 / 128)
+        step = 128 * cfg.num_warps  # words of a row per k-step (the warps split it)
+        ksteps = math.ceil(k * bits // 32 / step)
         per = math.ceil(ksteps / cfg.split_k)
         split = math.ceil(ksteps / per)
         params = dict(
@@ -63,8 +64,10 @@ def gemv_params(mode, bits, g, n, k, m=1, sms=132, kb_per_split=None, block_n=No
             SPLIT_K=split,
             KB_PER_SPLIT=per,
             PREFETCH=cfg.prefetch,
-            EVEN=n % cfg.block_n == 0 and k * bits // 32 == 128 * per * split,
+            EVEN=n % cfg.block_n == 0 and k * bits // 32 == step * per * split,
             PDL=True,  # as launched on an H100 (Triton 3.3+)
+            WARPS=cfg.num_warps,
+            SILU=False,
         )
         params["KW"] = k * bits // 32 if params["EVEN"] else 0
     if kb_per_split is not None:
@@ -112,7 +115,9 @@ def compile_gemv(params, n, k, m=1, x_dtype="bf16", scale_dtype=None):
             consts[name] = params[name]
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "num_stages": 1}
+        src,
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": params.get("WARPS", 1), "num_stages": 1},
     )
 
 

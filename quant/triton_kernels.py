@@ -59,6 +59,9 @@ _MODES = {
 }
 _MODE_ID = {"affine": 0, "mxfp4": 1, "nvfp4": 2, "mxfp8": 3}
 GEMV_MAX_M = 4  # above this many rows the tensor-core kernel wins (per-row FMA cost grows)
+# The most warps a GEMV program splits K across; MLXRUN_GEMV_WARPS=1 gives the one-warp
+# configs (for A/B timing)
+GEMV_WARPS = int(os.environ.get("MLXRUN_GEMV_WARPS", "4"))
 SCALE_ROWS = 8  # scales/biases are stored in tiles of 8 rows (row index innermost)
 MAX_INDEX = 2**31 - 1  # element offsets the kernels compute in int32
 
@@ -531,8 +534,8 @@ if triton is not None:
     def _gemv_fp8(p, wb, x_base, xo, xmask, G: tl.constexpr, BITS: tl.constexpr,
                   EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
         """p [8, LANES] += E4M3 bytes wb [8, 16*LANES] (word 4l+j, position b at byte
-        16l+4j+b) x x:
-        the bytes become fp32 by the hardware conversion (E4M3 pairs -> f16x2 -> f32)."""
+        16l+4j+b) x x: the bytes become fp32 by the hardware conversion (E4M3 pairs -> f16x2
+        -> f32)."""
         WPG: tl.constexpr = G // 4
         v = tl.reshape(wb.to(tl.float8e4nv, bitcast=True).to(tl.float32), [8, LANES, 4, 2, 2])
         f0, f1, f2, f3 = _split22(v)  # positions b = 0..3: [8, LANES, 4] (word j)
@@ -1185,8 +1188,9 @@ def pdl_args(device) -> dict:
 class KernelConfig:
     """Launch parameters.
 
-    kernel: "gemv" (one warp per program, k-steps of 128 words per row) or "gemm" (tl.dot,
-    k-steps of ng groups). split_k: programs along K whose partials the last one sums.
+    kernel: "gemv" (num_warps warps per program, splitting each k-step of 128*num_warps
+    words per row) or "gemm" (tl.dot, k-steps of ng groups). split_k: programs along K whose
+    partials the last one sums.
     """
 
     kernel: str
@@ -1245,10 +1249,9 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
         # fp4 (bound by its decode instructions) loses on a part-masked last step, so its
         # warps divide the row's words (4096x14336 mxfp4 19.6 us in 4 warps, 17.2 in 2).
         kw = w.k * w.bits // 32
-        most = int(os.environ.get("MLXRUN_GEMV_WARPS", "4"))  # 1: the one-warp rules (A/B)
         fp4 = w.mode in ("mxfp4", "nvfp4")
         warps = 1
-        while warps < most and 256 * warps <= kw and not (fp4 and kw % (256 * warps)):
+        while warps < GEMV_WARPS and 256 * warps <= kw and not (fp4 and kw % (256 * warps)):
             warps *= 2
         ksteps = math.ceil(kw / (128 * warps))
         if warps > 1:
@@ -1280,7 +1283,11 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
         elif few and ksteps / sk > 4:  # long serial chains lose where the rows are few:
             sk = math.ceil(ksteps / 4)  # 4096x14336 int4 17.8 us in 2 splits, 14.6 in 4
         # (with many rows one split wins: mxfp8 28672x4096 45.5 us against 48.6 in 2)
-        return KernelConfig("gemv", 1, bn, sk, num_warps=warps)
+        # E4M3 holds ~155 registers a lane with the next step's words in flight: where a
+        # warp has many k-steps, more resident warps beat the prefetch (mxfp8 4096x14336,
+        # 7 four-warp steps: 23.5 -> 22.6 us without it; 4096x4096, 2 steps: 7.4 -> 9.5)
+        prefetch = not (w.mode == "mxfp8" and warps > 1 and ksteps > 2)
+        return KernelConfig("gemv", 1, bn, sk, num_warps=warps, prefetch=prefetch)
     g = w.group_size
     swap = False
     if device.type == "cpu":  # interpreter: small tiles keep the CPU tests fast
