@@ -406,13 +406,13 @@ def test_cuda_code_path_end_to_end(tiny_dir, quant):
 def test_packed_embedding_rows_equal_the_torch_dequantize(mode, bits, group_size):
     """The embedding kernel (a packed table's rows by id, one launch) gives the torch
     dequantize's rows bit for bit in fp32 (and to bf16 rounding in bf16), for every format;
-    the rows are 5 * 256 bits + a part-block (a masked tail), ids repeat."""
+    a row's words end inside a block of the kernel's 256 (a masked tail); ids repeat."""
     from mlxrun.backends import cuda_ops
     from mlxrun.backends.base import QuantizedWeight
     from mlxrun.backends.torch_backend import TorchBackend
 
     gen = torch.Generator().manual_seed(bits * group_size)
-    k = 1280 + 2 * group_size * 32 // bits  # 1280 + 64 codes of 4 bits / 32 of 8: a tail
+    k = 1280 + 2 * group_size * 32 // bits  # 192-576 words a row, never whole blocks of 256
     k -= k % group_size
     w, s, b = (None if t is None else t.to(DEV) for t in random_packed(37, k, mode, bits,
                                                                         group_size, gen))  # fmt: skip
