@@ -23,6 +23,7 @@ import triton.language as tl
 from mlxrun.quant.triton_kernels import (
     _MODE_ID,
     _counters,
+    _decode_pos,
     _group_scale,
     _l2_bytes,
     _num_sms,
@@ -431,9 +432,8 @@ def _embed_kernel(ids_ptr, w_ptr, s_ptr, b_ptr, out_ptr, KW, KG, MODE: tl.conste
             v = c.to(tl.float32)
         elif MODE == 3:  # E4M3 by the hardware conversion
             v = c.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        else:  # E2M1: magnitude bits -> 22..24, sign -> 31 is value * 2^-126 (exact)
-            f = ((c & 7) << 22) | ((c & 8) << 28)
-            v = f.to(tl.float32, bitcast=True) * 8.507059173023462e37
+        else:  # E2M1 as the GEMV decodes it (value * 2^-126), times 2^126: exact
+            v = _decode_pos(words, i, MODE, BITS) * 8.507059173023462e37
         e = wo * EPW + i
         s, b = _group_scale(s_ptr, b_ptr, r * KG + e // G, ok, MODE)
         if MODE == 0:

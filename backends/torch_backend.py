@@ -80,7 +80,11 @@ class StaticCache:
         """Graph mode: the device-side position, mask and rope positions at `offset` again
         (after warm-up or capture runs moved them on)."""
         self.pos.fill_(self.offset)
-        # one query at slot pos: keys <= pos that are not padding
+        self._follow_pos()
+
+    def _follow_pos(self) -> None:
+        """The mask and rope positions of a query at slot pos (in place: a graph reads them)."""
+        # keys <= pos that are not padding
         torch.logical_and(self._key_ok, self._slots[None, :] <= self.pos, out=self._mask)
         torch.sub(self.pos, self._pads, out=self._positions[:, 0])
 
@@ -136,8 +140,7 @@ class StaticCache:
                 graph_advance(self.pos, self._pads, self._key_ok, self._mask, self._positions)
             else:
                 self.pos += n
-                self._mask |= self._key_ok & (self._slots[None, :] <= self.pos)
-                torch.sub(self.pos, self._pads, out=self._positions[:, 0])
+                self._follow_pos()
         else:
             self.offset += n
 
@@ -487,8 +490,8 @@ class TorchBackend:
 
     def silu_gated(self, x, gate, up):
         """silu(x @ gate^T) * (x @ up^T). Where the joint gate/up GEMV runs in 16-row tiles
-        (int4 at batch 1-4 on large models), each tile holds 8 gate rows and their 8 up rows
-        and applies the SiLU-multiply in its epilogue: no launch of its own."""
+        (int4 and mxfp8 at batch 1-4 on large models), each tile holds 8 gate rows and their 8
+        up rows and applies the SiLU-multiply in its epilogue: no launch of its own."""
         joint = self._joint((gate, up)) if self.triton_kernels else None
         if joint is not None and not isinstance(joint, torch.Tensor):
             from mlxrun.quant.triton_kernels import qmatmul, silu_fusable  # noqa: PLC0415

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import re
 import subprocess
@@ -50,26 +49,7 @@ def gemv_params(mode, bits, g, n, k, m=1, sms=132, kb_per_split=None, block_n=No
         tk._num_sms = saved
     if block_n:
         cfg = dataclasses.replace(cfg, block_n=block_n)
-    params = tk._gemv_launch_params(w, cfg) if hasattr(tk, "_gemv_launch_params") else None
-    if params is None:  # older kernel: the constexprs qmatmul passes
-        step = 128 * cfg.num_warps  # words of a row per k-step (the warps split it)
-        ksteps = math.ceil(k * bits // 32 / step)
-        per = math.ceil(ksteps / cfg.split_k)
-        split = math.ceil(ksteps / per)
-        params = dict(
-            MODE=tk._MODE_ID[mode],
-            BITS=bits,
-            G=g,
-            BLOCK_N=cfg.block_n,
-            SPLIT_K=split,
-            KB_PER_SPLIT=per,
-            PREFETCH=cfg.prefetch,
-            EVEN=n % cfg.block_n == 0 and k * bits // 32 == step * per * split,
-            PDL=True,  # as launched on an H100 (Triton 3.3+)
-            WARPS=cfg.num_warps,
-            SILU=False,
-        )
-        params["KW"] = k * bits // 32 if params["EVEN"] else 0
+    params = dict(tk._gemv_constexprs(w, cfg), PDL=True)  # as launched on an H100 (Triton 3.3+)
     if kb_per_split is not None:
         params["KB_PER_SPLIT"] = kb_per_split
     return params, cfg

@@ -14,9 +14,10 @@ denormals included (Triton emits no flush-to-zero). x is pre-multiplied by 2^100
 products stay normal; the power of two comes back once per group, with the scale.
 
 `qmatmul(x, w)` picks the kernel by the number of rows of x: M <= 4 uses the CUDA-core GEMV
-(one warp per program streams 8 rows x 1024+ inputs per step; split-K so that small N still
-fills all SMs, in one launch: the last program of each row block sums the split partials;
-rows of x are programs next to each other, so M > 1 re-reads the weights from L2), larger M
+(up to 4 warps per program stream 8 or 16 rows, each warp its own part of every k-step,
+summed once at the end; split-K across programs where that still leaves SMs idle, in one
+launch: the last program of each row block sums the split partials; rows of x are programs
+next to each other, so M > 1 re-reads the weights from L2), larger M
 uses a tensor-core GEMM (tl.dot) that dequantizes each weight tile in registers.
 Without Triton or a GPU, `dequantize_torch` gives the dense weight for one layer at a time.
 """
@@ -1338,12 +1339,47 @@ def _check_runtime(x: torch.Tensor) -> None:
 
 def silu_fusable(x: torch.Tensor, w: QLinear, config: KernelConfig | None = None) -> bool:
     """Whether qmatmul(x, w, config, silu=True) can run: w = [gate; up] with N/2 a multiple
-    of 8, and the GEMV in 16-row tiles (affine 4-bit on the large shapes)."""
+    of 8, and the GEMV in 16-row tiles (choose_config: int4 and mxfp8 where a warp has at
+    most 2 k-steps)."""
     m = x.numel() // max(x.shape[-1], 1)
     if not 0 < m <= GEMV_MAX_M or (w.n // 2) % SCALE_ROWS or w.n % 2:
         return False
     cfg = config or choose_config(m, w, x.device, x.dtype)
     return cfg.kernel == "gemv" and cfg.block_n == 16
+
+
+def _constexprs(w, cfg: KernelConfig, per: int, split: int) -> dict:
+    """The constexprs both kernels take: format, row block and the K split."""
+    return dict(
+        MODE=_MODE_ID[w.mode],
+        BITS=w.bits,
+        G=w.group_size,
+        BLOCK_N=cfg.block_n,
+        SPLIT_K=split,
+        KB_PER_SPLIT=per,
+    )
+
+
+def _gemv_constexprs(w, cfg: KernelConfig, silu: bool = False, dense: bool = True) -> dict:
+    """_gemv_kernel's constexprs for w (a QLinear, or anything with its n, k, bits,
+    group_size and mode) under cfg, as qmatmul launches it; benchmarks/sass_count.py compiles
+    the same. dense: w's rows and scales are contiguous."""
+    kw = w.k * w.bits // 32
+    step = 128 * cfg.num_warps  # words of a row per k-step (the warps split it)
+    ksteps = math.ceil(kw / step)
+    per = math.ceil(ksteps / cfg.split_k)
+    split = math.ceil(ksteps / per)  # no empty splits
+    # whole row blocks, k-steps and splits, contiguous rows: no masks, a constant stride
+    even = dense and w.n % cfg.block_n == 0 and kw == step * per * split
+    # with one k-step per split, PREFETCH still loads it before the loop (before gdc_wait)
+    return dict(
+        _constexprs(w, cfg, per, split),
+        PREFETCH=cfg.prefetch,
+        EVEN=even,
+        KW=kw if even else 0,
+        SILU=silu,
+        WARPS=cfg.num_warps,
+    )
 
 
 def qmatmul(
@@ -1378,45 +1414,23 @@ def qmatmul(
         return y.reshape(*lead, w.n)
     cfg = config or choose_config(m, w, x.device, x.dtype)
     if cfg.kernel == "gemv":
-        ksteps = math.ceil(w.k * w.bits // 32 / (128 * cfg.num_warps))
         if x2.dtype == torch.bfloat16 and (x2.data_ptr() % 4 or (m > 1 and x2.stride(0) % 2)):
             x2 = x2.clone()  # the GEMV reads bf16 x as uint32 pairs: 4-byte aligned rows
-    else:
-        ksteps = math.ceil(w.k / (cfg.ng * w.group_size))
-    per = math.ceil(ksteps / cfg.split_k)
-    split = math.ceil(ksteps / per)  # no empty splits
-    biases = w.biases if w.biases is not None else w.scales
-    common = dict(
-        MODE=_MODE_ID[w.mode],
-        BITS=w.bits,
-        G=w.group_size,
-        BLOCK_N=cfg.block_n,
-        SPLIT_K=split,
-        KB_PER_SPLIT=per,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-    if cfg.kernel == "gemv":
+        dense = w.weight.stride(0) == w.k * w.bits // 32 and w.scales.is_contiguous()
+        consts = _gemv_constexprs(w, cfg, silu, dense)
+        split = consts["SPLIT_K"]
         tiles = math.ceil(w.n / cfg.block_n)  # with silu: 8 gate and their 8 up rows a tile
         grid = (m, tiles, split)
-        kw = w.k * w.bits // 32
-        # whole row blocks, k-steps and splits, contiguous rows: no masks, a constant stride
-        even = (
-            w.n % cfg.block_n == 0
-            and kw == 128 * cfg.num_warps * per * split
-            and w.weight.stride(0) == kw
-            and w.scales.is_contiguous()
-        )
-        # with one k-step per split, PREFETCH still loads it before the loop (before gdc_wait)
-        extra = dict(
-            PREFETCH=cfg.prefetch, EVEN=even, KW=kw if even else 0, SILU=silu, WARPS=cfg.num_warps
-        )
         kern = _gemv_kernel
     else:
+        ksteps = math.ceil(w.k / (cfg.ng * w.group_size))
+        per = math.ceil(ksteps / cfg.split_k)
+        split = math.ceil(ksteps / per)  # no empty splits
         tiles = math.ceil(m / cfg.block_m) * math.ceil(w.n / cfg.block_n)
         grid = (tiles, split)
         kern = _gemm_kernel
-        extra = dict(
+        consts = dict(
+            _constexprs(w, cfg, per, split),
             BLOCK_M=cfg.block_m,
             NG=cfg.ng,
             GROUP_M=cfg.group_m,
@@ -1428,8 +1442,10 @@ def qmatmul(
         )
     part = torch.empty((split, m, w.n), dtype=torch.float32, device=x.device) if split > 1 else y
     cnt = _counters(x.device, m * tiles) if split > 1 else y
+    biases = w.biases if w.biases is not None else w.scales
     kern[grid](
         x2, w.weight, w.scales, biases, y, part, cnt, m, w.n, w.k, x2.stride(0), y.stride(0),
-        w.weight.stride(0), **common, **extra, **pdl_args(x.device),
+        w.weight.stride(0), **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_args(x.device),
     )  # fmt: skip
     return y.reshape(*lead, y.shape[-1])
