@@ -23,7 +23,6 @@ import triton.language as tl
 from mlxrun.quant.triton_kernels import (
     _MODE_ID,
     _counters,
-    _decode_pos,
     _group_scale,
     _l2_bytes,
     _num_sms,
@@ -432,8 +431,9 @@ def _embed_kernel(ids_ptr, w_ptr, s_ptr, b_ptr, out_ptr, KW, KG, MODE: tl.conste
             v = c.to(tl.float32)
         elif MODE == 3:  # E4M3 by the hardware conversion
             v = c.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        else:  # E2M1 as the GEMV decodes it (value * 2^-126), times 2^126: exact
-            v = _decode_pos(words, i, MODE, BITS) * 8.507059173023462e37
+        else:  # E2M1 code (canonical nibble) -> value * 2^-126 as float bits, times 2^126
+            f = ((c << 22) & 0x01C00000) | ((c << 28) & 0x80000000)
+            v = f.to(tl.float32, bitcast=True) * 8.507059173023462e37
         e = wo * EPW + i
         s, b = _group_scale(s_ptr, b_ptr, r * KG + e // G, ok, MODE)
         if MODE == 0:

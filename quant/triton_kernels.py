@@ -128,15 +128,47 @@ def _check_format(mode: str, bits: int, group_size: int) -> None:
         )
 
 
-def _repack(codes: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
-    """codes uint8 [N, K] (natural order) -> int32 [N, K*bits/32] in the group-transposed order."""
+# Bit j (m, e0, e1, sign) of the E2M1 code at position i of a prepared word is bit
+# _E2M1_BITS[i][j]. Positions 0-2 and 4-6 keep m, e0, e1 next to each other and the sign 9
+# bits above them: the distance from bits 22..24 (where a float's exponent and mantissa read
+# them exactly) to bit 31, so one shift and one mask decode them. 3 and 7 take the bits left
+# over. Each 16-bit half has the same pattern (positions 0-3, 4-7), which the GEMM's packed
+# pairs need. Contiguous nibbles took a mask, a multiply (two copies of the nibble) and a
+# mask each: the GEMV's k-step went 1204 -> 948 SASS instructions (mxfp4, sass_count.py).
+_E2M1_BITS = (
+    (0, 1, 2, 9),
+    (3, 4, 5, 12),
+    (6, 7, 8, 15),
+    (13, 14, 10, 11),
+    (16, 17, 18, 25),
+    (19, 20, 21, 28),
+    (22, 23, 24, 31),
+    (29, 30, 26, 27),
+)
+
+
+def _code_bits(bits: int, mode: str | None, device) -> torch.Tensor | None:
+    """[EPW, bits] word bit of each code bit in a prepared word, or None for plain fields
+    (position i at bits i*bits..). mode None: the canonical (MLX) layout."""
+    if mode in ("mxfp4", "nvfp4"):
+        return torch.tensor(_E2M1_BITS, device=device, dtype=torch.int64)
+    return None
+
+
+def _repack(codes: torch.Tensor, bits: int, group_size: int, mode: str) -> torch.Tensor:
+    """codes uint8 [N, K] (natural order) -> int32 [N, K*bits/32] in the group-transposed order
+    (E2M1 codes with their bits placed as _E2M1_BITS)."""
     n, k = codes.shape
     epw = 32 // bits
     wpg = group_size // epw
     # element (g, i, w) of the group-transposed order is input g*G + i*WPG + w
     c = codes.view(n, k // group_size, epw, wpg).permute(0, 1, 3, 2).to(torch.int64)
-    shifts = torch.arange(epw, device=codes.device, dtype=torch.int64) * bits
-    words = (c << shifts).sum(-1)  # [N, K/G, WPG]; disjoint bit fields, so sum == or
+    table = _code_bits(bits, mode, codes.device)
+    if table is None:
+        shifts = torch.arange(epw, device=codes.device, dtype=torch.int64) * bits
+        words = (c << shifts).sum(-1)  # [N, K/G, WPG]; disjoint bit fields, so sum == or
+    else:
+        words = sum(((c >> j) & 1) << table[:, j] for j in range(bits)).sum(-1)
     words = torch.where(words >= 2**31, words - 2**32, words)
     return words.reshape(n, k // epw).to(torch.int32)
 
@@ -154,11 +186,17 @@ def _untile_rows(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.transpose(1, 2).reshape(-1, t.shape[1])[:n]
 
 
-def _unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 [N, W] -> uint8 codes [N, W*32/bits], position i of word w at column w*epw + i."""
+def _unpack(words: torch.Tensor, bits: int, mode: str | None = None) -> torch.Tensor:
+    """int32 [N, W] -> uint8 codes [N, W*32/bits], position i of word w at column w*epw + i.
+    mode None: canonical words; else words as `_repack` wrote them for that mode."""
     epw = 32 // bits
-    shifts = torch.arange(epw, device=words.device, dtype=torch.int64) * bits
-    c = (words.to(torch.int64)[..., None] >> shifts) & ((1 << bits) - 1)
+    w = words.to(torch.int64)[..., None]
+    table = _code_bits(bits, mode, words.device)
+    if table is None:
+        shifts = torch.arange(epw, device=words.device, dtype=torch.int64) * bits
+        c = (w >> shifts) & ((1 << bits) - 1)
+    else:
+        c = sum(((w >> table[:, j]) & 1) << j for j in range(bits))
     return c.reshape(words.shape[0], -1).to(torch.uint8)
 
 
@@ -197,7 +235,7 @@ def prepare(
     # row chunks bound the int64 temporaries (~64 bytes per weight) to ~1 GB
     step = max(SCALE_ROWS, (1 << 24) // k)
     packed = torch.cat(
-        [_repack(_unpack(w[i : i + step], bits), bits, group_size) for i in range(0, n, step)]
+        [_repack(_unpack(w[i : i + step], bits), bits, group_size, mode) for i in range(0, n, step)]
     )
     s = _tile_rows(s)
     b = _tile_rows(b) if b is not None else None
@@ -258,7 +296,7 @@ def dequantize_torch(w: QLinear, dtype=None) -> torch.Tensor:
     epw = 32 // w.bits
     wpg = w.group_size // epw
     ng = w.k // w.group_size
-    codes = _unpack(w.weight, w.bits).view(w.n, ng, wpg, epw).permute(0, 1, 3, 2)
+    codes = _unpack(w.weight, w.bits, w.mode).view(w.n, ng, wpg, epw).permute(0, 1, 3, 2)
     codes = codes.reshape(w.n, w.k).to(torch.int64)
     scales = _untile_rows(w.scales, w.n)
     if w.mode == "affine":
@@ -328,17 +366,16 @@ if triton is not None:
         elif MODE == 3:  # E4M3: magnitude bits -> 20..26, sign -> 31: value * 2^-120
             t = w >> (8 * I)
             f = (((t << 20) & 0x07F00000) | ((t << 24) & 0x80000000)).to(tl.float32, bitcast=True)
-        else:  # E2M1: magnitude bits -> 22..24, sign -> 31: value * 2^-126
-            # one multiply adds two shifted copies of the isolated nibble (no carries: they
-            # land on bits 22..25 and 28..31); the mask keeps 22..24 of one, 31 of the other
-            if I < 4:
-                J: tl.constexpr = I
-                src = w
-            else:
-                J: tl.constexpr = I - 4
-                src = w >> 16
-            u = src & (0xF << (4 * J))
-            v = u * ((1 << (22 - 4 * J)) + (1 << (28 - 4 * J)))
+        else:  # E2M1 in prepare's layout (_E2M1_BITS): magnitude -> 22..24, sign -> 31
+            if I == 3:  # m, e0 at 13, 14, e1 at 10, sign at 11: one multiply adds three
+                # copies of the isolated bits (shifted by 9, 14, 20; no carries between them)
+                v = (w & 0x6C00) * ((1 << 9) + (1 << 14) + (1 << 20))
+            elif I == 7:  # the same 16 bits higher, moved down to 19, 20, 22, 23 first
+                v = ((w >> 7) & 0x00D80000) * (1 + (1 << 5) + (1 << 11))
+            elif I == 6:  # m, e0, e1 at 22..24, sign at 31: in place
+                v = w
+            else:  # positions 0-2 at 3*I, 4-5 at 16 + 3*(I-4): m, e0, e1 then sign 9 above
+                v = w << (22 - 3 * I if I < 3 else 6 - 3 * (I - 4))
             f = (v & 0x81C00000).to(tl.float32, bitcast=True)
         return f
 
@@ -829,8 +866,13 @@ if triton is not None:
         elif MODE == 3:
             f = (((t << 20) & 0x07F00000) | ((t << 24) & 0x80000000)).to(tl.float32, bitcast=True)
             v = (f * 1.329227995784916e36) * scale[:, :, None, None]  # 2^120
-        else:
-            f = (((t << 22) & 0x01C00000) | ((t << 28) & 0x80000000)).to(tl.float32, bitcast=True)
+        else:  # prepare's E2M1 layout: positions 3 and 7 as _decode_pos, the others shifted
+            i = tl.arange(0, EPW)[None, None, :, None]
+            w = words[:, :, None, :]
+            sh = tl.where(i < 3, 22 - 3 * i, tl.maximum(18 - 3 * i, 0))  # m, e0, e1 -> 22..24
+            odd = tl.where(i == 3, (w & 0x6C00) * 0x104200, ((w >> 7) & 0x00D80000) * 0x821)
+            v = tl.where((i == 3) | (i == 7), odd, w << sh)
+            f = (v & 0x81C00000).to(tl.float32, bitcast=True)
             v = (f * 8.507059173023462e37) * scale[:, :, None, None]  # 2^126
         return v
 
@@ -861,11 +903,13 @@ if triton is not None:
             return (t & 0x000F000F) | 0x43004300
 
     @triton.jit
-    def _gq_e2m1(t):
-        """E2M1 code in the low nibble of each half of t -> bf16 pair = value * 2^-126: one
-        multiply adds the nibble shifted by 6 (magnitude -> bits 6..8) and by 12 (sign -> 15),
-        no carries between them; the mask keeps those bits."""
-        return ((t & 0x000F000F) * 4160) & -2118090304  # 2^6 + 2^12; 0x81C081C0
+    def _gq_e2m1(r, B):
+        """Position B (0-3) of the E2M1 codes in each half of r (prepare's layout, the same
+        in both halves) -> bf16 pairs = value * 2^-126: m, e0, e1 -> bits 6..8 of the half,
+        sign -> 15, by a shift (B 0-2) or as _decode_pos does position 3 (B == 3), then one
+        mask. r: [.., 1, HW]; B: [.., 4, 1]."""
+        odd = ((r >> 7) & 0x00D800D8) * 0x821  # m, e0 at 13, 14 -> 6, 7; e1 10 -> 8, s 11 -> 15
+        return tl.where(B == 3, odd, r << tl.maximum(6 - 3 * B, 0)) & -2118090304  # 0x81C081C0
 
     @triton.jit
     def _gq_scale_pair(s_ptr, b_ptr, offs, mask, MODE: tl.constexpr, ASM: tl.constexpr):
@@ -949,21 +993,21 @@ if triton is not None:
         give q*s + b (q exact, one rounding, as the fp32 path rounded to bf16). The pair is
         two k-adjacent elements: wgmma's register-operand layout (kWidth 2) takes it as is,
         so Triton converts the tile to the dot layout in registers (no shared memory).
-        About 2 instructions per weight element. E2M1 (MODE 1, 2): shift, LOP3, IMAD, LOP3
-        give the pair as value * 2^-126, two packed multiplies by 2^126 and the scale (each
-        exact or one rounding, no intermediate overflow)."""
+        About 2 instructions per weight element. E2M1 (MODE 1, 2): _gq_e2m1 gives the pair
+        as value * 2^-126, two packed multiplies by 2^126 and the scale (each exact or one
+        rounding, no intermediate overflow)."""
         HW: tl.constexpr = WPG // 2
         wa, wb = tl.split(tl.reshape(words.to(tl.int32, bitcast=True), [BLOCK_N, NG, HW, 2]))
         r = tl.join(_gq_prmt(wa, wb, "0x5410", ASM), _gq_prmt(wa, wb, "0x7632", ASM))
         r = tl.permute(r, [0, 1, 3, 2])  # [BN, NG, 2 (nibbles 0-3 | 4-7), HW]
-        sh = (tl.arange(0, 4) * 4)[None, None, None, :, None]
-        t = r[:, :, :, None, :] >> sh  # [BN, NG, 2, 4, HW]: position i = 4a + b
+        b = tl.arange(0, 4)[None, None, None, :, None]
         if MODE == 0:
+            t = r[:, :, :, None, :] >> (b * 4)  # [BN, NG, 2, 4, HW]: position i = 4a + b
             m = _gq_magic(t, ASM)
             c1 = tl.full([BLOCK_N, NG, 2, 4, HW], 0x3F803F80, tl.int32)  # bf16 (1, 1)
             c0 = tl.full([BLOCK_N, NG, 2, 4, HW], -1023360256, tl.int32)  # 0xC300C300: -128
         else:
-            m = _gq_e2m1(t)
+            m = _gq_e2m1(r[:, :, :, None, :], b)
             c1 = tl.full([BLOCK_N, NG, 2, 4, HW], 0x7E807E80, tl.int32)  # bf16 2^126
             c0 = tl.full([BLOCK_N, NG, 2, 4, HW], -2147450880, tl.int32)  # 0x80008000: -0
         s2 = s2[:, :, None, None, None]
@@ -1247,18 +1291,22 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
         # --all --warps 1,2,4: cycled weights, PDL on), int4 us, best with 1 warp -> 4 warps:
         # 6144x4096 8.3 -> 6.6, 4096x4096 6.8 -> 5.6, 28672x4096 25.9 -> 24.9, 4096x14336
         # 14.6 -> 14.2, 128256x4096 101.6 -> 96.4; with 4 warps more splits only lost.
-        # fp4 (bound by its decode instructions) loses on a part-masked last step, so its
-        # warps divide the row's words (4096x14336 mxfp4 19.6 us in 4 warps, 17.2 in 2).
         kw = w.k * w.bits // 32
         fp4 = w.mode in ("mxfp4", "nvfp4")
         warps = 1
-        while warps < GEMV_WARPS and 256 * warps <= kw and not (fp4 and kw % (256 * warps)):
+        while warps < GEMV_WARPS and 256 * warps <= kw:
             warps *= 2
+        if fp4 and w.n >= 64 * sms:
+            # fp4 with many row blocks (8 or more a SM): 2 warps, twice the k-steps a warp
+            # (mxfp4 28672x4096 26.2 -> 24.1 us, 128256x4096 97.4 -> 95.1; 4 warps still
+            # win at 6144x4096, 7.5 against 7.7, and 4096x14336, 14.8 against 16.1). In the
+            # decode loop (bench, fp4, same call): 438.4, 434.8 -> 440.3, 440.5 tok/s
+            warps = min(warps, 2)
         ksteps = math.ceil(kw / (128 * warps))
         if warps > 1:
             # 16 rows (two halves sharing each x input) where a warp has at most 2 k-steps:
             # mxfp8 4096x4096 8.0 -> 7.4 us, but 4096x14336 (7 k-steps) 23.5 -> 84.2;
-            # fp4 is slower at 16 rows everywhere (6144x4096 8.0 -> 8.3 us)
+            # fp4 is slower at 16 rows everywhere (6144x4096 7.5 -> 8.6 us)
             bn = 16 if not fp4 and ksteps <= 2 else 8
         else:
             # 8 or 16 rows (affine with >= 2 row blocks per SM: 8% fewer instructions,
