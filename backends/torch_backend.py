@@ -489,9 +489,9 @@ class TorchBackend:
         return F.silu(gate) * up
 
     def silu_gated(self, x, gate, up):
-        """silu(x @ gate^T) * (x @ up^T). Where the joint gate/up GEMV runs in 16-row tiles
-        (int4 and mxfp8 at batch 1-4 on large models), each tile holds 8 gate rows and their 8
-        up rows and applies the SiLU-multiply in its epilogue: no launch of its own."""
+        """silu(x @ gate^T) * (x @ up^T). Where the joint gate/up runs the GEMV (quantized
+        weights at batch 1-4), each tile holds gate rows and their up rows and applies the
+        SiLU-multiply in its epilogue: no launch of its own."""
         joint = self._joint((gate, up)) if self.triton_kernels else None
         if joint is not None and not isinstance(joint, torch.Tensor):
             from mlxrun.quant.triton_kernels import qmatmul, silu_fusable  # noqa: PLC0415

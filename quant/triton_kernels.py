@@ -523,7 +523,7 @@ if triton is not None:
         if SPLIT_K == 1:
             _silu_store(g, u, y_ptr + rn)
         else:
-            rows = tl.join(rn, rn_h)  # [8, 2]
+            rows = tl.join(rn, rn_h)  # [8 or 4, 2]
             last, total = _split_sum(tl.join(g, u), part_ptr + rows, rows < N, cnt_ptr,
                                      tile_id, pid_k, stride_split, SPLIT_K)  # fmt: skip
             if last:
@@ -739,12 +739,12 @@ if triton is not None:
         trigger at entry lets every later kernel of the step launch at once (each one's
         programs trigger on arrival), and their waiting programs and early loads crowd the
         SMs (H100: 4096x4096 7.5 -> 7.8 us, 6144x4096 9.5 -> 12.5 us).
-        SILU (16 rows; W = [gate; up], N/2 a multiple of 8): the second half of the rows is
-        the first half's up rows, N/2 further on, and y[m, N/2] = silu(gate) * up, rounded
-        as cuda_ops.silu_mul rounds the two products: no SiLU launch of its own.
+        SILU (W = [gate; up], N/2 a multiple of 8): a tile's rows are gate rows and their up
+        rows, N/2 further on (16 rows: 8 and 8; 8 rows: 4 and 4), and y[m, N/2] =
+        silu(gate) * up, rounded as cuda_ops.silu_mul rounds the two products: no SiLU
+        launch of its own.
         """
         tl.static_assert(BLOCK_N == 8 or BLOCK_N == 16)
-        tl.static_assert(BLOCK_N == 16 or not SILU)
         HALVES: tl.constexpr = BLOCK_N // 8
         LANES: tl.constexpr = 32 * WARPS
         EPW: tl.constexpr = 32 // BITS
@@ -758,9 +758,13 @@ if triton is not None:
             swn = KW
         else:
             swn = stride_wn
-        if SILU:
+        if SILU and HALVES == 2:
             rn = pid_n * 8 + tl.arange(0, 8)
             rn_h = rn + N // 2
+        elif SILU:
+            r8 = tl.arange(0, 8)
+            rn = pid_n * 4 + r8 % 4 + (r8 // 4) * (N // 2)
+            rn_h = rn  # unused
         else:
             rn = pid_n * BLOCK_N + tl.arange(0, 8)
             rn_h = rn + 8
@@ -842,10 +846,15 @@ if triton is not None:
             C: tl.constexpr = 67108864.0
         out = tl.sum(acc, axis=1) * C  # [8]
         tile = m * tl.num_programs(1) + pid_n
-        if SILU:
+        if SILU and HALVES == 2:
             out_h = tl.sum(acc_h, axis=1) * C
             _silu_epilogue(out, out_h, y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr, rn,
                            rn_h, N, M * N, tile, pid_k, SPLIT_K)  # fmt: skip
+        elif SILU:
+            g, u = tl.split(tl.trans(tl.reshape(out, [2, 4])))  # rows 0-3 gate, 4-7 up
+            rg = pid_n * 4 + tl.arange(0, 4)
+            _silu_epilogue(g, u, y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr, rg,
+                           rg + N // 2, N, M * N, tile, pid_k, SPLIT_K)  # fmt: skip
         else:
             if HALVES == 2:
                 out_h = tl.sum(acc_h, axis=1) * C
@@ -1387,13 +1396,12 @@ def _check_runtime(x: torch.Tensor) -> None:
 
 def silu_fusable(x: torch.Tensor, w: QLinear, config: KernelConfig | None = None) -> bool:
     """Whether qmatmul(x, w, config, silu=True) can run: w = [gate; up] with N/2 a multiple
-    of 8, and the GEMV in 16-row tiles (choose_config: int4 and mxfp8 where a warp has at
-    most 2 k-steps)."""
+    of 8, and the GEMV (at most GEMV_MAX_M rows of x)."""
     m = x.numel() // max(x.shape[-1], 1)
     if not 0 < m <= GEMV_MAX_M or (w.n // 2) % SCALE_ROWS or w.n % 2:
         return False
     cfg = config or choose_config(m, w, x.device, x.dtype)
-    return cfg.kernel == "gemv" and cfg.block_n == 16
+    return cfg.kernel == "gemv"
 
 
 def _constexprs(w, cfg: KernelConfig, per: int, split: int) -> dict:
@@ -1444,7 +1452,7 @@ def qmatmul(
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise MlxrunError(f"qmatmul takes bf16/fp16/fp32 inputs, got {x.dtype}")
     if silu and not silu_fusable(x, w, config):
-        raise ValueError("qmatmul: silu needs the 16-row GEMV and an even [gate; up] weight")
+        raise ValueError("qmatmul: silu needs the GEMV and an even [gate; up] weight")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k)
     if x2.stride(-1) != 1:
@@ -1467,7 +1475,7 @@ def qmatmul(
         dense = w.weight.stride(0) == w.k * w.bits // 32 and w.scales.is_contiguous()
         consts = _gemv_constexprs(w, cfg, silu, dense)
         split = consts["SPLIT_K"]
-        tiles = math.ceil(w.n / cfg.block_n)  # with silu: 8 gate and their 8 up rows a tile
+        tiles = math.ceil(w.n / cfg.block_n)  # with silu: gate rows and their up rows a tile
         grid = (m, tiles, split)
         kern = _gemv_kernel
     else:

@@ -248,12 +248,14 @@ def test_gemm_small_m_swap_packed(mode, bits, group_size, m):
     assert rel_err(tk.qmatmul(x.to(DEV), q, cfg).cpu(), want) < 1e-2
 
 
-@pytest.mark.parametrize("mode,bits,group_size", [FORMATS[1], FORMATS[8]], ids=["int4", "mxfp8"])
+@pytest.mark.parametrize(
+    "mode,bits,group_size", [FORMATS[1], FORMATS[6], FORMATS[8]], ids=["int4", "mxfp4", "mxfp8"]
+)
 def test_silu_in_the_gate_up_epilogue(mode, bits, group_size):
-    """The joint [gate; up] GEMV in 16-row tiles (8 gate rows and their 8 up rows) gives
-    silu(gate) * up bit for bit as the GEMV then cuda_ops.silu_mul do, with and without
-    split-K (across programs and across the warps of one), at 1 and 3 rows; where the tiles
-    are 8 rows it refuses."""
+    """The joint [gate; up] GEMV, in 16-row tiles (8 gate rows and their 8 up rows) and in
+    8-row tiles (4 and 4), gives silu(gate) * up bit for bit as the GEMV then
+    cuda_ops.silu_mul do, with and without split-K (across programs and across the warps of
+    one), at 1 and 3 rows; the GEMM refuses."""
     from mlxrun.backends import cuda_ops
 
     gen = torch.Generator().manual_seed(9)
@@ -261,8 +263,8 @@ def test_silu_in_the_gate_up_epilogue(mode, bits, group_size):
     packed = random_packed(n, k, mode, bits, group_size, gen)
     w = tk.prepare(*(None if t is None else t.to(DEV) for t in packed), mode, bits, group_size)
     cfgs = [
-        tk.KernelConfig("gemv", 1, 16, s, num_warps=nw)
-        for s, nw in ((1, 1), (2, 1), (1, 2), (1, 4))
+        tk.KernelConfig("gemv", 1, bn, s, num_warps=nw)
+        for bn, s, nw in ((16, 1, 1), (16, 2, 1), (16, 1, 2), (16, 1, 4), (8, 1, 2), (8, 2, 1))
     ]
     for cfg in cfgs:
         for m in (1, 3):
@@ -271,9 +273,10 @@ def test_silu_in_the_gate_up_epilogue(mode, bits, group_size):
             want = cuda_ops.silu_mul(y[:, : n // 2], y[:, n // 2 :])
             for _ in range(2):  # the split-K tickets reset
                 assert torch.equal(tk.qmatmul(x, w, cfg, silu=True), want)
-    assert not tk.silu_fusable(x, w, tk.KernelConfig("gemv", 1, 8, 1))
+    gemm = tk.KernelConfig("gemm", 16, 16, 1, ng=1, num_warps=4)
+    assert not tk.silu_fusable(x, w, gemm)
     with pytest.raises(ValueError, match="silu"):
-        tk.qmatmul(x, w, tk.KernelConfig("gemv", 1, 8, 1), silu=True)
+        tk.qmatmul(x, w, gemm, silu=True)
 
 
 def test_leading_dims_and_errors():
