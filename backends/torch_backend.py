@@ -23,6 +23,8 @@ except ImportError:  # reported by get_backend with the extra to install
 _DTYPES = ("float32", "bfloat16", "float16")
 # MLXRUN_SILU_IN_GEMV=0 runs SiLU-multiply as its own kernel again (for A/B timing)
 _SILU_IN_GEMV = os.environ.get("MLXRUN_SILU_IN_GEMV", "1") != "0"
+# MLXRUN_DENSE_GEMV=0 leaves batch-1 bf16/fp16 products to cuBLAS (for A/B timing)
+_DENSE_GEMV = os.environ.get("MLXRUN_DENSE_GEMV", "1") != "0"
 
 
 # A plain causal mask from slot 0: SDPA applies it itself (flash attention), no mask tensor.
@@ -344,7 +346,27 @@ class TorchBackend:
                 x, w.weight, w.scales, w.biases, w.mode, w.bits, w.group_size, self._dt
             )
             return y if bias is None else y + bias
+        if self._dense_gemv(x, w):
+            from .cuda_ops import dense_gemv  # noqa: PLC0415
+
+            y = dense_gemv(x, w)
+            return y if bias is None else y + bias
         return F.linear(x, w, bias)
+
+    def _dense_gemv(self, x, w) -> bool:
+        """Whether x @ w^T (w a dense matrix) runs cuda_ops.dense_gemv: a few rows of x (decode)
+        on CUDA, in the model's 16-bit dtype."""
+        from mlxrun.quant.triton_kernels import GEMV_MAX_M  # noqa: PLC0415
+
+        return (
+            _DENSE_GEMV
+            and self.triton_kernels
+            and x.is_cuda
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and w.dtype == x.dtype
+            and w.stride(-1) == 1
+            and 0 < x.numel() // x.shape[-1] <= GEMV_MAX_M
+        )
 
     def linears(self, x, ws, biases=None):
         biases = biases or (None,) * len(ws)
@@ -352,7 +374,7 @@ class TorchBackend:
         if fused is None:
             return [self.linear(x, w, b) for w, b in zip(ws, biases)]
         if isinstance(fused, torch.Tensor):
-            y, sizes = F.linear(x, fused), [w.shape[0] for w in ws]
+            y, sizes = self.linear(x, fused), [w.shape[0] for w in ws]
         else:
             from mlxrun.quant.triton_kernels import qmatmul  # noqa: PLC0415
 
@@ -489,10 +511,15 @@ class TorchBackend:
         return F.silu(gate) * up
 
     def silu_gated(self, x, gate, up):
-        """silu(x @ gate^T) * (x @ up^T). Where the joint gate/up runs the GEMV (quantized
-        weights at batch 1-4), each tile holds gate rows and their up rows and applies the
-        SiLU-multiply in its epilogue: no launch of its own."""
+        """silu(x @ gate^T) * (x @ up^T). Where the joint gate/up runs a GEMV (batch 1-4:
+        quantized weights, or bf16/fp16 on CUDA), each tile holds gate rows and their up rows
+        and applies the SiLU-multiply in its epilogue: no launch of its own."""
         joint = self._joint((gate, up)) if self.triton_kernels else None
+        if isinstance(joint, torch.Tensor) and _SILU_IN_GEMV and self._dense_gemv(x, joint):
+            if (joint.shape[0] // 2) % 2 == 0:  # 2 gate and their 2 up rows a program
+                from .cuda_ops import dense_gemv  # noqa: PLC0415
+
+                return dense_gemv(x, joint, silu=True)
         if joint is not None and not isinstance(joint, torch.Tensor):
             from mlxrun.quant.triton_kernels import qmatmul, silu_fusable  # noqa: PLC0415
 

@@ -433,6 +433,28 @@ def test_packed_embedding_rows_equal_the_torch_dequantize(mode, bits, group_size
             assert rel_err(got.float().cpu(), want.float().cpu()) < 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dense_gemv_equals_the_float64_product(dtype):
+    """The batch-1 bf16/fp16 GEMV (cuda_ops.dense_gemv) against the float64 product: one and
+    three rows of x, whole 4-row blocks and whole k-blocks (no masks), a partial row block
+    and a K that ends inside a k-block; with silu it gives silu_mul of its own product bit
+    for bit."""
+    from mlxrun.backends import cuda_ops
+
+    gen = torch.Generator().manual_seed(5)
+    for n, k, kw in ((64, 2048, {}), (38, 300, {}), (48, 1024, dict(warps=2, vec=8))):
+        w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+        for m in (1, 3):
+            x = torch.randn(m, k, generator=gen).to(dtype)
+            y = cuda_ops.dense_gemv(x.to(DEV), w.to(DEV), **kw)
+            assert y.dtype == dtype and y.shape == (m, n)
+            assert rel_err(y.cpu(), x.double() @ w.double().T) < 1e-2
+            if n % 4 == 0:
+                want = cuda_ops.silu_mul(y[:, : n // 2], y[:, n // 2 :])
+                got = cuda_ops.dense_gemv(x.to(DEV), w.to(DEV), silu=True, **kw)
+                assert torch.equal(got, want)
+
+
 def test_graph_advance_kernel_equals_the_torch_ops():
     """A graph-mode cache moved on by the one-launch kernel holds what the torch ops give:
     position, rope positions (left padding subtracted) and the mask's new slot; rewind
