@@ -147,7 +147,7 @@ _E2M1_BITS = (
 )
 
 
-def _code_bits(bits: int, mode: str | None, device) -> torch.Tensor | None:
+def _code_bits(mode: str | None, device) -> torch.Tensor | None:
     """[EPW, bits] word bit of each code bit in a prepared word, or None for plain fields
     (position i at bits i*bits..). mode None: the canonical (MLX) layout."""
     if mode in ("mxfp4", "nvfp4"):
@@ -163,7 +163,7 @@ def _repack(codes: torch.Tensor, bits: int, group_size: int, mode: str) -> torch
     wpg = group_size // epw
     # element (g, i, w) of the group-transposed order is input g*G + i*WPG + w
     c = codes.view(n, k // group_size, epw, wpg).permute(0, 1, 3, 2).to(torch.int64)
-    table = _code_bits(bits, mode, codes.device)
+    table = _code_bits(mode, codes.device)
     if table is None:
         shifts = torch.arange(epw, device=codes.device, dtype=torch.int64) * bits
         words = (c << shifts).sum(-1)  # [N, K/G, WPG]; disjoint bit fields, so sum == or
@@ -191,7 +191,7 @@ def _unpack(words: torch.Tensor, bits: int, mode: str | None = None) -> torch.Te
     mode None: canonical words; else words as `_repack` wrote them for that mode."""
     epw = 32 // bits
     w = words.to(torch.int64)[..., None]
-    table = _code_bits(bits, mode, words.device)
+    table = _code_bits(mode, words.device)
     if table is None:
         shifts = torch.arange(epw, device=words.device, dtype=torch.int64) * bits
         c = (w >> shifts) & ((1 << bits) - 1)
