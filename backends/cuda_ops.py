@@ -26,6 +26,7 @@ from mlxrun.quant.triton_kernels import (
     _group_scale,
     _l2_bytes,
     _num_sms,
+    _silu_store,
     pdl_args,
     tlc,
 )
@@ -550,12 +551,15 @@ def _dense_gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_ym, stride_w
     m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if SILU:  # rows: BLOCK_N/2 gate rows and their up rows, N/2 further on
+        H: tl.constexpr = BLOCK_N // 2
         r = tl.arange(0, BLOCK_N)
-        rn = pid_n * (BLOCK_N // 2) + r % (BLOCK_N // 2) + (r // (BLOCK_N // 2)) * (N // 2)
+        rg = pid_n * H + r % H
+        rn = rg + (r // H) * (N // 2)
+        n_ok = rg < N // 2
     else:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
     rk = tl.arange(0, BLOCK_K)
-    n_ok = rn < N
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
     if EVEN:
         w = tl.load(w_ptrs)
@@ -577,22 +581,19 @@ def _dense_gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_ym, stride_w
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         w = w_next
     out = tl.sum(acc, axis=1)
-    dt = y_ptr.dtype.element_ty
     if SILU:
-        g, u = tl.split(tl.trans(tl.reshape(out, [2, BLOCK_N // 2])))
-        g = g.to(dt).to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        rg = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(y_ptr + m * stride_ym + rg, (silu * u.to(dt).to(tl.float32)).to(dt))
+        g, u = tl.split(tl.trans(tl.reshape(out, [2, H])))
+        ry = pid_n * H + tl.arange(0, H)
+        _silu_store(g, u, y_ptr + m * stride_ym + ry, ry < N // 2)
     else:
-        tl.store(y_ptr + m * stride_ym + rn, out.to(dt), mask=n_ok)
+        tl.store(y_ptr + m * stride_ym + rn, out.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 def dense_gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False, block_n: int = 4,
                warps: int = 4, vec: int = 16) -> torch.Tensor:  # fmt: skip
     """x [..., K] @ w[N, K]^T for a few rows of x (bf16 or fp16, w contiguous in K), as one
-    CUDA-core kernel. silu: w is the joint [gate; up] (N/2 a multiple of block_n/2) and the
-    result is silu(gate) * up, rounded as silu_mul rounds it.
+    CUDA-core kernel. silu: w is the joint [gate; up] (N even) and the result is
+    silu(gate) * up, rounded as silu_mul rounds it.
 
     cuBLAS runs a batch-1 bf16 product below the copy bandwidth on the 8B shapes; this kernel
     streams them faster (H100, cycled weights in a CUDA graph, us, cuBLAS -> this, with the
@@ -609,7 +610,8 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False, block_n: in
     block_k = 32 * warps * vec
     rows = block_n // 2 if silu else block_n
     grid = (m, triton.cdiv(n // 2 if silu else n, rows))
-    even = n % block_n == 0 and k % block_k == 0
+    even = (n // 2) % rows == 0 if silu else n % block_n == 0
+    even = even and k % block_k == 0
     _dense_gemv_kernel[grid](
         x2, w, y, n, k, x2.stride(0), y.stride(0), w.stride(0), BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN=even, SILU=silu, num_warps=warps, **pdl_args(x.device),

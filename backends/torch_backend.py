@@ -516,10 +516,9 @@ class TorchBackend:
         and applies the SiLU-multiply in its epilogue: no launch of its own."""
         joint = self._joint((gate, up)) if self.triton_kernels else None
         if isinstance(joint, torch.Tensor) and _SILU_IN_GEMV and self._dense_gemv(x, joint):
-            if (joint.shape[0] // 2) % 2 == 0:  # 2 gate and their 2 up rows a program
-                from .cuda_ops import dense_gemv  # noqa: PLC0415
+            from .cuda_ops import dense_gemv  # noqa: PLC0415
 
-                return dense_gemv(x, joint, silu=True)
+            return dense_gemv(x, joint, silu=True)
         if joint is not None and not isinstance(joint, torch.Tensor):
             from mlxrun.quant.triton_kernels import qmatmul, silu_fusable  # noqa: PLC0415
 

@@ -507,13 +507,13 @@ if triton is not None:
                 tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _silu_store(g, u, y_ptrs):
+    def _silu_store(g, u, y_ptrs, mask=None):
         """y = silu(g) * u, each product rounded to y's dtype first (as the GEMV's output is,
         and as F.silu rounds before the multiply)."""
         dt = y_ptrs.dtype.element_ty
         g = g.to(dt).to(tl.float32)
         silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        tl.store(y_ptrs, (silu * u.to(dt).to(tl.float32)).to(dt))
+        tl.store(y_ptrs, (silu * u.to(dt).to(tl.float32)).to(dt), mask=mask)
 
     @triton.jit
     def _silu_epilogue(g, u, y_ptr, part_ptr, cnt_ptr, rn, rn_h, N, stride_split, tile_id,
