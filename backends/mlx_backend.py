@@ -205,7 +205,13 @@ class MLXBackend:
     def argmax(self, logits):
         return mx.argmax(logits, axis=-1)
 
-    def decode_step(self, model, cache, batch: int, pads):
+    def sampler(self, plan, state):
+        """A device sampler (`mlxrun.sampling`) over lazy mlx arrays."""
+        from .mlx_sampling import MLXSampler  # noqa: PLC0415
+
+        return MLXSampler(plan, state)
+
+    def decode_step(self, model, cache, batch: int, pads, sampler=None):
         return None  # MLX already overlaps steps through async_eval
 
     def make_cache(self, num_layers, batch, kv_heads, head_dim, max_len):

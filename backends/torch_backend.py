@@ -148,7 +148,7 @@ class StaticCache:
 
 
 class GraphDecoder:
-    """Greedy decode steps replayed from one captured CUDA graph.
+    """Decode steps replayed from one captured CUDA graph, greedy or through a sampler.
 
     Capturing removes the per-kernel launch cost (hundreds of launches per token), which
     otherwise dominates batch-1 decode. The graph reads the tokens from a static buffer and
@@ -158,11 +158,15 @@ class GraphDecoder:
     its host copy first, through `TorchBackend.start`).
     """
 
-    def __init__(self, model, cache: StaticCache, batch: int, pads: np.ndarray | None):
+    def __init__(
+        self, model, cache: StaticCache, batch: int, pads: np.ndarray | None, sampler=None
+    ):
         self.model, self.cache, self.busy = model, cache, True
+        self.sampler = sampler  # its options and state are tensors the graph reads
         cache.enter_graph(pads)
         dev = cache.device
         self.tok = torch.zeros((batch, 1), dtype=torch.int64, device=dev)
+        saved = sampler.save() if sampler is not None else None
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up runs (autotuning, workspaces) before capture
@@ -174,11 +178,19 @@ class GraphDecoder:
         with torch.cuda.graph(self.graph):
             self._step(pads)
         cache.rewind()
+        if sampler is not None:  # the warm-up and capture runs moved its counters on
+            sampler.restore(saved)
+
+    @property
+    def plan(self):
+        return None if self.sampler is None else self.sampler.plan
 
     def _step(self, pads):
         be = self.model.be
         logits = self.model(self.tok, self.cache, pads, last_only=True)
-        if be.triton_kernels:
+        if self.sampler is not None:
+            self.tok.copy_(self.sampler(logits).view(-1, 1))
+        elif be.triton_kernels:
             from .cuda_ops import argmax  # noqa: PLC0415
 
             argmax(logits, out=self.tok.view(-1))
@@ -546,17 +558,29 @@ class TorchBackend:
             num_layers, batch, kv_heads, head_dim, max_len, self._dt, self._dev, self.triton_kernels
         )
 
-    def decode_step(self, model, cache, batch: int, pads):
-        """A captured greedy decode step (CUDA), or None to run steps eagerly. The caller
-        calls its close() when the generation ends."""
+    def sampler(self, plan, state):
+        """A device sampler (`mlxrun.sampling`) for logits on this backend's device."""
+        from .torch_sampling import TorchSampler  # noqa: PLC0415
+
+        return TorchSampler(plan, state, self._dev)
+
+    def decode_step(self, model, cache, batch: int, pads, sampler=None):
+        """A captured decode step (CUDA), greedy or through `sampler`, or None to run steps
+        eagerly. The step samples with the returned decoder's `sampler`, which holds
+        `sampler`'s state. The caller calls its close() when the generation ends."""
         if not self.cuda_graphs:
             return None
         s = self._session
+        plan = None if sampler is None else sampler.plan
         if s is not None and s.cache is cache and s.model is model and not s.busy:
-            cache.enter_graph(pads)
-            s.busy = True
-            return s
-        s = GraphDecoder(model, cache, batch, pads)
+            if s.plan == plan:
+                cache.enter_graph(pads)
+                if sampler is not None:
+                    s.sampler.load_from(sampler)
+                s.busy = True
+                return s
+            self._session = None  # another sampling plan: a new capture over the same cache
+        s = GraphDecoder(model, cache, batch, pads, sampler)
         if self._session is None or not self._session.busy:
             self._session = s
         return s
@@ -592,7 +616,7 @@ class TorchBackend:
             host.copy_(x.detach(), non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-            self._copies = [*self._copies[-3:], (x, host, done)]  # x kept: its id stays unique
+            self._copies = [*self._copies[-15:], (x, host, done)]  # x kept: its id stays unique
 
     def synchronize(self) -> None:
         if self.device == "cuda":

@@ -109,6 +109,7 @@ class BenchRow:
     roofline: float = 0.0  # fraction (can pass 1 when caches hold part of the weights)
     description: str = ""  # the backend's full describe()
     notes: list[str] = field(default_factory=list)
+    sampling: str = "greedy"  # or the sampled setting, e.g. "temp 0.7 top-p 0.9"
 
 
 @dataclass
@@ -382,8 +383,10 @@ def measure_bandwidth(be) -> list[float]:
     return out
 
 
-def _run_once(model: Transformer, prompts: list[list[int]], gen: int) -> tuple[float, float]:
-    """One greedy generation: (TTFT s, decode steps per s over tokens 2..gen).
+def _run_once(
+    model: Transformer, prompts: list[list[int]], gen: int, params: SamplingParams
+) -> tuple[float, float]:
+    """One generation: (TTFT s, decode steps per s over tokens 2..gen).
 
     On CUDA the times are device events: generate_step calls be.start() once each token is
     queued (the prefill's, then every step's), and the backend records an event there. The
@@ -400,7 +403,7 @@ def _run_once(model: Transformer, prompts: list[list[int]], gen: int) -> tuple[f
         be.timeline = marks = [begin]
         begin.record()
         try:
-            for _ in generate_step(model, prompts, SamplingParams(), gen):
+            for _ in generate_step(model, prompts, params, gen):
                 pass
         finally:
             be.timeline = None
@@ -410,7 +413,7 @@ def _run_once(model: Transformer, prompts: list[list[int]], gen: int) -> tuple[f
         return ttft, (len(marks) - 2) / (marks[1].elapsed_time(marks[-1]) / 1e3)
     t0 = time.perf_counter()
     times = []
-    for _ in generate_step(model, prompts, SamplingParams(), gen):
+    for _ in generate_step(model, prompts, params, gen):
         times.append(time.perf_counter())
     return times[0] - t0, (len(times) - 1) / (times[-1] - times[0])
 
@@ -486,6 +489,7 @@ class _Run:
     batch: int
     reps: int
     progress: bool
+    sampling: SamplingParams = field(default_factory=SamplingParams)
 
     def say(self, msg: str) -> None:
         if self.progress:
@@ -496,15 +500,15 @@ class _Run:
         return rng.integers(0, vocab, size=(self.batch, self.prompt_tokens)).tolist()
 
 
-def _bench_model(run: _Run, model: Transformer) -> dict:
+def _bench_model(run: _Run, model: Transformer, params: SamplingParams) -> dict:
     """Warm up, then time `reps` generations: the BenchRow fields measured on the model."""
     be, cfg = model.be, model.config
     prompts = run.prompts(cfg.vocab_size)
     # Warm-up with the timed shapes: a shorter one leaves cache sizes, allocator blocks and
     # kernel choices of the first timed rep cold (seen on CUDA: TTFT 1.1 s, then 0.18 s).
-    _run_once(model, prompts, run.gen_tokens)
+    _run_once(model, prompts, run.gen_tokens, params)
     be.reset_peak_memory()
-    samples = [_run_once(model, prompts, run.gen_tokens) for _ in range(run.reps)]
+    samples = [_run_once(model, prompts, run.gen_tokens, params) for _ in range(run.reps)]
     peak = be.peak_memory()
     held, per_step = weight_bytes(model, run.batch)
     ctx = mean_context(run.prompt_tokens, run.gen_tokens)
@@ -539,8 +543,23 @@ def _timings(run: _Run, samples: list[tuple[float, float]]) -> dict:
 # --- rows ----------------------------------------------------------------------------------
 
 
-def _bench_mlxrun(run: _Run, src: _Source, name: str, be, qname: str, spec, dtype) -> BenchRow:
-    """Load (or build) the model on `be` in format `qname`, and measure it."""
+def sampling_label(p: SamplingParams) -> str:
+    """The setting as bench prints it: greedy, or the options that differ from the defaults."""
+    if p.greedy:
+        return "greedy"
+    parts = [f"temp {p.temperature:g}"]
+    parts += [f"top-p {p.top_p:g}"] if p.top_p < 1 else []
+    parts += [f"top-k {p.top_k}"] if p.top_k else []
+    parts += [f"min-p {p.min_p:g}"] if p.min_p else []
+    parts += [f"rep-pen {p.repetition_penalty:g}"] if p.repetition_penalty != 1 else []
+    return " ".join(parts)
+
+
+def _bench_mlxrun(
+    run: _Run, src: _Source, name: str, be, qname: str, spec, dtype
+) -> list[BenchRow]:
+    """Load (or build) the model on `be` in format `qname`, and measure it: greedy, and
+    with the run's sampling setting too where it has one (a row each, same loaded model)."""
     from mlxrun.quant.formats import from_config  # noqa: PLC0415
 
     from .api import load  # noqa: PLC0415
@@ -578,18 +597,26 @@ def _bench_mlxrun(run: _Run, src: _Source, name: str, be, qname: str, spec, dtyp
         model.be.synchronize()
         load_s = m.load_time + time.perf_counter() - t1
         del m
-    run.say(f"{be.name}:{be.device} {qname}: timing {run.reps} x {run.gen_tokens} tokens")
-    fields = _bench_model(run, model)
-    return BenchRow(
-        engine="mlxrun",
-        backend=name,
-        device=_short_device(model.be),
-        quant=qname,
-        weights=_weights_label(model, how),
-        load_s=load_s,
-        notes=notes,
-        **fields,
-    )
+    rows = []
+    settings = [SamplingParams()] + ([] if run.sampling.greedy else [run.sampling])
+    for params in settings:
+        label = sampling_label(params)
+        run.say(f"{be.name}:{be.device} {qname} {label}: timing {run.reps} x {run.gen_tokens}")
+        fields = _bench_model(run, model, params)
+        rows.append(
+            BenchRow(
+                engine="mlxrun",
+                backend=name,
+                device=_short_device(model.be),
+                quant=qname,
+                weights=_weights_label(model, how),
+                load_s=load_s,
+                notes=notes,
+                sampling=label,
+                **fields,
+            )
+        )
+    return rows
 
 
 def _hf_model(src: _Source, be):
@@ -799,6 +826,7 @@ def run_bench(
     plot_path: str | os.PathLike | None = None,
     dtype: str | None = None,
     progress: bool = True,
+    sampling: SamplingParams | None = None,
 ) -> BenchReport:
     """Measure `model` on each backend in each weight format; returns the report (and writes
     the JSON / PNG when paths are given).
@@ -811,7 +839,8 @@ def run_bench(
     its own format (int4 for affine 4-bit, whatever its group size), and skips the others.
     compare: ("transformers",) adds HF generate() on the first torch device listed. The
     prompt is batch x prompt_tokens random ids; decoding is greedy for gen_tokens tokens,
-    after one untimed warm-up generation.
+    after one untimed warm-up generation. A non-greedy `sampling` adds a row of each
+    mlxrun backend and format decoding with it (seeded), beside its greedy row.
     """
     from mlxrun.backends import get_backend, resolve_backend_name  # noqa: PLC0415
 
@@ -823,7 +852,7 @@ def run_bench(
     names = list(dict.fromkeys(resolve_backend_name(b.strip().lower()) for b in backends))
     specs = _quant_specs(quants)
     src = _open_source(model)
-    run = _Run(prompt_tokens, gen_tokens, batch, reps, progress)
+    run = _Run(prompt_tokens, gen_tokens, batch, reps, progress, sampling or SamplingParams())
     rows: list[BenchRow] = []
     skipped: list[Skipped] = []
     bandwidth: dict[str, dict] = {}
@@ -851,7 +880,7 @@ def run_bench(
                 skipped.append(Skipped(name, qname, why))
                 continue
             try:
-                rows.append(_bench_mlxrun(run, src, name, be, qname, spec, dtype))
+                rows.extend(_bench_mlxrun(run, src, name, be, qname, spec, dtype))
             except MlxrunError as e:
                 skipped.append(Skipped(name, qname, str(e)))
             _release(be)
@@ -891,6 +920,7 @@ def run_bench(
             prefill_chunk=chunks,  # per backend: its prefill chunk (tokens)
             dtype=dtype,
             mean_context=mean_context(prompt_tokens, gen_tokens),
+            sampling=sampling_label(run.sampling),
         ),
         rows=rows,
         skipped=skipped,
@@ -975,13 +1005,15 @@ def format_report(report: BenchReport) -> str:
     s = report.settings
     head = (
         f"{report.model} ({report.source}): batch {s['batch']}, {s['prompt_tokens']}-token "
-        f"prompt, {s['gen_tokens']} greedy tokens, median of {s['reps']} (GB = 1e9 bytes)"
+        f"prompt, {s['gen_tokens']} tokens, median of {s['reps']} (GB = 1e9 bytes)"
     )
+    sampled = any(r.sampling != "greedy" for r in report.rows)
     cols = [
         "backend",
         "device",
         "quant",
         "weights",
+        *(["sampling"] if sampled else []),
         "load s",
         "TTFT ms",
         "prefill tok/s",
@@ -999,6 +1031,7 @@ def format_report(report: BenchReport) -> str:
                 r.device,
                 r.quant,
                 r.weights,
+                *([r.sampling] if sampled else []),
                 f"{r.load_s:.2f}",
                 f"{r.ttft_ms:.1f}",
                 f"{r.prefill_tps:.1f}",
@@ -1010,7 +1043,7 @@ def format_report(report: BenchReport) -> str:
             ]
         )
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
-    right = set(range(4, len(cols)))
+    right = set(range(5 if sampled else 4, len(cols)))
     lines = [head]
     for k, row in enumerate(table):
         cells = [

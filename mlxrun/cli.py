@@ -443,6 +443,17 @@ def _csv(value: str) -> list[str]:
     "--reps", type=int, default=5, show_default=True, help="Timed runs after one warm-up."
 )
 @click.option("--compare", default="", help="Peers to add as rows: transformers.")
+@click.option(
+    "--temp",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Above 0: each format is also timed sampling with this temperature (its own row).",
+)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--min-p", type=float, default=0.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of sampled rows.")
 @click.option("--json", "json_path", default=None, help="Write every number to this file.")
 @click.option("--plot", "plot_path", default=None, help="Draw decode tok/s vs roofline (PNG).")
 @click.option(
@@ -452,13 +463,15 @@ def _csv(value: str) -> list[str]:
     help="Compute dtype [default: float32 on CPU, bfloat16 on GPUs, float16 on MPS].",
 )
 def bench(
-    model, backends, quant, prompt_tokens, gen_tokens, batch, reps, compare, json_path,
-    plot_path, dtype,
+    model, backends, quant, prompt_tokens, gen_tokens, batch, reps, compare, temp, top_p,
+    top_k, min_p, seed, json_path, plot_path, dtype,
 ):  # fmt: skip
     """Measure load time, TTFT, prefill and decode speed, peak memory and the fraction of
     the memory-bandwidth roofline, per backend and weight format, in one table."""
     from .bench import format_report, run_bench  # noqa: PLC0415
+    from .sampling import SamplingParams  # noqa: PLC0415
 
+    sampling = SamplingParams(temp, top_p, top_k, min_p, seed=seed)
     report = run_bench(
         model,
         _csv(backends),
@@ -471,6 +484,7 @@ def bench(
         json_path=json_path,
         plot_path=plot_path,
         dtype=dtype,
+        sampling=sampling,
     )
     click.echo(format_report(report))
     for path in (json_path, plot_path):

@@ -7,13 +7,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from .errors import MlxrunError
 from .memory import prefill_chunk_for
 from .model import Transformer
-from .sampling import HostSampler, SamplingParams
+from .sampling import SamplingParams, pack, plan_for
 from .tokenizer import Tokenizer
 
 
@@ -30,6 +31,17 @@ class GenerationResponse:
     generation_tokens: int
     generation_tps: float
     peak_memory: int  # bytes, as the backend measures it
+    logprob: float | None = None  # log-probability of `token` under the model, when asked
+    top_logprobs: list[tuple[int, float]] | None = None  # the n most likely (id, logprob)
+
+
+class Step(NamedTuple):
+    """One decode step of a batch with log-probabilities (`generate_step(logprobs=n)`)."""
+
+    tokens: np.ndarray  # (B,) int64
+    logprob: np.ndarray  # (B,) the chosen tokens' log-probabilities under the model
+    top_logprobs: np.ndarray | None  # (B, n) the n largest, best first
+    top_ids: np.ndarray | None  # (B, n) their token ids
 
 
 def left_pad(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray | None]:
@@ -45,20 +57,27 @@ def left_pad(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray | None]:
 def generate_step(
     model: Transformer,
     prompts: list[list[int]],
-    params: SamplingParams,
+    params: SamplingParams | list[SamplingParams],
     max_tokens: int,
     prefill_chunk: int | None = None,
-) -> Iterator[np.ndarray]:
+    logprobs: int | None = None,
+) -> Iterator[np.ndarray | Step]:
     """Yield the next token of every sequence (B,) int64, `max_tokens` times at most.
 
-    The step after the one being yielded is already queued on the device (greedy path),
-    so the host's detokenizing and stop checks overlap the device's work.
+    `params` is one setting for every sequence or one per sequence. Tokens are chosen on
+    the device (greedy or sampled) and only they come back to the host. With `logprobs`
+    (0 for the chosen token's alone, n for the n best beside it) each step is a `Step`.
+    The step after the one being yielded is already queued on the device, so the host's
+    detokenizing and stop checks overlap the device's work.
     """
     if any(len(p) == 0 for p in prompts):
         raise MlxrunError("a prompt encodes to no tokens; give some text")
     be = model.be
     ids, pads = left_pad(prompts)
     B, L = ids.shape
+    rows = list(params) if isinstance(params, list | tuple) else [params] * B
+    if len(rows) != B:
+        raise MlxrunError(f"{len(rows)} sampling settings for {B} prompts; give one or one each")
     limit = model.config.max_position_embeddings
     if L + max_tokens > limit:
         raise MlxrunError(
@@ -68,43 +87,60 @@ def generate_step(
     if prefill_chunk is None:  # the planner's choice, so its workspace is what runs
         prefill_chunk = prefill_chunk_for(be.name, be.memory_kind, B)
     with be.wired(model.weight_bytes() + model.kv_bytes(B, L + max_tokens)):
-        yield from _steps(model, ids, pads, params, max_tokens, prefill_chunk, prompts)
+        yield from _steps(model, ids, pads, rows, max_tokens, prefill_chunk, prompts, logprobs)
 
 
-def _steps(model, ids, pads, params, max_tokens, prefill_chunk, prompts):
+def _steps(model, ids, pads, rows, max_tokens, prefill_chunk, prompts, logprobs):
     be = model.be
     B, L = ids.shape
     cache = model.make_cache(B, L + max_tokens)
-    history = [list(p) for p in prompts]
-    host = None if params.on_device else HostSampler(params)
+    plain = logprobs is None and all(p.greedy for p in rows)
+    sampler = None
 
     def sample(logits):
-        if host is None:
+        nonlocal sampler
+        if plain:
             return be.argmax(logits)
-        return be.ids(host(be.to_numpy(logits), history))
+        if sampler is None:  # the vocabulary is the head's, known from the first logits
+            plan = plan_for(rows, int(logits.shape[-1]), logprobs)
+            sampler = be.sampler(plan, pack(rows, prompts, plan))
+        return sampler(logits)
+
+    def started(y, smp):
+        be.start(y)
+        extra = smp.logprobs() if smp is not None and logprobs is not None else None
+        for x in extra or ():
+            if x is not None:
+                be.start(x)
+        return y, extra
+
+    def host(x):
+        return None if x is None else be.to_numpy(x)
 
     for s in range(0, L, prefill_chunk):
         logits = model(be.ids(ids[:, s : s + prefill_chunk]), cache, pads, last_only=True)
         if s + prefill_chunk < L:
             be.eval(logits)  # bound MLX's lazy graph to one chunk
-    y = sample(logits)
-    be.start(y)
-    # Greedy decode may run as one captured graph per step (CUDA); same math, fewer launches.
-    graph = be.decode_step(model, cache, B, pads) if host is None and max_tokens > 1 else None
+    cur = started(sample(logits), sampler)
+    # Decode may run as one captured graph per step (CUDA); same math, fewer launches. The
+    # graph samples with its own copy of the sampler, loaded with this one's state.
+    graph = be.decode_step(model, cache, B, pads, sampler) if max_tokens > 1 else None
+    smp = graph.sampler if graph is not None and sampler is not None else sampler
     try:
         for n in range(max_tokens):
             if n + 1 < max_tokens:
                 if graph is not None:
-                    nxt = graph(y)
+                    nxt = started(graph(cur[0]), smp)
                 else:
-                    nxt = sample(model(y.reshape(B, 1), cache, pads, last_only=True))
-                be.start(nxt)
-            toks = be.to_numpy(y).astype(np.int64).reshape(B)
-            for b in range(B):
-                history[b].append(int(toks[b]))
-            yield toks
+                    nxt = started(sample(model(cur[0].reshape(B, 1), cache, pads, True)), smp)
+            toks = be.to_numpy(cur[0]).astype(np.int64).reshape(B)
+            if cur[1] is None:
+                yield toks
+            else:
+                lp, top, top_ids = (host(x) for x in cur[1])
+                yield Step(toks, lp, top, None if top_ids is None else top_ids.astype(np.int64))
             if n + 1 < max_tokens:
-                y = nxt
+                cur = nxt
     finally:  # also when the caller stops early (a stop string, a closed stream)
         if graph is not None:
             graph.close()
@@ -129,8 +165,11 @@ def stream(
     max_tokens: int = 256,
     stop: list[str] | None = None,
     prefill_chunk: int | None = None,
+    logprobs: int | None = None,
 ) -> Iterator[GenerationResponse]:
-    """Generate for one prompt, yielding text pieces as they become final."""
+    """Generate for one prompt, yielding text pieces as they become final. With `logprobs`
+    (0, or n for the n most likely beside it) each response carries its token's
+    log-probability under the model."""
     params = params or SamplingParams()
     if max_tokens < 1:
         raise MlxrunError(f"--max-tokens must be at least 1, got {max_tokens}")
@@ -146,8 +185,14 @@ def stream(
     prompt_tps = 0.0
     finish = None
     token = None
-    for toks in generate_step(model, [prompt_ids], params, max_tokens, prefill_chunk):
-        token = int(toks[0])
+    lp = top = None
+    for step in generate_step(model, [prompt_ids], params, max_tokens, prefill_chunk, logprobs):
+        if logprobs is None:
+            token = int(step[0])
+        else:
+            token, lp = int(step.tokens[0]), float(step.logprob[0])
+            if step.top_ids is not None:
+                top = list(zip(step.top_ids[0].tolist(), step.top_logprobs[0].tolist()))
         if t_first is None:
             t_first = time.perf_counter()
             prompt_tps = len(prompt_ids) / max(t_first - t0, 1e-9)
@@ -177,6 +222,8 @@ def stream(
             n,
             (n - 1) / gen_time if n > 1 and gen_time > 0 else 0.0,
             be.peak_memory(),
+            lp,
+            top,
         )
         if finish:
             return

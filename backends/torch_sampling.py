@@ -1,0 +1,142 @@
+"""Device sampling for the PyTorch backends (cuda, mps, cpu): `mlxrun.sampling`'s
+algorithm in torch ops, with no host synchronisation, so a CUDA graph can capture it."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mlxrun.sampling import SamplerPlan
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x, c: int):
+    # (x * c) mod 2^32 for x < 2^32 without an int64 product past 2^63: split c in halves
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def uniform(seed, counter):
+    """(B,) int64 seeds and steps -> (B,) float64 in [0, 1): `sampling.uniform_np` in torch."""
+    x = (seed ^ _mul32(counter & _M32, 0x9E3779B9)) & _M32
+    x = _mul32(x ^ (x >> 16), 0x7FEB352D)
+    x = _mul32(x ^ (x >> 15), 0x846CA68B)
+    x = x ^ (x >> 16)
+    return (x >> 8).to(torch.float64) / 2**24
+
+
+class TorchSampler:
+    """logits (B, V) -> next tokens (B,) int64, on the logits' device.
+
+    Options and state are tensors updated in place (`load`, the row counters, the
+    repetition windows), so one captured graph serves every step and, through `load`,
+    every later generation of the same plan.
+    """
+
+    def __init__(self, plan: SamplerPlan, state: dict[str, np.ndarray], device):
+        self.plan = plan
+        self.t = {k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in state.items()}
+        # float64 keeps the inverse CDF exact to far below one token's share; MPS has none
+        self._cdf = torch.float32 if torch.device(device).type == "mps" else torch.float64
+        self._rank = torch.arange(max(plan.candidates, 1), device=device)
+        self._wpos = torch.arange(plan.window, device=device)
+        self._last = None  # log-probabilities of the last call (new tensors each eager
+        # call; in a captured graph, the graph's own outputs, rewritten at each replay)
+
+    def load(self, state: dict[str, np.ndarray]) -> None:
+        """New rows' options and state (same plan), written into the tensors a graph reads."""
+        for k, v in state.items():
+            self.t[k].copy_(torch.from_numpy(np.ascontiguousarray(v)))
+
+    def load_from(self, other: TorchSampler) -> None:
+        """`other`'s options and state (same plan), copied into this sampler's tensors."""
+        for k, v in other.t.items():
+            self.t[k].copy_(v)
+
+    def save(self) -> tuple:
+        return self.t["counter"].clone(), self.t["window"].clone()
+
+    def restore(self, saved: tuple) -> None:
+        """Back to `save()`'s state (after a graph's warm-up and capture ran the step)."""
+        self.t["counter"].copy_(saved[0])
+        self.t["window"].copy_(saved[1])
+
+    def logprobs(self):
+        """(chosen (B,), top values (B, n), top ids (B, n)) of the last call, or None where
+        not asked for; fresh views, so each can be queued for its own copy to the host."""
+        if self._last is None:
+            return None
+        return tuple(None if x is None else x.view(x.shape) for x in self._last)
+
+    def __call__(self, logits):
+        p, t = self.plan, self.t
+        raw = logits.float()
+        z = raw
+        if p.window:
+            W, V = p.window, raw.shape[-1]
+            win = t["window"]
+            valid = (win >= 0) & (self._wpos[None, :] >= W - t["context"][:, None])
+            seen = torch.zeros(raw.shape[0], V + 1, dtype=torch.bool, device=raw.device)
+            seen = seen.scatter_(1, torch.where(valid, win, V), True)[:, :V]
+            pen = t["penalty"][:, None]
+            z = torch.where(seen, torch.where(z > 0, z / pen, z * pen), z)
+        tok = z.argmax(-1)
+        if p.sampled:
+            tok = torch.where(t["temperature"] > 0, self._draw(z), tok)
+            t["counter"].add_(1)
+        if p.window:
+            win.copy_(torch.cat([win[:, 1:], tok[:, None]], dim=1))
+        if p.logprobs is not None:
+            lsm = raw.log_softmax(-1)
+            top = lsm.topk(p.logprobs, dim=-1) if p.logprobs else (None, None)
+            self._last = (lsm.gather(1, tok[:, None])[:, 0], *top)
+        return tok
+
+    def _draw(self, z):
+        """A token from each row's kept set: the inverse CDF at the row's uniform."""
+        t = self.t
+        temp = t["temperature"]
+        z = z / torch.where(temp > 0, temp, 1.0)[:, None]
+        zmax = z.max(-1, keepdim=True).values
+        thr, ties = self._threshold(z, zmax)
+        eq = z == thr
+        kept = (z > thr) | (eq & (eq.cumsum(-1) <= ties))
+        w = torch.where(kept, torch.exp(z - zmax), 0.0).to(self._cdf)
+        cum = w.cumsum(-1)
+        total = cum[:, -1:]
+        target = uniform(t["seed"], t["counter"]).to(self._cdf)[:, None] * total
+        # float32 (MPS) may round u * total up to total: stay inside the last kept token
+        target = torch.minimum(target, total * (1 - 2**-23))
+        return torch.searchsorted(cum, target, right=True)[:, 0].clamp_(max=z.shape[-1] - 1)
+
+    def _threshold(self, z, zmax):
+        """(B, 1) logit threshold and (B, 1) count of the tokens tied at it that are kept."""
+        p, t = self.plan, self.t
+        log_min_p = torch.log(t["min_p"])[:, None]  # -inf for min_p 0: keeps everything
+        thr = zmax + log_min_p
+        big = torch.full_like(t["top_k"][:, None], z.shape[-1])
+        if not p.candidates:
+            return thr, big
+        C = p.candidates
+        if C >= z.shape[-1]:
+            vals = torch.sort(z, dim=-1, descending=True).values
+        else:
+            vals = torch.topk(z, C, dim=-1).values  # sorted
+        k = t["top_k"][:, None]
+        rank = self._rank[None, :C]
+        in_k = (k == 0) | (rank < k)
+        e = torch.exp(vals - zmax)
+        # top-p sees probabilities renormalised over the top-k set, or over the whole row
+        whole = torch.exp(z - zmax).sum(-1, keepdim=True)
+        norm = torch.where(k > 0, (e * in_k).sum(-1, keepdim=True), whole)
+        prob = e / norm
+        keep = (
+            in_k
+            & (prob.cumsum(-1) - prob < t["top_p"][:, None])
+            & (vals - vals[:, :1] >= log_min_p)
+        ) | (rank == 0)
+        n = keep.sum(-1, keepdim=True)  # the kept set is a prefix of the sorted row
+        cand_thr = vals.gather(1, n - 1)
+        cand_ties = n - (vals > cand_thr).sum(-1, keepdim=True)
+        ranked = (k > 0) | (t["top_p"][:, None] < 1)  # rows whose set depends on the order
+        return torch.where(ranked, cand_thr, thr), torch.where(ranked, cand_ties, big)
