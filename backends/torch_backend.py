@@ -562,7 +562,7 @@ class TorchBackend:
         """A device sampler (`mlxrun.sampling`) for logits on this backend's device."""
         from .torch_sampling import TorchSampler  # noqa: PLC0415
 
-        return TorchSampler(plan, state, self._dev)
+        return TorchSampler(plan, state, self._dev, triton=self.triton_kernels)
 
     def decode_step(self, model, cache, batch: int, pads, sampler=None):
         """A captured decode step (CUDA), greedy or through `sampler`, or None to run steps

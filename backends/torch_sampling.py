@@ -33,8 +33,16 @@ class TorchSampler:
     every later generation of the same plan.
     """
 
-    def __init__(self, plan: SamplerPlan, state: dict[str, np.ndarray], device):
+    def __init__(
+        self, plan: SamplerPlan, state: dict[str, np.ndarray], device, triton: bool = False
+    ):
         self.plan = plan
+        # CUDA: the draw in three Triton kernels (cuda_sampling) instead of ~50 torch ops
+        self._kernels = None
+        if triton and plan.sampled:
+            from .cuda_sampling import CudaDraw  # noqa: PLC0415
+
+            self._kernels = CudaDraw(plan.batch, plan.vocab, device)
         self.t = {k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in state.items()}
         # float64 keeps the inverse CDF exact to far below one token's share; MPS has none
         self._cdf = torch.float32 if torch.device(device).type == "mps" else torch.float64
@@ -70,8 +78,10 @@ class TorchSampler:
 
     def __call__(self, logits):
         p, t = self.plan, self.t
-        raw = logits.float()
-        z = raw
+        kernels = self._kernels is not None
+        # the kernels read bf16 logits as they are; float32 only where something needs it
+        raw = logits.float() if not kernels or p.window or p.logprobs is not None else None
+        z = logits if kernels else raw
         if p.window:
             W, V = p.window, raw.shape[-1]
             win = t["window"]
@@ -79,11 +89,14 @@ class TorchSampler:
             seen = torch.zeros(raw.shape[0], V + 1, dtype=torch.bool, device=raw.device)
             seen = seen.scatter_(1, torch.where(valid, win, V), True)[:, :V]
             pen = t["penalty"][:, None]
-            z = torch.where(seen, torch.where(z > 0, z / pen, z * pen), z)
-        tok = z.argmax(-1)
-        if p.sampled:
-            tok = torch.where(t["temperature"] > 0, self._draw(z), tok)
+            z = torch.where(seen, torch.where(raw > 0, raw / pen, raw * pen), raw)
+        if kernels:  # greedy rows too, and it moves the counters on
+            tok = self._kernels(z, t, ranked=p.candidates > 0)
+        elif p.sampled:
+            tok = torch.where(t["temperature"] > 0, self._draw(z), z.argmax(-1))
             t["counter"].add_(1)
+        else:
+            tok = z.argmax(-1)
         if p.window:
             win.copy_(torch.cat([win[:, 1:], tok[:, None]], dim=1))
         if p.logprobs is not None:

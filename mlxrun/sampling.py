@@ -180,6 +180,10 @@ def pack(
         ),
         "counter": np.zeros(B, np.int64),
         "window": win,
+        # rows whose kept set depends on the order of the logits (top-k, top-p)
+        "ranked": np.array(
+            [p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params], np.int32
+        ),
     }
 
 

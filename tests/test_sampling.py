@@ -5,6 +5,9 @@ through the graph path against the eager one (CUDA)."""
 
 from __future__ import annotations
 
+import importlib
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -24,8 +27,20 @@ except ImportError:
 from mlxrun.backends.torch_sampling import TorchSampler
 from mlxrun.backends.torch_sampling import uniform as torch_uniform
 
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:  # the CUDA sampler's Triton kernels, run by the interpreter on the CPU
+    os.environ["TRITON_INTERPRET"] = "1"
+try:
+    import mlxrun.backends.cuda_sampling as cuda_sampling
+
+    if not HAS_CUDA and type(cuda_sampling._draw_kernel).__name__ != "InterpretedFunction":
+        cuda_sampling = importlib.reload(cuda_sampling)  # imported before: decorate again
+except ImportError:  # no triton
+    cuda_sampling = None
+
 DEVICES = ["torch-cpu"] + (["mlx"] if mx is not None else [])
-DEVICES += ["torch-cuda"] if torch.cuda.is_available() else []
+DEVICES += ["torch-cuda"] if HAS_CUDA else []
+INTERPRETED = cuda_sampling is not None and not HAS_CUDA
 V = 48
 HISTORY = [1, 2, 3, 5, 30, 30]
 
@@ -50,8 +65,9 @@ def _draw(device, params, logits, history=HISTORY, logprobs=None):
         tok = np.array(s(mx.array(x)))
         lp = s.logprobs()
         return tok, None if lp is None else [None if a is None else np.array(a) for a in lp]
-    s = TorchSampler(plan, state, device.split("-")[1])
-    tok = s(torch.from_numpy(x).to(device.split("-")[1])).cpu().numpy()
+    dev = "cpu" if device == "triton-interpreter" else device.split("-")[1]
+    s = TorchSampler(plan, state, dev, triton=device in ("torch-cuda", "triton-interpreter"))
+    tok = s(torch.from_numpy(x).to(dev)).cpu().numpy()
     lp = s.logprobs()
     return tok, None if lp is None else [None if a is None else a.cpu().numpy() for a in lp]
 
@@ -120,6 +136,24 @@ def test_mixed_rows_and_seeds_are_independent_of_batch_mates(device):
     for t in set(HISTORY):
         pen[t] = pen[t] / 1.3 if pen[t] > 0 else pen[t] * 1.3
     assert together[3] == int(np.argmax(pen))
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the GPU runs the kernels in the tests above")
+@pytest.mark.filterwarnings("ignore:divide by zero")
+@pytest.mark.parametrize(
+    "kw", SETTINGS[:6], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items())
+)
+def test_cuda_kernels_draw_the_torch_ops_tokens(kw):
+    """The CUDA sampler's Triton kernels (under the interpreter here) take the same kept set
+    and the same inverse-CDF step as the torch ops: the same tokens for the same seeds (a
+    float32 target against the ops' float64 may differ at a boundary: at most 2 of 64)."""
+    logits = _logits(7)
+    params = [SamplingParams(seed=i, **kw) for i in range(63)] + [SamplingParams()]
+    kernels, _ = _draw("triton-interpreter", params, logits)
+    ops, _ = _draw("torch-cpu", params, logits)
+    want = _expected(params[0], logits)
+    assert (want[kernels[:-1]] > 0).all() and kernels[-1] == np.argmax(logits)
+    assert (kernels != ops).sum() <= 2, (kernels, ops)
 
 
 def test_uniform_is_the_same_hash_everywhere():
