@@ -63,7 +63,7 @@ def main():
                 params = [SamplingParams(seed=i, **kw) for i in range(B)]
                 lp = 5 if "logprobs" in name else None
                 plan = plan_for(params, a.vocab, lp)
-                s = TorchSampler(plan, pack(params, [[1, 2, 3]] * B, plan), "cuda")
+                s = TorchSampler(plan, pack(params, [[1, 2, 3]] * B, plan), "cuda", triton=True)
                 us = time_graph(lambda s=s, logits=logits: s(logits))
             cells.append(f"  {us:12.1f}")
         print(f"{name:34s}" + "".join(cells), flush=True)
