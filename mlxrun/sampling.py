@@ -153,12 +153,18 @@ def fresh_seed() -> int:
 
 
 def pack(
-    params: list[SamplingParams], histories: list[list[int]], plan: SamplerPlan
+    params: list[SamplingParams],
+    histories: list[list[int]],
+    plan: SamplerPlan,
+    seeds: list[int] | None = None,
+    steps: list[int] | None = None,
 ) -> dict[str, np.ndarray]:
     """Per-row options and state as the device samplers hold them (numpy, one row each).
 
-    A row without a seed gets a fresh random one. `window` holds the last `plan.window`
-    tokens of each history, right-aligned, -1 where there are fewer.
+    A row without a seed gets a fresh random one, unless `seeds` gives each row's (a server
+    keeps one per request across steps); `steps` is how many tokens each row has drawn
+    already (0 for all by default). `window` holds the last `plan.window` tokens of each
+    history, right-aligned, -1 where there are fewer.
     """
     B, W = plan.batch, plan.window
     win = np.full((B, W), -1, dtype=np.int64)
@@ -175,10 +181,12 @@ def pack(
         "penalty": np.array([p.repetition_penalty for p in params], f32),
         "context": np.array([min(p.repetition_context, W) for p in params], np.int64),
         "seed": np.array(
-            [(fresh_seed() if p.seed is None else p.seed) & 0xFFFFFFFF for p in params],
+            seeds
+            if seeds is not None
+            else [(fresh_seed() if p.seed is None else p.seed) & 0xFFFFFFFF for p in params],
             np.int64,
         ),
-        "counter": np.zeros(B, np.int64),
+        "counter": np.array(steps if steps is not None else [0] * B, np.int64),
         "window": win,
         # rows whose kept set depends on the order of the logits (top-k, top-p)
         "ranked": np.array(
