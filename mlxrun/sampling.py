@@ -148,8 +148,9 @@ def plan_for(params: list[SamplingParams], vocab: int, logprobs: int | None = No
     return SamplerPlan(len(params), vocab, cands, max(pen, default=0), logprobs, bool(sampled))
 
 
-def fresh_seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
+def row_seed(p: SamplingParams) -> int:
+    """The 32-bit seed a device sampler uses for `p`: its own, or a fresh random one."""
+    return int.from_bytes(os.urandom(4), "little") if p.seed is None else p.seed & 0xFFFFFFFF
 
 
 def pack(
@@ -180,12 +181,7 @@ def pack(
         "min_p": np.array([p.min_p for p in params], f32),
         "penalty": np.array([p.repetition_penalty for p in params], f32),
         "context": np.array([min(p.repetition_context, W) for p in params], np.int64),
-        "seed": np.array(
-            seeds
-            if seeds is not None
-            else [(fresh_seed() if p.seed is None else p.seed) & 0xFFFFFFFF for p in params],
-            np.int64,
-        ),
+        "seed": np.array(seeds if seeds is not None else [row_seed(p) for p in params], np.int64),
         "counter": np.array(steps if steps is not None else [0] * B, np.int64),
         "window": win,
         # rows whose kept set depends on the order of the logits (top-k, top-p)
