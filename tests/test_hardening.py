@@ -1,0 +1,79 @@
+"""Hostile and careless inputs: each ends in one MlxrunError line naming what is wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mlxrun.config import ModelConfig
+from mlxrun.errors import MlxrunError
+
+from .conftest import TINY
+from .test_cli_errors import assert_one_line_error, copy_tiny, run_cli
+
+BASE = dict(TINY["llama_gqa_tied"])
+
+
+@pytest.mark.parametrize(
+    "change, needles",
+    [
+        ({"hidden_size": "big"}, ["hidden_size is 'big'", "positive integer"]),
+        ({"num_hidden_layers": -1}, ["num_hidden_layers is -1", "positive integer"]),
+        ({"num_hidden_layers": 0}, ["num_hidden_layers is 0"]),
+        ({"vocab_size": 9.5}, ["vocab_size is 9.5"]),
+        ({"num_attention_heads": True}, ["num_attention_heads is True"]),
+        ({"intermediate_size": None}, ["intermediate_size is None"]),
+        (
+            {"num_key_value_heads": 3},
+            ["num_key_value_heads is 3", "divisor of num_attention_heads"],
+        ),
+        ({"hidden_size": 66}, ["hidden_size is 66", "multiple of 2 x num_attention_heads"]),
+        ({"head_dim": 15}, ["head_dim is 15", "even"]),
+        ({"head_dim": "16"}, ["head_dim is '16'"]),
+        ({"rms_norm_eps": -1e-5}, ["rms_norm_eps is -1e-05", "positive finite"]),
+        ({"rms_norm_eps": float("nan")}, ["rms_norm_eps is nan"]),
+        ({"rope_theta": "1e4"}, ["rope_theta is '1e4'"]),
+        ({"max_position_embeddings": 2**40}, ["max_position_embeddings is 1099511627776"]),
+        ({"tie_word_embeddings": "yes"}, ["tie_word_embeddings is 'yes'", "true or false"]),
+        ({"eos_token_id": [2, "x"]}, ["eos_token_id is [2, 'x']", "token id"]),
+        ({"bos_token_id": -1}, ["bos_token_id is -1"]),
+        ({"rope_scaling": "llama3"}, ["rope_scaling is 'llama3'"]),
+        (
+            {"rope_scaling": {"rope_type": "llama3", "factor": 0}},
+            ["rope_scaling.factor is 0", "positive finite"],
+        ),
+        (
+            {"rope_scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 4}},
+            ["rope_scaling.high_freq_factor is 4.0", "greater than low_freq_factor"],
+        ),
+        ({"rope_scaling": {"type": ["linear"]}}, ["rope_scaling.rope_type is ['linear']"]),
+        ({"rope_parameters": {"rope_theta": 0}}, ["rope_parameters.rope_theta is 0"]),
+        ({"quantization": [4]}, ["quantization is [4]"]),
+        ({"quantization": {"bits": 4, "mode": ["affine"]}}, ["quantization.mode is ['affine']"]),
+    ],
+)
+def test_config_values_name_field_value_and_rule(change, needles):
+    with pytest.raises(MlxrunError) as e:
+        ModelConfig.from_dict({**BASE, **change})
+    msg = str(e.value)
+    assert "\n" not in msg
+    for n in needles:
+        assert n in msg, msg
+
+
+def test_valid_configs_still_parse():
+    dims = {name: ModelConfig.from_dict(dict(kw)).head_dim for name, kw in TINY.items()}
+    assert dims == {n: 32 if n == "qwen3_qknorm" else 16 for n in TINY}
+    rope = {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "head_dim": 0}
+    c = ModelConfig.from_dict({**BASE, **rope, "eos_token_id": [2, 1], "bos_token_id": None})
+    assert (c.rope_theta, c.head_dim, c.eos_token_id) == (5e5, 16, (2, 1))
+
+
+def test_config_string_size_on_the_cli(capsys, tiny_dir, tmp_path):
+    d = copy_tiny(tiny_dir, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["num_hidden_layers"] = -2
+    (d / "config.json").write_text(json.dumps(cfg))
+    code, err = run_cli(capsys, "generate", "--model", str(d), "--backend", "cpu", "-p", "w3")
+    assert_one_line_error(code, err, "num_hidden_layers is -2", "positive integer")
