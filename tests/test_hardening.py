@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from mlxrun.cli import main
 from mlxrun.config import ModelConfig
 from mlxrun.errors import MlxrunError
 
@@ -77,3 +78,53 @@ def test_config_string_size_on_the_cli(capsys, tiny_dir, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     code, err = run_cli(capsys, "generate", "--model", str(d), "--backend", "cpu", "-p", "w3")
     assert_one_line_error(code, err, "num_hidden_layers is -2", "positive integer")
+
+
+# ------------------------------------------------------------------------- chat templates
+
+
+def _tokenizer(template: str):
+    from mlxrun.tokenizer import Tokenizer
+
+    from .conftest import word_tokenizer_json
+
+    return Tokenizer.from_json(word_tokenizer_json(8), {"chat_template": template}, set())
+
+
+@pytest.mark.parametrize(
+    "template, why",
+    [
+        ("{{ cycler.__init__.__globals__ }}", "access to attribute '__init__'"),
+        ("{{ range(10**9) | list }}", "Range too big"),
+        ('{{ "a" * 10**8 }}', "a repeat of 1 x 100000000 is over the limit"),
+        ("{{ 2 ** (10 ** 6) }}", "an exponent of 1000000 is over the limit"),
+        ("{{ messages.append(1) }}", "access to attribute 'append'"),
+        ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recurses without end"),
+        ("{% for m in messages %}", "TemplateSyntaxError"),
+    ],
+)
+def test_refused_chat_template_is_one_line(template, why):
+    with pytest.raises(MlxrunError) as e:
+        _tokenizer(template).apply_chat_template([{"role": "user", "content": "w3"}])
+    msg = str(e.value)
+    assert msg.startswith("the checkpoint's chat template was refused: "), msg
+    assert why in msg and "--no-chat skips it" in msg and "\n" not in msg
+
+
+def test_bounded_sandbox_still_renders_ordinary_templates():
+    t = _tokenizer('{{ messages[0].content | upper }} {{ 2 ** 10 }} {{ "ab" * 3 }}')
+    assert t.apply_chat_template([{"role": "user", "content": "w3"}]) == "W3 1024 ababab"
+
+
+def test_refused_chat_template_on_the_cli(capsys, tiny_dir, tmp_path):
+    d = copy_tiny(tiny_dir, tmp_path)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    args = ("generate", "--model", str(d), "--backend", "cpu", "-p", "w3", "--max-tokens", "2")
+    code, err = run_cli(capsys, *args)
+    assert_one_line_error(code, err, "chat template was refused", "unsafe", "--no-chat")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--no-chat"])
+    assert e.value.code == 0
