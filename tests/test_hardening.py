@@ -128,3 +128,33 @@ def test_refused_chat_template_on_the_cli(capsys, tiny_dir, tmp_path):
     with pytest.raises(SystemExit) as e:
         main([*args, "--no-chat"])
     assert e.value.code == 0
+
+
+# ------------------------------------------------------------------------ killed convert
+
+
+def test_convert_removes_partial_directories_of_dead_processes(tiny_dir, tmp_path):
+    import subprocess
+    import sys
+
+    from mlxrun.convert import convert
+
+    d, _ = tiny_dir("llama_gqa_tied")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = tmp_path / f".int4.partial-{dead.pid}"  # what a SIGKILLed convert leaves
+    left.mkdir()
+    (left / ".part-0.safetensors").write_bytes(b"x" * 64)
+    running = tmp_path / ".other.partial-1"  # pid 1 is alive: its convert is running
+    running.mkdir()
+    foreign = tmp_path / f".mine.partial-{dead.pid}"  # holds a folder: not convert's
+    (foreign / "sub").mkdir(parents=True)
+    notes = convert(str(d), str(tmp_path / "out"), progress=False)
+    assert notes[0] == f"removed {left}, left by a convert that was killed"
+    assert not left.exists() and running.is_dir() and foreign.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".mine.partial-" + str(dead.pid),
+        ".other.partial-1",
+        "out",
+    ]
+    assert (tmp_path / "out" / "model.safetensors").is_file()
