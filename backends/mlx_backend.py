@@ -205,6 +205,9 @@ class MLXBackend:
     def argmax(self, logits):
         return mx.argmax(logits, axis=-1)
 
+    def finite_rows(self, logits):
+        return mx.isfinite(logits).all(axis=-1)
+
     def decode_step(self, model, cache, batch: int, pads):
         return None  # MLX already overlaps steps through async_eval
 
@@ -241,8 +244,8 @@ class MLXBackend:
         finally:
             mx.set_wired_limit(old)
 
-    def start(self, x) -> None:
-        mx.async_eval(x)
+    def start(self, *xs) -> None:
+        mx.async_eval(*xs)
 
     def synchronize(self) -> None:
         mx.synchronize()

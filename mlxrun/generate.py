@@ -71,40 +71,65 @@ def generate_step(
         yield from _steps(model, ids, pads, params, max_tokens, prefill_chunk, prompts)
 
 
+def _not_finite(step: int, ok: np.ndarray) -> MlxrunError:
+    rows = [int(b) for b in np.flatnonzero(~ok)]
+    return MlxrunError(
+        f"the model's logits are NaN or infinite at generated token {step + 1} (sequence "
+        f"{', '.join(map(str, rows))}): stopping rather than emitting garbage; the weights "
+        "or activations overflow, so try --dtype float32 or another checkpoint"
+    )
+
+
 def _steps(model, ids, pads, params, max_tokens, prefill_chunk, prompts):
     be = model.be
     B, L = ids.shape
     cache = model.make_cache(B, L + max_tokens)
     history = [list(p) for p in prompts]
     host = None if params.on_device else HostSampler(params)
+    step = 0  # tokens yielded so far: the one being sampled is step + 1
 
     def sample(logits):
+        """(next ids, per-row finiteness on the device or None when checked here)."""
         if host is None:
-            return be.argmax(logits)
-        return be.ids(host(be.to_numpy(logits), history))
+            return be.argmax(logits), be.finite_rows(logits)
+        x = be.to_numpy(logits)
+        ok = np.isfinite(x).all(axis=-1)
+        if not ok.all():
+            raise _not_finite(step, ok.reshape(-1))
+        return be.ids(host(x, history)), None
+
+    def started(pair):
+        be.start(*(a for a in pair if a is not None))  # one timeline point a step
+        return pair
 
     for s in range(0, L, prefill_chunk):
         logits = model(be.ids(ids[:, s : s + prefill_chunk]), cache, pads, last_only=True)
         if s + prefill_chunk < L:
             be.eval(logits)  # bound MLX's lazy graph to one chunk
-    y = sample(logits)
-    be.start(y)
+    y, ok = started(sample(logits))
     # Greedy decode may run as one captured graph per step (CUDA); same math, fewer launches.
     graph = be.decode_step(model, cache, B, pads) if host is None and max_tokens > 1 else None
     try:
         for n in range(max_tokens):
+            step = n + 1
             if n + 1 < max_tokens:
                 if graph is not None:
-                    nxt = graph(y)
+                    nxt = started((graph(y), graph.finite))
                 else:
-                    nxt = sample(model(y.reshape(B, 1), cache, pads, last_only=True))
-                be.start(nxt)
+                    nxt = started(sample(model(y.reshape(B, 1), cache, pads, last_only=True)))
             toks = be.to_numpy(y).astype(np.int64).reshape(B)
+            # The flag travels beside the token (its copy queued with it), so checking it
+            # costs no extra wait; a NaN row's argmax is still an id in range, so the step
+            # already queued on it runs harmlessly.
+            if ok is not None:
+                ok_host = be.to_numpy(ok).astype(bool).reshape(B)
+                if not ok_host.all():
+                    raise _not_finite(n, ok_host)
             for b in range(B):
                 history[b].append(int(toks[b]))
             yield toks
             if n + 1 < max_tokens:
-                y = nxt
+                y, ok = nxt
     finally:  # also when the caller stops early (a stop string, a closed stream)
         if graph is not None:
             graph.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from mlxrun.cli import main
@@ -158,3 +159,105 @@ def test_convert_removes_partial_directories_of_dead_processes(tiny_dir, tmp_pat
         "out",
     ]
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+# ---------------------------------------------------------------------- non-finite values
+
+
+def _with_nan(tiny_dir, tmp_path, name="model.layers.1.mlp.down_proj.weight", at=(3, 5)):
+    from mlxrun.weights import Tensor, load_safetensors, save_safetensors
+
+    d = copy_tiny(tiny_dir, tmp_path)
+    f = d / "model.safetensors"
+    tensors = {k: Tensor(t.dtype, np.array(t.data)) for k, t in load_safetensors(f)[0].items()}
+    tensors[name].data[at] = np.nan
+    save_safetensors(f, tensors)
+    return d
+
+
+@pytest.mark.parametrize("dtype", ["F64", "F32", "F16", "BF16"])
+def test_first_nonfinite_finds_nan_and_inf(dtype):
+    from mlxrun.weights import Tensor, bf16_bits, first_nonfinite
+
+    x = np.random.default_rng(0).normal(size=(3, 70001)) * 1e3  # crosses chunk edges
+    make = {
+        "F64": lambda a: Tensor("F64", a),
+        "F32": lambda a: Tensor("F32", a.astype(np.float32)),
+        "F16": lambda a: Tensor("F16", a.astype(np.float16)),
+        "BF16": lambda a: Tensor("BF16", bf16_bits(a.astype(np.float32))),
+    }[dtype]
+    assert first_nonfinite(make(x)) is None
+    for value, at in ((np.inf, (2, 70000)), (-np.inf, (1, 65536)), (np.nan, (0, 9))):
+        x[at] = value
+        assert first_nonfinite(make(x)) == at[0] * 70001 + at[1]
+    assert first_nonfinite(Tensor("U32", np.full(9, 0xFFFFFFFF, np.uint32))) is None
+
+
+def test_first_nonfinite_byte_codes():
+    from mlxrun.weights import Tensor, first_nonfinite
+
+    b = Tensor("U8", np.array([0, 0x7E, 0xFE, 0x80, 0x7F], np.uint8))
+    assert first_nonfinite(b, "E8M0") is None  # 0xFF is E8M0's only NaN
+    assert first_nonfinite(b, "E4M3") == 4  # 0x7F and 0xFF are E4M3's
+    assert first_nonfinite(Tensor("U8", np.array([3, 0xFF], np.uint8)), "E8M0") == 1
+
+
+def test_nan_weight_is_refused_with_its_name(capsys, tiny_dir, tmp_path):
+    d = _with_nan(tiny_dir, tmp_path)
+    code, err = run_cli(capsys, "generate", "--model", str(d), "--backend", "cpu", "-p", "w3")
+    assert_one_line_error(code, err, "'model.layers.1.mlp.down_proj.weight' holds a NaN", "[3, 5]")
+    code, err = run_cli(
+        capsys, "generate", "--model", str(d), "-b", "cpu", "-p", "w3", "--quant", "int4"
+    )
+    assert_one_line_error(code, err, "'model.layers.1.mlp.down_proj.weight' holds a NaN")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "mlx"])
+@pytest.mark.parametrize("temp", ["0", "0.7"])
+def test_nan_logits_stop_generation(capsys, tiny_dir, tmp_path, backend, temp):
+    d = _with_nan(tiny_dir, tmp_path)
+    args = ("generate", "-m", str(d), "-b", backend, "-p", "w3 w4", "--temp", temp)
+    code, err = run_cli(capsys, *args, "--max-tokens", "4", "--no-check-weights", "--no-chat")
+    assert_one_line_error(code, err, "logits are NaN or infinite at generated token 1")
+
+
+def test_nan_logits_mid_generation(tiny_dir):
+    """A row that turns non-finite after some good tokens stops at that token."""
+    import mlxrun
+    from mlxrun.generate import generate_step
+    from mlxrun.sampling import SamplingParams
+
+    d, _ = tiny_dir("llama_gqa_tied")
+    m = mlxrun.load(str(d), backend="cpu", progress=False)
+    model = m.transformer
+    calls = []
+
+    def poisoned(self, *a, **kw):  # the third forward pass (token 3) gives NaN logits
+        out = type(self).__mro__[1].__call__(self, *a, **kw)
+        calls.append(1)
+        return out * float("nan") if len(calls) == 3 else out
+
+    model.__class__ = type("Poisoned", (type(model),), {"__call__": poisoned})
+    got = []
+    with pytest.raises(MlxrunError, match="at generated token 3 \\(sequence 0\\)"):
+        for toks in generate_step(model, [[3, 4]], SamplingParams(), 5):
+            got.append(int(toks[0]))
+    assert len(got) == 2
+
+
+def test_nan_packed_scale_is_refused(tiny_dir, tmp_path):
+    import mlxrun
+    from mlxrun.convert import convert
+    from mlxrun.weights import Tensor, load_safetensors, save_safetensors
+
+    d, _ = tiny_dir("llama_gqa_tied")
+    out = tmp_path / "fp4"
+    convert(str(d), str(out), quant="fp4", progress=False)
+    f = out / "model.safetensors"
+    tensors = {k: Tensor(t.dtype, np.array(t.data)) for k, t in load_safetensors(f)[0].items()}
+    tensors["model.layers.0.mlp.up_proj.scales"].data[1, 0] = 0xFF  # E8M0 NaN
+    save_safetensors(f, tensors)
+    with pytest.raises(MlxrunError) as e:
+        mlxrun.load(str(out), backend="cpu", progress=False)
+    assert "'model.layers.0.mlp.up_proj.scales' holds a NaN" in str(e.value)
+    assert "E8M0" in str(e.value)
