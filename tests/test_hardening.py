@@ -261,3 +261,46 @@ def test_nan_packed_scale_is_refused(tiny_dir, tmp_path):
         mlxrun.load(str(out), backend="cpu", progress=False)
     assert "'model.layers.0.mlp.up_proj.scales' holds a NaN" in str(e.value)
     assert "E8M0" in str(e.value)
+
+
+# ------------------------------------------------------------------- GGUF metadata types
+
+
+@pytest.mark.parametrize(
+    "key, value, needle",
+    [
+        ("llama.block_count", "x", "llama.block_count is 'x'"),
+        ("llama.attention.layer_norm_rms_epsilon", "e", "layer_norm_rms_epsilon is 'e'"),
+        ("tokenizer.ggml.bos_token_id", "s", "bos_token_id is 's'"),
+        ("tokenizer.ggml.model", 3, "tokenizer.ggml.model is 3"),
+        ("llama.attention.head_count", 0, "llama.attention.head_count is 0"),
+    ],
+)
+def test_gguf_metadata_of_the_wrong_type(tmp_path, monkeypatch, key, value, needle):
+    import gguf
+
+    from mlxrun.loader import open_checkpoint
+
+    from . import test_gguf
+
+    real = gguf.GGUFWriter
+
+    def writer(path, arch):  # the tiny GGUF, with `key` replaced just before writing
+        w = real(path, arch)
+        header = w.write_header_to_file
+
+        def patched(*a, **kw):
+            w.kv_data[0].pop(key, None)
+            add = w.add_string if isinstance(value, str) else w.add_uint32
+            add(key, value)
+            return header(*a, **kw)
+
+        w.write_header_to_file = patched
+        return w
+
+    monkeypatch.setattr(test_gguf.gguf, "GGUFWriter", writer)
+    p = tmp_path / "t.gguf"
+    test_gguf.write_synthetic(p)
+    with pytest.raises(MlxrunError) as e:
+        open_checkpoint(str(p))
+    assert needle in str(e.value) and "\n" not in str(e.value)
