@@ -517,7 +517,10 @@ def _argmax_kernel(x_ptr, val_ptr, idx_ptr, cnt_ptr, out_ptr, V, stride,
         vals = tl.load(val_ptr + row * nblk + r, mask=ok, other=float("-inf"), cache_modifier=".cg")
         idxs = tl.load(idx_ptr + row * nblk + r, mask=ok, other=V, cache_modifier=".cg")
         best = tl.max(vals, axis=0)
-        tl.store(out_ptr + row, tl.min(tl.where(vals == best, idxs, V), axis=0).to(tl.int64))
+        # NaN logits match no index (V): clamp, so the next step's embedding stays in range
+        # (generate checks finite_rows and stops)
+        top = tl.minimum(tl.min(tl.where(vals == best, idxs, V), axis=0), V - 1)
+        tl.store(out_ptr + row, top.to(tl.int64))
         tl.atomic_xchg(cnt_ptr + row, 0, sem="relaxed", scope="gpu")
 
 

@@ -205,6 +205,9 @@ class MLXBackend:
     def argmax(self, logits):
         return mx.argmax(logits, axis=-1)
 
+    def finite_rows(self, logits):
+        return mx.isfinite(logits).all(axis=-1)
+
     def sampler(self, plan, state):
         """A device sampler (`mlxrun.sampling`) over lazy mlx arrays."""
         from .mlx_sampling import MLXSampler  # noqa: PLC0415
@@ -247,8 +250,8 @@ class MLXBackend:
         finally:
             mx.set_wired_limit(old)
 
-    def start(self, x) -> None:
-        mx.async_eval(x)
+    def start(self, *xs) -> None:
+        mx.async_eval(*xs)
 
     def synchronize(self) -> None:
         mx.synchronize()

@@ -167,6 +167,7 @@ class GraphDecoder:
         dev = cache.device
         self.tok = torch.zeros((batch, 1), dtype=torch.int64, device=dev)
         saved = sampler.save() if sampler is not None else None
+        self.ok = torch.ones((batch,), dtype=torch.bool, device=dev)  # rows' logits finite
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up runs (autotuning, workspaces) before capture
@@ -196,6 +197,12 @@ class GraphDecoder:
             argmax(logits, out=self.tok.view(-1))
         else:
             self.tok.copy_(be.argmax(logits).view(-1, 1))
+        self.ok.copy_(be.finite_rows(logits))
+
+    @property
+    def finite(self):
+        """The last replay's `finite_rows` (B,) bool: a fresh view, as start() keys on it."""
+        return self.ok.view(-1)
 
     def __call__(self, y):
         if y.data_ptr() != self.tok.data_ptr():
@@ -545,6 +552,9 @@ class TorchBackend:
             return argmax(logits)
         return logits.argmax(-1)
 
+    def finite_rows(self, logits):
+        return torch.isfinite(logits).all(-1)
+
     def make_cache(self, num_layers, batch, kv_heads, head_dim, max_len):
         s = self._session
         if s is not None and not s.busy:
@@ -600,23 +610,26 @@ class TorchBackend:
     def wired(self, nbytes: int):
         return contextlib.nullcontext()  # only unified memory on MLX needs wiring
 
-    def start(self, x) -> None:
+    def start(self, *xs) -> None:
         # CUDA and MPS queue work asynchronously already. While a benchmark keeps a timeline
-        # (CUDA), each call marks on the device's stream the point where x is computed.
+        # (CUDA), each call marks on the device's stream the point where xs are computed.
         if self.timeline is not None:
             mark = torch.cuda.Event(enable_timing=True)
             mark.record()
             self.timeline.append(mark)
-        if self.device == "cuda" and x.numel() <= 1 << 16:
-            # Queue x's copy to the host now, so that to_numpy(x) waits for x alone: the decode
-            # loop queues the next step before it reads this token, and a plain .cpu() queued
-            # after that step would wait for it too, leaving the GPU idle until the host
-            # launches the one after (H100, 8B int4 bench: 2.46 -> 2.32 ms a token).
-            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-            host.copy_(x.detach(), non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            self._copies = [*self._copies[-15:], (x, host, done)]  # x kept: its id stays unique
+        for x in xs:
+            if self.device == "cuda" and x.numel() <= 1 << 16:
+                # Queue x's copy to the host now, so that to_numpy(x) waits for x alone: the
+                # decode loop queues the next step before it reads this token, and a plain
+                # .cpu() queued after that step would wait for it too, leaving the GPU idle
+                # until the host launches the one after (H100, 8B int4 bench: 2.46 -> 2.32
+                # ms a token).
+                host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+                host.copy_(x.detach(), non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+                # x kept: its id stays unique; two steps of (token, flag, logprobs)
+                self._copies = [*self._copies[-15:], (x, host, done)]
 
     def synchronize(self) -> None:
         if self.device == "cuda":

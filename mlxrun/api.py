@@ -197,12 +197,15 @@ def load(
     bits: int | None = None,
     progress: bool = True,
     check_memory: bool = True,
+    check_weights: bool = True,
 ) -> Model:
     """Load a model: a local directory, a .gguf file, a Hugging Face repo id, or an alias
     ('smollm2' bundled, 'llama'). backend: auto | mlx | cuda | mps | cpu.
 
     With `check_memory`, a model that cannot fit (weights + KV for one 2048-token sequence)
-    is refused before its weights are moved to the device."""
+    is refused before its weights are moved to the device. With `check_weights`, a weight
+    holding NaN or inf is refused, naming the tensor (a pass over the weights' bytes on the
+    host as they are copied; False skips it)."""
     from mlxrun.backends import get_backend  # noqa: PLC0415
     from mlxrun.quant.formats import resolve  # noqa: PLC0415
 
@@ -245,6 +248,7 @@ def load(
         progress=progress,
         dense=key == "none",
         group_asked=group_size is not None,
+        check_weights=check_weights,
     )
     notes = auto_note + notes
     if spec is not None:  # a quantized source keeps its group size when none was asked

@@ -73,9 +73,37 @@ def _is_embedding(path: str) -> bool:
     return path == "model.embed_tokens"
 
 
+# Byte codes of the packed float modes that can spell NaN: mode -> {tensor: code}.
+_CODES = {
+    "mxfp4": {"scales": "E8M0"},
+    "mxfp8": {"scales": "E8M0", "weight": "E4M3"},
+    "nvfp4": {"scales": "E4M3"},
+}
+
+
+def check_finite(name: str, t: Tensor, code: str | None = None) -> None:
+    """Raise MlxrunError naming tensor `name` if it holds a NaN or an infinity."""
+    from .weights import first_nonfinite  # noqa: PLC0415
+
+    i = first_nonfinite(t, code)
+    if i is None:
+        return
+    if code is None:
+        at = f"index {[int(j) for j in np.unravel_index(i, t.shape)]}"
+    else:
+        at = f"byte {i}, {code}"
+    raise MlxrunError(
+        f"tensor {name!r} holds a NaN or infinite value ({at}): the checkpoint is corrupt; "
+        "re-download or re-convert it (--no-check-weights skips this check)"
+    )
+
+
 class _Builder:
-    def __init__(self, cfg: ModelConfig, tensors: dict[str, Tensor], be, quant, bar, dense, asked):
+    def __init__(
+        self, cfg: ModelConfig, tensors: dict[str, Tensor], be, quant, bar, dense, asked, check
+    ):
         self.cfg, self.t, self.be, self.quant, self.bar = cfg, tensors, be, quant, bar
+        self.check = check  # refuse non-finite weights (a pass over the host bytes)
         self.group_asked = asked
         self.dense_only = dense  # --quant none: expand stored layers to the compute dtype
         self.qconfig = cfg.quantization
@@ -102,6 +130,8 @@ class _Builder:
             raise MlxrunError(
                 f"tensor {name!r} has shape {list(t.shape)} but config.json implies {list(shape)}"
             )
+        if self.check:
+            check_finite(name, t)
         self.used.add(name)
         self.bar.update(1)
         return t
@@ -128,6 +158,9 @@ class _Builder:
         b = None
         if spec.mode == "affine":
             b = self._get(f"{path}.biases", (out, inp // spec.group_size))
+        if self.check:  # what _get could not see: NaN codes in uint8 bytes
+            for k, code in _CODES.get(spec.mode, {}).items():
+                check_finite(f"{path}.{k}", w if k == "weight" else s, code)
         q = self.quant
         same = q is not None and (q.mode, q.bits) == (spec.mode, spec.bits)
         if not self.dense_only and (q is None or (same and (q == spec or not self.group_asked))):
@@ -206,6 +239,7 @@ def build_model(
     *,
     dense: bool = False,
     group_asked: bool = True,
+    check_weights: bool = True,
 ) -> tuple[Transformer, list[str]]:
     """Check names and shapes, move weights to `be` (quantizing with `quant`, a QuantSpec,
     if given); returns the model and notes for the user (layers left unquantized, stored
@@ -213,6 +247,8 @@ def build_model(
 
     dense: expand stored quantized layers to the compute dtype (`--quant none`).
     group_asked: False when the user gave no group size, so stored layers may keep theirs.
+    check_weights: refuse, naming the tensor, a weight that holds NaN or inf (each tensor's
+    bytes are checked on the host as they are copied to the device).
     """
     if dense and quant is not None:
         raise ValueError("build_model: dense=True and a quant spec exclude each other")
@@ -223,7 +259,7 @@ def build_model(
     tied = c.tie_word_embeddings
     per_layer = 9 + (3 if c.attention_bias else 0) + (2 if c.qk_norm else 0)
     bar = _progress(2 + c.num_hidden_layers * per_layer + (0 if tied else 1), progress)
-    b = _Builder(cfg, tensors, be, quant, bar, dense, group_asked)
+    b = _Builder(cfg, tensors, be, quant, bar, dense, group_asked, check_weights)
     try:
         embed = b.matrix("model.embed_tokens", V, H)
         layers = []

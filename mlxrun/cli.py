@@ -163,6 +163,12 @@ def read_prompts(path: str) -> list[str]:
 )
 @click.option("--group-size", type=int, default=None, help="Quantization group size.")
 @click.option("--bits", type=int, default=None, help="Quantization bits (int formats).")
+@click.option(
+    "--check-weights/--no-check-weights",
+    default=True,
+    show_default=True,
+    help="Refuse weights that hold NaN or inf (one pass over their bytes while loading).",
+)
 def generate(
     model,
     backend,
@@ -184,6 +190,7 @@ def generate(
     quant,
     group_size,
     bits,
+    check_weights,
 ):
     """Generate text: one prompt streams to the terminal; many run as batches."""
     from .api import load  # noqa: PLC0415
@@ -206,6 +213,7 @@ def generate(
         group_size=group_size,
         bits=bits,
         progress=sys.stderr.isatty(),
+        check_weights=check_weights,
     )
     for note in m.notes:
         click.echo(f"note: {note}", err=True)

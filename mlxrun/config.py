@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from .errors import MlxrunError
+from .validate import check_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -45,7 +46,9 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        """Build from a config.json dict; raises MlxrunError on unknown or incomplete configs."""
+        """Build from a config.json dict; raises MlxrunError on unknown, incomplete or
+        ill-typed configs (the value checks live in `validate.check_config`)."""
+        check_config(d)
         mt = d.get("model_type")
         if mt not in SUPPORTED_MODEL_TYPES:
             raise MlxrunError(

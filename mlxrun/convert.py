@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +37,44 @@ MATRICES = (
     "lm_head",
 )
 _DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+# `.NAME.partial-PID`: where convert writes before the rename (see `convert`).
+_PARTIAL = re.compile(r"^\..+\.partial-(\d+)$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: checks that the process exists, sends nothing
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    except (OverflowError, ValueError):
+        return False
+    return True
+
+
+def clean_stale_partials(parent: Path) -> list[str]:
+    """Remove the `.NAME.partial-PID` directories in `parent` whose process is gone (a
+    convert killed by SIGKILL or a power cut cannot clean up after itself); returns a
+    note for each. A directory with subdirectories is not one convert wrote, and stays.
+    PIDs are this machine's: on a directory shared between machines, a convert running
+    on another one may look dead, so only its own machine's runs should share a parent."""
+    notes = []
+    for p in sorted(parent.glob(".*.partial-*")):
+        m = _PARTIAL.match(p.name)
+        if m is None or not p.is_dir() or p.is_symlink() or _alive(int(m.group(1))):
+            continue
+        try:
+            if any(c.is_dir() for c in p.iterdir()):
+                continue
+            shutil.rmtree(p)
+        except OSError as e:
+            notes.append(f"could not remove {p}, left by a convert that was killed: {e}")
+            continue
+        notes.append(f"removed {p}, left by a convert that was killed")
+    return notes
 
 
 def is_matrix(path: str) -> bool:
@@ -236,7 +275,10 @@ def convert(
 ) -> list[str]:
     """Write `model` to `out_dir` (new, or an empty directory): quantized to `quant` (int4, int8, fp8,
     fp4, nvfp4; 'none' dequantizes a quantized source; None keeps what is stored), in
-    safetensors shards of at most `shard_bytes`. Returns notes for the user."""
+    safetensors shards of at most `shard_bytes`. Returns notes for the user.
+
+    The files are written under `.NAME.partial-PID` beside `out_dir` and renamed at the
+    end; such directories left by killed runs are removed first (`clean_stale_partials`)."""
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise MlxrunError(f"{out} already exists and is not empty; choose a new directory")
@@ -251,6 +293,7 @@ def convert(
     ckpt = open_checkpoint(model)
     plan = _Plan(ckpt, spec, dense, group_size is not None)
     out.parent.mkdir(parents=True, exist_ok=True)
+    stale = clean_stale_partials(out.parent)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -281,4 +324,4 @@ def convert(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return plan.summary()
+    return stale + plan.summary()

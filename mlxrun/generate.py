@@ -90,6 +90,15 @@ def generate_step(
         yield from _steps(model, ids, pads, rows, max_tokens, prefill_chunk, prompts, logprobs)
 
 
+def _not_finite(step: int, ok: np.ndarray) -> MlxrunError:
+    rows = [int(b) for b in np.flatnonzero(~ok)]
+    return MlxrunError(
+        f"the model's logits are NaN or infinite at generated token {step + 1} (sequence "
+        f"{', '.join(map(str, rows))}): stopping rather than emitting garbage; the weights "
+        "or activations overflow, so try --dtype float32 or another checkpoint"
+    )
+
+
 def _steps(model, ids, pads, rows, max_tokens, prefill_chunk, prompts, logprobs):
     be = model.be
     B, L = ids.shape
@@ -98,21 +107,21 @@ def _steps(model, ids, pads, rows, max_tokens, prefill_chunk, prompts, logprobs)
     sampler = None
 
     def sample(logits):
+        """(next ids (B,), per-row finiteness (B,)), both on the device."""
         nonlocal sampler
         if plain:
-            return be.argmax(logits)
+            return be.argmax(logits), be.finite_rows(logits)
         if sampler is None:  # the vocabulary is the head's, known from the first logits
             plan = plan_for(rows, int(logits.shape[-1]), logprobs)
             sampler = be.sampler(plan, pack(rows, prompts, plan))
-        return sampler(logits)
+        return sampler(logits), be.finite_rows(logits)
 
-    def started(y, smp):
-        be.start(y)
+    def started(y, ok, smp):
+        """(ids, flags, log-probabilities or None), their copies to the host queued as one
+        point of the decode timeline."""
         extra = smp.logprobs() if smp is not None and logprobs is not None else None
-        for x in extra or ():
-            if x is not None:
-                be.start(x)
-        return y, extra
+        be.start(y, ok, *(x for x in extra or () if x is not None))
+        return y, ok, extra
 
     def host(x):
         return None if x is None else be.to_numpy(x)
@@ -121,7 +130,7 @@ def _steps(model, ids, pads, rows, max_tokens, prefill_chunk, prompts, logprobs)
         logits = model(be.ids(ids[:, s : s + prefill_chunk]), cache, pads, last_only=True)
         if s + prefill_chunk < L:
             be.eval(logits)  # bound MLX's lazy graph to one chunk
-    cur = started(sample(logits), sampler)
+    cur = started(*sample(logits), sampler)
     # Decode may run as one captured graph per step (CUDA); same math, fewer launches. The
     # graph samples with its own copy of the sampler, loaded with this one's state.
     graph = be.decode_step(model, cache, B, pads, sampler) if max_tokens > 1 else None
@@ -130,14 +139,20 @@ def _steps(model, ids, pads, rows, max_tokens, prefill_chunk, prompts, logprobs)
         for n in range(max_tokens):
             if n + 1 < max_tokens:
                 if graph is not None:
-                    nxt = started(graph(cur[0]), smp)
+                    nxt = started(graph(cur[0]), graph.finite, smp)
                 else:
-                    nxt = started(sample(model(cur[0].reshape(B, 1), cache, pads, True)), smp)
+                    nxt = started(*sample(model(cur[0].reshape(B, 1), cache, pads, True)), smp)
             toks = be.to_numpy(cur[0]).astype(np.int64).reshape(B)
-            if cur[1] is None:
+            # The flags travel beside the token (their copy queued with it), so checking them
+            # costs no extra wait; a NaN row's token is still an id in range, so the step
+            # already queued on it runs harmlessly.
+            ok = be.to_numpy(cur[1]).astype(bool).reshape(B)
+            if not ok.all():
+                raise _not_finite(n, ok)
+            if cur[2] is None:
                 yield toks
             else:
-                lp, top, top_ids = (host(x) for x in cur[1])
+                lp, top, top_ids = (host(x) for x in cur[2])
                 yield Step(toks, lp, top, None if top_ids is None else top_ids.astype(np.int64))
             if n + 1 < max_tokens:
                 cur = nxt

@@ -64,7 +64,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFModel:
     """
     path = Path(path)
     reader = _open(path)
-    meta = _Meta(reader)
+    meta = _Meta(reader, path)
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise MlxrunError(
@@ -119,18 +119,63 @@ def _open(path: Path):
     return reader
 
 
-class _Meta:
-    """Typed access to GGUF key/value metadata."""
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
-    def __init__(self, reader):
+
+# What the keys mlxrun reads must hold; a file is data from outside, so a string where a
+# count belongs ends in one line, not a ValueError from int().
+_STRINGS = ("general.architecture", "tokenizer.ggml.model", "tokenizer.ggml.pre")
+_LISTS = {
+    "tokenizer.ggml.tokens": (str,),
+    "tokenizer.ggml.merges": (str,),
+    "tokenizer.ggml.token_type": (int,),
+    "tokenizer.ggml.scores": (int, float),
+}
+
+
+class _Meta:
+    """Typed access to GGUF key/value metadata: numbers where mlxrun reads numbers
+    (`llama.*`, token ids), strings and lists of the right element type elsewhere."""
+
+    def __init__(self, reader, path: Path | None = None):
         self.fields = reader.fields
+        self.path = path
 
     def __contains__(self, key: str) -> bool:
         return key in self.fields
 
     def get(self, key: str, default: Any = None) -> Any:
         f = self.fields.get(key)
-        return default if f is None else f.contents()
+        if f is None:
+            return default
+        try:
+            v = f.contents()
+        except (ValueError, IndexError, UnicodeDecodeError):
+            raise self._bad(key, "unreadable") from None
+        if (
+            key in _STRINGS
+            or key.startswith("tokenizer.chat_template")
+            or key.endswith(".scaling.type")
+        ):
+            ok = isinstance(v, str)
+        elif key in _LISTS:
+            ok = isinstance(v, list) and all(
+                isinstance(x, _LISTS[key]) and not isinstance(x, bool) for x in v
+            )
+        elif key.startswith("llama.") or key.endswith("_token_id"):
+            ok = _is_num(v) or (isinstance(v, list) and bool(v) and all(map(_is_num, v)))
+        else:
+            ok = True
+        if not ok:
+            raise self._bad(key, repr(v)[:40])
+        return v
+
+    def _bad(self, key: str, shown: str) -> MlxrunError:
+        return MlxrunError(
+            f"{self.path}: GGUF metadata {key} is {shown}, which is not what a llama GGUF "
+            "holds there; the file is corrupt or not a llama model: re-download it"
+        )
 
 
 def _one(path: Path, meta: _Meta, key: str, default: Any = None) -> Any:
@@ -148,6 +193,9 @@ def _one(path: Path, meta: _Meta, key: str, default: Any = None) -> Any:
 def _config(path: Path, meta: _Meta, raw: dict) -> dict:
     heads = int(_one(path, meta, "llama.attention.head_count"))
     hidden = int(_one(path, meta, "llama.embedding_length"))
+    for key, v in (("llama.attention.head_count", heads), ("llama.embedding_length", hidden)):
+        if v < 1:
+            raise meta._bad(key, str(v))
     head_dim = int(meta.get("llama.attention.key_length", hidden // heads))
     rot = meta.get("llama.rope.dimension_count", head_dim)
     if rot != head_dim:

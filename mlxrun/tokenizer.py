@@ -15,6 +15,34 @@ def _token_text(v) -> str | None:
     return v.get("content") if isinstance(v, dict) else v
 
 
+# Largest string or list a template may build with `*`, and largest integer exponent: jinja2's
+# sandbox bounds range() (100,000) but would let "a" * 10**10 allocate 10 GB, and
+# 10**10**10 run for ever.
+MAX_REPEAT = 1 << 20
+MAX_EXPONENT = 1024
+
+
+def _sandbox(base):
+    """`base` (a jinja2 sandboxed environment class) that also bounds `*` and `**`."""
+
+    class Bounded(base):
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+                        if len(seq) * n > MAX_REPEAT:
+                            raise OverflowError(
+                                f"a repeat of {len(seq)} x {n} is over the limit {MAX_REPEAT}"
+                            )
+            if operator == "**" and isinstance(right, int) and abs(right) > MAX_EXPONENT:
+                raise OverflowError(f"an exponent of {right} is over the limit {MAX_EXPONENT}")
+            return super().call_binop(context, operator, left, right)
+
+    return Bounded
+
+
 class Tokenizer:
     """Encodes, decodes and renders chat prompts.
 
@@ -86,17 +114,35 @@ class Tokenizer:
             raise MlxrunError(f"chat template: {msg}")
 
         # Sandboxed, as transformers does: a template is data from the checkpoint.
-        env = ImmutableSandboxedEnvironment(
+        env = _sandbox(ImmutableSandboxedEnvironment)(
             trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
         )
         env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        return env.from_string(self.chat_template).render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except MlxrunError:
+            raise
+        except jinja2.exceptions.SecurityError as e:
+            why = f"the sandbox refused it ({e})"
+        except OverflowError as e:  # range(), repeat and power limits
+            why = f"the sandbox refused it ({e or 'a result over its size limit'})"
+        except RecursionError:
+            why = "it recurses without end"
+        except jinja2.exceptions.TemplateError as e:  # syntax, undefined names
+            why = f"{type(e).__name__}: {e}"
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+            # a template's own expression failed on these messages
+            why = f"{type(e).__name__}: {e}"
+        raise MlxrunError(
+            f"the checkpoint's chat template was refused: {' '.join(why.split())}; "
+            "--no-chat skips it and sends the prompt as plain text"
         )
 
     def prompt_ids(

@@ -588,7 +588,7 @@ def test_llama3_rope_freqs(tmp_path):
     path = tmp_path / "r.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     for fn, v in (
-        (w.add_block_count, 0),
+        (w.add_block_count, 1),
         (w.add_embedding_length, dim),
         (w.add_head_count, 1),
         (w.add_feed_forward_length, 64),

@@ -537,6 +537,8 @@ def test_fused_small_ops_equal_the_stock_ops(dtype):
     assert torch.equal(cuda_ops.argmax(logits).cpu(), logits.float().cpu().argmax(-1))
     out = torch.full((3,), 7, dtype=torch.int64, device=DEV)
     assert cuda_ops.argmax(logits, out=out) is out and out.tolist()[1:] == [123, 0]
+    logits[0, :] = float("nan")  # still an id in range: the next step embeds it
+    assert 0 <= cuda_ops.argmax(logits)[0].item() < 9000
 
     gu = rnd(2, 3, 3000)  # a joint gate/up product; 1500 is not a multiple of the block
     gate, up = gu[..., :1500], gu[..., 1500:]
