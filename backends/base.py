@@ -96,6 +96,7 @@ class Backend(Protocol):
         self, q: Array, k: Array, v: Array, scale: float, mask: Array | None
     ) -> Array: ...
     def silu_gated(self, x: Array, gate, up) -> Array: ...  # silu(x @ gate^T) * (x @ up^T)
+    def all_sum(self, x: Array) -> Array: ...  # x summed over the ranks (tensor parallel)
     def argmax(self, logits: Array) -> Array: ...
     def make_cache(
         self, num_layers: int, batch: int, kv_heads: int, head_dim: int, max_len: int
