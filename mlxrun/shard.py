@@ -55,24 +55,32 @@ def stored_groups(cfg: ModelConfig, names) -> set[int]:
 
 
 def problems(cfg: ModelConfig, tp: int, groups: set[int]) -> list[str]:
-    """What stops `cfg` splitting over `tp` ranks (empty: it splits)."""
-    c, why = cfg, []
-    for what, n in (
-        ("attention heads", c.num_attention_heads),
-        ("KV heads", c.num_key_value_heads),
-        ("intermediate size", c.intermediate_size),
-    ):
-        if n % tp:
-            why.append(f"{n} {what}")
-    if not why:
-        for g in sorted(groups):
-            for what, n in (
-                ("o_proj", c.num_attention_heads // tp * c.head_dim),
-                ("down_proj", c.intermediate_size // tp),
-            ):
-                if n % g:
-                    why.append(f"{what}'s {n} inputs a rank in groups of {g}")
+    """What stops `cfg` splitting over `tp` ranks, as phrases (empty: it splits)."""
+    c = cfg
+    counts = [
+        f"{n} {what}"
+        for what, n in (
+            ("attention heads", c.num_attention_heads),
+            ("KV heads", c.num_key_value_heads),
+            ("MLP rows (intermediate size)", c.intermediate_size),
+        )
+        if n % tp
+    ]
+    if counts:
+        return [f"{_and(counts)} do not divide by {tp}"]
+    why = []
+    for g in sorted(groups):
+        for what, n in (
+            ("o_proj", c.num_attention_heads // tp * c.head_dim),
+            ("down_proj", c.intermediate_size // tp),
+        ):
+            if n % g:
+                why.append(f"{what}'s {n} inputs a rank are not whole groups of {g}")
     return why
+
+
+def _and(xs: list[str]) -> str:
+    return xs[0] if len(xs) == 1 else ", ".join(xs[:-1]) + " and " + xs[-1]
 
 
 def working_counts(cfg: ModelConfig, groups: set[int], upto: int | None = None) -> list[int]:
@@ -91,9 +99,9 @@ def check(cfg: ModelConfig, tp: int, groups: set[int]) -> None:
             str(n) for n in working_counts(cfg, groups, max(tp, cfg.num_key_value_heads))
         )
         raise MlxrunError(
-            f"cannot split this model over {tp} ranks: {'; '.join(why)} do not divide by {tp} "
-            f"(each rank takes whole heads, KV heads and quantization groups); rank counts "
-            f"that work: {ok}"
+            f"cannot split this model over {tp} ranks (each takes whole heads, KV heads and "
+            f"quantization groups): {'; '.join(why)}; rank counts that work: {ok}"
+            + (" (or pick a --group-size that divides them)" if "groups of" in why[-1] else "")
         )
 
 
