@@ -199,41 +199,56 @@ def test_mlx_ring_two_ranks_equal_one_process(tiny_dir, tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_three_ranks_equal_one_process(tmp_path):
-    """The bundled GGUF (Q4_1, loaded as affine 4-bit g32) over 3 gloo ranks: 3 heads,
-    1 KV head and 512 MLP rows a rank (2 ranks do not divide its 9 heads)."""
+    """The bundled GGUF (Q4_1, loaded as affine 4-bit g32) over 3 mx.distributed ranks: 3
+    heads, 1 KV head and 512 MLP rows a rank (2 ranks do not divide its 9 heads)."""
+    pytest.importorskip("mlx.core")
     jobs = [
         dict(
             model=SMOLLM2,
-            backend="cpu",
+            backend="mlx",
             ids=[1, 504, 3458, 282, 2241, 314, 4649, 47],
             prompt="The capital of France is",
             max_tokens=6,
         )
     ]
-    _run_split(_torchrun(3), jobs, tmp_path / "out")
+    _run_split(_mlx_launch(3), jobs, tmp_path / "out")
     assert (tmp_path / "out" / "0.txt").read_text().startswith(" Paris")
     _compare(jobs, tmp_path / "out")
 
 
-def test_cli_under_torchrun_prints_once(tiny_dir, tmp_path):
-    """Rank 0 alone prints the answer (the one-process answer); a model that does not split
-    ends both ranks with one error line."""
+GENERATE = ["-m", "mlxrun", "generate", "--dtype", "float32", "--no-chat", "--max-tokens", "6"]
+
+
+def test_cli_under_torchrun_prints_once(tiny_dir):
+    """`torchrun -m mlxrun generate`: rank 0 alone prints, the one-process answer."""
     d = str(tiny_dir("llama_gqa_tied")[0])
-    args = ["-m", "mlxrun", "generate", "--backend", "cpu", "--dtype", "float32", "--no-chat"]
-    args += ["--max-tokens", "6", "--prompt", PROMPT]
-    one = subprocess.run(
-        [sys.executable, *args, "--model", d], capture_output=True, text=True, env=_env()
+    m = mlxrun.load(d, backend="cpu", dtype="float32", progress=False)
+    want = m.generate(PROMPT, max_tokens=6, chat=False)
+    r = subprocess.run(
+        [*_torchrun(2), *GENERATE, "-b", "cpu", "-p", PROMPT, "--model", d],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=600,
     )
-    assert one.returncode == 0, one.stderr
-    two = subprocess.run(
-        [*_torchrun(2), *args, "--model", d], capture_output=True, text=True, env=_env()
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout == want + "\n" and want.strip()
+    assert r.stderr.count("Backend:") == 1
+
+
+def test_error_on_split_ends_every_rank_with_one_line(tiny_dir):
+    """A model that does not split over 2 ranks (1 KV head): one error line, every rank
+    exits with status 1 (mlx.launch reports each), nothing hangs."""
+    pytest.importorskip("mlx.core")
+    bad = str(tiny_dir("llama3_untied_scaled")[0])
+    r = subprocess.run(
+        [*_mlx_launch(2), "--", *GENERATE, "-b", "mlx", "-p", PROMPT, "--model", bad],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=600,
     )
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert two.stdout == one.stdout and one.stdout.strip()
-    bad = str(tiny_dir("llama3_untied_scaled")[0])  # 1 KV head
-    three = subprocess.run(
-        [*_torchrun(2), *args, "--model", bad], capture_output=True, text=True, env=_env()
-    )
-    assert three.returncode != 0
-    assert three.stderr.count("mlxrun: error:") == 1, three.stderr[-3000:]
-    assert "1 KV heads do not divide by 2; rank counts that work: 1" in three.stderr
+    out = r.stdout + r.stderr
+    assert out.count("mlxrun: error:") == 1, out[-3000:]
+    assert "1 KV heads do not divide by 2; rank counts that work: 1" in out
+    assert "rank 0 exited with code 1" in out and "rank 1 exited with code 1" in out
