@@ -201,8 +201,8 @@ def test_mlx_ring_two_ranks_equal_one_process(tiny_dir, tmp_path):
 def test_smollm2_three_ranks_equal_one_process(tmp_path):
     """The bundled GGUF (Q4_1, loaded as affine 4-bit g32) over 3 gloo ranks: 3 heads,
     1 KV head and 512 MLP rows a rank (2 ranks do not divide its 9 heads). gloo, not the
-    ring: its ranks sleep while they wait, where three spinning ring ranks on two cores
-    took 3x the CPU time."""
+    ring: on two cores three ring ranks spent 73 s of CPU (24 s of it system time) where
+    gloo's three spent 47 s."""
     jobs = [
         dict(
             model=SMOLLM2,
