@@ -64,6 +64,11 @@ class Group:
 
         return np.array(mx.distributed.all_sum(mx.array(a), group=self.handle, stream=mx.cpu))
 
+    def shared_seed(self) -> int:
+        """A fresh random seed, the same on every rank (rank 0's draw)."""
+        mine = np.random.SeedSequence().entropy % 2**31 if self.rank == 0 else 0
+        return int(self.all_sum_np(np.array([mine], dtype=np.int64))[0])
+
     def agree(self, error: str | None) -> str | None:
         """Every rank calls this with its error (or None); all get the first failing rank's
         message (or None), so one failure ends every rank with the same one line."""

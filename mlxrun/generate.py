@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -76,6 +77,11 @@ def _steps(model, ids, pads, params, max_tokens, prefill_chunk, prompts):
     B, L = ids.shape
     cache = model.make_cache(B, L + max_tokens)
     history = [list(p) for p in prompts]
+    group = getattr(be, "group", None)
+    if group is not None and params.seed is None:
+        # split over ranks, every rank must draw the same tokens (or they part ways and
+        # wait for each other in the next all_sum): one seed for all, drawn by rank 0
+        params = dataclasses.replace(params, seed=group.shared_seed())
     host = None if params.on_device else HostSampler(params)
 
     def sample(logits):

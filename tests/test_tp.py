@@ -156,6 +156,10 @@ def _compare(jobs: list[dict], out: Path) -> None:
             progress=False,
         )
         assert rel_err(np.load(out / f"{i}.npy"), m.logits(job["ids"])) <= 1e-5, job
+        texts = {p.read_text() for p in out.glob(f"{i}.rank*.txt")}
+        assert texts == {(out / f"{i}.txt").read_text()}, job  # every rank drew the same
+        if job.get("temperature"):
+            continue  # sampled with a seed rank 0 drew: no one-process twin
         text = m.generate(job["prompt"], max_tokens=job["max_tokens"], chat=False)
         assert (out / f"{i}.txt").read_text() == text, job
 
@@ -190,9 +194,18 @@ def test_gloo_two_ranks_equal_one_process(tiny_dir, tmp_path):
 
 
 def test_mlx_ring_two_ranks_equal_one_process(tiny_dir, tmp_path):
-    """Dense with an untied head and q/k norms (qwen3, head_dim 32), and int4 g64."""
+    """Dense with an untied head and q/k norms (qwen3, head_dim 32), int4 g64, and sampled
+    text (temperature 1, no seed) that all ranks must agree on."""
     pytest.importorskip("mlx.core")
-    jobs = _jobs(tiny_dir, "mlx", [("qwen3_qknorm", {}), ("qwen3_qknorm", {"quant": "int4"})])
+    jobs = _jobs(
+        tiny_dir,
+        "mlx",
+        [
+            ("qwen3_qknorm", {}),
+            ("qwen3_qknorm", {"quant": "int4"}),
+            ("qwen3_qknorm", {"temperature": 1.0}),  # no seed given: the ranks share one
+        ],
+    )
     _run_split(_mlx_launch(2), jobs, tmp_path / "out")
     _compare(jobs, tmp_path / "out")
 

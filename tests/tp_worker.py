@@ -1,6 +1,6 @@
 """Run by tests/test_tp.py under torchrun or mlx.launch: each job loads a model split over
-the launcher's ranks and rank 0 saves its logits and greedy text for the test to compare
-with the one-process run.
+the launcher's ranks and rank 0 saves its logits and text for the test to compare with the
+one-process run; every rank saves its text (sampled text must agree across ranks).
 
 usage: tp_worker.py JOBS_JSON OUT_DIR
 """
@@ -29,10 +29,12 @@ def main() -> None:
             progress=False,
         )
         logits = m.logits(job["ids"])
-        text = m.generate(job["prompt"], max_tokens=job["max_tokens"], chat=False)
+        temp = job.get("temperature", 0.0)
+        text = m.generate(job["prompt"], max_tokens=job["max_tokens"], chat=False, temperature=temp)
         if env_rank() == 0:
             np.save(out / f"{i}.npy", logits)
             (out / f"{i}.txt").write_text(text)
+        (out / f"{i}.rank{env_rank()}.txt").write_text(text)
 
 
 if __name__ == "__main__":
