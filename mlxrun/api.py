@@ -230,16 +230,14 @@ def _load(model, be, quant, group_size, bits, progress, check_memory, group, t0)
     from .loader import open_checkpoint  # noqa: PLC0415
     from .memory import check_fits  # noqa: PLC0415
     from .planning import plan_shapes  # noqa: PLC0415
-    from .shard import check, shard_config, shard_shapes, shard_tensors, stored_groups  # noqa: PLC0415
+    from .shard import check, shard_config  # noqa: PLC0415
 
     where = "mlx" if be.name == "mlx" else be.device
-    ckpt = open_checkpoint(model)
-    cfg, tensors = ckpt.config, ckpt.tensors
     tp = 1 if group is None else group.size
-    if tp > 1:
-        check(cfg, tp, stored_groups(cfg, tensors))
+    ckpt = open_checkpoint(model, None if group is None else (tp, group.rank))
+    cfg, tensors = ckpt.config, ckpt.tensors  # the tensors: this rank's slices
     rank_cfg = shard_config(cfg, tp)  # this rank's heads, KV heads and MLP rows
-    shapes = shard_shapes({n: (t.shape, t.dtype) for n, t in tensors.items()}, tp)
+    shapes = {n: (t.shape, t.dtype) for n, t in tensors.items()}
     ctx = min(cfg.max_position_embeddings, 2048)
 
     def plan_for(s):  # one 2048-token sequence: what loading must leave room for
@@ -259,10 +257,8 @@ def _load(model, be, quant, group_size, bits, progress, check_memory, group, t0)
         if key == "none":
             key = None
     spec = None if key in (None, "none") else resolve(key, group_size=group_size, bits=bits)
-    if tp > 1:
-        if spec is not None:  # quantized here: a rank's o/down columns must be whole groups
-            check(cfg, tp, {target_spec(spec, cfg.quantization, group_size is not None).group_size})
-        tensors = shard_tensors(tensors, tp, group.rank)  # views of the mapped files
+    if tp > 1 and spec is not None:  # quantized here: a rank's o/down inputs, whole groups
+        check(cfg, tp, {target_spec(spec, cfg.quantization, group_size is not None).group_size})
     if check_memory:  # refuse before anything large is allocated
         check_fits(plan_for(spec))
     transformer, notes = build_model(

@@ -117,7 +117,8 @@ def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     )
 
 
-def _piece(n: int, tp: int, rank: int, name: str) -> slice:
+def piece(n: int, tp: int, rank: int, name: str) -> slice:
+    """Rank `rank`'s equal part of a dimension of n (tensor `name`, for the error)."""
     if n % tp:
         raise MlxrunError(f"tensor {name!r}: dimension {n} does not split over {tp} ranks")
     step = n // tp
@@ -134,9 +135,9 @@ def shard_tensors(tensors: dict[str, Tensor], tp: int, rank: int) -> dict[str, T
         if axis is None:
             out[name] = t
         elif axis == 0:
-            out[name] = Tensor(t.dtype, t.data[_piece(t.shape[0], tp, rank, name)])
+            out[name] = Tensor(t.dtype, t.data[piece(t.shape[0], tp, rank, name)])
         else:
-            out[name] = Tensor(t.dtype, t.data[..., _piece(t.shape[-1], tp, rank, name)])
+            out[name] = Tensor(t.dtype, t.data[..., piece(t.shape[-1], tp, rank, name)])
     return out
 
 
