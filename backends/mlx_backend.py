@@ -96,7 +96,8 @@ class MLXBackend:
                 info = f" ({mx.device_info().get('device_name', '')})"
             except Exception:  # device_info is best-effort
                 info = ""
-        return f"mlx {mx.__version__} on {self.device}{info}, {self.dtype}"
+        tp = "" if self.group is None else f", {self.group.label}"
+        return f"mlx {mx.__version__} on {self.device}{info}, {self.dtype}{tp}"
 
     def array(self, t, keep_dtype: bool = False):
         if isinstance(t, Tensor):

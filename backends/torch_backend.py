@@ -265,7 +265,8 @@ class TorchBackend:
             where = f"cpu, {torch.get_num_threads()} threads"
         else:
             where = "Apple GPU"
-        return f"torch {torch.__version__} on {self.device} ({where}), {self.dtype}"
+        tp = "" if self.group is None else f", {self.group.label}"
+        return f"torch {torch.__version__} on {self.device} ({where}), {self.dtype}{tp}"
 
     def array(self, t, keep_dtype: bool = False):
         if isinstance(t, Tensor):

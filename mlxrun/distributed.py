@@ -22,8 +22,11 @@ _joined: Group | None = None  # a process joins its launcher's group once
 
 
 def launcher() -> str | None:
-    """'torch' under torchrun with more than one process, 'mlx' under mlx.launch, else None."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
+    """'torch' under torchrun, 'mlx' under mlx.launch with more than one process, else None.
+
+    torchrun with one process still joins (a one-rank NCCL group): it runs the collective
+    path, graph capture included, on a single GPU."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return "torch"
     if "MLX_RANK" in os.environ and int(os.environ.get("MLX_WORLD_SIZE", "2")) > 1:
         return "mlx"
@@ -50,6 +53,12 @@ class Group:
     size: int
     handle: Any = None
     device: str = "cpu"  # where torch's host-side sums run (NCCL needs CUDA tensors)
+    via: str = ""  # the collective library: nccl, gloo, mx.distributed
+
+    @property
+    def label(self) -> str:
+        """'tensor parallel rank 0 of 2 (nccl)', for the backend's description."""
+        return f"tensor parallel rank {self.rank} of {self.size} ({self.via})"
 
     def all_sum_np(self, a: np.ndarray) -> np.ndarray:
         """Sum a small host array over every rank (for agreement, not for the model)."""
@@ -110,7 +119,7 @@ def join(be) -> Group | None:
             import mlx.core as mx  # noqa: PLC0415
 
             h = mx.distributed.init(strict=True)
-            _joined = Group("mlx", h.rank(), h.size(), h)
+            _joined = Group("mlx", h.rank(), h.size(), h, via="mx.distributed")
     be.group = _joined
     return _joined
 
@@ -129,4 +138,4 @@ def _join_torch(be) -> Group:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
     dev = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
-    return Group("torch", dist.get_rank(), dist.get_world_size(), None, dev)
+    return Group("torch", dist.get_rank(), dist.get_world_size(), None, dev, dist.get_backend())

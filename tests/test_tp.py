@@ -247,7 +247,7 @@ def test_cli_under_torchrun_prints_once(tiny_dir):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout == want + "\n" and want.strip()
-    assert r.stderr.count("Backend:") == 1
+    assert r.stderr.count("Backend:") == 1 and "tensor parallel rank 0 of 2 (gloo)" in r.stderr
 
 
 def test_error_on_split_ends_every_rank_with_one_line(tiny_dir):
