@@ -251,8 +251,8 @@ def test_cli_under_torchrun_prints_once(tiny_dir):
 
 
 def test_error_on_split_ends_every_rank_with_one_line(tiny_dir):
-    """A model that does not split over 2 ranks (1 KV head): one error line, every rank
-    exits with status 1 (mlx.launch reports each), nothing hangs."""
+    """A model that does not split over 2 ranks (1 KV head): one error line, the ranks
+    exit with status 1, nothing hangs."""
     pytest.importorskip("mlx.core")
     bad = str(tiny_dir("llama3_untied_scaled")[0])
     r = subprocess.run(
@@ -265,4 +265,6 @@ def test_error_on_split_ends_every_rank_with_one_line(tiny_dir):
     out = r.stdout + r.stderr
     assert out.count("mlxrun: error:") == 1, out[-3000:]
     assert "1 KV heads do not divide by 2; rank counts that work: 1" in out
-    assert "rank 0 exited with code 1" in out and "rank 1 exited with code 1" in out
+    # mlx.launch reports each rank that exits by itself; it ends any rank still running
+    # once one has failed, so the second report may be missing (or carry its signal)
+    assert "exited with code 1" in out, out[-3000:]
