@@ -96,6 +96,7 @@ class Backend(Protocol):
         self, q: Array, k: Array, v: Array, scale: float, mask: Array | None
     ) -> Array: ...
     def silu_gated(self, x: Array, gate, up) -> Array: ...  # silu(x @ gate^T) * (x @ up^T)
+    def all_sum(self, x: Array) -> Array: ...  # x summed over the ranks (tensor parallel)
     def argmax(self, logits: Array) -> Array: ...
     def finite_rows(self, logits: Array) -> Array: ...  # (B, V) -> (B,) bool: no NaN or inf
     def make_cache(

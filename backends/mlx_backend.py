@@ -87,6 +87,7 @@ class MLXBackend:
         self.dtype = dtype or ("bfloat16" if self.device == "gpu" else "float32")
         self._dt = getattr(mx, self.dtype)
         self.memory_kind = "apple" if self.device == "gpu" else "cpu"  # the planner's kind
+        self.group = None  # mlxrun.distributed.Group when the model is split over processes
 
     def describe(self) -> str:
         info = ""
@@ -95,7 +96,8 @@ class MLXBackend:
                 info = f" ({mx.device_info().get('device_name', '')})"
             except Exception:  # device_info is best-effort
                 info = ""
-        return f"mlx {mx.__version__} on {self.device}{info}, {self.dtype}"
+        tp = "" if self.group is None else f", {self.group.label}"
+        return f"mlx {mx.__version__} on {self.device}{info}, {self.dtype}{tp}"
 
     def array(self, t, keep_dtype: bool = False):
         if isinstance(t, Tensor):
@@ -201,6 +203,12 @@ class MLXBackend:
 
     def silu_gated(self, x, gate, up):
         return self.silu_mul(*self.linears(x, (gate, up)))
+
+    def all_sum(self, x):
+        """x summed over the group's ranks (mx.distributed; lazy like every other op)."""
+        if self.group is None:
+            return x
+        return mx.distributed.all_sum(x, group=self.group.handle)
 
     def argmax(self, logits):
         return mx.argmax(logits, axis=-1)

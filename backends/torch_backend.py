@@ -266,6 +266,7 @@ class TorchBackend:
         self._dev = torch.device(device)
         self.cuda_graphs = cuda_graphs and device == "cuda"
         self.memory_kind = {"cuda": "cuda", "mps": "apple"}.get(device, "cpu")  # planner's kind
+        self.group = None  # mlxrun.distributed.Group when the model is split over processes
         # Fused Triton kernels (packed-weight matmuls, norms, rope, SiLU): CUDA only in use; a
         # test may turn them on for the CPU under TRITON_INTERPRET to run the CUDA code path.
         self.triton_kernels = device == "cuda"
@@ -283,7 +284,8 @@ class TorchBackend:
             where = f"cpu, {torch.get_num_threads()} threads"
         else:
             where = "Apple GPU"
-        return f"torch {torch.__version__} on {self.device} ({where}), {self.dtype}"
+        tp = "" if self.group is None else f", {self.group.label}"
+        return f"torch {torch.__version__} on {self.device} ({where}), {self.dtype}{tp}"
 
     def array(self, t, keep_dtype: bool = False):
         if isinstance(t, Tensor):
@@ -544,6 +546,14 @@ class TorchBackend:
             if silu_fusable(x, joint) and _SILU_IN_GEMV:
                 return qmatmul(x, joint, silu=True)
         return self.silu_mul(*self.linears(x, (gate, up)))
+
+    def all_sum(self, x):
+        """x summed over the group's ranks (in place: x is a fresh product). NCCL's
+        all-reduce is captured into the decode graph with the rest of the step."""
+        if self.group is None:
+            return x
+        torch.distributed.all_reduce(x)
+        return x
 
     def argmax(self, logits):
         if self.triton_kernels and logits.dim() == 2:

@@ -207,22 +207,44 @@ def load(
     holding NaN or inf is refused, naming the tensor (a pass over the weights' bytes on the
     host as they are copied; False skips it)."""
     from mlxrun.backends import get_backend  # noqa: PLC0415
+
+    from .distributed import join  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    be = get_backend(backend, dtype)
+    group = join(be)  # under torchrun / mlx.launch: this process loads one shard
+    args = (model, be, quant, group_size, bits, progress, check_memory, group, t0)
+    if group is None:
+        return _load(*args)
+    try:
+        m, error = _load(*args), None
+    except MlxrunError as e:
+        m, error = None, str(e)
+    error = group.agree(error)  # a failure on any rank ends them all, with its message
+    if error is not None:
+        raise MlxrunError(error)
+    return m
+
+
+def _load(model, be, quant, group_size, bits, progress, check_memory, group, t0) -> Model:
     from mlxrun.quant.formats import resolve  # noqa: PLC0415
 
     from .build import build_model, target_spec  # noqa: PLC0415
     from .loader import open_checkpoint  # noqa: PLC0415
     from .memory import check_fits  # noqa: PLC0415
     from .planning import plan_shapes  # noqa: PLC0415
+    from .shard import check, shard_config  # noqa: PLC0415
 
-    t0 = time.perf_counter()
-    be = get_backend(backend, dtype)
     where = "mlx" if be.name == "mlx" else be.device
-    ckpt = open_checkpoint(model)
-    shapes = {n: (t.shape, t.dtype) for n, t in ckpt.tensors.items()}
-    ctx = min(ckpt.config.max_position_embeddings, 2048)
+    tp = 1 if group is None else group.size
+    ckpt = open_checkpoint(model, None if tp == 1 else (tp, group.rank))
+    cfg, tensors = ckpt.config, ckpt.tensors  # the tensors: this rank's slices
+    rank_cfg = shard_config(cfg, tp)  # this rank's heads, KV heads and MLP rows
+    shapes = {n: (t.shape, t.dtype) for n, t in tensors.items()}
+    ctx = min(cfg.max_position_embeddings, 2048)
 
     def plan_for(s):  # one 2048-token sequence: what loading must leave room for
-        return plan_shapes(ckpt.config, shapes, s, where, be.dtype, ctx, 1)
+        return plan_shapes(rank_cfg, shapes, s, where, be.dtype, ctx, 1)
 
     key = None if quant is None else quant.strip().lower()
     auto_note = []
@@ -238,11 +260,13 @@ def load(
         if key == "none":
             key = None
     spec = None if key in (None, "none") else resolve(key, group_size=group_size, bits=bits)
+    if tp > 1 and spec is not None:  # quantized here: a rank's o/down inputs, whole groups
+        check(cfg, tp, {target_spec(spec, cfg.quantization, group_size is not None).group_size})
     if check_memory:  # refuse before anything large is allocated
         check_fits(plan_for(spec))
     transformer, notes = build_model(
-        ckpt.config,
-        ckpt.tensors,
+        rank_cfg,
+        tensors,
         be,
         spec,
         progress=progress,

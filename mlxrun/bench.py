@@ -569,7 +569,13 @@ def _bench_mlxrun(
     how = ""
     t0 = time.perf_counter()
     if src.shape:
-        model = build_random(src.config, be, spec)
+        from .distributed import join  # noqa: PLC0415
+        from .shard import check, shard_config  # noqa: PLC0415
+
+        group = join(be)  # under a launcher each rank builds its shard only
+        tp = 1 if group is None else group.size
+        check(src.config, tp, set() if spec is None else {spec.group_size})
+        model = build_random(shard_config(src.config, tp), be, spec)
         be.synchronize()
         load_s = time.perf_counter() - t0
     else:

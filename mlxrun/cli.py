@@ -317,12 +317,19 @@ def _stream_one(m, prompt, max_tokens, system, chat, stop, sampling) -> None:
     default=None,
     help="Tokens of the context that are prompt, prefilled at once [default: all of it].",
 )
-def plan(model, backend, dtype, quant, context, batch, prompt_tokens):
+@click.option(
+    "--tp",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Plan one rank of the model split over this many processes (tensor parallel).",
+)
+def plan(model, backend, dtype, quant, context, batch, prompt_tokens, tp):
     """Show what the model needs in memory and what fits, without loading the weights."""
     from .memory import format_plan  # noqa: PLC0415
-    from .planning import plan as make  # noqa: PLC0415
+    from .planning import plan_config  # noqa: PLC0415
 
-    p = make(
+    p, c = plan_config(
         model,
         quant=quant,
         context=context,
@@ -330,7 +337,14 @@ def plan(model, backend, dtype, quant, context, batch, prompt_tokens):
         backend=backend,
         dtype=dtype,
         prompt_tokens=prompt_tokens,
+        tp=tp,
     )
+    if tp > 1:
+        click.echo(
+            f"tensor parallel over {tp} ranks; each rank below: {c.num_attention_heads} heads, "
+            f"{c.num_key_value_heads} KV heads, {c.intermediate_size} MLP rows (embedding, "
+            "head and norms on every rank)"
+        )
     click.echo(format_plan(p))
 
 
@@ -500,8 +514,20 @@ def bench(
             click.echo(f"wrote {path}", err=True)
 
 
+def _quiet_other_ranks() -> None:
+    """Under torchrun / mlx.launch every rank runs this command; only rank 0 prints (the
+    others' errors are agreed on and reported by rank 0, see mlxrun.distributed)."""
+    import os  # noqa: PLC0415
+
+    from .distributed import env_rank  # noqa: PLC0415
+
+    if env_rank() != 0:
+        sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (for the process)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: user errors become one line on stderr and exit status 1."""
+    _quiet_other_ranks()
     try:
         rv = cli.main(args=argv, prog_name="mlxrun", standalone_mode=False)
         sys.exit(rv if isinstance(rv, int) else 0)

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -103,6 +104,18 @@ def _steps(model, ids, pads, rows, max_tokens, prefill_chunk, prompts, logprobs)
     be = model.be
     B, L = ids.shape
     cache = model.make_cache(B, L + max_tokens)
+    if (
+        be.group is not None
+        and any(p.seed is None for p in rows)
+        and not all(p.greedy for p in rows)
+    ):
+        # split over ranks, every rank must draw the same tokens (or they part ways and
+        # wait for each other in the next all_sum): seeds drawn by rank 0 for all
+        shared = be.group.shared_seed()
+        rows = [
+            p if p.seed is not None else dataclasses.replace(p, seed=(shared + b) & 0xFFFFFFFF)
+            for b, p in enumerate(rows)
+        ]
     plain = logprobs is None and all(p.greedy for p in rows)
     sampler = None
 

@@ -55,12 +55,15 @@ class GGUFModel:
     generation_config: dict
 
 
-def read_gguf(path: str | os.PathLike) -> GGUFModel:
+def read_gguf(path: str | os.PathLike, shard: tuple[int, int] | None = None) -> GGUFModel:
     """Read a llama GGUF: HF config, tensors (memory-mapped where dense), tokenizer.
 
     Quantized linears `p` come back as `p.weight` uint32 [out, in*bits/32], `p.scales` and
     `p.biases` F16 [out, in/32]; dense tensors keep their GGUF dtype (F32, F16, BF16) and are
     views of the file, except q/k projections whose rows are un-permuted (a copy).
+
+    shard: (ranks, rank): only that rank's slice of each split tensor (mlxrun.shard) is
+    read and unpacked; the config stays the whole model's.
     """
     path = Path(path)
     reader = _open(path)
@@ -85,7 +88,12 @@ def read_gguf(path: str | os.PathLike) -> GGUFModel:
                 "llama-quantize to Q4_0 or Q8_0"
             )
     config = _config(path, meta, raw)
-    tensors, bits = _tensors(path, raw, config)
+    if shard is not None:  # every block type read here packs groups of 32 weights
+        from .config import ModelConfig  # noqa: PLC0415
+        from .shard import check  # noqa: PLC0415
+
+        check(ModelConfig.from_dict(config), shard[0], {32})
+    tensors, bits = _tensors(path, raw, config, shard)
     quant = _quant_block(bits)
     if quant:
         config["quantization"] = quant
@@ -334,8 +342,29 @@ def _unpermute_index(rows: int, n_head: int) -> np.ndarray:
     return np.arange(rows).reshape(n_head, rows // n_head // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
-def _tensors(path: Path, raw: dict, cfg: dict) -> tuple[dict[str, Tensor], dict[str, int | None]]:
-    """HF tensors, and per quantizable module its bits (None when dense)."""
+def _pick(
+    name: str, data: np.ndarray, perm: np.ndarray | None, shard, unit: int
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """A rank's rows (through the un-permutation `perm`, then consumed) or its columns of
+    `data`, before anything is unpacked; `unit`: columns of `data` per block of 32 values."""
+    from .shard import piece, split_axis  # noqa: PLC0415
+
+    axis = None if shard is None else split_axis(name)
+    if axis is None:
+        return data, perm
+    tp, rank = shard
+    if axis == 0:
+        rows = np.arange(data.shape[0]) if perm is None else perm
+        return data[rows[piece(len(rows), tp, rank, name)]], None
+    p = piece(data.shape[-1] // unit, tp, rank, name)
+    return data[..., p.start * unit : p.stop * unit], perm
+
+
+def _tensors(
+    path: Path, raw: dict, cfg: dict, shard: tuple[int, int] | None = None
+) -> tuple[dict[str, Tensor], dict[str, int | None]]:
+    """HF tensors (a rank's slices with `shard`), and per quantizable module its bits (None
+    when dense)."""
     out: dict[str, Tensor] = {}
     bits: dict[str, int | None] = {}
     for name, t in raw.items():
@@ -349,7 +378,8 @@ def _tensors(path: Path, raw: dict, cfg: dict) -> tuple[dict[str, Tensor], dict[
             perm = _unpermute_index(int(t.shape[-1]), n)
         module = hf.rsplit(".", 1)[0]
         if kind in _BLOCKS:
-            w, scales, biases = unpack_blocks(np.asarray(t.data), kind)
+            data, perm = _pick(hf, np.asarray(t.data), perm, shard, _BLOCKS[kind][0])
+            w, scales, biases = unpack_blocks(data, kind)
             if perm is not None:
                 w, scales, biases = w[perm], scales[perm], biases[perm]
             out[hf] = Tensor("U32", w)
@@ -363,6 +393,7 @@ def _tensors(path: Path, raw: dict, cfg: dict) -> tuple[dict[str, Tensor], dict[
         data = data.reshape(
             tuple(int(d) for d in reversed(t.shape)) if len(t.shape) > 1 else (int(t.shape[0]),)
         )
+        data, perm = _pick(hf, data, perm, shard, 1)
         if perm is not None:
             data = data[perm]
         out[hf] = Tensor(kind, data)

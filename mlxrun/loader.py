@@ -93,8 +93,12 @@ def _download(repo_id: str) -> Path:
         ) from None
 
 
-def open_checkpoint(model: str) -> Checkpoint:
-    """Read config, tokenizer and memory-mapped tensors from any supported source."""
+def open_checkpoint(model: str, shard: tuple[int, int] | None = None) -> Checkpoint:
+    """Read config, tokenizer and memory-mapped tensors from any supported source.
+
+    shard: (ranks, rank): the tensors are that rank's slices (mlxrun.shard; MlxrunError
+    naming the rank counts that work when the model does not split), read from the files
+    alone; the config stays the whole model's."""
     path = resolve_source(model)
     if path.is_file():
         if path.suffix != ".gguf":
@@ -102,14 +106,20 @@ def open_checkpoint(model: str) -> Checkpoint:
                 f"{path}: not a model (expected a directory with config.json "
                 "and *.safetensors, or a .gguf file)"
             )
-        return _open_gguf(path)
-    return _open_dir(path)
+        return _open_gguf(path, shard)
+    ckpt = _open_dir(path)
+    if shard is not None:
+        from .shard import check, shard_tensors, stored_groups  # noqa: PLC0415
+
+        check(ckpt.config, shard[0], stored_groups(ckpt.config, ckpt.tensors))
+        ckpt.tensors = shard_tensors(ckpt.tensors, *shard)
+    return ckpt
 
 
-def _open_gguf(path: Path) -> Checkpoint:
+def _open_gguf(path: Path, shard: tuple[int, int] | None = None) -> Checkpoint:
     from .gguf import read_gguf  # noqa: PLC0415
 
-    g = read_gguf(path)
+    g = read_gguf(path, shard)
     config = ModelConfig.from_dict(g.config)
     eos = set(config.eos_token_id)
     tok = Tokenizer.from_json(g.tokenizer_json, g.tokenizer_config, eos)

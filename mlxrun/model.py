@@ -112,9 +112,10 @@ class Transformer:
             # q (B, nh, T, hd) rotated; k, v (B, nkv, offset+T, hd) from the cache
             q, k, v = be.rope_and_cache(q, k, v, pos, self.rope, cache, i)
             o = be.attention(q, k, v, self.scale, mask)  # (B, nh, T, hd)
-            o = be.linear(o.swapaxes(1, 2).reshape(B, T, nh * hd), L.o_proj)
+            # o and down see this rank's heads / MLP rows only: partial sums of the output
+            o = be.all_sum(be.linear(o.swapaxes(1, 2).reshape(B, T, nh * hd), L.o_proj))
             h, x = be.add_rms_norm(h, o, L.post_attention_layernorm, c.rms_norm_eps)
-            y = be.linear(be.silu_gated(x, L.gate_proj, L.up_proj), L.down_proj)
+            y = be.all_sum(be.linear(be.silu_gated(x, L.gate_proj, L.up_proj), L.down_proj))
             last = i + 1 == len(self.layers)
             nxt = self.norm if last else self.layers[i + 1].input_layernorm
             h, x = be.add_rms_norm(h, y, nxt, c.rms_norm_eps)

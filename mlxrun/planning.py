@@ -71,7 +71,19 @@ def plan_shapes(
     )
 
 
-def plan(
+def plan(*args, **kw) -> Plan:
+    """Plan `batch` sequences of `context` tokens (default: the model's maximum) of `model`
+    on the device `backend` selects, `prompt_tokens` of them the prompt (default: all: the
+    prefill workspace is the prompt's); see mlxrun.memory.Plan for the fields.
+
+    tp: plan one rank of the model split over `tp` processes (mlxrun.shard), each on a
+    device like this one; MlxrunError, naming the counts that work, when it does not split.
+    Arguments as `plan_config`'s.
+    """
+    return plan_config(*args, **kw)[0]
+
+
+def plan_config(
     model: str = "smollm2",
     quant: str | None = None,
     context: int | None = None,
@@ -80,10 +92,9 @@ def plan(
     dtype: str | None = None,
     prefill_chunk: int | None = None,
     prompt_tokens: int | None = None,
-) -> Plan:
-    """Plan `batch` sequences of `context` tokens (default: the model's maximum) of `model`
-    on the device `backend` selects, `prompt_tokens` of them the prompt (default: all: the
-    prefill workspace is the prompt's); see mlxrun.memory.Plan for the fields."""
+    tp: int = 1,
+) -> tuple[Plan, ModelConfig]:
+    """`plan`, and the config it planned (one rank's, with `tp`)."""
     spec = None
     if quant not in (None, "none"):
         from mlxrun.quant.formats import resolve  # noqa: PLC0415
@@ -93,6 +104,16 @@ def plan(
 
     cfg, shapes = model_shapes(model)
     mapped = resolve_source(model).is_dir()
-    return plan_shapes(
+    if tp != 1:
+        from .build import target_spec  # noqa: PLC0415
+        from .shard import check, shard_config, shard_shapes, stored_groups  # noqa: PLC0415
+
+        groups = stored_groups(cfg, shapes)
+        if spec is not None:
+            groups.add(target_spec(spec, cfg.quantization, group_asked=True).group_size)
+        check(cfg, tp, groups)
+        cfg, shapes = shard_config(cfg, tp), shard_shapes(shapes, tp)
+    p = plan_shapes(
         cfg, shapes, spec, backend, dtype, context, batch, prefill_chunk, mapped, prompt_tokens
     )
+    return p, cfg

@@ -1,0 +1,98 @@
+"""Decode speed of a random model of a given shape split over a launcher's ranks (tensor
+parallel), to compare with the same script on one process; and, on CUDA, what one
+all-reduce of a decode step's activation costs inside a CUDA graph.
+
+    # one GPU (the baseline), then two:
+    torchrun --nproc-per-node 1 benchmarks/tp_decode.py --shape llama3-8b --quant none,int4
+    torchrun --nproc-per-node 2 benchmarks/tp_decode.py --shape llama3-8b --quant none,int4
+    # CPU check of the code path (gloo; SmolLM2's shape splits over 1 or 3 ranks):
+    torchrun --nproc-per-node 3 benchmarks/tp_decode.py --shape smollm2 --backend cpu \\
+        --prompt-tokens 8 --gen-tokens 8 --reps 1
+
+Each rank builds only its shard (mlxrun.shard's config: its heads, KV heads and MLP rows)
+with random weights; decode runs the backend's captured graph on CUDA, with the two NCCL
+all-reduces a layer inside it. Rank 0 prints one JSON line per format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import numpy as np
+
+from mlxrun.backends import get_backend
+from mlxrun.bench import _run_once, build_random, shape_config
+from mlxrun.distributed import join
+from mlxrun.quant.formats import resolve
+from mlxrun.shard import check, shard_config
+
+
+def allreduce_us(be, hidden: int, calls: int = 64, reps: int = 50) -> float:
+    """Microseconds of one all-reduce of a (1, hidden) activation, as `calls` of them
+    replayed from one CUDA graph (a decode step of 32 layers makes 64)."""
+    import torch  # noqa: PLC0415
+
+    x = torch.ones((1, hidden), dtype=getattr(torch, be.dtype), device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            be.all_sum(x)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            be.all_sum(x)
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3 / (reps * calls)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="llama3-8b")
+    ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--quant", default="none", help="comma list: none, int4, int8, fp8, ...")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--gen-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=5)
+    a = ap.parse_args()
+    be = get_backend(a.backend, a.dtype)
+    group = join(be)
+    tp, rank = (1, 0) if group is None else (group.size, group.rank)
+    cfg = shape_config(a.shape)
+    rng = np.random.default_rng(0)  # the same prompts on every rank
+    prompts = rng.integers(0, cfg.vocab_size, (a.batch, a.prompt_tokens)).tolist()
+    out = {"shape": a.shape, "tp": tp, "backend": be.describe(), "batch": a.batch}
+    if group is not None and be.name == "torch" and be.device == "cuda":
+        out["allreduce_us"] = round(allreduce_us(be, cfg.hidden_size), 2)
+    for q in a.quant.split(","):
+        spec = None if q == "none" else resolve(q)
+        check(cfg, tp, {spec.group_size} if spec else set())
+        model = build_random(shard_config(cfg, tp), be, spec, seed=rank)
+        _run_once(model, prompts, a.gen_tokens)  # warm-up (and the graph capture)
+        runs = [_run_once(model, prompts, a.gen_tokens) for _ in range(a.reps)]
+        row = out | {
+            "quant": q,
+            "ttft_s": round(statistics.median(r[0] for r in runs), 5),
+            "decode_tok_s": round(a.batch * statistics.median(r[1] for r in runs), 2),
+        }
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+        del model
+        if hasattr(be, "release"):
+            be.release()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Tensor parallelism's one load step: which slice of each checkpoint tensor a rank holds.
+
+Megatron's split, as gpt-fast's tp.py and mlx-lm's shard_linear do it:
+
+- q/k/v and gate/up are split by output rows (whole attention heads and KV heads per
+  rank; their q/k/v biases with them), so each rank attends with its own heads and keeps
+  only its KV heads in its cache;
+- o and down are split by input columns: each rank's product is a partial sum of the
+  full output, which the model adds across ranks with the backend's `all_sum` (two a
+  layer);
+- the embedding, the head and the norms are replicated (the vocabulary split would need
+  a gather, a second collective).
+
+A packed (quantized) matrix is split along the same axes: rows are independent, and a
+column split takes whole groups (weight words, scales and biases alike), so a rank's
+shard quantizes and dequantizes exactly as the same columns of the whole matrix do.
+
+Slices are numpy views of the memory-mapped files: a rank reads only its shard's bytes.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .config import ModelConfig
+from .errors import MlxrunError
+from .weights import Tensor
+
+# checkpoint name -> the axis split across ranks: 0 = output rows, -1 = input columns
+_ROWS = re.compile(r"\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.(weight|scales|biases|bias)$")
+_COLS = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.(weight|scales|biases)$")
+
+
+def split_axis(name: str) -> int | None:
+    """The axis of tensor `name` split across ranks (0 rows, -1 columns), None: replicated."""
+    if _ROWS.search(name):
+        return 0
+    if _COLS.search(name):
+        return -1
+    return None
+
+
+def stored_groups(cfg: ModelConfig, names) -> set[int]:
+    """Group sizes of the stored packed layers that are split by input (o and down): a
+    rank's columns must be whole groups of them."""
+    from mlxrun.quant.formats import layer_spec  # noqa: PLC0415
+
+    out = set()
+    for name in names:
+        if name.endswith(".scales") and split_axis(name) == -1:
+            spec = layer_spec(cfg.quantization or {}, name[: -len(".scales")])
+            if spec is not None:
+                out.add(spec.group_size)
+    return out
+
+
+def problems(cfg: ModelConfig, tp: int, groups: set[int]) -> list[str]:
+    """What stops `cfg` splitting over `tp` ranks, as phrases (empty: it splits)."""
+    c = cfg
+    counts = [
+        f"{n} {what}"
+        for what, n in (
+            ("attention heads", c.num_attention_heads),
+            ("KV heads", c.num_key_value_heads),
+            ("MLP rows (intermediate size)", c.intermediate_size),
+        )
+        if n % tp
+    ]
+    if counts:
+        return [f"{_and(counts)} do not divide by {tp}"]
+    why = []
+    for g in sorted(groups):
+        for what, n in (
+            ("o_proj", c.num_attention_heads // tp * c.head_dim),
+            ("down_proj", c.intermediate_size // tp),
+        ):
+            if n % g:
+                why.append(f"{what}'s {n} inputs a rank are not whole groups of {g}")
+    return why
+
+
+def _and(xs: list[str]) -> str:
+    return xs[0] if len(xs) == 1 else ", ".join(xs[:-1]) + " and " + xs[-1]
+
+
+def working_counts(cfg: ModelConfig, groups: set[int], upto: int | None = None) -> list[int]:
+    """Every rank count from 1 to `upto` (default: the KV head count) that splits `cfg`."""
+    upto = upto or cfg.num_key_value_heads
+    return [n for n in range(1, upto + 1) if not problems(cfg, n, groups)]
+
+
+def check(cfg: ModelConfig, tp: int, groups: set[int]) -> None:
+    """Raise MlxrunError, naming the counts that work, when `tp` ranks cannot split `cfg`."""
+    if tp < 1:
+        raise MlxrunError(f"--tp must be at least 1, got {tp}")
+    why = problems(cfg, tp, groups)
+    if why:
+        ok = ", ".join(
+            str(n) for n in working_counts(cfg, groups, max(tp, cfg.num_key_value_heads))
+        )
+        raise MlxrunError(
+            f"cannot split this model over {tp} ranks (each takes whole heads, KV heads and "
+            f"quantization groups): {'; '.join(why)}; rank counts that work: {ok}"
+            + (" (or pick a --group-size that divides them)" if "groups of" in why[-1] else "")
+        )
+
+
+def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The config one rank's model is built with: its heads, KV heads and MLP rows."""
+    if tp == 1:
+        return cfg
+    return cfg.replace(
+        num_attention_heads=cfg.num_attention_heads // tp,
+        num_key_value_heads=cfg.num_key_value_heads // tp,
+        intermediate_size=cfg.intermediate_size // tp,
+        head_dim=cfg.head_dim,  # explicit: hidden / heads no longer gives it
+    )
+
+
+def piece(n: int, tp: int, rank: int, name: str) -> slice:
+    """Rank `rank`'s equal part of a dimension of n (tensor `name`, for the error)."""
+    if n % tp:
+        raise MlxrunError(f"tensor {name!r}: dimension {n} does not split over {tp} ranks")
+    step = n // tp
+    return slice(rank * step, (rank + 1) * step)
+
+
+def shard_tensors(tensors: dict[str, Tensor], tp: int, rank: int) -> dict[str, Tensor]:
+    """Rank `rank`'s slices of every tensor (views, nothing read); others shared as is."""
+    if tp == 1:
+        return tensors
+    out = {}
+    for name, t in tensors.items():
+        axis = split_axis(name)
+        if axis is None:
+            out[name] = t
+        elif axis == 0:
+            out[name] = Tensor(t.dtype, t.data[piece(t.shape[0], tp, rank, name)])
+        else:
+            out[name] = Tensor(t.dtype, t.data[..., piece(t.shape[-1], tp, rank, name)])
+    return out
+
+
+def shard_shapes(shapes: dict, tp: int) -> dict:
+    """{name: (shape, dtype)} as one rank holds them (for memory plans)."""
+    out = {}
+    for name, (shape, dtype) in shapes.items():
+        axis = split_axis(name)
+        if axis is not None and tp > 1:
+            shape = list(shape)
+            shape[axis] //= tp
+            shape = tuple(shape)
+        out[name] = (shape, dtype)
+    return out

@@ -1,0 +1,41 @@
+"""Run by tests/test_tp.py under torchrun or mlx.launch: each job loads a model split over
+the launcher's ranks and rank 0 saves its logits and text for the test to compare with the
+one-process run; every rank saves its text (sampled text must agree across ranks).
+
+usage: tp_worker.py JOBS_JSON OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import mlxrun
+from mlxrun.distributed import env_rank
+
+
+def main() -> None:
+    jobs, out = json.loads(sys.argv[1]), Path(sys.argv[2])
+    for i, job in enumerate(jobs):
+        m = mlxrun.load(
+            job["model"],
+            backend=job["backend"],
+            dtype="float32",
+            quant=job.get("quant"),
+            group_size=job.get("group_size"),
+            progress=False,
+        )
+        logits = m.logits(job["ids"])
+        temp = job.get("temperature", 0.0)
+        text = m.generate(job["prompt"], max_tokens=job["max_tokens"], chat=False, temperature=temp)
+        if env_rank() == 0:
+            np.save(out / f"{i}.npy", logits)
+            (out / f"{i}.txt").write_text(text)
+        (out / f"{i}.rank{env_rank()}.txt").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
