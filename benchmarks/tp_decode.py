@@ -23,9 +23,10 @@ import statistics
 import numpy as np
 
 from mlxrun.backends import get_backend
-from mlxrun.bench import _run_once, build_random, shape_config
+from mlxrun.bench import _run_once, build_random, measure_bandwidth, shape_config, weight_bytes
 from mlxrun.distributed import join
 from mlxrun.quant.formats import resolve
+from mlxrun.sampling import SamplingParams
 from mlxrun.shard import check, shard_config
 
 
@@ -76,16 +77,24 @@ def main() -> None:
     out = {"shape": a.shape, "tp": tp, "backend": be.describe(), "batch": a.batch}
     if group is not None and be.name == "torch" and be.device == "cuda":
         out["allreduce_us"] = round(allreduce_us(be, cfg.hidden_size), 2)
+    bandwidth = statistics.median(measure_bandwidth(be))  # this rank's device, bytes/s
     for q in a.quant.split(","):
         spec = None if q == "none" else resolve(q)
         check(cfg, tp, {spec.group_size} if spec else set())
         model = build_random(shard_config(cfg, tp), be, spec, seed=rank)
-        _run_once(model, prompts, a.gen_tokens)  # warm-up (and the graph capture)
-        runs = [_run_once(model, prompts, a.gen_tokens) for _ in range(a.reps)]
+        greedy = SamplingParams()
+        _run_once(model, prompts, a.gen_tokens, greedy)  # warm-up (and the graph capture)
+        runs = [_run_once(model, prompts, a.gen_tokens, greedy) for _ in range(a.reps)]
+        steps = statistics.median(r[1] for r in runs)
+        per_step = weight_bytes(model, a.batch)[1]  # what one rank reads a step
         row = out | {
             "quant": q,
             "ttft_s": round(statistics.median(r[0] for r in runs), 5),
-            "decode_tok_s": round(a.batch * statistics.median(r[1] for r in runs), 2),
+            "decode_tok_s": round(a.batch * steps, 2),
+            "rank_weight_bytes_per_step": per_step,
+            "copy_bandwidth_GBps": round(bandwidth / 1e9, 1),
+            # weights only (the KV cache of a short context is far smaller)
+            "roofline": round(steps * per_step / bandwidth, 3),
         }
         if rank == 0:
             print(json.dumps(row), flush=True)

@@ -213,7 +213,7 @@ def load(
     t0 = time.perf_counter()
     be = get_backend(backend, dtype)
     group = join(be)  # under torchrun / mlx.launch: this process loads one shard
-    args = (model, be, quant, group_size, bits, progress, check_memory, group, t0)
+    args = (model, be, quant, group_size, bits, progress, check_memory, check_weights, group, t0)
     if group is None:
         return _load(*args)
     try:
@@ -226,7 +226,9 @@ def load(
     return m
 
 
-def _load(model, be, quant, group_size, bits, progress, check_memory, group, t0) -> Model:
+def _load(
+    model, be, quant, group_size, bits, progress, check_memory, check_weights, group, t0
+) -> Model:
     from mlxrun.quant.formats import resolve  # noqa: PLC0415
 
     from .build import build_model, target_spec  # noqa: PLC0415

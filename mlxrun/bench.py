@@ -46,6 +46,12 @@ SHAPES: dict[str, dict] = {
         rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
         tie_word_embeddings=False,
     ),
+    "llama3-70b": dict(
+        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+        rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
+        tie_word_embeddings=False,
+    ),
     "llama3-1b": dict(  # Llama 3.2 1B
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
         num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,

@@ -1,0 +1,56 @@
+"""Greedy tokens of a model split over a launcher's ranks against the same model in one
+process: a random Llama-shaped checkpoint (written once with transformers into DIR), 64
+tokens in bfloat16 on CUDA (or float32 on the CPU).
+
+    python benchmarks/tp_greedy_equal.py --make DIR            # the checkpoint
+    python benchmarks/tp_greedy_equal.py DIR                   # one process
+    torchrun --nproc-per-node 2 benchmarks/tp_greedy_equal.py DIR
+
+Rank 0 prints one JSON line with the token ids; the two lines must be equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import mlxrun
+from mlxrun.generate import generate_step
+from mlxrun.sampling import SamplingParams
+
+
+def make(path: Path) -> None:
+    import torch  # noqa: PLC0415
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+        num_key_value_heads=8, vocab_size=4096, max_position_embeddings=1024,
+        tie_word_embeddings=False, rope_theta=500000.0,
+    )  # fmt: skip
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("dir", type=Path)
+    ap.add_argument("--make", action="store_true")
+    ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--tokens", type=int, default=64)
+    a = ap.parse_args()
+    if a.make:
+        make(a.dir)
+        return
+    dtype = "bfloat16" if a.backend == "cuda" else "float32"
+    m = mlxrun.load(str(a.dir), backend=a.backend, dtype=dtype, progress=False)
+    prompt = [[1, 17, 400, 2048, 9, 77, 3000, 5]]
+    toks = [int(t[0]) for t in generate_step(m.transformer, prompt, SamplingParams(), a.tokens)]
+    group = m.transformer.be.group
+    if group is None or group.rank == 0:
+        print(json.dumps({"tp": 1 if group is None else group.size, "tokens": toks}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
