@@ -31,6 +31,12 @@ def make(path: Path) -> None:
         tie_word_embeddings=False, rope_theta=500000.0,
     )  # fmt: skip
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: PLC0415
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, cfg.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    (path / "tokenizer.json").write_text(tok.to_str())
 
 
 def main() -> None:
