@@ -281,4 +281,4 @@ def convert(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return plan.summary()
+    return ckpt.notes + plan.summary()
