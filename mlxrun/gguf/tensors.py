@@ -103,7 +103,7 @@ def _notes(relaid: Counter, expanded: dict[str, list[int]]) -> list[str]:
         n = sum(e[0] for e in expanded.values())
         file = sum(e[1] for e in expanded.values())
         dense = sum(e[2] for e in expanded.values())
-        types = ", ".join(f"{k} x{e[0]}" for k, e in sorted(expanded.items()))
+        types = ", ".join(f"{k} x{expanded[k][0]}" for k in gb.TYPES if k in expanded)
         notes.append(
             f"GGUF: {n} tensor(s) ({types}) have no packed kernel in mlxrun yet and are "
             f"dequantized at load: {_mib(file)} in the file, {_mib(dense)} as float32 "
