@@ -96,8 +96,8 @@ def _notes(relaid: Counter, expanded: dict[str, list[int]]) -> list[str]:
         file, held = (sum(relaid[k, w] for k in kinds) for w in ("file", "held"))
         notes.append(
             f"GGUF {'/'.join(kinds)} layers are kept packed as affine groups of 32 with "
-            f"float32 scales and biases (exact): {_mib(file)} in the file, {_mib(held)} "
-            "held (fp16 scales would round d*sc)"
+            f"float32 scales and biases, exact (MLX in a 16-bit dtype rounds "
+            f"them to it): {_mib(file)} in the file, {_mib(held)} held"
         )
     if expanded:
         n = sum(e[0] for e in expanded.values())
