@@ -10,10 +10,12 @@ import pytest
 import torch
 
 import mlxrun
+from mlxrun.convert import convert
 from mlxrun.generate import generate_step
 from mlxrun.gguf import read_gguf
 from mlxrun.quant import gguf_blocks as gb
 from mlxrun.sampling import SamplingParams
+from mlxrun.weights import load_safetensors
 
 from .conftest import rel_err
 from .test_gguf_blocks import random_rows
@@ -175,7 +177,7 @@ def test_logits_and_greedy_match_transformers_gguf(model_file, backend):
     assert toks == want
 
 
-def test_tokenizer_template_and_notes(model_file):
+def test_tokenizer_template_notes_and_convert(model_file, tmp_path):
     path, hf, tok = model_file
     g = read_gguf(path)
     assert g.tokenizer_config["chat_template"] == TEMPLATE
@@ -196,3 +198,12 @@ def test_tokenizer_template_and_notes(model_file):
         expanded = expanded.replace("IQ4_XS x1", "IQ4_XS x1, MXFP4 x1")
     assert any(expanded in n for n in m.notes), m.notes
     assert any("Q4_K/Q5_K layers are kept packed" in n for n in m.notes), m.notes
+
+    # convert writes the same tensors (K-quant fp32 scales included) and the same notes
+    notes = convert(str(path), str(tmp_path / "out"), progress=False)
+    assert notes[: len(g.notes)] == g.notes
+    back, _ = load_safetensors(tmp_path / "out" / "model.safetensors")
+    assert set(back) == set(g.tensors)
+    for k, t in g.tensors.items():
+        assert back[k].dtype == t.dtype, k
+        np.testing.assert_array_equal(back[k].data, t.data, err_msg=k)
