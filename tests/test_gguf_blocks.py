@@ -90,14 +90,14 @@ def test_to_affine_is_exact(kind):
 
 def test_k_scales_need_float32():
     """Q4_K's d*sc: fp32 holds every product exactly, fp16 (the canonical scale dtype of the
-    16-bit models) rounds a large share of them, so Q4_K/Q5_K keep fp32 scales."""
+    16-bit models) rounds most of them, so Q4_K/Q5_K keep fp32 scales."""
     raw = random_rows("Q4_K", rows=64, nblocks=4, seed=3, edges=False)
     dec = gb.decode(raw, "Q4_K")
     d = raw.reshape(64, 4, 144)[..., 0:2].copy().view(np.float16).astype(np.float64)
     sc = gb._k_scales(raw.reshape(64, 4, 144)[..., 4:16])[0].astype(np.float64)
     np.testing.assert_array_equal(dec.scales.reshape(64, 4, 8), d * sc)  # exact in fp32
     rounded = dec.scales.astype(np.float16).astype(np.float32) != dec.scales
-    assert rounded.mean() > 0.2
+    assert rounded.mean() > 0.7  # 0.80 on these blocks
 
 
 def test_affine_overflow_and_bad_rows():
