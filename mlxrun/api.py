@@ -276,7 +276,7 @@ def _load(
         group_asked=group_size is not None,
         check_weights=check_weights,
     )
-    notes = auto_note + notes
+    notes = ckpt.notes + auto_note + notes
     if spec is not None:  # a quantized source keeps its group size when none was asked
         spec = target_spec(spec, ckpt.config.quantization, group_size is not None)
     be.synchronize()

@@ -145,7 +145,7 @@ class _Plan:
     def __iter__(self) -> Iterator[tuple[str, Tensor]]:
         for name, t in self.t.items():
             path, _, leaf = name.rpartition(".")
-            if f"{path}.scales" in self.t:
+            if f"{path}.scales" in self.t and leaf != "bias":  # a linear's bias stays as is
                 if leaf == "weight":  # scales/biases travel with their weight
                     yield from self._stored(path)
             elif (
@@ -324,4 +324,4 @@ def convert(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return stale + plan.summary()
+    return stale + ckpt.notes + plan.summary()

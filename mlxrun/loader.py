@@ -31,6 +31,7 @@ class Checkpoint:
     tokenizer: Tokenizer
     generation_config: dict = field(default_factory=dict)
     tokenizer_files: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what reading changed (GGUF expansions)
 
 
 def bundled_model_path() -> Path:
@@ -134,6 +135,7 @@ def _open_gguf(path: Path, shard: tuple[int, int] | None = None) -> Checkpoint:
             "tokenizer.json": g.tokenizer_json,
             "tokenizer_config.json": json.dumps(g.tokenizer_config, indent=2, ensure_ascii=False),
         },
+        g.notes,
     )
 
 

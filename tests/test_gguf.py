@@ -522,13 +522,13 @@ def test_synthetic_exact(synthetic):
 
 def test_q4_0_extreme_values():
     """Q4_0 biases -8*d are exact fp16 even for large and subnormal scales."""
-    from mlxrun.gguf import unpack_blocks
+    from mlxrun.quant.gguf_blocks import to_affine
 
     rng = np.random.default_rng(1)
     a = (rng.standard_normal((4, 64)) * np.array([[1e3], [1e-6], [3e-8], [1.0]])).astype(np.float32)
     for qtype in (Q.Q4_0, Q.Q8_0):
         blocks = gguf.quants.quantize(a, qtype)
-        w, s, b = unpack_blocks(blocks, qtype.name)
+        w, s, b = to_affine(blocks, qtype.name)
         t = {
             "m.weight": type("T", (), {"data": w})(),
             "m.scales": type("T", (), {"data": s})(),
@@ -638,17 +638,20 @@ def test_errors(tmp_path, synthetic):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(MlxrunError, match=r"'gpt2'.*only llama GGUFs.*safetensors"):
+    with pytest.raises(
+        MlxrunError, match=r"'gpt2' is not supported: mlxrun reads llama, qwen2, qwen3"
+    ):
         read_gguf(g)
 
-    for bad in (Q.Q6_K, Q.Q5_K):
+    for bad in (Q.IQ2_XXS, Q.TQ1_0):
         p = tmp_path / f"{bad.name}.gguf"
         write_synthetic(p, bad_type=bad)
         with pytest.raises(MlxrunError) as e:
             read_gguf(p)
         msg = str(e.value)
         assert "blk.1.ffn_down.weight" in msg and bad.name in msg and "\n" not in msg
-        assert "F32, F16, BF16, Q8_0, Q4_0, Q4_1" in msg and "Q4_0 or Q8_0" in msg
+        assert "reads F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K" in msg
+        assert "IQ4_NL, IQ4_XS, MXFP4" in msg and "quantize" not in msg
 
 
 # --------------------------------------------------------------------------------- convert
@@ -687,10 +690,10 @@ def test_convert_failure_leaves_nothing(tmp_path, synthetic, monkeypatch):
 
     bad = tmp_path / "src" / "bad.gguf"
     bad.parent.mkdir()
-    write_synthetic(bad, bad_type=Q.Q6_K)
+    write_synthetic(bad, bad_type=Q.IQ2_XXS)
     dest = tmp_path / "dest"
     dest.mkdir()
-    with pytest.raises(MlxrunError, match="Q6_K"):
+    with pytest.raises(MlxrunError, match="IQ2_XXS"):
         convert(str(bad), str(dest / "out"), progress=False)
     assert list(dest.iterdir()) == []
 

@@ -1,0 +1,89 @@
+"""The GGUF architectures mlxrun reads, and each one's tensor names in Hugging Face terms.
+
+llama.cpp names tensors `blk.N.attn_q.weight`, `token_embd.weight`, ...; the HF checkpoint
+names are `model.layers.N.self_attn.q_proj.weight`, ... Mistral models are written by
+llama.cpp as `llama` files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import MlxrunError
+
+# GGUF tensor name (after "blk.N.") -> HF module path (after "model.layers.N.")
+_LAYER = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+@dataclass(frozen=True)
+class Arch:
+    """How one `general.architecture` maps onto a Hugging Face model type."""
+
+    model_type: str
+    hf_class: str
+    # llama.cpp's llama converter interleaves the two rotary halves of each q/k head
+    permute_qk: bool
+    layer: dict[str, str]
+    with_bias: tuple[str, ...] = ()  # GGUF layer tensors that also store a `.bias`
+
+
+ARCHS = {
+    "llama": Arch("llama", "LlamaForCausalLM", True, _LAYER),
+    "qwen2": Arch(
+        "qwen2", "Qwen2ForCausalLM", False, _LAYER, with_bias=("attn_q", "attn_k", "attn_v")
+    ),
+    "qwen3": Arch(
+        "qwen3",
+        "Qwen3ForCausalLM",
+        False,
+        {**_LAYER, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    ),
+}
+
+
+def arch_of(path: Path, name: str | None) -> Arch:
+    """The `Arch` for a file's `general.architecture`, or MlxrunError naming those read."""
+    if name not in ARCHS:
+        raise MlxrunError(
+            f"{path}: GGUF architecture {name!r} is not supported: mlxrun reads "
+            f"{', '.join(ARCHS)} GGUFs (Mistral's are llama)"
+        )
+    return ARCHS[name]
+
+
+def hf_name(path: Path, arch: Arch, name: str) -> str:
+    """GGUF tensor name -> HF tensor name, or MlxrunError for a tensor with no place."""
+    parts = name.split(".")
+    kind = parts[-1]
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in arch.layer:
+        if kind == "weight" or (kind == "bias" and parts[2] in arch.with_bias):
+            return f"model.layers.{parts[1]}.{arch.layer[parts[2]]}.{kind}"
+    elif len(parts) == 2 and parts[0] in _TOP and kind == "weight":
+        return f"{_TOP[parts[0]]}.{kind}"
+    raise MlxrunError(
+        f"{path}: tensor {name!r} has no place in a {arch.model_type} model; the file "
+        "holds a variant mlxrun does not run"
+    )
+
+
+def unpermute_index(rows: int, n_head: int) -> np.ndarray:
+    """Row gather index undoing llama.cpp's rope permutation of q/k (convert_hf_to_gguf.py).
+
+    llama.cpp stores HF row (h, half, i) of each head at (h, i, half): it interleaves the two
+    rotary halves. hf_rows = gguf_rows[index].
+    """
+    return np.arange(rows).reshape(n_head, rows // n_head // 2, 2).swapaxes(1, 2).reshape(-1)

@@ -1,0 +1,161 @@
+"""GGUF tensors -> Hugging Face-named tensors in the canonical format (DESIGN.md).
+
+Block types with an exact affine form (`quant.gguf_blocks.AFFINE`: Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0 with fp16 scales; Q4_K, Q5_K with fp32 scales) become packed affine layers with groups
+of 32. The other block types have no packed kernel in mlxrun yet: they are dequantized at
+import to float32, exactly (`gguf_blocks.dequantize`), and `notes` says so with the bytes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import MlxrunError
+from ..quant import gguf_blocks as gb
+from ..weights import Tensor
+from .names import Arch, hf_name, unpermute_index
+
+DENSE_TYPES = ("F32", "F16", "BF16")
+SUPPORTED_TYPES = DENSE_TYPES + gb.TYPES
+GROUP = 32  # weights per affine group of every exact GGUF map
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def check_types(path: Path, tensors) -> None:
+    """MlxrunError at the first tensor of a type mlxrun cannot read, naming the supported."""
+    for t in tensors:
+        if t.tensor_type.name not in SUPPORTED_TYPES:
+            raise MlxrunError(
+                f"{path}: tensor {t.name!r} has GGUF type {t.tensor_type.name}, which mlxrun "
+                f"does not read; it reads {', '.join(SUPPORTED_TYPES)}"
+            )
+
+
+def _pick(
+    name: str, data: np.ndarray, perm: np.ndarray | None, shard, unit: int
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """A rank's rows (through the un-permutation `perm`, then consumed) or its columns of
+    `data`, before anything is unpacked; `unit`: columns of `data` per block of values."""
+    from ..shard import piece, split_axis  # noqa: PLC0415
+
+    axis = None if shard is None else split_axis(name)
+    if axis is None:
+        return data, perm
+    tp, rank = shard
+    if axis == 0:
+        rows = np.arange(data.shape[0]) if perm is None else perm
+        return data[rows[piece(len(rows), tp, rank, name)]], None
+    p = piece(data.shape[-1] // unit, tp, rank, name)
+    return data[..., p.start * unit : p.stop * unit], perm
+
+
+def _block_bytes(t) -> int:
+    import gguf  # noqa: PLC0415
+
+    return gguf.GGML_QUANT_SIZES[t.tensor_type][1]
+
+
+def convert(
+    path: Path, raw: dict, cfg: dict, arch: Arch, shard: tuple[int, int] | None = None
+) -> tuple[dict[str, Tensor], dict, list[str]]:
+    """(HF tensors, {quantized module: bits or None when dense}, notes for the user).
+
+    shard: (ranks, rank): only that rank's slice of each split tensor (mlxrun.shard), taken
+    from the file's blocks before they are unpacked."""
+    out: dict[str, Tensor] = {}
+    bits: dict[str, int | None] = {}
+    relaid: Counter = Counter()  # K-quants kept packed with fp32 scales: (stored, held) bytes
+    expanded: dict[str, list[int]] = {}  # type -> [tensors, stored bytes, float32 bytes]
+    for name, t in raw.items():
+        if name == "rope_freqs.weight":
+            continue  # folded into config["rope_scaling"]
+        hf = hf_name(path, arch, name)
+        kind = t.tensor_type.name
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF shapes are [in, out]
+        perm = None
+        if arch.permute_qk and name.endswith((".attn_q.weight", ".attn_k.weight")):
+            n = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
+            perm = unpermute_index(shape[0], n)
+        module = hf.rsplit(".", 1)[0]
+        if kind in gb.AFFINE:
+            data = np.asarray(t.data).reshape(-1, t.data.shape[-1])
+            data, perm = _pick(hf, data, perm, shard, _block_bytes(t))
+            w, scales, biases = gb.to_affine(data, kind)
+            if perm is not None:
+                w, scales, biases = w[perm], scales[perm], biases[perm]
+            sdt = gb.AFFINE[kind][1]
+            out[hf] = Tensor("U32", w)
+            out[f"{module}.scales"] = Tensor(sdt, scales)
+            out[f"{module}.biases"] = Tensor(sdt, biases)
+            bits[module] = gb.AFFINE[kind][0]
+            if sdt == "F32":
+                relaid[kind, "file"] += int(t.n_bytes)
+                relaid[kind, "held"] += w.nbytes + scales.nbytes + biases.nbytes
+            continue
+        picked = kind in gb.BLOCKS
+        if picked:
+            data = np.asarray(t.data).reshape(-1, t.data.shape[-1])
+            data, perm = _pick(hf, data, perm, shard, _block_bytes(t))
+            shape = (data.shape[0], shape[1] * data.shape[1] // t.data.shape[-1])
+            data = gb.dequantize(data, kind)
+            e = expanded.setdefault(kind, [0, 0, 0])
+            e[0], e[1], e[2] = e[0] + 1, e[1] + int(t.n_bytes), e[2] + data.nbytes
+            kind = "F32"
+        else:
+            data = np.asarray(t.data)
+            if kind == "BF16":
+                data = data.view(np.uint16)  # the reader maps BF16 as raw bytes [rows, 2*cols]
+        data = data.reshape(shape)
+        if not picked:
+            data, perm = _pick(hf, data, perm, shard, 1)
+        if perm is not None:
+            data = data[perm]
+        out[hf] = Tensor(kind, data)
+        if data.ndim == 2:
+            bits[module] = None
+    return out, bits, _notes(relaid, expanded)
+
+
+def _notes(relaid: Counter, expanded: dict[str, list[int]]) -> list[str]:
+    notes = []
+    kinds = sorted({k for k, _ in relaid})
+    if kinds:
+        file, held = (sum(relaid[k, w] for k in kinds) for w in ("file", "held"))
+        notes.append(
+            f"GGUF {'/'.join(kinds)} layers are kept packed as affine groups of 32 with "
+            f"float32 scales and biases, exact (MLX in a 16-bit dtype rounds "
+            f"them to it): {_mib(file)} in the file, {_mib(held)} held"
+        )
+    if expanded:
+        n = sum(e[0] for e in expanded.values())
+        file = sum(e[1] for e in expanded.values())
+        dense = sum(e[2] for e in expanded.values())
+        types = ", ".join(f"{k} x{expanded[k][0]}" for k in gb.TYPES if k in expanded)
+        notes.append(
+            f"GGUF: {n} tensor(s) ({types}) have no packed kernel in mlxrun yet and are "
+            f"dequantized at load: {_mib(file)} in the file, {_mib(dense)} as float32 "
+            "before the model's dtype"
+        )
+    return notes
+
+
+def quant_block(bits: dict[str, int | None]) -> dict | None:
+    """config.json "quantization": the predominant bits, per-module overrides for the rest."""
+    counts = Counter(b for b in bits.values() if b is not None)
+    if not counts:
+        return None
+    main = counts.most_common(1)[0][0]
+    q: dict[str, Any] = {"group_size": GROUP, "bits": main, "mode": "affine"}
+    for module, b in bits.items():
+        if b is None:
+            q[module] = False
+        elif b != main:
+            q[module] = {"group_size": GROUP, "bits": b, "mode": "affine"}
+    return q
