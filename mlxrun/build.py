@@ -18,6 +18,22 @@ from .errors import MlxrunError
 from .model import Layer, Transformer
 from .weights import Tensor
 
+# Tensors a checkpoint may carry that the model derives itself: rope inverse frequencies
+# (recomputed from the config) and an lm_head stored beside a tied embedding (transformers
+# ties it to the embedding and ignores the stored copy).
+_DERIVABLE_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _unused(tensors: dict[str, Tensor], used: set[str], tied: bool) -> list[str]:
+    """Checkpoint tensors the model did not consume and cannot derive, sorted."""
+    return sorted(
+        n
+        for n in tensors
+        if n not in used
+        and not n.endswith(_DERIVABLE_SUFFIXES)
+        and not (tied and n == "lm_head.weight")
+    )
+
 
 def _progress(total: int, show: bool):
     from tqdm.auto import tqdm  # noqa: PLC0415 (notebook-aware bar)
@@ -221,7 +237,7 @@ def build_model(
     H, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
     q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     tied = c.tie_word_embeddings
-    per_layer = 9 + (3 if c.attention_bias else 0) + (2 if c.qk_norm else 0)
+    per_layer = 9 + 3 * c.attention_bias + c.o_bias + 3 * c.mlp_bias + 2 * c.qk_norm
     bar = _progress(2 + c.num_hidden_layers * per_layer + (0 if tied else 1), progress)
     b = _Builder(cfg, tensors, be, quant, bar, dense, group_asked)
     try:
@@ -244,6 +260,12 @@ def build_model(
                 L.q_bias = b.dense(f"{p}.self_attn.q_proj.bias", (q_out,))
                 L.k_bias = b.dense(f"{p}.self_attn.k_proj.bias", (kv_out,))
                 L.v_bias = b.dense(f"{p}.self_attn.v_proj.bias", (kv_out,))
+            if c.o_bias:
+                L.o_bias = b.dense(f"{p}.self_attn.o_proj.bias", (H,))
+            if c.mlp_bias:
+                L.gate_bias = b.dense(f"{p}.mlp.gate_proj.bias", (I,))
+                L.up_bias = b.dense(f"{p}.mlp.up_proj.bias", (I,))
+                L.down_bias = b.dense(f"{p}.mlp.down_proj.bias", (H,))
             if c.qk_norm:
                 L.q_norm = b.dense(f"{p}.self_attn.q_norm.weight", (c.head_dim,))
                 L.k_norm = b.dense(f"{p}.self_attn.k_norm.weight", (c.head_dim,))
@@ -252,4 +274,13 @@ def build_model(
         head = embed if tied else b.matrix("lm_head", V, H)
     finally:
         bar.close()
+    extra = _unused(tensors, b.used, tied)
+    if extra:
+        shown = ", ".join(extra[:4]) + (f" and {len(extra) - 4} more" if len(extra) > 4 else "")
+        raise MlxrunError(
+            f"the checkpoint has {len(extra)} tensor(s) that a {c.model_type} model with this "
+            f"config.json does not use ({shown}): the config and weights disagree (an option "
+            "missing from config.json, or another architecture); mlxrun refuses rather than "
+            "drop them"
+        )
     return Transformer(cfg, be, embed, layers, norm, head), b.summary()

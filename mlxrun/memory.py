@@ -419,6 +419,12 @@ def config_shapes(config: ModelConfig, dtype: str = "BF16") -> Shapes:
         if c.attention_bias:
             for n, width in (("q", q), ("k", kv), ("v", kv)):
                 out[f"{p}self_attn.{n}_proj.bias"] = ((width,), dtype)
+        if c.o_bias:
+            out[f"{p}self_attn.o_proj.bias"] = ((h,), dtype)
+        if c.mlp_bias:
+            for n, width in (("gate", c.intermediate_size), ("up", c.intermediate_size)):
+                out[f"{p}mlp.{n}_proj.bias"] = ((width,), dtype)
+            out[f"{p}mlp.down_proj.bias"] = ((h,), dtype)
         if c.qk_norm:
             out[p + "self_attn.q_norm.weight"] = ((d,), dtype)
             out[p + "self_attn.k_norm.weight"] = ((d,), dtype)
