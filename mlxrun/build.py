@@ -134,6 +134,16 @@ class _Builder:
             raise MlxrunError(
                 f"{path} is stored quantized but config.json has no quantization block for it"
             )
+        if path not in (self.qconfig or {}):
+            # Not named in the per-layer map: mlx-lm takes the format from the stored shapes
+            # (the global values can be wrong for it), and so do we.
+            from mlxrun.quant.formats import infer_spec  # noqa: PLC0415
+
+            w, s = self.t.get(f"{path}.weight"), self.t.get(f"{path}.scales")
+            if w is not None and (w.shape, s.shape) != ((out, inp * spec.bits // 32),
+                                                        (out, inp // spec.group_size)):  # fmt: skip
+                byte_scales = s.dtype == "U8"
+                spec = infer_spec(path, inp, w.shape[-1], s.shape[-1], byte_scales)
         if inp % spec.group_size:
             raise MlxrunError(
                 f"{path}: input size {inp} is not a multiple of the group size "
