@@ -215,3 +215,44 @@ def test_unused_tensor_refuses_the_load(variant, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(MlxrunError, match=r"8 tensor\(s\).*layers\.0\.self_attn\.k_proj\.bias"):
         mlxrun.load(str(d), backend="cpu", dtype="float32", progress=False)
+
+
+@pytest.mark.parametrize(
+    "key, value, refused",
+    [
+        ("llama.attention.sliding_window", 4096, True),
+        ("llama.final_logit_softcapping", 30.0, True),
+        ("llama.rope.scaling.attn_factor", 0.5, True),
+        ("llama.attention.value_length", 8, True),  # values narrower than keys (16)
+        ("llama.embedding_scale", 1.0, False),  # the neutral value
+        ("llama.rope.scaling.finetuned", True, False),  # no effect on the arithmetic
+        ("quantize.imatrix.file", "imatrix.dat", False),  # another namespace
+    ],
+)
+def test_gguf_metadata_keys(tmp_path, monkeypatch, key, value, refused):
+    """The same rule for GGUF: a llama.* key that changes the arithmetic and that the import
+    does not carry into the config refuses the file, naming the key and its value."""
+    import gguf
+
+    from mlxrun.gguf import read_gguf
+
+    from .test_gguf import DIMS, write_synthetic
+
+    assert DIMS["head_dim"] == 16
+
+    class Writer(gguf.GGUFWriter):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            put = {bool: self.add_bool, int: self.add_uint32, float: self.add_float32}
+            put.get(type(value), self.add_string)(key, value)
+
+    monkeypatch.setattr(gguf, "GGUFWriter", Writer)
+    p = tmp_path / "m.gguf"
+    write_synthetic(p)
+    if not refused:
+        assert read_gguf(p).config["model_type"] == "llama"
+        return
+    with pytest.raises(MlxrunError) as e:
+        read_gguf(p)
+    msg = str(e.value)
+    assert key in msg and repr(value) in msg and "\n" not in msg
