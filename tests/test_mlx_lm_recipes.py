@@ -64,3 +64,23 @@ def test_mixed_recipe_matches_mlx_lm(tmp_path, recipe):
         if f"{n.rpartition('.')[0]}.scales" not in ck.tensors
     )
     assert fp.weight_bytes == held + dense_rest
+
+
+def test_layer_missing_from_the_map_takes_its_stored_format(tmp_path):
+    """A stored layer the per-layer map does not name, packed at another width than the
+    global block says: its format comes from its shapes, as mlx-lm 0.32's
+    infer_quant_config does (the global 4 bits would misread a 6-bit layer)."""
+    dims = dict(hidden_size=64, intermediate_size=128, head_dim=16)
+    src, _ = _make(tmp_path, "src", "llama", dims)
+    out = tmp_path / "q"
+    mlx_lm.convert(hf_path=str(src), mlx_path=str(out), quantize=True, quant_predicate="mixed_3_6")
+    ids = np.random.default_rng(2).integers(3, VOCAB, size=12)
+    model, _ = mlx_lm.load(str(out))
+    want = np.array(model(mx.array(ids[None])).astype(mx.float32))[0]
+    cfg = json.loads((out / "config.json").read_text())
+    for key in ("quantization", "quantization_config"):
+        del cfg[key]["model.layers.1.mlp.down_proj"]  # 6-bit, the global block says 4
+    (out / "config.json").write_text(json.dumps(cfg))
+    ours = mlxrun.load(str(out), backend="cpu", dtype="float32", progress=False)
+    assert ours.transformer.layers[1].down_proj.bits == 6
+    assert rel_err(ours.logits(ids), want) < 1e-4
