@@ -134,16 +134,21 @@ class _Builder:
             raise MlxrunError(
                 f"{path} is stored quantized but config.json has no quantization block for it"
             )
-        if path not in (self.qconfig or {}):
-            # Not named in the per-layer map: mlx-lm takes the format from the stored shapes
-            # (the global values can be wrong for it), and so do we.
+        qc = self.qconfig or {}
+        if path not in qc and any(isinstance(v, (dict, bool)) for v in qc.values()):
+            # A mixed (per-layer) checkpoint that does not name this layer: mlx-lm 0.32 takes
+            # its format from the stored shapes, as the global values can be wrong for it, and
+            # so do we. A uniform one (no per-layer entries) must match its global block.
             from mlxrun.quant.formats import infer_spec  # noqa: PLC0415
 
             w, s = self.t.get(f"{path}.weight"), self.t.get(f"{path}.scales")
             if w is not None and (w.shape, s.shape) != ((out, inp * spec.bits // 32),
                                                         (out, inp // spec.group_size)):  # fmt: skip
-                byte_scales = s.dtype == "U8"
-                spec = infer_spec(path, inp, w.shape[-1], s.shape[-1], byte_scales)
+                spec = infer_spec(path, inp, w.shape[-1], s.shape[-1], s.dtype == "U8")
+                self.notes.append(
+                    f"{path} is not named in config.json's per-layer quantization and is "
+                    f"stored as {spec.label} g{spec.group_size}: read as stored, as mlx-lm does"
+                )
         if inp % spec.group_size:
             raise MlxrunError(
                 f"{path}: input size {inp} is not a multiple of the group size "
