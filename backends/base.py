@@ -45,14 +45,17 @@ class KVCache(Protocol):
     """Keys and values of every layer for a batch of sequences.
 
     `offset` is the number of positions already written. For a forward pass of T tokens
-    the model asks the cache for the attention mask and rope positions (the cache knows its
+    the model asks the cache for the attention masks (one per attention window its layers
+    use) and rope positions (the cache knows its
     layout), stores k, v (B, kv_heads, T, head_dim) of each layer through the backend's
     `rope_and_cache` (by default `update_and_fetch(layer, k, v)`), then calls `advance(T)`.
     """
 
     offset: int
 
-    def mask(self, length: int, pads: np.ndarray | None) -> Array | None: ...
+    def mask(
+        self, length: int, pads: np.ndarray | None, window: int | None = None
+    ) -> Array | None: ...
     def positions(self, length: int, pads: np.ndarray | None) -> Array: ...
     def update_and_fetch(self, layer: int, k: Array, v: Array) -> tuple[Array, Array]: ...
 
@@ -97,6 +100,9 @@ class Backend(Protocol):
     ) -> Array: ...
     def silu_gated(self, x: Array, gate, up) -> Array: ...  # silu(x @ gate^T) * (x @ up^T)
     def all_sum(self, x: Array) -> Array: ...  # x summed over the ranks (tensor parallel)
+    def gated_mlp(
+        self, x: Array, gate, up, act: str, biases: tuple | None = None
+    ) -> Array: ...  # act(x @ gate^T + bg) * (x @ up^T + bu); act one of config.ACTIVATIONS
     def argmax(self, logits: Array) -> Array: ...
     def finite_rows(self, logits: Array) -> Array: ...  # (B, V) -> (B,) bool: no NaN or inf
     def make_cache(
@@ -112,19 +118,26 @@ class Backend(Protocol):
     def reset_peak_memory(self) -> None: ...
 
 
-def causal_mask_np(offset: int, length: int, pads: np.ndarray | None) -> np.ndarray | None:
+def causal_mask_np(
+    offset: int, length: int, pads: np.ndarray | None, window: int | None = None
+) -> np.ndarray | None:
     """Boolean attention mask (B or 1, 1, length, offset+length); True = may attend.
 
-    Query t sits at absolute slot offset+t and sees slots <= its own; for left-padded
-    batches, sequence b also hides its first pads[b] slots. None when nothing needs masking
-    (one new token and no padding).
+    Query t sits at absolute slot offset+t and sees slots <= its own; with a `window`, only
+    the `window` latest of them (itself included: slot > own - window, as transformers'
+    sliding_window_overlay). For left-padded batches, sequence b also hides its first
+    pads[b] slots (padding shifts queries and keys alike, so slot distance is position
+    distance). None when nothing needs masking (one new token, no padding, all in window).
     """
     total = offset + length
-    if length == 1 and (pads is None or not pads.any()):
+    in_window = window is None or total <= window
+    if length == 1 and (pads is None or not pads.any()) and in_window:
         return None
     q = np.arange(offset, total)[:, None]
     k = np.arange(total)[None, :]
     m = (k <= q)[None, None]  # (1, 1, T, S)
+    if not in_window:
+        m = m & (k > q - window)
     if pads is not None and pads.any():
         # Real queries never see padding. A padding query sees only itself: a row with no
         # key at all would give NaN, which would reach real rows through the cache (0 * NaN).

@@ -17,6 +17,20 @@ except ImportError:  # reported by get_backend with the extra to install
     mx = None
 
 
+def _gelu_tanh(x):
+    return 0.5 * x * (1 + mx.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+
+
+# transformers' hidden_act names (config.ACTIVATIONS)
+_ACT = {
+    "silu": lambda x: x * mx.sigmoid(x),
+    "gelu": lambda x: 0.5 * x * (1 + mx.erf(x * 0.7071067811865476)),
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_new": _gelu_tanh,
+    "relu": lambda x: mx.maximum(x, 0),
+}
+
+
 class MLXCache:
     """KV cache, per layer k, v: (B, kv_heads, capacity, D), written at `offset`.
 
@@ -37,8 +51,8 @@ class MLXCache:
         self.keys: list = [None] * num_layers
         self.values: list = [None] * num_layers
 
-    def mask(self, length, pads):
-        m = causal_mask_np(self.offset, length, pads)
+    def mask(self, length, pads, window=None):
+        m = causal_mask_np(self.offset, length, pads, window)
         return None if m is None else mx.array(m)
 
     def positions(self, length, pads):
@@ -209,6 +223,12 @@ class MLXBackend:
         if self.group is None:
             return x
         return mx.distributed.all_sum(x, group=self.group.handle)
+
+    def gated_mlp(self, x, gate, up, act, biases=None):
+        if act == "silu" and biases is None:
+            return self.silu_gated(x, gate, up)
+        g, u = self.linears(x, (gate, up), biases)
+        return _ACT[act](g) * u
 
     def argmax(self, logits):
         return mx.argmax(logits, axis=-1)

@@ -31,6 +31,16 @@ _DENSE_GEMV = os.environ.get("MLXRUN_DENSE_GEMV", "1") != "0"
 CAUSAL = "causal"
 
 
+# transformers' hidden_act names (config.ACTIVATIONS); gelu_new is the tanh approximation
+_ACT = {
+    "silu": lambda x: F.silu(x),
+    "gelu": lambda x: F.gelu(x),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": lambda x: F.relu(x),
+}
+
+
 class StaticCache:
     """Preallocated KV cache: per layer k, v (B, kv_heads, max_len, D) written at `offset`.
 
@@ -53,6 +63,7 @@ class StaticCache:
         self._zero = torch.zeros(1, dtype=torch.int64, device=device)
         self._slots = torch.arange(max_len, device=device)
         self._pads = self._key_ok = self._mask = self._positions = None
+        self._windowed: dict[int, torch.Tensor] = {}  # window -> graph-mode sliding mask
         self._fused = fused
 
     def reset(self) -> None:
@@ -89,13 +100,21 @@ class StaticCache:
         # keys <= pos that are not padding
         torch.logical_and(self._key_ok, self._slots[None, :] <= self.pos, out=self._mask)
         torch.sub(self.pos, self._pads, out=self._positions[:, 0])
+        for w, m in self._windowed.items():  # and within the window: slot > pos - w
+            torch.logical_and(self._mask, self._slots[None, :] > self.pos - w, out=m)
 
-    def mask(self, length, pads):
+    def mask(self, length, pads, window=None):
         if self.graph:
-            return self._mask[:, None, None, :]
-        if self.offset == 0 and length > 1 and (pads is None or not pads.any()):
+            if window is None:
+                return self._mask[:, None, None, :]
+            if window not in self._windowed:  # made in a warm-up pass, before the capture
+                self._windowed[window] = torch.empty_like(self._mask)
+                self._follow_pos()
+            return self._windowed[window][:, None, None, :]
+        plain = window is None or self.offset + length <= window
+        if self.offset == 0 and length > 1 and (pads is None or not pads.any()) and plain:
             return CAUSAL
-        m = causal_mask_np(self.offset, length, pads)
+        m = causal_mask_np(self.offset, length, pads, window)
         return None if m is None else torch.from_numpy(m).to(self.device)
 
     def positions(self, length, pads):
@@ -136,7 +155,7 @@ class StaticCache:
 
     def advance(self, n: int) -> None:
         if self.graph:  # recorded in the graph; the host offset is kept by the caller
-            if self._fused and n == 1:
+            if self._fused and n == 1 and not self._windowed:  # the kernel moves one mask
                 from .cuda_ops import graph_advance  # noqa: PLC0415
 
                 graph_advance(self.pos, self._pads, self._key_ok, self._mask, self._positions)
@@ -554,6 +573,14 @@ class TorchBackend:
             return x
         torch.distributed.all_reduce(x)
         return x
+
+    def gated_mlp(self, x, gate, up, act, biases=None):
+        """act(x @ gate^T + bg) * (x @ up^T + bu). SiLU without biases takes silu_gated (its
+        fused epilogues); other activations run the products, then the torch activation."""
+        if act == "silu" and biases is None:
+            return self.silu_gated(x, gate, up)
+        g, u = self.linears(x, (gate, up), biases)
+        return _ACT[act](g) * u
 
     def argmax(self, logits):
         if self.triton_kernels and logits.dim() == 2:

@@ -18,6 +18,22 @@ from .errors import MlxrunError
 from .model import Layer, Transformer
 from .weights import Tensor
 
+# Tensors a checkpoint may carry that the model derives itself: rope inverse frequencies
+# (recomputed from the config) and an lm_head stored beside a tied embedding (transformers
+# ties it to the embedding and ignores the stored copy).
+_DERIVABLE_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _unused(tensors: dict[str, Tensor], used: set[str], tied: bool) -> list[str]:
+    """Checkpoint tensors the model did not consume and cannot derive, sorted."""
+    return sorted(
+        n
+        for n in tensors
+        if n not in used
+        and not n.endswith(_DERIVABLE_SUFFIXES)
+        and not (tied and n == "lm_head.weight")
+    )
+
 
 def _progress(total: int, show: bool):
     from tqdm.auto import tqdm  # noqa: PLC0415 (notebook-aware bar)
@@ -148,6 +164,21 @@ class _Builder:
             raise MlxrunError(
                 f"{path} is stored quantized but config.json has no quantization block for it"
             )
+        qc = self.qconfig or {}
+        if path not in qc and any(isinstance(v, (dict, bool)) for v in qc.values()):
+            # A mixed (per-layer) checkpoint that does not name this layer: mlx-lm 0.32 takes
+            # its format from the stored shapes, as the global values can be wrong for it, and
+            # so do we. A uniform one (no per-layer entries) must match its global block.
+            from mlxrun.quant.formats import infer_spec  # noqa: PLC0415
+
+            w, s = self.t.get(f"{path}.weight"), self.t.get(f"{path}.scales")
+            if w is not None and (w.shape, s.shape) != ((out, inp * spec.bits // 32),
+                                                        (out, inp // spec.group_size)):  # fmt: skip
+                spec = infer_spec(path, inp, w.shape[-1], s.shape[-1], s.dtype == "U8")
+                self.notes.append(
+                    f"{path} is not named in config.json's per-layer quantization and is "
+                    f"stored as {spec.label} g{spec.group_size}: read as stored, as mlx-lm does"
+                )
         if inp % spec.group_size:
             raise MlxrunError(
                 f"{path}: input size {inp} is not a multiple of the group size "
@@ -257,7 +288,7 @@ def build_model(
     H, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
     q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     tied = c.tie_word_embeddings
-    per_layer = 9 + (3 if c.attention_bias else 0) + (2 if c.qk_norm else 0)
+    per_layer = 9 + 3 * c.attention_bias + c.o_bias + 3 * c.mlp_bias + 2 * c.qk_norm
     bar = _progress(2 + c.num_hidden_layers * per_layer + (0 if tied else 1), progress)
     b = _Builder(cfg, tensors, be, quant, bar, dense, group_asked, check_weights)
     try:
@@ -280,6 +311,12 @@ def build_model(
                 L.q_bias = b.dense(f"{p}.self_attn.q_proj.bias", (q_out,))
                 L.k_bias = b.dense(f"{p}.self_attn.k_proj.bias", (kv_out,))
                 L.v_bias = b.dense(f"{p}.self_attn.v_proj.bias", (kv_out,))
+            if c.o_bias:
+                L.o_bias = b.dense(f"{p}.self_attn.o_proj.bias", (H,))
+            if c.mlp_bias:
+                L.gate_bias = b.dense(f"{p}.mlp.gate_proj.bias", (I,))
+                L.up_bias = b.dense(f"{p}.mlp.up_proj.bias", (I,))
+                L.down_bias = b.dense(f"{p}.mlp.down_proj.bias", (H,))
             if c.qk_norm:
                 L.q_norm = b.dense(f"{p}.self_attn.q_norm.weight", (c.head_dim,))
                 L.k_norm = b.dense(f"{p}.self_attn.k_norm.weight", (c.head_dim,))
@@ -288,4 +325,13 @@ def build_model(
         head = embed if tied else b.matrix("lm_head", V, H)
     finally:
         bar.close()
+    extra = _unused(tensors, b.used, tied)
+    if extra:
+        shown = ", ".join(extra[:4]) + (f" and {len(extra) - 4} more" if len(extra) > 4 else "")
+        raise MlxrunError(
+            f"the checkpoint has {len(extra)} tensor(s) that a {c.model_type} model with this "
+            f"config.json does not use ({shown}): the config and weights disagree (an option "
+            "missing from config.json, or another architecture); mlxrun refuses rather than "
+            "drop them"
+        )
     return Transformer(cfg, be, embed, layers, norm, head), b.summary()

@@ -14,6 +14,36 @@ from .validate import check_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
+# hidden_act values the model runs, under transformers' names; gelu_new is the same tanh
+# approximation as gelu_pytorch_tanh, swish another name for silu.
+ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu")
+
+# Keys that change the arithmetic in other families (Gemma, Granite, Cohere, Phi, ...) and
+# that no family mlxrun runs implements: a value other than the neutral one means the
+# checkpoint computes something mlxrun would not, so it is refused rather than ignored.
+_FOREIGN = {
+    "attn_logit_softcapping": (None,),
+    "final_logit_softcapping": (None,),
+    "query_pre_attn_scalar": (None,),
+    "logit_scale": (None, 1, 1.0),
+    "logits_scaling": (None, 1, 1.0),
+    "embedding_multiplier": (None, 1, 1.0),
+    "residual_multiplier": (None, 1, 1.0),
+    "attention_multiplier": (None,),
+    "partial_rotary_factor": (None, 1, 1.0),
+    "use_qk_norm": (None, False),
+    "qk_layernorm": (None, False),
+    "use_parallel_residual": (None, False),
+    "parallel_attn": (None, False),
+    "norm_type": (None, "rms_norm", "rmsnorm"),
+    "hidden_activation": (None,),
+    "moe_intermediate_size": (None,),
+    "num_local_experts": (None, 0, 1),
+    "num_experts": (None, 0, 1),
+    "num_experts_per_tok": (None,),
+    "shared_expert_intermediate_size": (None, 0),
+}
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -37,8 +67,14 @@ class ModelConfig:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2, Llama option)
+    o_bias: bool = False  # the attention output projection carries a bias (Llama option)
+    mlp_bias: bool = False  # gate/up/down carry biases (Llama option)
+    hidden_act: str = "silu"  # the gate's activation: one of ACTIVATIONS
     qk_norm: bool = False  # RMSNorm on each head of q and k before rope (Qwen3)
+    # Per layer: the attention window (a query sees the `w` latest keys, itself included),
+    # or None for full causal attention. Empty means no layer slides.
+    layer_windows: tuple[int | None, ...] = ()
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     quantization: dict | None = None
@@ -93,14 +129,22 @@ class ModelConfig:
         kw["eos_token_id"] = (
             tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         )
-        if mt == "qwen2":
-            kw["attention_bias"] = True
-        if mt == "qwen3":
-            kw["qk_norm"] = True
+        kw.update(_arch_options(mt, d, kw["num_hidden_layers"]))
         if "quantization" not in kw and "quantization_config" in d:
             kw["quantization"] = d["quantization_config"]
+        method = (kw.get("quantization") or {}).get("quant_method")
+        if method is not None:
+            raise MlxrunError(
+                f"config.json quantization_config has quant_method {method!r}, a transformers "
+                "format mlxrun does not read; use the full-precision checkpoint (mlxrun "
+                "quantizes it with --quant) or an MLX-format quantized copy"
+            )
         kw["extra"] = {k: v for k, v in d.items() if k not in names}
         return cls(**kw)
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s attention window (keys a query sees, itself included), or None."""
+        return self.layer_windows[layer] if self.layer_windows else None
 
     def replace(self, **kw: Any) -> ModelConfig:
         return dataclasses.replace(self, **kw)
@@ -132,3 +176,69 @@ class ModelConfig:
         mid = (wavelen <= low_wl) & (wavelen >= high_wl)
         scaled = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
         return scaled.astype(np.float32)
+
+
+def _refuse(option: str, value: Any, why: str) -> MlxrunError:
+    return MlxrunError(f"config.json {option} = {value!r}: {why}; mlxrun refuses the model")
+
+
+def _window_value(d: dict, default: int | None) -> int | None:
+    w = d.get("sliding_window", default)
+    if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+        raise _refuse("sliding_window", w, "expected a positive integer or null")
+    return w
+
+
+def _layer_types(d: dict, n: int, default: list[str]) -> list[str]:
+    lt = d.get("layer_types") or default
+    if not isinstance(lt, list) or len(lt) != n:
+        raise _refuse("layer_types", lt, f"expected a list of {n} entries, one per layer")
+    for t in lt:
+        if t not in ("full_attention", "sliding_attention"):
+            raise _refuse("layer_types", t, "mlxrun runs full_attention and sliding_attention")
+    return lt
+
+
+def _arch_options(mt: str, d: dict[str, Any], n: int) -> dict[str, Any]:
+    """The options of `model_type` mt that change the arithmetic, read as transformers'
+    modeling code for that family reads them; anything else that would change it is refused
+    with one line naming the option and its value."""
+    for key, neutral in _FOREIGN.items():
+        v = d.get(key)
+        if v not in neutral:
+            raise _refuse(key, v, f"mlxrun's {mt} model has no such option")
+    act = d.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise _refuse("hidden_act", act, f"mlxrun runs {', '.join(ACTIVATIONS)}")
+    opts: dict[str, Any] = {"hidden_act": "silu" if act == "swish" else act}
+    bias = d.get("attention_bias", False) is True
+    if mt == "llama":  # biases on every attention projection, and optionally the MLP
+        opts.update(attention_bias=bias, o_bias=bias, mlp_bias=d.get("mlp_bias", False) is True)
+        if d.get("sliding_window") is not None:
+            why = "Llama has no sliding window (a Mistral checkpoint says model_type mistral)"
+            raise _refuse("sliding_window", d["sliding_window"], why)
+        windows: list[int | None] = [None] * n
+    elif mt == "mistral":  # fixed: no biases; the window (4096 if unset) on every layer
+        opts.update(attention_bias=False, o_bias=False, mlp_bias=False)
+        windows = [_window_value(d, 4096)] * n
+    elif mt in ("qwen2", "qwen3"):
+        if mt == "qwen2":  # q/k/v always biased, o never
+            opts.update(attention_bias=True, o_bias=False, mlp_bias=False)
+        else:  # biases on all four as attention_bias says; q/k RMSNorm per head
+            opts.update(attention_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True)
+        slide = d.get("use_sliding_window", False) is True
+        w = _window_value(d, 4096) if slide else None
+        first = d.get("max_window_layers", 28)
+        default = [
+            "sliding_attention" if w is not None and i >= first else "full_attention"
+            for i in range(n)
+        ]
+        windows = [w if t == "sliding_attention" else None for t in _layer_types(d, n, default)]
+    else:  # pragma: no cover (from_dict checked the type)
+        raise AssertionError(mt)
+    rs = d.get("rope_scaling") or d.get("rope_parameters") or {}
+    if isinstance(rs, dict) and rs.get("partial_rotary_factor", 1.0) != 1.0:
+        why = "mlxrun rotates the whole head"
+        raise _refuse("rope partial_rotary_factor", rs["partial_rotary_factor"], why)
+    opts["layer_windows"] = tuple(windows) if any(w is not None for w in windows) else ()
+    return opts

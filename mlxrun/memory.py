@@ -419,6 +419,12 @@ def config_shapes(config: ModelConfig, dtype: str = "BF16") -> Shapes:
         if c.attention_bias:
             for n, width in (("q", q), ("k", kv), ("v", kv)):
                 out[f"{p}self_attn.{n}_proj.bias"] = ((width,), dtype)
+        if c.o_bias:
+            out[f"{p}self_attn.o_proj.bias"] = ((h,), dtype)
+        if c.mlp_bias:
+            for n, width in (("gate", c.intermediate_size), ("up", c.intermediate_size)):
+                out[f"{p}mlp.{n}_proj.bias"] = ((width,), dtype)
+            out[f"{p}mlp.down_proj.bias"] = ((h,), dtype)
         if c.qk_norm:
             out[p + "self_attn.q_norm.weight"] = ((d,), dtype)
             out[p + "self_attn.k_norm.weight"] = ((d,), dtype)
@@ -455,9 +461,11 @@ def _layer_bits(config: ModelConfig, prefix: str) -> int:
             f"checkpoint has quantized tensors ({prefix}.scales) but config.json "
             "has no 'quantization' entry; re-download config.json"
         )
-    over = q.get(prefix)
-    q = over if isinstance(over, dict) else q
-    return int(q.get("bits", 4))
+    from mlxrun.quant.formats import layer_spec  # noqa: PLC0415
+
+    # per-layer entries as the loader reads them (null: the mode's default)
+    spec = layer_spec(q, prefix)
+    return 4 if spec is None else spec.bits
 
 
 def _keeps_stored(
@@ -575,8 +583,12 @@ def footprint(
         t = _requant_spec(config, quant, group_asked) if quantized else quant
         label = f"{t.mode} {t.bits}-bit g{t.group_size}"
     elif quantized:
-        q = config.quantization or {}
-        label = f"{q.get('mode', 'affine')} {q.get('bits', 4)}-bit g{q.get('group_size', 64)}"
+        from mlxrun.quant.formats import from_config  # noqa: PLC0415
+
+        g = from_config(config.quantization or {})
+        label = f"{g.mode} {g.bits}-bit g{g.group_size}"
+        if any(isinstance(v, dict) for v in (config.quantization or {}).values()):
+            label += " (mixed per layer)"
     else:
         label = dtype
     c = config

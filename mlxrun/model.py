@@ -1,7 +1,8 @@
 """The Llama-family forward pass, written once against the backend interface.
 
 Covers Llama 1-3.2, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm); the differences
-are switches in ModelConfig, not separate classes.
+are switches in ModelConfig (biases on any projection, the gate activation, a sliding
+attention window per layer), not separate classes.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ class Layer:
     q_bias: Array | None = None
     k_bias: Array | None = None
     v_bias: Array | None = None
+    o_bias: Array | None = None
+    gate_bias: Array | None = None
+    up_bias: Array | None = None
+    down_bias: Array | None = None
     q_norm: Array | None = None
     k_norm: Array | None = None
 
@@ -96,7 +101,9 @@ class Transformer:
         be, c = self.be, self.config
         B, T = ids.shape
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        mask = cache.mask(T, pads)  # (B or 1, 1, T, keys) or None
+        windows = [c.window(i) for i in range(len(self.layers))]
+        # one mask per window in use: (B or 1, 1, T, keys) or None (or the backend's token)
+        masks = {w: cache.mask(T, pads, w) for w in set(windows)}
         pos = cache.positions(T, pads)
         h = be.embedding(ids, self.embed)  # (B, T, hidden)
         # Each residual add is done with the norm that follows it (one fused kernel on CUDA).
@@ -111,11 +118,16 @@ class Transformer:
                 k = be.rms_norm(k, L.k_norm, c.rms_norm_eps)
             # q (B, nh, T, hd) rotated; k, v (B, nkv, offset+T, hd) from the cache
             q, k, v = be.rope_and_cache(q, k, v, pos, self.rope, cache, i)
-            o = be.attention(q, k, v, self.scale, mask)  # (B, nh, T, hd)
-            # o and down see this rank's heads / MLP rows only: partial sums of the output
+            o = be.attention(q, k, v, self.scale, masks[windows[i]])  # (B, nh, T, hd)
+            # o and down see this rank's heads / MLP rows only: partial sums of the output,
+            # and their biases are added once, after the sum
             o = be.all_sum(be.linear(o.swapaxes(1, 2).reshape(B, T, nh * hd), L.o_proj))
+            o = o if L.o_bias is None else o + L.o_bias
             h, x = be.add_rms_norm(h, o, L.post_attention_layernorm, c.rms_norm_eps)
-            y = be.all_sum(be.linear(be.silu_gated(x, L.gate_proj, L.up_proj), L.down_proj))
+            mlp_b = None if L.gate_bias is None else (L.gate_bias, L.up_bias)
+            y = be.gated_mlp(x, L.gate_proj, L.up_proj, c.hidden_act, mlp_b)
+            y = be.all_sum(be.linear(y, L.down_proj))
+            y = y if L.down_bias is None else y + L.down_bias
             last = i + 1 == len(self.layers)
             nxt = self.norm if last else self.layers[i + 1].input_layernorm
             h, x = be.add_rms_norm(h, y, nxt, c.rms_norm_eps)

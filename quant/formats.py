@@ -125,15 +125,17 @@ def from_config(q: dict) -> QuantSpec:
     """The global spec of a config.json "quantization" block.
 
     `{"group_size": 64, "bits": 4, "mode": "affine"}`; a missing mode means affine (older
-    mlx-lm files), a missing group size or bits takes MLX's default for the mode. Other keys
-    (per-layer overrides, see `layer_spec`) are ignored here.
+    mlx-lm files), a missing or null group size or bits takes MLX's default for the mode
+    (mlx-lm's mixed recipes write `"group_size": null` per layer, and `nn.quantize` passes
+    it on to MLX, which reads None as the default). Other keys (per-layer overrides, see
+    `layer_spec`) are ignored here.
     """
     if not isinstance(q, dict):
         raise MlxrunError(
             f"config.json 'quantization' must be an object like "
             f'{{"group_size": 64, "bits": 4}}, not {type(q).__name__}; fix the config'
         )
-    mode = q.get("mode", "affine")
+    mode = q.get("mode") or "affine"
     if mode not in ALLOWED:
         raise MlxrunError(
             f"config.json quantization mode {mode!r} is not supported: supported modes are "
@@ -142,7 +144,8 @@ def from_config(q: dict) -> QuantSpec:
     default_bits, default_group = ALLOWED[mode][0][0], ALLOWED[mode][1][0]
     vals = {}
     for key, default in (("bits", default_bits), ("group_size", default_group)):
-        v = q.get(key, default)
+        v = q.get(key)
+        v = default if v is None else v
         if isinstance(v, bool) or not isinstance(v, int):
             raise MlxrunError(
                 f"config.json quantization {key} must be an integer, not {v!r}; fix the config"
@@ -177,6 +180,26 @@ def layer_spec(qconfig: dict, path: str) -> QuantSpec | None:
         f"config.json quantization entry for {path!r} must be false or an object, "
         f"not {entry!r}; fix the config"
     )
+
+
+def infer_spec(path: str, in_features: int, packed: int, groups: int, byte_scales: bool):
+    """The spec a stored layer was packed with, from its shapes, as mlx-lm 0.32's
+    `infer_quant_config` recovers it for a module the per-layer map does not name.
+
+    packed: columns of `p.weight` (uint32); groups: columns of `p.scales`; byte_scales:
+    the scales are uint8 codes (the float modes) rather than floats (affine).
+    """
+    if not groups or in_features % groups or (packed * 32) % in_features:
+        raise MlxrunError(f"{path}: stored shapes fit no quantized format; re-download it")
+    g, bits = in_features // groups, packed * 32 // in_features
+    if not byte_scales:
+        return QuantSpec("affine", bits, g).validate()
+    mode = {(4, 16): "nvfp4", (4, 32): "mxfp4", (8, 32): "mxfp8"}.get((bits, g))
+    if mode is None:
+        raise MlxrunError(
+            f"{path}: {bits}-bit values in groups of {g} with byte scales are no MLX mode"
+        )
+    return QuantSpec(mode, bits, g)
 
 
 def packed_shape(out_features: int, in_features: int, spec: QuantSpec) -> dict[str, tuple]:

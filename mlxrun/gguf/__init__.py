@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..errors import MlxrunError
 from ..weights import Tensor
-from .meta import Meta, config, open_reader
+from .meta import Meta, check_keys, config, open_reader
 from .names import arch_of
 from .tensors import SUPPORTED_TYPES, check_types, convert, quant_block
 from .tokenizer import tokenizer
@@ -59,6 +59,7 @@ def read_gguf(path: str | os.PathLike, shard: tuple[int, int] | None = None) -> 
         raise MlxrunError(
             f"{path}: mixture-of-experts {name} GGUFs are not supported; use a dense model"
         )
+    check_keys(path, meta, name)
     raw = {t.name: t for t in reader.tensors}
     check_types(path, reader.tensors)
     cfg = config(path, meta, raw, name, (arch.model_type, arch.hf_class))

@@ -102,6 +102,53 @@ class Meta:
         )
 
 
+# {arch}.* metadata keys that mlxrun reads into the config (or that do not change the
+# arithmetic: context_length, vocab_size, rope.scaling.finetuned), and keys that are inert
+# at one value (no experts, causal attention, scales of 1, no capping). Any other
+# {arch}.* key, or one of these at another value, changes the computation in a way the import would
+# drop, so the file is refused (llama.cpp's LLM_KV names).
+_READ_KEYS = {
+    "block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",
+    "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
+    "attention.key_length", "rope.dimension_count", "rope.freq_base", "rope.scaling.type",
+    "rope.scaling.factor", "rope.scaling.original_context_length", "rope.scaling.finetuned",
+}  # fmt: skip
+_NEUTRAL_KEYS = {
+    "expert_count": (0,), "expert_used_count": (0,), "attention.causal": (True,),
+    "logit_scale": (1.0,), "embedding_scale": (1.0,), "residual_scale": (1.0,),
+    "attn_logit_softcapping": (0.0,), "final_logit_softcapping": (0.0,),
+    "attention.clamp_kqv": (0.0,), "attention.max_alibi_bias": (0.0,),
+    "attention.sliding_window": (0,), "rope.scale_linear": (1.0,), "use_parallel_residual": (False,),
+    "pooling_type": (0,),
+}  # fmt: skip
+
+
+def check_keys(path: Path, meta: Meta, arch: str) -> None:
+    """Refuse a file whose metadata asks for arithmetic the import would not carry over."""
+    for key in meta.fields:
+        if not key.startswith(arch + "."):
+            continue  # general.*, tokenizer.*, quantize.*, split.*: no effect on the math
+        sub = key[len(arch) + 1 :]
+        v = meta.get(key)
+        if sub in _READ_KEYS or v in _NEUTRAL_KEYS.get(sub, ()):
+            continue
+        if sub == "attention.value_length" and v == _key_length(meta, arch):
+            continue  # values as wide as keys: what the model assumes
+        raise MlxrunError(
+            f"{path}: GGUF metadata {key} = {v!r} changes the computation in a way mlxrun "
+            "does not implement; mlxrun refuses the file (use a safetensors checkpoint of "
+            "this model if mlxrun runs its config)"
+        )
+
+
+def _key_length(meta: Meta, arch: str) -> int | None:
+    k = meta.get(f"{arch}.attention.key_length")
+    if k is not None:
+        return int(k)
+    heads, width = meta.get(f"{arch}.attention.head_count"), meta.get(f"{arch}.embedding_length")
+    return int(width) // int(heads) if isinstance(heads, int) and width else None
+
+
 def one(path: Path, meta: Meta, key: str, default: Any = None) -> Any:
     """A per-model value that GGUF may also store per layer (an array): all must agree."""
     v = meta.get(key, default)

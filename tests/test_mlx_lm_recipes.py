@@ -1,0 +1,86 @@
+"""mlx-lm's mixed-bit recipes (`mlx_lm convert -q --quant-predicate mixed_X_Y`, the recipe
+behind mlx-community's mixed quants) on a tiny random model: per-layer entries with
+`"group_size": null` load on torch-cpu and MLX and give mlx-lm's own logits, and the
+memory planner counts the bytes the loader holds."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import mlxrun
+from mlxrun.backends.base import QuantizedWeight
+from mlxrun.loader import open_checkpoint
+from mlxrun.memory import footprint, header_shapes
+from mlxrun.quant.formats import QuantSpec, from_config, layer_spec
+
+from .conftest import rel_err
+from .test_conformance import VOCAB, _make
+
+mx = pytest.importorskip("mlx.core")
+mlx_lm = pytest.importorskip("mlx_lm")
+
+RECIPES = {"mixed_2_6": (2, 6), "mixed_3_4": (3, 4), "mixed_3_6": (3, 6), "mixed_4_6": (4, 6)}
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_mixed_recipe_matches_mlx_lm(tmp_path, recipe):
+    # every input width a multiple of 64 (mlx-lm's group); untied: lm_head takes high bits
+    dims = dict(hidden_size=64, intermediate_size=128, head_dim=16)
+    src, _ = _make(tmp_path, "src", "llama", dims)
+    out = tmp_path / recipe
+    mlx_lm.convert(hf_path=str(src), mlx_path=str(out), quantize=True, quant_predicate=recipe)
+    q = json.loads((out / "config.json").read_text())["quantization"]
+    low, high = RECIPES[recipe]
+    # what mlx-lm 0.32 writes: per-layer entries whose group size is null (the default)
+    # (of 2 layers, the recipe gives layer 1's down_proj and v_proj the high bits)
+    entry = q["model.layers.1.mlp.down_proj"]
+    assert entry["group_size"] is None and entry["bits"] == high
+    assert layer_spec(q, "model.layers.1.mlp.down_proj") == QuantSpec("affine", high, 64)
+    assert layer_spec(q, "model.layers.0.mlp.down_proj") == QuantSpec("affine", low, 64)
+    assert from_config({"bits": None, "group_size": None, "mode": None}) == QuantSpec(
+        "affine", 4, 64
+    )
+
+    ids = np.random.default_rng(2).integers(3, VOCAB, size=12)
+    model, _ = mlx_lm.load(str(out))
+    want = np.array(model(mx.array(ids[None])).astype(mx.float32))[0]
+    for backend in ("cpu", "mlx"):
+        ours = mlxrun.load(str(out), backend=backend, dtype="float32", progress=False)
+        L0, L1 = ours.transformer.layers
+        assert isinstance(L1.down_proj, QuantizedWeight) and L1.down_proj.bits == high
+        assert (L0.down_proj.bits, L1.up_proj.bits, ours.transformer.head.bits) == (low, low, high)
+        assert rel_err(ours.logits(ids), want) < 1e-4, backend
+
+    # the planner counts the stored bytes of each layer at its own width
+    ck = open_checkpoint(str(out))
+    fp = footprint(ck.config, header_shapes(out), "float32", backend="torch")
+    held = sum(t.data.nbytes for n, t in ck.tensors.items() if n.endswith((".weight", ".scales", ".biases")) and f"{n.rpartition('.')[0]}.scales" in ck.tensors)  # fmt: skip
+    dense_rest = sum(
+        t.data.size * 4
+        for n, t in ck.tensors.items()
+        if f"{n.rpartition('.')[0]}.scales" not in ck.tensors
+    )
+    assert fp.weight_bytes == held + dense_rest
+
+
+def test_layer_missing_from_the_map_takes_its_stored_format(tmp_path):
+    """A stored layer the per-layer map does not name, packed at another width than the
+    global block says: its format comes from its shapes, as mlx-lm 0.32's
+    infer_quant_config does (the global 4 bits would misread a 6-bit layer)."""
+    dims = dict(hidden_size=64, intermediate_size=128, head_dim=16)
+    src, _ = _make(tmp_path, "src", "llama", dims)
+    out = tmp_path / "q"
+    mlx_lm.convert(hf_path=str(src), mlx_path=str(out), quantize=True, quant_predicate="mixed_3_6")
+    ids = np.random.default_rng(2).integers(3, VOCAB, size=12)
+    model, _ = mlx_lm.load(str(out))
+    want = np.array(model(mx.array(ids[None])).astype(mx.float32))[0]
+    cfg = json.loads((out / "config.json").read_text())
+    for key in ("quantization", "quantization_config"):
+        del cfg[key]["model.layers.1.mlp.down_proj"]  # 6-bit, the global block says 4
+    (out / "config.json").write_text(json.dumps(cfg))
+    ours = mlxrun.load(str(out), backend="cpu", dtype="float32", progress=False)
+    assert ours.transformer.layers[1].down_proj.bits == 6
+    assert rel_err(ours.logits(ids), want) < 1e-4
