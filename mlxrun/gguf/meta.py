@@ -88,7 +88,11 @@ class Meta:
                 isinstance(x, _LISTS[key]) and not isinstance(x, bool) for x in v
             )
         elif key.split(".")[0] not in _FREE or key.endswith("_token_id"):
-            ok = _is_num(v) or (isinstance(v, list) and bool(v) and all(map(_is_num, v)))
+            ok = (
+                _is_num(v)
+                or isinstance(v, bool)  # flags: attention.causal, rope.scaling.finetuned
+                or (isinstance(v, list) and bool(v) and all(map(_is_num, v)))
+            )
         else:
             ok = True
         if not ok:
