@@ -442,7 +442,7 @@ def _csv(value: str) -> list[str]:
 @click.option(
     "--reps", type=int, default=5, show_default=True, help="Timed runs after one warm-up."
 )
-@click.option("--compare", default="", help="Peers to add as rows: transformers.")
+@click.option("--compare", default="", help="Peers to add as rows: transformers, mlx-lm.")
 @click.option("--json", "json_path", default=None, help="Write every number to this file.")
 @click.option("--plot", "plot_path", default=None, help="Draw decode tok/s vs roofline (PNG).")
 @click.option(
