@@ -17,6 +17,16 @@ except ImportError:  # reported by get_backend with the extra to install
     mx = None
 
 
+def _swiglu(gate, up):
+    return gate * mx.sigmoid(gate) * up
+
+
+# One fused elementwise kernel instead of three (sigmoid, two multiplies): a launch and two
+# round trips of the (B, T, intermediate) activations fewer per layer, which mlx-lm also
+# saves with its compiled swiglu. shapeless: one compile serves prefill and decode shapes.
+_swiglu_fused = mx.compile(_swiglu, shapeless=True) if mx is not None else None
+
+
 class MLXCache:
     """KV cache, per layer k, v: (B, kv_heads, capacity, D), written at `offset`.
 
@@ -38,8 +48,12 @@ class MLXCache:
         self.values: list = [None] * num_layers
 
     def mask(self, length, pads):
-        m = causal_mask_np(self.offset, length, pads)
-        return None if m is None else mx.array(m)
+        if pads is None or not pads.any():
+            # sdpa's own causal mode (queries aligned to the last keys, as the cache holds
+            # them): no (T, offset+T) mask array to build, copy and read, and the fused
+            # kernels that take no mask array stay in play (mlx-lm passes "causal" too).
+            return None if length == 1 else "causal"
+        return mx.array(causal_mask_np(self.offset, length, pads))
 
     def positions(self, length, pads):
         # mx.fast.rope takes the start offset: an int, or (B,) for left-padded batches.
@@ -197,7 +211,7 @@ class MLXBackend:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
     def silu_mul(self, gate, up):
-        return gate * mx.sigmoid(gate) * up
+        return _swiglu_fused(gate, up)
 
     def silu_gated(self, x, gate, up):
         return self.silu_mul(*self.linears(x, (gate, up)))

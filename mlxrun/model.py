@@ -96,7 +96,7 @@ class Transformer:
         be, c = self.be, self.config
         B, T = ids.shape
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        mask = cache.mask(T, pads)  # (B or 1, 1, T, keys) or None
+        mask = cache.mask(T, pads)  # (B or 1, 1, T, keys), None, or the backend's causal
         pos = cache.positions(T, pads)
         h = be.embedding(ids, self.embed)  # (B, T, hidden)
         # Each residual add is done with the norm that follows it (one fused kernel on CUDA).
