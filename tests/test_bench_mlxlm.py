@@ -107,3 +107,45 @@ def test_bench_compare_mlx_lm_skips(backends, batch, why):
         )
     assert [x.backend for x in r.rows] == backends
     assert [(s.backend, s.reason) for s in r.skipped] == [("mlx-lm", why)]
+
+
+def _ops(tmp_path, name, *outs) -> int:
+    """Primitives in the graph that computes `outs` (MLX's own dot export, one node a line)."""
+    path = tmp_path / f"{name}.dot"
+    mx.export_to_dot(str(path), *outs)
+    return path.read_text().count("shape=rectangle")
+
+
+@pytest.mark.parametrize("which", ["none", "int4"])
+def test_decode_step_graph_no_larger_than_mlx_lm(tmp_path, which):
+    """One greedy decode step after the same prompt: our graph has no more primitives than
+    mlx-lm's, and 2 a layer fewer than with SwiGLU as separate sigmoid and multiplies."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxrun.backends import mlx_backend as mb
+
+    m = _model(which)
+    mlm = bench_mlxlm.mlx_lm_model(m)
+    prompt = mx.array([list(range(1, 17))])
+
+    def ours():
+        cache = m.make_cache(1, 32)
+        logits = m(prompt, cache, last_only=True)
+        mx.eval(logits, *cache.keys, *cache.values)  # the prompt's graph ends here
+        y = mx.argmax(logits, axis=-1)
+        return mx.argmax(m(y.reshape(1, 1), cache, last_only=True), axis=-1)
+
+    cache = make_prompt_cache(mlm)
+    logits = mlm(prompt, cache=cache)
+    mx.eval(logits, [c.state for c in cache])
+    y = mx.argmax(logits[:, -1, :], axis=-1)
+    theirs = mx.argmax(mlm(y[:, None], cache=cache)[:, -1, :], axis=-1)  # its sampler's argmax
+    n_ours, n_theirs = _ops(tmp_path, "ours", ours()), _ops(tmp_path, "theirs", theirs)
+    fused = mb._swiglu_fused
+    try:
+        mb._swiglu_fused = mb._swiglu
+        n_unfused = _ops(tmp_path, "unfused", ours())
+    finally:
+        mb._swiglu_fused = fused
+    assert n_ours <= n_theirs
+    assert n_unfused - n_ours == 2 * m.config.num_hidden_layers
