@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import bench_mlxlm
 from .config import ModelConfig
 from .errors import MlxrunError
 from .generate import generate_step
@@ -81,7 +82,7 @@ WEIGHT_STD = 0.02  # random dense weights ~ N(0, 0.02), the usual init
 COPY_BYTES = {"cpu": 256 << 20, "gpu": 1 << 30}
 COPY_TRIALS = 7  # timed, after 2 untimed
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-COMPARE = ("transformers",)
+COMPARE = ("transformers", "mlx-lm")
 
 
 @dataclass
@@ -92,8 +93,8 @@ class BenchRow:
     sequences) / batch; roofline = decode_tps x bytes_per_token / bandwidth.
     """
 
-    engine: str  # "mlxrun" or "transformers"
-    backend: str  # mlx | cpu | cuda | mps (transformers: the torch device)
+    engine: str  # "mlxrun", "transformers" or "mlx-lm"
+    backend: str  # mlx | cpu | cuda | mps, or the peer's name (transformers, mlx-lm)
     device: str  # short: "cpu, float32", "cuda (NVIDIA H100), bfloat16"
     quant: str  # as asked: none | int4 | ...
     weights: str  # as run: "float32", "int4 g64", "int4 g32, head int8 g32 (stored)"
@@ -506,28 +507,49 @@ class _Run:
         return rng.integers(0, vocab, size=(self.batch, self.prompt_tokens)).tolist()
 
 
-def _bench_model(run: _Run, model: Transformer, params: SamplingParams) -> dict:
-    """Warm up, then time `reps` generations: the BenchRow fields measured on the model."""
+def _bench_model(
+    run: _Run, model: Transformer, params: SamplingParams, peer=None
+) -> tuple[dict, dict | None]:
+    """Warm up, then time `reps` generations: the BenchRow fields measured on the model.
+
+    `peer(prompt, gen) -> (TTFT s, decode steps/s)` is another engine on the same arrays
+    (mlx-lm); its reps alternate with ours, so drifting load on the machine hits both alike.
+    Returns (ours, the peer's or None).
+    """
     be, cfg = model.be, model.config
     prompts = run.prompts(cfg.vocab_size)
     # Warm-up with the timed shapes: a shorter one leaves cache sizes, allocator blocks and
     # kernel choices of the first timed rep cold (seen on CUDA: TTFT 1.1 s, then 0.18 s).
     _run_once(model, prompts, run.gen_tokens, params)
-    be.reset_peak_memory()
-    samples = [_run_once(model, prompts, run.gen_tokens, params) for _ in range(run.reps)]
-    peak = be.peak_memory()
+    if peer is not None:
+        peer(prompts[0], run.gen_tokens)
+    samples, peer_samples, peak, peer_peak = [], [], 0, 0
+    for _ in range(run.reps):
+        be.reset_peak_memory()
+        samples.append(_run_once(model, prompts, run.gen_tokens, params))
+        peak = max(peak, be.peak_memory())
+        if peer is not None:
+            be.reset_peak_memory()
+            peer_samples.append(peer(prompts[0], run.gen_tokens))
+            peer_peak = max(peer_peak, be.peak_memory())
     held, per_step = weight_bytes(model, run.batch)
     ctx = mean_context(run.prompt_tokens, run.gen_tokens)
     kv = round(run.batch * kv_bytes_per_position(cfg, be.dtype) * ctx)
-    return _timings(run, samples) | dict(
-        peak_memory_bytes=int(peak),
+    common = dict(
         weight_bytes=int(held),
         weight_bytes_per_step=int(per_step),
         kv_bytes_per_step=int(kv),
         bytes_per_token=(per_step + kv) / run.batch,
         memory=_device_key(be),
-        description=be.describe(),
     )
+    ours = (
+        _timings(run, samples)
+        | common
+        | dict(peak_memory_bytes=int(peak), description=be.describe())
+    )
+    if peer is None:
+        return ours, None
+    return ours, _timings(run, peer_samples) | common | dict(peak_memory_bytes=int(peer_peak))
 
 
 def _timings(run: _Run, samples: list[tuple[float, float]]) -> dict:
@@ -562,10 +584,12 @@ def sampling_label(p: SamplingParams) -> str:
 
 
 def _bench_mlxrun(
-    run: _Run, src: _Source, name: str, be, qname: str, spec, dtype
+    run: _Run, src: _Source, name: str, be, qname: str, spec, dtype, mlx_lm: bool = False
 ) -> list[BenchRow]:
     """Load (or build) the model on `be` in format `qname`, and measure it: greedy, and
-    with the run's sampling setting too where it has one (a row each, same loaded model)."""
+    with the run's sampling setting too where it has one (a row each, same loaded model);
+    with `mlx_lm` (MLX backend, batch 1), also mlx-lm's greedy generate on the same arrays,
+    reps alternating with ours."""
     from mlxrun.quant.formats import from_config  # noqa: PLC0415
 
     from .api import load  # noqa: PLC0415
@@ -609,25 +633,50 @@ def _bench_mlxrun(
         model.be.synchronize()
         load_s = m.load_time + time.perf_counter() - t1
         del m
+    peer = None
+    if mlx_lm:
+        t1 = time.perf_counter()
+        mlm = bench_mlxlm.mlx_lm_model(model)
+        peer_load_s = load_s + time.perf_counter() - t1
+
+        def peer(prompt, gen):
+            return bench_mlxlm.run_once(mlm, prompt, gen)
+
     rows = []
+    label = _weights_label(model, how)
     settings = [SamplingParams()] + ([] if run.sampling.greedy else [run.sampling])
     for params in settings:
-        label = sampling_label(params)
-        run.say(f"{be.name}:{be.device} {qname} {label}: timing {run.reps} x {run.gen_tokens}")
-        fields = _bench_model(run, model, params)
+        mode = sampling_label(params)
+        theirs = peer if params.greedy else None  # mlx-lm's row is greedy
+        also = " (and mlx-lm, alternating)" if theirs else ""
+        run.say(f"{be.name}:{be.device} {qname} {mode}: timing {run.reps} x {run.gen_tokens}{also}")
+        fields, peer_fields = _bench_model(run, model, params, theirs)
         rows.append(
             BenchRow(
                 engine="mlxrun",
                 backend=name,
                 device=_short_device(model.be),
                 quant=qname,
-                weights=_weights_label(model, how),
+                weights=label,
                 load_s=load_s,
                 notes=notes,
-                sampling=label,
+                sampling=mode,
                 **fields,
             )
         )
+        if peer_fields is not None:
+            rows.append(
+                BenchRow(
+                    engine="mlx-lm",
+                    backend="mlx-lm",
+                    device=_short_device(model.be),
+                    quant=qname,
+                    weights=label,
+                    load_s=peer_load_s,  # ours, plus building mlx-lm's model on the same arrays
+                    description=f"mlx-lm {bench_mlxlm.version()} generate_step on mlxrun's arrays",
+                    **peer_fields,
+                )
+            )
     return rows
 
 
@@ -849,7 +898,8 @@ def run_bench(
     quants: none, int4, int8, fp8, fp4, nvfp4; a checkpoint stored quantized (GGUF Q4_1,
     an MLX 4-bit model) runs dequantized to the compute dtype under `none`, as stored under
     its own format (int4 for affine 4-bit, whatever its group size), and skips the others.
-    compare: ("transformers",) adds HF generate() on the first torch device listed. The
+    compare: "transformers" adds HF generate() on the first torch device listed; "mlx-lm"
+    adds mlx-lm's generate_step beside each mlx row, on the same arrays (batch 1). The
     prompt is batch x prompt_tokens random ids; decoding is greedy for gen_tokens tokens,
     after one untimed warm-up generation. A non-greedy `sampling` adds a row of each
     mlxrun backend and format decoding with it (seeded), beside its greedy row.
@@ -870,6 +920,18 @@ def run_bench(
     bandwidth: dict[str, dict] = {}
     torch_be = None
     chunks: dict[str, int] = {}
+    # mlx-lm runs beside each MLX row, on its arrays; its generate_step takes one sequence.
+    peer_mlx = ("mlx",) if "mlx-lm" in compare and batch == 1 else ()
+    if "mlx-lm" in compare:
+        if batch > 1:
+            skipped.append(Skipped("mlx-lm", "*", "mlx-lm's generate_step runs batch 1 only"))
+        elif "mlx" not in names:
+            skipped.append(
+                Skipped("mlx-lm", "*", "it runs on the mlx backend: add mlx to --backends")
+            )
+        elif (why := bench_mlxlm.unavailable()) is not None:
+            skipped.append(Skipped("mlx-lm", "*", why))
+            peer_mlx = ()
     for name in names:
         try:
             be = get_backend(name, dtype)
@@ -892,7 +954,7 @@ def run_bench(
                 skipped.append(Skipped(name, qname, why))
                 continue
             try:
-                rows.extend(_bench_mlxrun(run, src, name, be, qname, spec, dtype))
+                rows += _bench_mlxrun(run, src, name, be, qname, spec, dtype, be.name in peer_mlx)
             except MlxrunError as e:
                 skipped.append(Skipped(name, qname, str(e)))
             _release(be)

@@ -464,7 +464,7 @@ def _csv(value: str) -> list[str]:
 @click.option(
     "--reps", type=int, default=5, show_default=True, help="Timed runs after one warm-up."
 )
-@click.option("--compare", default="", help="Peers to add as rows: transformers.")
+@click.option("--compare", default="", help="Peers to add as rows: transformers, mlx-lm.")
 @click.option(
     "--temp",
     type=float,

@@ -102,7 +102,7 @@ class Transformer:
         B, T = ids.shape
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         windows = [c.window(i) for i in range(len(self.layers))]
-        # one mask per window in use: (B or 1, 1, T, keys) or None (or the backend's token)
+        # one mask per window in use: (B or 1, 1, T, keys) or None (or the backend's causal)
         masks = {w: cache.mask(T, pads, w) for w in set(windows)}
         pos = cache.positions(T, pads)
         h = be.embedding(ids, self.embed)  # (B, T, hidden)
