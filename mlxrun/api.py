@@ -171,7 +171,7 @@ class Model:
         )
         stats = {
             "batch_size": bs,
-            "tokens": sum(len(r.tokens) for r in results),
+            "tokens": sum(r.generated for r in results),
             "seconds": time.perf_counter() - t0,
         }
         return results, stats

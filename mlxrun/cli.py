@@ -28,6 +28,16 @@ def _weights_line(m) -> str:
     return f"Weights: {_gib(n)} ({n} bytes, {how})"
 
 
+def verbosity_options(f):
+    f = click.option(
+        "--verbose", "-v", is_flag=True, help="Say more: load time, details per step."
+    )(f)
+    f = click.option(
+        "--quiet", "-q", is_flag=True, help="Only the answer: no stats, notes or progress bars."
+    )(f)
+    return f
+
+
 def model_options(f):
     f = click.option(
         "--model",
@@ -62,35 +72,61 @@ def cli():
     """Run Llama-family language models on MLX and PyTorch (CPU, CUDA, MPS)."""
 
 
-def read_prompts(path: str) -> list[str]:
-    """One prompt per line, or JSONL objects with a "prompt" field (by extension or when the
-    first non-blank line starts with '{')."""
-    import json  # noqa: PLC0415
+def stdin_text() -> str | None:
+    """What a pipe or a redirected file on stdin holds; None on a terminal (or when stdin is
+    no file at all), so `mlxrun generate` alone never waits for input."""
+    import os  # noqa: PLC0415
+    import stat  # noqa: PLC0415
 
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        why = getattr(e, "strerror", None) or str(e)
-        raise MlxrunError(f"cannot read prompts file {path}: {why}") from None
+        mode = os.fstat(sys.stdin.fileno()).st_mode
+    except (OSError, ValueError, AttributeError):  # io.UnsupportedOperation is an OSError
+        return None
+    if not (stat.S_ISFIFO(mode) or stat.S_ISREG(mode)):
+        return None
+    return sys.stdin.read()
+
+
+def read_prompts(path: str) -> list[dict]:
+    """One prompt per line, or JSONL objects with a "prompt" field (by extension or when the
+    first non-blank line starts with '{'); '-' reads stdin. Returns one dict per prompt: a
+    JSONL line's own fields (an "id", say) with "prompt"."""
+    if path == "-":
+        text = sys.stdin.read()
+    else:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            why = getattr(e, "strerror", None) or str(e)
+            raise MlxrunError(f"cannot read prompts file {path}: {why}") from None
+    return parse_prompts(text, "stdin" if path == "-" else path)
+
+
+def parse_prompts(text: str, name: str) -> list[dict]:
+    """read_prompts on text already read; `name` is what errors call it."""
+    import json  # noqa: PLC0415
+
+    lines = text.splitlines()
     first = next((ln for ln in lines if ln.strip()), "")
-    prompts = []
-    if path.endswith(".jsonl") or first.lstrip().startswith("{"):
+    rows = []
+    if name.endswith(".jsonl") or first.lstrip().startswith("{"):
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
-                prompt = json.loads(line)["prompt"]
+                row = json.loads(line)
+                prompt = row["prompt"]
             except (json.JSONDecodeError, TypeError, KeyError):
-                raise MlxrunError(f'{path}:{n}: not a JSON object with a "prompt" field') from None
+                raise MlxrunError(f'{name}:{n}: not a JSON object with a "prompt" field') from None
             if not isinstance(prompt, str) or not prompt.strip():
-                raise MlxrunError(f'{path}:{n}: "prompt" must be a non-empty string')
-            prompts.append(prompt)
+                raise MlxrunError(f'{name}:{n}: "prompt" must be a non-empty string')
+            rows.append(row)
     else:
-        prompts = [ln for ln in lines if ln.strip()]
-    if not prompts:
-        raise MlxrunError(f"prompts file {path} holds no prompts")
-    return prompts
+        rows = [{"prompt": ln} for ln in lines if ln.strip()]
+    if not rows:
+        raise MlxrunError(f"prompts file {name} holds no prompts")
+    return rows
 
 
 @cli.command()
@@ -100,17 +136,20 @@ def read_prompts(path: str) -> list[str]:
     "-p",
     "prompts",
     multiple=True,
-    help="The user message (repeat for a batch) [default: 'What is the capital of France?'].",
+    help="The user message (repeat for a batch); '-' reads it from stdin [default: piped "
+    "stdin, else 'What is the capital of France?'].",
 )
 @click.option(
     "--prompts",
     "prompts_file",
     type=str,
     default=None,
-    help="File with one prompt per line, or JSONL with a 'prompt' field.",
+    help="File with one prompt per line, or JSONL with a 'prompt' field (other fields "
+    "come back on the --output row); '-' reads stdin.",
 )
 @click.option(
     "--batch-size",
+    "--batch",
     default="auto",
     show_default=True,
     help="Prompts run together: a number, or auto (the largest the memory plan "
@@ -120,7 +159,8 @@ def read_prompts(path: str) -> list[str]:
     "--output",
     "-o",
     default=None,
-    help="Write results as JSONL (prompt, text, tokens, finish_reason), in input order.",
+    help="Write results as JSONL (the input's fields, prompt, text, tokens, finish_reason), "
+    "in input order.",
 )
 @click.option("--system", default=None, help="System message (chat models).")
 @click.option(
@@ -129,7 +169,12 @@ def read_prompts(path: str) -> list[str]:
     help="Wrap the prompt in the model's chat template [default: when it has one].",
 )
 @click.option(
-    "--max-tokens", type=int, default=256, show_default=True, help="Most tokens to generate (>= 1)."
+    "--max-tokens",
+    "--gen-tokens",
+    type=int,
+    default=256,
+    show_default=True,
+    help="Most tokens to generate (>= 1).",
 )
 @click.option(
     "--temp", type=float, default=0.0, show_default=True, help="Sampling temperature; 0 is greedy."
@@ -163,6 +208,7 @@ def read_prompts(path: str) -> list[str]:
 )
 @click.option("--group-size", type=int, default=None, help="Quantization group size.")
 @click.option("--bits", type=int, default=None, help="Quantization bits (int formats).")
+@verbosity_options
 def generate(
     model,
     backend,
@@ -184,8 +230,11 @@ def generate(
     quant,
     group_size,
     bits,
+    quiet,
+    verbose,
 ):
-    """Generate text: one prompt streams to the terminal; many run as batches."""
+    """Generate text: one prompt streams to the terminal; many run as batches. With no
+    --prompt, piped stdin is the prompt."""
     from .api import load  # noqa: PLC0415
     from .sampling import SamplingParams  # noqa: PLC0415
 
@@ -193,8 +242,16 @@ def generate(
         raise MlxrunError(f"--max-tokens must be at least 1, got {max_tokens}")
     if batch_size != "auto" and not (batch_size.isdigit() and int(batch_size) >= 1):
         raise MlxrunError(f"--batch-size must be a positive integer or 'auto', got {batch_size!r}")
-    prompts = list(prompts) + (read_prompts(prompts_file) if prompts_file else [])
-    prompts = prompts or ["What is the capital of France?"]
+    if output is not None:
+        _check_writable(output)
+    rows = [{"prompt": sys.stdin.read().rstrip("\n") if p == "-" else p} for p in prompts]
+    if prompts_file:
+        rows += read_prompts(prompts_file)
+    if not rows:
+        piped = stdin_text()
+        piped = piped.rstrip("\n") if piped and piped.strip() else None
+        rows = [{"prompt": piped or "What is the capital of France?"}]
+    prompts = [r["prompt"] for r in rows]
     if any(not p.strip() for p in prompts):
         raise MlxrunError("the prompt is empty; pass some text with --prompt")
     sampling = SamplingParams(temp, top_p, top_k, min_p, repetition_penalty, seed=seed)
@@ -205,12 +262,13 @@ def generate(
         quant=quant,
         group_size=group_size,
         bits=bits,
-        progress=sys.stderr.isatty(),
+        progress=sys.stderr.isatty() and not quiet,
     )
-    for note in m.notes:
-        click.echo(f"note: {note}", err=True)
+    _notes(m.notes, quiet)
+    if verbose:
+        click.echo(f"Loaded {m.source} in {m.load_time:.2f} s", err=True)
     if len(prompts) == 1 and output is None:
-        _stream_one(m, prompts[0], max_tokens, system, chat, list(stop), sampling)
+        _stream_one(m, prompts[0], max_tokens, system, chat, list(stop), sampling, quiet)
         return
     results, stats = m.generate_many(
         prompts,
@@ -222,10 +280,12 @@ def generate(
         params=sampling,
     )
     if output:
-        _write_jsonl(output, prompts, results)
+        _write_jsonl(output, rows, results)
     else:
         for i, (p, r) in enumerate(zip(prompts, results)):
             click.echo(f"[{i}] {p}\n{r.text}\n")
+    if quiet:
+        return
     click.echo("=" * 10, err=True)
     click.echo(
         f"Prompts: {len(prompts)} in batches of {stats['batch_size']}; "
@@ -238,32 +298,53 @@ def generate(
     click.echo(f"Backend: {m.backend.describe()}", err=True)
 
 
-def _write_jsonl(path, prompts, results) -> None:
+def _notes(notes: list[str], quiet: bool) -> None:
+    """Notes say what loading decided; warnings (a choice known to be wrong or slow) show
+    even with --quiet."""
+    for note in notes:
+        if note.startswith("warning: "):
+            click.echo(note, err=True)
+        elif not quiet:
+            click.echo(f"note: {note}", err=True)
+
+
+def _check_writable(path: str) -> None:
+    """Refuse an output path that cannot be written before any model loads."""
+    import os  # noqa: PLC0415
+
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise MlxrunError(
+            f"cannot write {path}: directory {parent} does not exist; create it first"
+        )
+    if os.path.isdir(path):
+        raise MlxrunError(f"cannot write {path}: it is a directory; give a file name")
+    if not os.access(parent, os.W_OK):
+        raise MlxrunError(f"cannot write {path}: directory {parent} is not writable")
+
+
+def _write_jsonl(path, rows, results) -> None:
     import json  # noqa: PLC0415
     import os  # noqa: PLC0415
 
     tmp = f"{path}.partial"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
-            for p, r in zip(prompts, results):
-                f.write(
-                    json.dumps(
-                        {
-                            "prompt": p,
-                            "text": r.text,
-                            "tokens": len(r.tokens),
-                            "finish_reason": r.finish_reason,
-                        },
-                        ensure_ascii=False,
-                    )
-                )
+            for row, r in zip(rows, results):
+                out = {
+                    **row,
+                    "text": r.text,
+                    "tokens": r.generated,
+                    "finish_reason": r.finish_reason,
+                }
+                f.write(json.dumps(out, ensure_ascii=False))
                 f.write("\n")
         os.replace(tmp, path)
     except OSError as e:
         raise MlxrunError(f"cannot write {path}: {e.strerror}") from None
 
 
-def _stream_one(m, prompt, max_tokens, system, chat, stop, sampling) -> None:
+def _stream_one(m, prompt, max_tokens, system, chat, stop, sampling, quiet=False) -> None:
     import dataclasses  # noqa: PLC0415
 
     last = None
@@ -279,6 +360,8 @@ def _stream_one(m, prompt, max_tokens, system, chat, stop, sampling) -> None:
         sys.stdout.flush()
         last = r
     click.echo()
+    if quiet:
+        return
     click.echo("=" * 10, err=True)
     click.echo(
         f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec", err=True
@@ -287,7 +370,7 @@ def _stream_one(m, prompt, max_tokens, system, chat, stop, sampling) -> None:
         f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec",
         err=True,
     )
-    click.echo(f"Peak memory: {_gib(last.peak_memory)}", err=True)
+    click.echo(f"Peak memory: {last.peak_memory:.3f} GB", err=True)
     click.echo(_weights_line(m), err=True)
     click.echo(f"Finish: {last.finish_reason}", err=True)
     click.echo(f"Backend: {m.backend.describe()}", err=True)
