@@ -2,14 +2,111 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 from .errors import MlxrunError
-from .generate import GenerationResponse, generate, stream
+from .generate import BatchResult, GenerationResponse, generate, stream
+from .memory import Plan
 from .sampling import SamplingParams
+
+Prompt = str | Sequence[int] | Sequence[dict]  # text, token ids or chat messages
+
+
+def _is_messages(p: Any) -> bool:
+    return isinstance(p, (list, tuple)) and bool(p) and all(isinstance(m, dict) for m in p)
+
+
+def _is_token_ids(p: Any) -> bool:
+    if isinstance(p, np.ndarray):
+        return p.ndim == 1 and p.dtype.kind in "iu"
+    return isinstance(p, (list, tuple)) and all(
+        isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in p
+    )
+
+
+def _is_batch(p: Any) -> bool:
+    """A list of prompts, as opposed to one prompt given as token ids or messages."""
+    if isinstance(p, np.ndarray):
+        return p.ndim == 2
+    return (
+        isinstance(p, (list, tuple))
+        and bool(p)
+        and all(isinstance(x, (str, list, tuple, np.ndarray)) for x in p)
+    )
+
+
+def _check_ids(ids: np.ndarray, vocab: int) -> None:
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise MlxrunError(f"token ids must be in [0, {vocab})")
+
+
+def _check_max_tokens(n: int) -> None:
+    if not isinstance(n, int) or n < 1:
+        raise MlxrunError(f"max_tokens must be at least 1, got {n}")
+
+
+def _sampling(kw: dict) -> SamplingParams:
+    """SamplingParams from keyword arguments; `temp` is mlx-lm's name for temperature."""
+    kw = dict(kw)
+    if "temp" in kw:
+        if "temperature" in kw:
+            raise MlxrunError("give temperature or temp, not both")
+        kw["temperature"] = kw.pop("temp")
+    unknown = sorted(set(kw) - {f.name for f in dataclasses.fields(SamplingParams)})
+    if unknown:
+        raise MlxrunError(
+            f"unknown sampling option {', '.join(unknown)}; the options are temperature (temp), "
+            "top_p, top_k, min_p, repetition_penalty, seed"
+        )
+    return SamplingParams(**kw)
+
+
+# CLI flags in the library's messages, as the Python parameters they are there.
+_FLAG_NAMES = {"temp": "temperature", "no-chat": "chat=False"}
+
+
+def _param_words(msg: str) -> str:
+    return re.sub(
+        r"--([a-z][a-z0-9-]*)", lambda m: _FLAG_NAMES.get(m[1], m[1].replace("-", "_")), msg
+    )
+
+
+def _renamed(e: MlxrunError) -> MlxrunError:
+    """The error in parameter names; the CLI prints `cli_message`, in its flags."""
+    new = MlxrunError(_param_words(str(e)))
+    new.cli_message = getattr(e, "cli_message", str(e))
+    return new
+
+
+def _api_names(fn: Callable) -> Callable:
+    """Re-raise MlxrunError with parameter names where the message names CLI flags."""
+    if inspect.isgeneratorfunction(fn):
+
+        @functools.wraps(fn)
+        def gen(*a, **kw):
+            try:
+                yield from fn(*a, **kw)
+            except MlxrunError as e:
+                raise _renamed(e) from None
+
+        return gen
+
+    @functools.wraps(fn)
+    def call(*a, **kw):
+        try:
+            return fn(*a, **kw)
+        except MlxrunError as e:
+            raise _renamed(e) from None
+
+    return call
 
 
 class Model:
@@ -42,48 +139,71 @@ class Model:
     def __repr__(self) -> str:
         return f"<mlxrun.Model {self.source} on {self.backend.describe()}>"
 
-    def _ids(self, prompt: str, system: str | None, chat: bool | None) -> list[int]:
-        return self.tokenizer.prompt_ids(prompt, system=system, chat=chat)
+    def _ids(self, prompt: Prompt, system: str | None, chat: bool | None) -> list[int]:
+        """Text, token ids or chat messages -> the prompt's token ids."""
+        if isinstance(prompt, str):
+            return self.tokenizer.prompt_ids(prompt, system=system, chat=chat)
+        if _is_messages(prompt):
+            if chat is False:
+                raise MlxrunError("chat messages need the chat template; drop chat=False")
+            messages = ([{"role": "system", "content": system}] if system else []) + list(prompt)
+            text = self.tokenizer.apply_chat_template(messages)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        if _is_token_ids(prompt):
+            ids = [int(t) for t in prompt]
+            if not ids:
+                raise MlxrunError("the prompt holds no token ids")
+            _check_ids(np.asarray(ids), self.config.vocab_size)
+            return ids
+        raise MlxrunError(
+            "prompt must be text, a list of token ids, or chat messages "
+            f'[{{"role": ..., "content": ...}}], got {type(prompt).__name__}'
+        )
 
+    @_api_names
     def stream(
         self,
-        prompt: str,
+        prompt: Prompt,
         max_tokens: int = 256,
         *,
         system: str | None = None,
         chat: bool | None = None,
         stop: list[str] | None = None,
-        **sampling,
+        **sampling: Any,
     ) -> Iterator[GenerationResponse]:
         """Yield GenerationResponse pieces (text, token, running stats, finish_reason).
 
-        sampling: temperature, top_p, top_k, min_p, repetition_penalty, seed.
+        prompt: text, token ids, or chat messages [{"role", "content"}] (as mlx-lm takes).
+        sampling: temperature (or temp), top_p, top_k, min_p, repetition_penalty, seed.
         """
+        _check_max_tokens(max_tokens)
         ids = self._ids(prompt, system, chat)
         yield from stream(
             self.transformer,
             self.tokenizer,
             ids,
-            SamplingParams(**sampling),
+            _sampling(sampling),
             max_tokens=max_tokens,
             stop=stop,
         )
 
+    @_api_names
     def generate(
         self,
-        prompt: str | list[str],
+        prompt: Prompt | list[Prompt],
         max_tokens: int = 256,
         *,
         system: str | None = None,
         chat: bool | None = None,
         stop: list[str] | None = None,
         batch_size: int | str = "auto",
-        **sampling,
+        **sampling: Any,
     ) -> str | list[str]:
-        """The whole answer as a string (same options as `stream`). A list of prompts runs
-        as batches (`generate_many`, batch_size "auto" from the memory plan) and returns the
-        answers in input order."""
-        if isinstance(prompt, (list, tuple)):
+        """The whole answer as a string (same options as `stream`). A list of prompts (texts,
+        or lists of token ids or of messages) runs as batches (`generate_many`, batch_size
+        "auto" from the memory plan) and returns the answers in input order."""
+        _check_max_tokens(max_tokens)
+        if _is_batch(prompt):
             results, _ = self.generate_many(
                 list(prompt), max_tokens, system=system, chat=chat, stop=stop,
                 batch_size=batch_size, **sampling,
@@ -94,13 +214,13 @@ class Model:
             self.transformer,
             self.tokenizer,
             ids,
-            params=SamplingParams(**sampling),
+            params=_sampling(sampling),
             max_tokens=max_tokens,
             stop=stop,
         )
         return text
 
-    def plan(self, context: int, batch: int, prompt_tokens: int | None = None):
+    def plan(self, context: int, batch: int, prompt_tokens: int | None = None) -> Plan:
         """The memory plan (mlxrun.memory.Plan) for `batch` sequences of `context` tokens,
         `prompt_tokens` of them the longest prompt (default: all)."""
         from .planning import plan_shapes  # noqa: PLC0415
@@ -117,9 +237,10 @@ class Model:
             prompt_tokens=prompt_tokens,
         )
 
+    @_api_names
     def generate_many(
         self,
-        prompts: list[str],
+        prompts: list[Prompt],
         max_tokens: int = 256,
         *,
         system: str | None = None,
@@ -127,9 +248,10 @@ class Model:
         stop: list[str] | None = None,
         batch_size: int | str = "auto",
         params: SamplingParams | None = None,
-        **sampling,
-    ):
-        """Run many prompts as batches: ([BatchResult] in input order, stats dict).
+        **sampling: Any,
+    ) -> tuple[list[BatchResult], dict]:
+        """Run many prompts as batches: ([BatchResult] in input order, stats dict with
+        batch_size, tokens and seconds).
 
         batch_size "auto" takes the largest batch the memory plan allows for the longest
         prompt plus max_tokens; a fixed size that cannot fit is refused before it runs.
@@ -139,6 +261,7 @@ class Model:
 
         if not prompts:
             raise MlxrunError("no prompts given")
+        _check_max_tokens(max_tokens)
         ids = [self._ids(p, system, chat) for p in prompts]
         longest = max(len(i) for i in ids)
         context = longest + max_tokens
@@ -164,7 +287,7 @@ class Model:
             self.transformer,
             self.tokenizer,
             ids,
-            params or SamplingParams(**sampling),
+            params or _sampling(sampling),
             max_tokens=max_tokens,
             stop=stop,
             batch_size=bs,
@@ -176,18 +299,36 @@ class Model:
         }
         return results, stats
 
-    def logits(self, token_ids) -> np.ndarray:
-        """Logits at every position: token ids [T] -> float32 array [T, vocab]."""
-        ids = np.asarray(token_ids, dtype=np.int64).reshape(1, -1)
+    @_api_names
+    def logits(self, token_ids: Sequence[int] | Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:
+        """Logits at every position, float32: token ids [T] -> [T, vocab], a batch of
+        equal-length sequences [B, T] -> [B, T, vocab]."""
+        if isinstance(token_ids, str):
+            raise MlxrunError(
+                "logits() takes token ids, not text; encode it with m.tokenizer.encode(text)"
+            )
+        try:
+            ids = np.asarray(token_ids)
+        except ValueError:  # ragged nested lists
+            ids = np.asarray([], dtype=object)
+        if ids.dtype == object or ids.ndim not in (1, 2):
+            raise MlxrunError(
+                "logits() takes token ids [T] or a batch of equal-length sequences [B, T]; "
+                "pad the sequences or call it once per sequence"
+            )
         if ids.size == 0:
             raise MlxrunError("logits() needs at least one token id")
-        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
-            raise MlxrunError(f"token ids must be in [0, {self.config.vocab_size})")
+        if ids.dtype.kind not in "iu":
+            raise MlxrunError(f"token ids must be integers, got {ids.dtype}")
+        _check_ids(ids, self.config.vocab_size)
+        batch = ids.reshape(-1, ids.shape[-1]).astype(np.int64)
         be = self.backend
-        cache = self.transformer.make_cache(1, ids.shape[1])
-        return be.to_numpy(self.transformer(be.ids(ids), cache))[0]
+        cache = self.transformer.make_cache(batch.shape[0], batch.shape[1])
+        out = be.to_numpy(self.transformer(be.ids(batch), cache))
+        return out if ids.ndim == 2 else out[0]
 
 
+@_api_names
 def load(
     model: str = "smollm2",
     backend: str = "auto",

@@ -566,8 +566,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         rv = cli.main(args=argv, prog_name="mlxrun", standalone_mode=False)
         sys.exit(rv if isinstance(rv, int) else 0)
-    except MlxrunError as e:
-        click.echo(f"mlxrun: error: {e}", err=True)
+    except MlxrunError as e:  # the library's words for an API user; the CLI's flags here
+        click.echo(f"mlxrun: error: {getattr(e, 'cli_message', e)}", err=True)
         sys.exit(1)
     except click.exceptions.Abort:
         click.echo("mlxrun: interrupted", err=True)

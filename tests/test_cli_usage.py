@@ -78,3 +78,11 @@ def test_quiet_prints_only_the_answer(tiny_dir):
     quiet = invoke(*tiny_args(tiny_dir, "--prompt", "w5 w6", "--quiet"))
     assert "Generation:" in loud.stderr and quiet.stderr == ""
     assert quiet.stdout == loud.stdout and quiet.stdout.strip()
+
+
+def test_cli_errors_keep_the_flag_names(capsys, tiny_dir):
+    d, _ = tiny_dir("llama_gqa_tied")
+    code, err = run_cli(
+        capsys, "generate", "--model", str(d), "-b", "cpu", "-p", "w5", "--top-p", "2"
+    )
+    assert_one_line_error(code, err, "--top-p must be in")
