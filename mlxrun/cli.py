@@ -6,6 +6,7 @@ Only argument parsing and printing live here; the work is in the library. User e
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import click
@@ -36,6 +37,42 @@ def verbosity_options(f):
         "--quiet", "-q", is_flag=True, help="Only the answer: no stats, notes or progress bars."
     )(f)
     return f
+
+
+def json_option(f):
+    return click.option(
+        "--json",
+        "json_out",
+        is_flag=False,
+        flag_value="-",
+        default=None,
+        metavar="[PATH]",
+        help="Print the numbers as JSON (or write them to PATH) instead of the table.",
+    )(f)
+
+
+def _emit_json(obj, path: str | None) -> None:
+    """JSON on stdout for '-', else to `path` (written to a temporary name, then renamed)."""
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    def plain(o):
+        if dataclasses.is_dataclass(o):
+            return dataclasses.asdict(o)
+        return str(o)
+
+    text = json.dumps(obj, indent=2, default=plain, ensure_ascii=False) + "\n"
+    if path == "-":
+        click.echo(text, nl=False)
+        return
+    _check_writable(path)
+    try:
+        with open(f"{path}.partial", "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(f"{path}.partial", path)
+    except OSError as e:
+        raise MlxrunError(f"cannot write {path}: {e.strerror}") from None
+    click.echo(f"wrote {path}", err=True)
 
 
 def model_options(f):
@@ -345,7 +382,6 @@ def _write_jsonl(path, rows, results) -> None:
 
 
 def _stream_one(m, prompt, max_tokens, system, chat, stop, sampling, quiet=False) -> None:
-    import dataclasses  # noqa: PLC0415
 
     last = None
     for r in m.stream(
@@ -385,16 +421,27 @@ def _stream_one(m, prompt, max_tokens, system, chat, stop, sampling, quiet=False
     default=None,
     help="Tokens per sequence (prompt + generation) [default: the model's maximum].",
 )
-@click.option("--batch", type=int, default=1, show_default=True, help="Sequences at once.")
+@click.option(
+    "--batch-size",
+    "--batch",
+    "batch",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Sequences at once.",
+)
 @click.option(
     "--prompt-tokens",
     type=int,
     default=None,
-    help="Tokens of the context that are prompt, prefilled at once [default: all of it].",
+    help="Tokens of the context that are prompt, prefilled at once [default: all of it]; "
+    "PyTorch on the CPU plans the whole context's workspace whatever this says.",
 )
-def plan(model, backend, dtype, quant, context, batch, prompt_tokens):
-    """Show what the model needs in memory and what fits, without loading the weights."""
-    from .memory import format_plan  # noqa: PLC0415
+@json_option
+def plan(model, backend, dtype, quant, context, batch, prompt_tokens, json_out):
+    """Show what the model needs in memory and what fits, without loading the weights.
+    --model also takes shape:llama3-8b, shape:llama3-1b, shape:smollm2 (bench's shapes)."""
+    from .memory import EAGER, format_plan  # noqa: PLC0415
     from .planning import plan as make  # noqa: PLC0415
 
     p = make(
@@ -406,7 +453,16 @@ def plan(model, backend, dtype, quant, context, batch, prompt_tokens):
         dtype=dtype,
         prompt_tokens=prompt_tokens,
     )
-    click.echo(format_plan(p))
+    if prompt_tokens is not None and (p.backend, p.device.kind) in EAGER:
+        click.echo(
+            f"note: --prompt-tokens does not change the plan on {p.backend} {p.device.kind}: "
+            "it keeps the whole context's workspace, so that is what is planned",
+            err=True,
+        )
+    if json_out:
+        _emit_json({**dataclasses.asdict(p), "peak_bytes": p.peak_bytes}, json_out)
+    else:
+        click.echo(format_plan(p))
 
 
 @cli.command()
@@ -457,7 +513,8 @@ def convert(model, out_dir, quant, group_size, bits):
     "--max-tokens", type=int, default=4096, show_default=True, help="Most tokens of text scored."
 )
 @click.option("--window", type=int, default=512, show_default=True, help="Tokens per forward pass.")
-def eval_cmd(model, backend, dtype, quant, group_size, bits, text, max_tokens, window):
+@json_option
+def eval_cmd(model, backend, dtype, quant, group_size, bits, text, max_tokens, window, json_out):
     """Measure what quantization costs: perplexity, KL divergence from the unquantized
     model and top-1 agreement, per format, over a text."""
     from .evaluate import (  # noqa: PLC0415
@@ -468,6 +525,8 @@ def eval_cmd(model, backend, dtype, quant, group_size, bits, text, max_tokens, w
     )
 
     choices = parse_choices(quant, group_size, bits)
+    if json_out not in (None, "-"):
+        _check_writable(json_out)
     run = evaluate_many(
         model,
         choices,
@@ -478,6 +537,10 @@ def eval_cmd(model, backend, dtype, quant, group_size, bits, text, max_tokens, w
         window=window,
         progress=sys.stderr.isatty(),
     )
+    if json_out:
+        info = {"model": model, "text": text or "bundled eval.txt", **dataclasses.asdict(run)}
+        _emit_json(info, json_out)
+        return
     click.echo(f"{model} on {run.backend}; text: {text or 'bundled eval.txt'}")
     click.echo(run.reference)
     click.echo(format_table(run.results))
@@ -487,12 +550,17 @@ def eval_cmd(model, backend, dtype, quant, group_size, bits, text, max_tokens, w
 
 @cli.command()
 @click.option("--verbose", "-v", is_flag=True, help="Add each kernel's note and tile shapes.")
-def devices(verbose):
+@json_option
+def devices(verbose, json_out):
     """Show each device found, its memory and profile, the kernel and compute dtype per
     format, and what --quant auto picks there."""
     from .devices import detect, format_report  # noqa: PLC0415
 
-    click.echo(format_report(detect(), verbose=verbose))
+    reports = detect()
+    if json_out:
+        _emit_json(reports, json_out)
+    else:
+        click.echo(format_report(reports, verbose=verbose))
 
 
 def _csv(value: str) -> list[str]:
@@ -503,7 +571,8 @@ def _csv(value: str) -> list[str]:
 @click.option(
     "--model",
     "-m",
-    required=True,
+    default="smollm2",
+    show_default=True,
     help="Model (directory, .gguf, Hub id, alias such as smollm2), or shape:llama3-8b, "
     "shape:llama3-1b, shape:smollm2 for random weights of that shape (no download).",
 )
@@ -520,8 +589,18 @@ def _csv(value: str) -> list[str]:
     help="Comma list of weight formats: none, int4, int8, fp8, fp4, nvfp4.",
 )
 @click.option("--prompt-tokens", type=int, default=512, show_default=True)
-@click.option("--gen-tokens", type=int, default=128, show_default=True)
-@click.option("--batch", type=int, default=1, show_default=True, help="Sequences at once.")
+@click.option(
+    "--max-tokens", "--gen-tokens", "gen_tokens", type=int, default=128, show_default=True
+)
+@click.option(
+    "--batch-size",
+    "--batch",
+    "batch",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Sequences at once.",
+)
 @click.option(
     "--reps", type=int, default=5, show_default=True, help="Timed runs after one warm-up."
 )

@@ -86,3 +86,77 @@ def test_cli_errors_keep_the_flag_names(capsys, tiny_dir):
         capsys, "generate", "--model", str(d), "-b", "cpu", "-p", "w5", "--top-p", "2"
     )
     assert_one_line_error(code, err, "--top-p must be in")
+
+
+# --- one vocabulary across commands, --json --------------------------------------------------
+
+
+def test_bench_takes_generate_spellings_and_defaults_the_model(monkeypatch):
+    import mlxrun.bench as bench
+
+    seen = {}
+
+    def fake_run(model, backends, quants, **kw):
+        seen.update(model=model, **kw)
+        return "report"
+
+    monkeypatch.setattr(bench, "run_bench", fake_run)
+    monkeypatch.setattr(bench, "format_report", lambda r: "table")
+    invoke("bench", "--max-tokens", 3, "--batch-size", 2, "--backends", "cpu")
+    assert seen["model"] == "smollm2" and seen["gen_tokens"] == 3 and seen["batch"] == 2
+    invoke("bench", "--gen-tokens", 4, "--batch", 5, "--backends", "cpu")
+    assert seen["gen_tokens"] == 4 and seen["batch"] == 5
+
+
+def test_generate_takes_bench_spellings(tiny_dir, tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("w5 w6\nw9 w10\n")
+    d, _ = tiny_dir("llama_gqa_tied")
+    r = invoke(
+        "generate", "-m", d, "-b", "cpu", "--no-chat", "--prompts", f, "--gen-tokens", 1,
+        "--batch", 1,
+    )  # fmt: skip
+    assert "Prompts: 2 in batches of 1; 2 tokens generated" in r.stderr
+
+
+def test_plan_takes_bench_shapes_and_prints_json():
+    import mlxrun
+
+    r = invoke("plan", "-m", "shape:llama3-8b", "-b", "cpu", "--context", 4096, "--json")
+    got = json.loads(r.stdout)
+    assert got["footprint"]["n_params"] == 8_030_261_248  # Llama 3 8B
+    want = mlxrun.plan("shape:llama3-8b", backend="cpu", context=4096)
+    assert got["total_bytes"] == want.total_bytes and got["fits"] == want.fits
+
+
+def test_plan_says_when_prompt_tokens_changes_nothing(tiny_dir):
+    d, _ = tiny_dir("llama_gqa_tied")
+    a = invoke("plan", "-m", d, "-b", "cpu", "--context", 128, "--prompt-tokens", 16)
+    b = invoke("plan", "-m", d, "-b", "cpu", "--context", 128)
+    assert a.stdout == b.stdout and "--prompt-tokens does not change the plan" in a.stderr
+
+
+def test_eval_short_text_error_and_json(capsys, tiny_dir, tmp_path):
+    d, _ = tiny_dir("llama_gqa_tied")
+    short = tmp_path / "short.txt"
+    short.write_text("w5 w6 w7 w8")
+    code, err = run_cli(
+        capsys, "eval", "-m", str(d), "-b", "cpu", "--quant", "int8", "--text", str(short)
+    )
+    assert_one_line_error(code, err, "only 3 scored tokens", "longer --text")
+    assert "--window" not in err  # a larger window scores fewer tokens, never more
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"w{3 + (i * 7) % 90}" for i in range(200)))
+    r = invoke("eval", "-m", d, "-b", "cpu", "--quant", "none,int8", "--text", text, "--json")
+    rows = {x["quant"]: x for x in json.loads(r.stdout)["results"]}
+    assert rows["none"]["kl"] == 0 and rows["none"]["top1"] == 1.0
+    assert 0 < rows["int8 g64"]["kl"] < 0.05 and rows["none"]["n_tokens"] == 199
+
+
+def test_devices_json_and_verbose_says_each_note_once():
+    r = invoke("devices", "--json")
+    got = {(x["backend"], x["device"]): x for x in json.loads(r.stdout)}
+    assert got[("torch", "cpu")]["auto"] == "none" and got[("mlx", "cpu")]["auto"] == "int4"
+    out = invoke("devices", "--verbose").stdout
+    assert out.count("no fused kernel: each call expands the layer") == 1
+    assert out.count("reference figures from mlxrun/quant/profiles.py") == 2  # both CPU ones
