@@ -135,6 +135,7 @@ class Model:
         self.source = source
         self.notes = notes
         self.load_time = load_time
+        self.expanded = False  # a packed checkpoint dequantized on load
 
     def __repr__(self) -> str:
         return f"<mlxrun.Model {self.source} on {self.backend.describe()}>"
@@ -338,12 +339,15 @@ def load(
     bits: int | None = None,
     progress: bool = True,
     check_memory: bool = True,
+    fastest: bool = False,
 ) -> Model:
     """Load a model: a local directory, a .gguf file, a Hugging Face repo id, or an alias
     ('smollm2' bundled, 'llama'). backend: auto | mlx | cuda | mps | cpu.
 
     With `check_memory`, a model that cannot fit (weights + KV for one 2048-token sequence)
-    is refused before its weights are moved to the device."""
+    is refused before its weights are moved to the device. With `fastest` and no `quant`, a
+    packed checkpoint is expanded where the device profile says dense runs faster (PyTorch
+    on the CPU: no packed kernel), if it fits; without it the weights load as stored."""
     from mlxrun.backends import get_backend  # noqa: PLC0415
     from mlxrun.quant.formats import resolve  # noqa: PLC0415
 
@@ -358,9 +362,15 @@ def load(
     ckpt = open_checkpoint(model)
     shapes = {n: (t.shape, t.dtype) for n, t in ckpt.tensors.items()}
     ctx = min(ckpt.config.max_position_embeddings, 2048)
+    packed = any(n.endswith(".scales") for n in shapes)
 
     def plan_for(s):  # one 2048-token sequence: what loading must leave room for
         return plan_shapes(ckpt.config, shapes, s, where, be.dtype, ctx, 1)
+
+    def dense_fits() -> bool:  # the packed checkpoint expanded to the compute dtype
+        p = plan_for(None)
+        fp = p.footprint
+        return p.total_bytes + fp.dense_weight_bytes - fp.weight_bytes <= p.budget_bytes
 
     key = None if quant is None else quant.strip().lower()
     auto_note = []
@@ -373,9 +383,21 @@ def load(
         key, why = resolve_auto(be.name, be.device, fits=fits)
         # "none" from auto keeps the checkpoint as it is stored (packed stays packed).
         auto_note.append(f"--quant auto: {key} ({why})")
-        if key == "none":
-            key = None
+        if key == "none" and not (packed and dense_fits()):
+            key = None  # a packed checkpoint stays packed when its dense copy cannot fit
+    elif key is None and packed and fastest:
+        from mlxrun.quant.profiles import match_profile  # noqa: PLC0415
+
+        if match_profile(be.name, be.device).auto == "none" and dense_fits():
+            # This device reads dense weights faster than it expands packed ones per call.
+            key = "none"
+            auto_note.append(
+                f"the checkpoint's packed weights are expanded to {be.dtype} on load: "
+                f"{be.describe()} has no packed kernel and reads dense weights faster "
+                "(--quant auto says why; --quant int4 keeps 4-bit layers packed)"
+            )
     spec = None if key in (None, "none") else resolve(key, group_size=group_size, bits=bits)
+    auto_note += _known_bad(be, dtype, spec, ckpt.config.quantization if packed else None)
     if check_memory:  # refuse before anything large is allocated
         check_fits(plan_for(spec))
     transformer, notes = build_model(
@@ -391,6 +413,34 @@ def load(
     if spec is not None:  # a quantized source keeps its group size when none was asked
         spec = target_spec(spec, ckpt.config.quantization, group_size is not None)
     be.synchronize()
-    return Model(
+    m = Model(
         transformer, ckpt.tokenizer, ckpt.source, notes, time.perf_counter() - t0, shapes, spec
     )
+    m.expanded = packed and key == "none"
+    return m
+
+
+# (mode, bits) of a stored format -> its --quant name
+_FORMAT_NAMES = {("affine", 4): "int4", ("affine", 8): "int8", ("mxfp8", 8): "fp8",
+                 ("mxfp4", 4): "fp4", ("nvfp4", 4): "nvfp4"}  # fmt: skip
+
+
+def _known_bad(be: Any, dtype: str | None, spec: Any, stored: dict | None) -> list[str]:
+    """One-line warnings for choices known to lose accuracy or to run slowly here."""
+    out = []
+    if spec is not None and stored:
+        have = (stored.get("mode", "affine"), int(stored.get("bits", 4)))
+        if have != (spec.mode, spec.bits):
+            name = _FORMAT_NAMES.get(have, f"{have[0]} {have[1]}-bit")
+            out.append(
+                f"warning: --quant {_FORMAT_NAMES.get((spec.mode, spec.bits), spec.mode)} "
+                f"re-quantizes weights already stored as {name}: they are rounded twice and "
+                f"lose accuracy; use --quant {name} (kept as stored) or --quant none, or "
+                "start from an unquantized checkpoint"
+            )
+    if be.name == "mlx" and be.device == "cpu" and dtype in ("bfloat16", "float16"):
+        out.append(
+            f"warning: --dtype {dtype} on MLX's CPU runs several times slower than float32 "
+            "(its CPU kernels are fast in fp32 only); drop --dtype"
+        )
+    return out

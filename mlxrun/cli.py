@@ -24,7 +24,10 @@ def _gib(n: float) -> str:
 def _weights_line(m) -> str:
     """The weights' bytes as held on the device, after any quantization on load."""
     q = m.quant
-    how = f"quantized on load to {q.mode} {q.bits}-bit g{q.group_size}" if q else "as stored"
+    if q:
+        how = f"quantized on load to {q.mode} {q.bits}-bit g{q.group_size}"
+    else:
+        how = f"dequantized on load to {m.backend.dtype}" if m.expanded else "as stored"
     n = m.transformer.weight_bytes()
     return f"Weights: {_gib(n)} ({n} bytes, {how})"
 
@@ -241,7 +244,8 @@ def parse_prompts(text: str, name: str) -> list[dict]:
     default=None,
     help="Quantize on load: int4, int8, fp8, fp4, nvfp4, auto or none. On an already "
     "quantized model, layers already in that format are kept and the others re-quantized; "
-    "none dequantizes them.",
+    "none dequantizes them [default: as stored, or dequantized where the device runs dense "
+    "weights faster and they fit (PyTorch on the CPU)].",
 )
 @click.option("--group-size", type=int, default=None, help="Quantization group size.")
 @click.option("--bits", type=int, default=None, help="Quantization bits (int formats).")
@@ -300,6 +304,7 @@ def generate(
         group_size=group_size,
         bits=bits,
         progress=sys.stderr.isatty() and not quiet,
+        fastest=True,
     )
     _notes(m.notes, quiet)
     if verbose:

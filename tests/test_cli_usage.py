@@ -160,3 +160,42 @@ def test_devices_json_and_verbose_says_each_note_once():
     out = invoke("devices", "--verbose").stdout
     assert out.count("no fused kernel: each call expands the layer") == 1
     assert out.count("reference figures from mlxrun/quant/profiles.py") == 2  # both CPU ones
+
+
+# --- choices the tool makes: the fast default, warnings for known-bad choices -----------------
+
+
+@pytest.fixture(scope="module")
+def int4_tiny(tiny_dir, tmp_path_factory):
+    from mlxrun.convert import convert
+
+    d, _ = tiny_dir("llama_gqa_tied")
+    out = tmp_path_factory.mktemp("q") / "int4"
+    convert(str(d), str(out), quant="int4", group_size=32, progress=False)
+    return out
+
+
+def test_default_expands_packed_weights_where_dense_is_faster(int4_tiny):
+    args = ["generate", "-m", int4_tiny, "-b", "cpu", "--no-chat", "-p", "w5 w6", "--max-tokens", 4]
+    default, none = invoke(*args), invoke(*args, "--quant", "none")
+    assert "packed weights are expanded to float32 on load" in default.stderr
+    for r in (default, none):
+        assert "dequantized on load to float32" in r.stderr and "as stored" not in r.stderr
+    assert default.stdout == none.stdout
+    kept = invoke(*args, "--quant", "int4")  # the stored format stays packed
+    assert "expanded" not in kept.stderr and kept.stdout == default.stdout
+    mlx = invoke(*[a if a != "cpu" else "mlx" for a in args])  # MLX runs packed weights fast
+    assert "expanded" not in mlx.stderr and "as stored" in mlx.stderr
+
+
+def test_warnings_for_choices_known_to_be_bad(int4_tiny, tiny_dir):
+    args = ["generate", "-m", int4_tiny, "-b", "cpu", "--no-chat", "-p", "w5", "--max-tokens", 1]
+    r = invoke(*args, "--quant", "fp8", "--quiet")  # warnings show even with --quiet
+    assert r.stderr.startswith("warning: --quant fp8 re-quantizes weights already stored as int4")
+    d, _ = tiny_dir("llama_gqa_tied")
+    r = invoke(
+        "generate", "-m", d, "-b", "mlx", "--dtype", "bfloat16", "-p", "w5", "--max-tokens", 1
+    )
+    assert "warning: --dtype bfloat16 on MLX's CPU runs several times slower" in r.stderr
+    r = invoke("generate", "-m", d, "-b", "mlx", "-p", "w5", "--max-tokens", 1)
+    assert "warning" not in r.stderr
