@@ -486,17 +486,47 @@ def plan(model, backend, dtype, quant, context, batch, prompt_tokens, json_out):
 )
 @click.option("--group-size", type=int, default=None, help="Quantization group size.")
 @click.option("--bits", type=int, default=None, help="Quantization bits (a check for --quant).")
-def convert(model, out_dir, quant, group_size, bits):
+@verbosity_options
+def convert(model, out_dir, quant, group_size, bits, quiet, verbose):
     """Write a model as a Hugging Face-layout directory of safetensors (GGUF -> safetensors,
     or quantized to the format mlx-lm reads)."""
     from .convert import convert as run_convert  # noqa: PLC0415
 
     notes = run_convert(
-        model, out_dir, quant=quant, group_size=group_size, bits=bits, progress=sys.stderr.isatty()
+        model,
+        out_dir,
+        quant=quant,
+        group_size=group_size,
+        bits=bits,
+        progress=sys.stderr.isatty() and not quiet,
     )
-    for note in notes:
-        click.echo(f"note: {note}", err=True)
-    click.echo(f"wrote {out_dir}")
+    _notes(notes, quiet)
+    click.echo(convert_summary(out_dir))
+
+
+def convert_summary(out_dir: str) -> str:
+    """One line on what `convert` wrote: the weight files, their size, the formats."""
+    import json  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    d = Path(out_dir)
+    shards = sorted(d.glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in shards)
+    cfg = json.loads((d / "config.json").read_text())
+    q = cfg.get("quantization")
+    if q:
+        fmt = f"{q.get('mode', 'affine')} {q['bits']}-bit g{q['group_size']}"
+        other = sorted(
+            {f"{v.get('mode', 'affine')} {v['bits']}-bit g{v['group_size']}"
+             for v in q.values() if isinstance(v, dict)} - {fmt}
+        )  # fmt: skip
+        n_other = sum(isinstance(v, dict) for v in q.values())
+        if other:
+            fmt += f"; {n_other} layer(s) {', '.join(other)}"
+    else:
+        fmt = f"dense {cfg.get('torch_dtype', 'as stored')}"
+    files = f"{len(shards)} safetensors file{'s' if len(shards) != 1 else ''}"
+    return f"wrote {out_dir}: {files}, {size / 1e9:.3f} GB ({size} bytes), {fmt}"
 
 
 @cli.command("eval")

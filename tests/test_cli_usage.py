@@ -199,3 +199,29 @@ def test_warnings_for_choices_known_to_be_bad(int4_tiny, tiny_dir):
     assert "warning: --dtype bfloat16 on MLX's CPU runs several times slower" in r.stderr
     r = invoke("generate", "-m", d, "-b", "mlx", "-p", "w5", "--max-tokens", 1)
     assert "warning" not in r.stderr
+
+
+def test_convert_ends_with_a_summary(tiny_dir, tmp_path):
+    d, _ = tiny_dir("llama_gqa_tied")
+    out = tmp_path / "int4"
+    r = invoke("convert", "-m", d, "--quant", "int4", "--group-size", 32, "-o", out)
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    assert r.stdout.strip() == (
+        f"wrote {out}: 1 safetensors file, {size / 1e9:.3f} GB ({size} bytes), affine 4-bit g32"
+    )
+
+
+# --- the README is a user's manual ----------------------------------------------------------
+
+
+def test_readme_is_for_users():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    assert "## The Python API" in readme and "<!-- ci:begin -->" in readme
+    for f in (readme, (root / "docs/performance.md").read_text(),
+              (root / "benchmarks/KERNEL_NOTES.md").read_text()):  # fmt: skip
+        low = f.lower()
+        assert "session" not in low and "the issue" not in low and "helper" not in low
