@@ -388,7 +388,11 @@ def load(
     elif key is None and packed and fastest:
         from mlxrun.quant.profiles import match_profile  # noqa: PLC0415
 
-        if match_profile(be.name, be.device).auto == "none" and dense_fits():
+        try:
+            dense_first = match_profile(be.name, be.device).auto == "none"
+        except MlxrunError:  # the device could not be probed: keep the weights as stored
+            dense_first = False
+        if dense_first and dense_fits():
             # This device reads dense weights faster than it expands packed ones per call.
             key = "none"
             auto_note.append(
