@@ -2,14 +2,111 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 from .errors import MlxrunError
-from .generate import GenerationResponse, generate, stream
+from .generate import BatchResult, GenerationResponse, generate, stream
+from .memory import Plan
 from .sampling import SamplingParams
+
+Prompt = str | Sequence[int] | Sequence[dict]  # text, token ids or chat messages
+
+
+def _is_messages(p: Any) -> bool:
+    return isinstance(p, (list, tuple)) and bool(p) and all(isinstance(m, dict) for m in p)
+
+
+def _is_token_ids(p: Any) -> bool:
+    if isinstance(p, np.ndarray):
+        return p.ndim == 1 and p.dtype.kind in "iu"
+    return isinstance(p, (list, tuple)) and all(
+        isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in p
+    )
+
+
+def _is_batch(p: Any) -> bool:
+    """A list of prompts, as opposed to one prompt given as token ids or messages."""
+    if isinstance(p, np.ndarray):
+        return p.ndim == 2
+    return (
+        isinstance(p, (list, tuple))
+        and bool(p)
+        and all(isinstance(x, (str, list, tuple, np.ndarray)) for x in p)
+    )
+
+
+def _check_ids(ids: np.ndarray, vocab: int) -> None:
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise MlxrunError(f"token ids must be in [0, {vocab})")
+
+
+def _check_max_tokens(n: int) -> None:
+    if not isinstance(n, int) or n < 1:
+        raise MlxrunError(f"max_tokens must be at least 1, got {n}")
+
+
+def _sampling(kw: dict) -> SamplingParams:
+    """SamplingParams from keyword arguments; `temp` is mlx-lm's name for temperature."""
+    kw = dict(kw)
+    if "temp" in kw:
+        if "temperature" in kw:
+            raise MlxrunError("give temperature or temp, not both")
+        kw["temperature"] = kw.pop("temp")
+    unknown = sorted(set(kw) - {f.name for f in dataclasses.fields(SamplingParams)})
+    if unknown:
+        raise MlxrunError(
+            f"unknown sampling option {', '.join(unknown)}; the options are temperature (temp), "
+            "top_p, top_k, min_p, repetition_penalty, seed"
+        )
+    return SamplingParams(**kw)
+
+
+# CLI flags in the library's messages, as the Python parameters they are there.
+_FLAG_NAMES = {"temp": "temperature", "no-chat": "chat=False"}
+
+
+def _param_words(msg: str) -> str:
+    return re.sub(
+        r"--([a-z][a-z0-9-]*)", lambda m: _FLAG_NAMES.get(m[1], m[1].replace("-", "_")), msg
+    )
+
+
+def _renamed(e: MlxrunError) -> MlxrunError:
+    """The error in parameter names; the CLI prints `cli_message`, in its flags."""
+    new = MlxrunError(_param_words(str(e)))
+    new.cli_message = getattr(e, "cli_message", str(e))
+    return new
+
+
+def _api_names(fn: Callable) -> Callable:
+    """Re-raise MlxrunError with parameter names where the message names CLI flags."""
+    if inspect.isgeneratorfunction(fn):
+
+        @functools.wraps(fn)
+        def gen(*a, **kw):
+            try:
+                yield from fn(*a, **kw)
+            except MlxrunError as e:
+                raise _renamed(e) from None
+
+        return gen
+
+    @functools.wraps(fn)
+    def call(*a, **kw):
+        try:
+            return fn(*a, **kw)
+        except MlxrunError as e:
+            raise _renamed(e) from None
+
+    return call
 
 
 class Model:
@@ -38,52 +135,76 @@ class Model:
         self.source = source
         self.notes = notes
         self.load_time = load_time
+        self.expanded = False  # a packed checkpoint dequantized on load
 
     def __repr__(self) -> str:
         return f"<mlxrun.Model {self.source} on {self.backend.describe()}>"
 
-    def _ids(self, prompt: str, system: str | None, chat: bool | None) -> list[int]:
-        return self.tokenizer.prompt_ids(prompt, system=system, chat=chat)
+    def _ids(self, prompt: Prompt, system: str | None, chat: bool | None) -> list[int]:
+        """Text, token ids or chat messages -> the prompt's token ids."""
+        if isinstance(prompt, str):
+            return self.tokenizer.prompt_ids(prompt, system=system, chat=chat)
+        if _is_messages(prompt):
+            if chat is False:
+                raise MlxrunError("chat messages need the chat template; drop chat=False")
+            messages = ([{"role": "system", "content": system}] if system else []) + list(prompt)
+            text = self.tokenizer.apply_chat_template(messages)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        if _is_token_ids(prompt):
+            ids = [int(t) for t in prompt]
+            if not ids:
+                raise MlxrunError("the prompt holds no token ids")
+            _check_ids(np.asarray(ids), self.config.vocab_size)
+            return ids
+        raise MlxrunError(
+            "prompt must be text, a list of token ids, or chat messages "
+            f'[{{"role": ..., "content": ...}}], got {type(prompt).__name__}'
+        )
 
+    @_api_names
     def stream(
         self,
-        prompt: str,
+        prompt: Prompt,
         max_tokens: int = 256,
         *,
         system: str | None = None,
         chat: bool | None = None,
         stop: list[str] | None = None,
-        **sampling,
+        **sampling: Any,
     ) -> Iterator[GenerationResponse]:
         """Yield GenerationResponse pieces (text, token, running stats, finish_reason).
 
-        sampling: temperature, top_p, top_k, min_p, repetition_penalty, seed.
+        prompt: text, token ids, or chat messages [{"role", "content"}] (as mlx-lm takes).
+        sampling: temperature (or temp), top_p, top_k, min_p, repetition_penalty, seed.
         """
+        _check_max_tokens(max_tokens)
         ids = self._ids(prompt, system, chat)
         yield from stream(
             self.transformer,
             self.tokenizer,
             ids,
-            SamplingParams(**sampling),
+            _sampling(sampling),
             max_tokens=max_tokens,
             stop=stop,
         )
 
+    @_api_names
     def generate(
         self,
-        prompt: str | list[str],
+        prompt: Prompt | list[Prompt],
         max_tokens: int = 256,
         *,
         system: str | None = None,
         chat: bool | None = None,
         stop: list[str] | None = None,
         batch_size: int | str = "auto",
-        **sampling,
+        **sampling: Any,
     ) -> str | list[str]:
-        """The whole answer as a string (same options as `stream`). A list of prompts runs
-        as batches (`generate_many`, batch_size "auto" from the memory plan) and returns the
-        answers in input order."""
-        if isinstance(prompt, (list, tuple)):
+        """The whole answer as a string (same options as `stream`). A list of prompts (texts,
+        or lists of token ids or of messages) runs as batches (`generate_many`, batch_size
+        "auto" from the memory plan) and returns the answers in input order."""
+        _check_max_tokens(max_tokens)
+        if _is_batch(prompt):
             results, _ = self.generate_many(
                 list(prompt), max_tokens, system=system, chat=chat, stop=stop,
                 batch_size=batch_size, **sampling,
@@ -94,13 +215,13 @@ class Model:
             self.transformer,
             self.tokenizer,
             ids,
-            params=SamplingParams(**sampling),
+            params=_sampling(sampling),
             max_tokens=max_tokens,
             stop=stop,
         )
         return text
 
-    def plan(self, context: int, batch: int, prompt_tokens: int | None = None):
+    def plan(self, context: int, batch: int, prompt_tokens: int | None = None) -> Plan:
         """The memory plan (mlxrun.memory.Plan) for `batch` sequences of `context` tokens,
         `prompt_tokens` of them the longest prompt (default: all)."""
         from .planning import plan_shapes  # noqa: PLC0415
@@ -117,9 +238,10 @@ class Model:
             prompt_tokens=prompt_tokens,
         )
 
+    @_api_names
     def generate_many(
         self,
-        prompts: list[str],
+        prompts: list[Prompt],
         max_tokens: int = 256,
         *,
         system: str | None = None,
@@ -127,9 +249,10 @@ class Model:
         stop: list[str] | None = None,
         batch_size: int | str = "auto",
         params: SamplingParams | None = None,
-        **sampling,
-    ):
-        """Run many prompts as batches: ([BatchResult] in input order, stats dict).
+        **sampling: Any,
+    ) -> tuple[list[BatchResult], dict]:
+        """Run many prompts as batches: ([BatchResult] in input order, stats dict with
+        batch_size, tokens and seconds).
 
         batch_size "auto" takes the largest batch the memory plan allows for the longest
         prompt plus max_tokens; a fixed size that cannot fit is refused before it runs.
@@ -139,6 +262,7 @@ class Model:
 
         if not prompts:
             raise MlxrunError("no prompts given")
+        _check_max_tokens(max_tokens)
         ids = [self._ids(p, system, chat) for p in prompts]
         longest = max(len(i) for i in ids)
         context = longest + max_tokens
@@ -164,30 +288,48 @@ class Model:
             self.transformer,
             self.tokenizer,
             ids,
-            params or SamplingParams(**sampling),
+            params or _sampling(sampling),
             max_tokens=max_tokens,
             stop=stop,
             batch_size=bs,
         )
         stats = {
             "batch_size": bs,
-            "tokens": sum(len(r.tokens) for r in results),
+            "tokens": sum(r.generated for r in results),
             "seconds": time.perf_counter() - t0,
         }
         return results, stats
 
-    def logits(self, token_ids) -> np.ndarray:
-        """Logits at every position: token ids [T] -> float32 array [T, vocab]."""
-        ids = np.asarray(token_ids, dtype=np.int64).reshape(1, -1)
+    @_api_names
+    def logits(self, token_ids: Sequence[int] | Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:
+        """Logits at every position, float32: token ids [T] -> [T, vocab], a batch of
+        equal-length sequences [B, T] -> [B, T, vocab]."""
+        if isinstance(token_ids, str):
+            raise MlxrunError(
+                "logits() takes token ids, not text; encode it with m.tokenizer.encode(text)"
+            )
+        try:
+            ids = np.asarray(token_ids)
+        except ValueError:  # ragged nested lists
+            ids = np.asarray([], dtype=object)
+        if ids.dtype == object or ids.ndim not in (1, 2):
+            raise MlxrunError(
+                "logits() takes token ids [T] or a batch of equal-length sequences [B, T]; "
+                "pad the sequences or call it once per sequence"
+            )
         if ids.size == 0:
             raise MlxrunError("logits() needs at least one token id")
-        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
-            raise MlxrunError(f"token ids must be in [0, {self.config.vocab_size})")
+        if ids.dtype.kind not in "iu":
+            raise MlxrunError(f"token ids must be integers, got {ids.dtype}")
+        _check_ids(ids, self.config.vocab_size)
+        batch = ids.reshape(-1, ids.shape[-1]).astype(np.int64)
         be = self.backend
-        cache = self.transformer.make_cache(1, ids.shape[1])
-        return be.to_numpy(self.transformer(be.ids(ids), cache))[0]
+        cache = self.transformer.make_cache(batch.shape[0], batch.shape[1])
+        out = be.to_numpy(self.transformer(be.ids(batch), cache))
+        return out if ids.ndim == 2 else out[0]
 
 
+@_api_names
 def load(
     model: str = "smollm2",
     backend: str = "auto",
@@ -198,6 +340,7 @@ def load(
     progress: bool = True,
     check_memory: bool = True,
     check_weights: bool = True,
+    fastest: bool = False,
 ) -> Model:
     """Load a model: a local directory, a .gguf file, a Hugging Face repo id, or an alias
     ('smollm2' bundled, 'llama'). backend: auto | mlx | cuda | mps | cpu.
@@ -205,7 +348,9 @@ def load(
     With `check_memory`, a model that cannot fit (weights + KV for one 2048-token sequence)
     is refused before its weights are moved to the device. With `check_weights`, a weight
     holding NaN or inf is refused, naming the tensor (a pass over the weights' bytes on the
-    host as they are copied; False skips it)."""
+    host as they are copied; False skips it). With `fastest` and no `quant`, a packed
+    checkpoint is expanded where the device profile says dense runs faster (PyTorch on the
+    CPU: no packed kernel), if it fits; without it the weights load as stored."""
     from mlxrun.backends import get_backend  # noqa: PLC0415
 
     from .distributed import join  # noqa: PLC0415
@@ -213,7 +358,8 @@ def load(
     t0 = time.perf_counter()
     be = get_backend(backend, dtype)
     group = join(be)  # under torchrun / mlx.launch: this process loads one shard
-    args = (model, be, quant, group_size, bits, progress, check_memory, check_weights, group, t0)
+    args = (model, be, quant, group_size, bits, progress, check_memory, check_weights, fastest)
+    args += (group, t0)
     if group is None:
         return _load(*args)
     try:
@@ -227,7 +373,7 @@ def load(
 
 
 def _load(
-    model, be, quant, group_size, bits, progress, check_memory, check_weights, group, t0
+    model, be, quant, group_size, bits, progress, check_memory, check_weights, fastest, group, t0
 ) -> Model:
     from mlxrun.quant.formats import resolve  # noqa: PLC0415
 
@@ -244,9 +390,15 @@ def _load(
     rank_cfg = shard_config(cfg, tp)  # this rank's heads, KV heads and MLP rows
     shapes = {n: (t.shape, t.dtype) for n, t in tensors.items()}
     ctx = min(cfg.max_position_embeddings, 2048)
+    packed = any(n.endswith(".scales") for n in shapes)
 
     def plan_for(s):  # one 2048-token sequence: what loading must leave room for
         return plan_shapes(rank_cfg, shapes, s, where, be.dtype, ctx, 1)
+
+    def dense_fits() -> bool:  # the packed checkpoint expanded to the compute dtype
+        p = plan_for(None)
+        fp = p.footprint
+        return p.total_bytes + fp.dense_weight_bytes - fp.weight_bytes <= p.budget_bytes
 
     key = None if quant is None else quant.strip().lower()
     auto_note = []
@@ -259,11 +411,27 @@ def _load(
         key, why = resolve_auto(be.name, be.device, fits=fits)
         # "none" from auto keeps the checkpoint as it is stored (packed stays packed).
         auto_note.append(f"--quant auto: {key} ({why})")
-        if key == "none":
-            key = None
+        if key == "none" and not (packed and dense_fits()):
+            key = None  # a packed checkpoint stays packed when its dense copy cannot fit
+    elif key is None and packed and fastest:
+        from mlxrun.quant.profiles import match_profile  # noqa: PLC0415
+
+        try:
+            dense_first = match_profile(be.name, be.device).auto == "none"
+        except MlxrunError:  # the device could not be probed: keep the weights as stored
+            dense_first = False
+        if dense_first and dense_fits():
+            # This device reads dense weights faster than it expands packed ones per call.
+            key = "none"
+            auto_note.append(
+                f"the checkpoint's packed weights are expanded to {be.dtype} on load: "
+                f"{be.describe()} has no packed kernel and reads dense weights faster "
+                "(--quant auto says why; --quant int4 keeps 4-bit layers packed)"
+            )
     spec = None if key in (None, "none") else resolve(key, group_size=group_size, bits=bits)
     if tp > 1 and spec is not None:  # quantized here: a rank's o/down inputs, whole groups
         check(cfg, tp, {target_spec(spec, cfg.quantization, group_size is not None).group_size})
+    auto_note += _known_bad(be, be.dtype, spec, cfg.quantization if packed else None)
     if check_memory:  # refuse before anything large is allocated
         check_fits(plan_for(spec))
     transformer, notes = build_model(
@@ -280,6 +448,34 @@ def _load(
     if spec is not None:  # a quantized source keeps its group size when none was asked
         spec = target_spec(spec, ckpt.config.quantization, group_size is not None)
     be.synchronize()
-    return Model(
+    m = Model(
         transformer, ckpt.tokenizer, ckpt.source, notes, time.perf_counter() - t0, shapes, spec
     )
+    m.expanded = packed and key == "none"
+    return m
+
+
+# (mode, bits) of a stored format -> its --quant name
+_FORMAT_NAMES = {("affine", 4): "int4", ("affine", 8): "int8", ("mxfp8", 8): "fp8",
+                 ("mxfp4", 4): "fp4", ("nvfp4", 4): "nvfp4"}  # fmt: skip
+
+
+def _known_bad(be: Any, dtype: str | None, spec: Any, stored: dict | None) -> list[str]:
+    """One-line warnings for choices known to lose accuracy or to run slowly here."""
+    out = []
+    if spec is not None and stored:
+        have = (stored.get("mode", "affine"), int(stored.get("bits", 4)))
+        if have != (spec.mode, spec.bits):
+            name = _FORMAT_NAMES.get(have, f"{have[0]} {have[1]}-bit")
+            out.append(
+                f"warning: --quant {_FORMAT_NAMES.get((spec.mode, spec.bits), spec.mode)} "
+                f"re-quantizes weights already stored as {name}: they are rounded twice and "
+                f"lose accuracy; use --quant {name} (kept as stored) or --quant none, or "
+                "start from an unquantized checkpoint"
+            )
+    if be.name == "mlx" and be.device == "cpu" and dtype in ("bfloat16", "float16"):
+        out.append(
+            f"warning: --dtype {dtype} on MLX's CPU runs several times slower than float32 "
+            "(its CPU kernels are fast in fp32 only); drop --dtype"
+        )
+    return out

@@ -1167,52 +1167,16 @@ def _matplotlib():
     try:
         import matplotlib  # noqa: PLC0415, F401
     except ImportError:
-        raise MlxrunError("--plot needs matplotlib: pip install matplotlib") from None
+        raise MlxrunError(
+            "--plot needs matplotlib: pip install matplotlib (or mlxrun[plot])"
+        ) from None
     from matplotlib.figure import Figure  # noqa: PLC0415 (no pyplot: no GUI backend state)
 
     return Figure
 
 
 def plot_report(report: BenchReport, path: str | os.PathLike) -> None:
-    """PNG: decode tok/s per backend and format (bars, min-max whiskers) against each row's
-    roofline ceiling, bandwidth / bytes per token (black ticks). Written atomically."""
-    Figure = _matplotlib()
-    rows = report.rows
-    fig = Figure(figsize=(max(6.0, 1.1 * len(rows) + 2), 4.5), dpi=120)
-    ax = fig.add_subplot()
-    xs = np.arange(len(rows))
-    med = np.array([r.decode_tps for r in rows])
-    err = np.array(
-        [
-            [r.decode_tps - r.decode_tps_min for r in rows],
-            [r.decode_tps_max - r.decode_tps for r in rows],
-        ]
-    )
-    colors = {"mlx": "tab:blue", "cpu": "tab:orange", "cuda": "tab:green", "mps": "tab:purple"}
-    ax.bar(xs, med, yerr=err, capsize=3, color=[colors.get(r.backend, "tab:gray") for r in rows])
-    ceiling = np.array([r.bandwidth_Bps / r.bytes_per_token for r in rows])
-    ax.scatter(xs, ceiling, marker="_", s=900, color="black", label="roofline (copy BW / bytes)")
-    for x, r in zip(xs, rows, strict=True):
-        pct = 100 * r.roofline
-        ax.annotate(
-            f"{pct:.0f}%" if pct >= 10 else f"{pct:.1f}%",
-            (x, r.decode_tps_max),  # above the whisker, so the two never overlap
-            ha="center",
-            va="bottom",
-            xytext=(0, 3),
-            textcoords="offset points",
-            fontsize=8,
-        )
-    labels = [f"{r.backend}\n{r.quant}" for r in rows]
-    ax.set_xticks(xs, [t.replace("transformers\nnone", "transformers") for t in labels], fontsize=8)
-    ax.set_yscale("log")
-    ax.set_ylabel("decode tokens/s (log)")
-    s = report.settings
-    ax.set_title(
-        f"{report.model}: batch {s['batch']}, {s['prompt_tokens']}+{s['gen_tokens']} tokens",
-        fontsize=10,
-    )
-    ax.set_ylim(top=4 * max(ceiling.max(), med.max()))  # head room for the legend
-    ax.legend(fontsize=8, loc="upper left", markerscale=0.4)
-    fig.tight_layout()
-    _atomic_write(path, lambda f: fig.savefig(f, format="png"))
+    """PNG of decode tok/s per row against its roofline: see mlxrun.bench_plot."""
+    from .bench_plot import plot_report as draw  # noqa: PLC0415
+
+    draw(report, path)

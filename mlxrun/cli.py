@@ -6,10 +6,19 @@ Only argument parsing and printing live here; the work is in the library. User e
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import click
 
+from .cli_io import (
+    check_writable,
+    convert_summary,
+    emit_json,
+    read_prompts,
+    stdin_text,
+    write_jsonl,
+)
 from .errors import MlxrunError
 
 BACKEND_CHOICES = ["auto", "mlx", "cuda", "mps", "cpu"]
@@ -23,9 +32,34 @@ def _gib(n: float) -> str:
 def _weights_line(m) -> str:
     """The weights' bytes as held on the device, after any quantization on load."""
     q = m.quant
-    how = f"quantized on load to {q.mode} {q.bits}-bit g{q.group_size}" if q else "as stored"
+    if q:
+        how = f"quantized on load to {q.mode} {q.bits}-bit g{q.group_size}"
+    else:
+        how = f"dequantized on load to {m.backend.dtype}" if m.expanded else "as stored"
     n = m.transformer.weight_bytes()
     return f"Weights: {_gib(n)} ({n} bytes, {how})"
+
+
+def verbosity_options(f):
+    f = click.option(
+        "--verbose", "-v", is_flag=True, help="Say more: load time, details per step."
+    )(f)
+    f = click.option(
+        "--quiet", "-q", is_flag=True, help="Only the answer: no stats, notes or progress bars."
+    )(f)
+    return f
+
+
+def json_option(f):
+    return click.option(
+        "--json",
+        "json_out",
+        is_flag=False,
+        flag_value="-",
+        default=None,
+        metavar="[PATH]",
+        help="Print the numbers as JSON (or write them to PATH) instead of the table.",
+    )(f)
 
 
 def model_options(f):
@@ -62,37 +96,6 @@ def cli():
     """Run Llama-family language models on MLX and PyTorch (CPU, CUDA, MPS)."""
 
 
-def read_prompts(path: str) -> list[str]:
-    """One prompt per line, or JSONL objects with a "prompt" field (by extension or when the
-    first non-blank line starts with '{')."""
-    import json  # noqa: PLC0415
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        why = getattr(e, "strerror", None) or str(e)
-        raise MlxrunError(f"cannot read prompts file {path}: {why}") from None
-    first = next((ln for ln in lines if ln.strip()), "")
-    prompts = []
-    if path.endswith(".jsonl") or first.lstrip().startswith("{"):
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                prompt = json.loads(line)["prompt"]
-            except (json.JSONDecodeError, TypeError, KeyError):
-                raise MlxrunError(f'{path}:{n}: not a JSON object with a "prompt" field') from None
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise MlxrunError(f'{path}:{n}: "prompt" must be a non-empty string')
-            prompts.append(prompt)
-    else:
-        prompts = [ln for ln in lines if ln.strip()]
-    if not prompts:
-        raise MlxrunError(f"prompts file {path} holds no prompts")
-    return prompts
-
-
 @cli.command()
 @model_options
 @click.option(
@@ -100,17 +103,20 @@ def read_prompts(path: str) -> list[str]:
     "-p",
     "prompts",
     multiple=True,
-    help="The user message (repeat for a batch) [default: 'What is the capital of France?'].",
+    help="The user message (repeat for a batch); '-' reads it from stdin [default: piped "
+    "stdin, else 'What is the capital of France?'].",
 )
 @click.option(
     "--prompts",
     "prompts_file",
     type=str,
     default=None,
-    help="File with one prompt per line, or JSONL with a 'prompt' field.",
+    help="File with one prompt per line, or JSONL with a 'prompt' field (other fields "
+    "come back on the --output row); '-' reads stdin.",
 )
 @click.option(
     "--batch-size",
+    "--batch",
     default="auto",
     show_default=True,
     help="Prompts run together: a number, or auto (the largest the memory plan "
@@ -120,7 +126,8 @@ def read_prompts(path: str) -> list[str]:
     "--output",
     "-o",
     default=None,
-    help="Write results as JSONL (prompt, text, tokens, finish_reason), in input order.",
+    help="Write results as JSONL (the input's fields, prompt, text, tokens, finish_reason), "
+    "in input order.",
 )
 @click.option("--system", default=None, help="System message (chat models).")
 @click.option(
@@ -129,7 +136,12 @@ def read_prompts(path: str) -> list[str]:
     help="Wrap the prompt in the model's chat template [default: when it has one].",
 )
 @click.option(
-    "--max-tokens", type=int, default=256, show_default=True, help="Most tokens to generate (>= 1)."
+    "--max-tokens",
+    "--gen-tokens",
+    type=int,
+    default=256,
+    show_default=True,
+    help="Most tokens to generate (>= 1).",
 )
 @click.option(
     "--temp", type=float, default=0.0, show_default=True, help="Sampling temperature; 0 is greedy."
@@ -159,7 +171,8 @@ def read_prompts(path: str) -> list[str]:
     default=None,
     help="Quantize on load: int4, int8, fp8, fp4, nvfp4, auto or none. On an already "
     "quantized model, layers already in that format are kept and the others re-quantized; "
-    "none dequantizes them.",
+    "none dequantizes them [default: as stored, or dequantized where the device runs dense "
+    "weights faster and they fit (PyTorch on the CPU)].",
 )
 @click.option("--group-size", type=int, default=None, help="Quantization group size.")
 @click.option("--bits", type=int, default=None, help="Quantization bits (int formats).")
@@ -169,6 +182,7 @@ def read_prompts(path: str) -> list[str]:
     show_default=True,
     help="Refuse weights that hold NaN or inf (one pass over their bytes while loading).",
 )
+@verbosity_options
 def generate(
     model,
     backend,
@@ -191,8 +205,11 @@ def generate(
     group_size,
     bits,
     check_weights,
+    quiet,
+    verbose,
 ):
-    """Generate text: one prompt streams to the terminal; many run as batches."""
+    """Generate text: one prompt streams to the terminal; many run as batches. With no
+    --prompt, piped stdin is the prompt."""
     from .api import load  # noqa: PLC0415
     from .sampling import SamplingParams  # noqa: PLC0415
 
@@ -200,8 +217,16 @@ def generate(
         raise MlxrunError(f"--max-tokens must be at least 1, got {max_tokens}")
     if batch_size != "auto" and not (batch_size.isdigit() and int(batch_size) >= 1):
         raise MlxrunError(f"--batch-size must be a positive integer or 'auto', got {batch_size!r}")
-    prompts = list(prompts) + (read_prompts(prompts_file) if prompts_file else [])
-    prompts = prompts or ["What is the capital of France?"]
+    if output is not None:
+        check_writable(output)
+    rows = [{"prompt": sys.stdin.read().rstrip("\n") if p == "-" else p} for p in prompts]
+    if prompts_file:
+        rows += read_prompts(prompts_file)
+    if not rows:
+        piped = stdin_text()
+        piped = piped.rstrip("\n") if piped and piped.strip() else None
+        rows = [{"prompt": piped or "What is the capital of France?"}]
+    prompts = [r["prompt"] for r in rows]
     if any(not p.strip() for p in prompts):
         raise MlxrunError("the prompt is empty; pass some text with --prompt")
     sampling = SamplingParams(temp, top_p, top_k, min_p, repetition_penalty, seed=seed)
@@ -212,13 +237,15 @@ def generate(
         quant=quant,
         group_size=group_size,
         bits=bits,
-        progress=sys.stderr.isatty(),
+        progress=sys.stderr.isatty() and not quiet,
         check_weights=check_weights,
+        fastest=True,
     )
-    for note in m.notes:
-        click.echo(f"note: {note}", err=True)
+    _notes(m.notes, quiet)
+    if verbose:
+        click.echo(f"Loaded {m.source} in {m.load_time:.2f} s", err=True)
     if len(prompts) == 1 and output is None:
-        _stream_one(m, prompts[0], max_tokens, system, chat, list(stop), sampling)
+        _stream_one(m, prompts[0], max_tokens, system, chat, list(stop), sampling, quiet)
         return
     results, stats = m.generate_many(
         prompts,
@@ -230,10 +257,12 @@ def generate(
         params=sampling,
     )
     if output:
-        _write_jsonl(output, prompts, results)
+        write_jsonl(output, rows, results)
     else:
         for i, (p, r) in enumerate(zip(prompts, results)):
             click.echo(f"[{i}] {p}\n{r.text}\n")
+    if quiet:
+        return
     click.echo("=" * 10, err=True)
     click.echo(
         f"Prompts: {len(prompts)} in batches of {stats['batch_size']}; "
@@ -246,33 +275,17 @@ def generate(
     click.echo(f"Backend: {m.backend.describe()}", err=True)
 
 
-def _write_jsonl(path, prompts, results) -> None:
-    import json  # noqa: PLC0415
-    import os  # noqa: PLC0415
-
-    tmp = f"{path}.partial"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for p, r in zip(prompts, results):
-                f.write(
-                    json.dumps(
-                        {
-                            "prompt": p,
-                            "text": r.text,
-                            "tokens": len(r.tokens),
-                            "finish_reason": r.finish_reason,
-                        },
-                        ensure_ascii=False,
-                    )
-                )
-                f.write("\n")
-        os.replace(tmp, path)
-    except OSError as e:
-        raise MlxrunError(f"cannot write {path}: {e.strerror}") from None
+def _notes(notes: list[str], quiet: bool) -> None:
+    """Notes say what loading decided; warnings (a choice known to be wrong or slow) show
+    even with --quiet."""
+    for note in notes:
+        if note.startswith("warning: "):
+            click.echo(note, err=True)
+        elif not quiet:
+            click.echo(f"note: {note}", err=True)
 
 
-def _stream_one(m, prompt, max_tokens, system, chat, stop, sampling) -> None:
-    import dataclasses  # noqa: PLC0415
+def _stream_one(m, prompt, max_tokens, system, chat, stop, sampling, quiet=False) -> None:
 
     last = None
     for r in m.stream(
@@ -287,6 +300,8 @@ def _stream_one(m, prompt, max_tokens, system, chat, stop, sampling) -> None:
         sys.stdout.flush()
         last = r
     click.echo()
+    if quiet:
+        return
     click.echo("=" * 10, err=True)
     click.echo(
         f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec", err=True
@@ -295,7 +310,7 @@ def _stream_one(m, prompt, max_tokens, system, chat, stop, sampling) -> None:
         f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec",
         err=True,
     )
-    click.echo(f"Peak memory: {_gib(last.peak_memory)}", err=True)
+    click.echo(f"Peak memory: {last.peak_memory:.3f} GB", err=True)
     click.echo(_weights_line(m), err=True)
     click.echo(f"Finish: {last.finish_reason}", err=True)
     click.echo(f"Backend: {m.backend.describe()}", err=True)
@@ -310,12 +325,21 @@ def _stream_one(m, prompt, max_tokens, system, chat, stop, sampling) -> None:
     default=None,
     help="Tokens per sequence (prompt + generation) [default: the model's maximum].",
 )
-@click.option("--batch", type=int, default=1, show_default=True, help="Sequences at once.")
+@click.option(
+    "--batch-size",
+    "--batch",
+    "batch",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Sequences at once.",
+)
 @click.option(
     "--prompt-tokens",
     type=int,
     default=None,
-    help="Tokens of the context that are prompt, prefilled at once [default: all of it].",
+    help="Tokens of the context that are prompt, prefilled at once [default: all of it]; "
+    "PyTorch on the CPU plans the whole context's workspace whatever this says.",
 )
 @click.option(
     "--tp",
@@ -324,9 +348,11 @@ def _stream_one(m, prompt, max_tokens, system, chat, stop, sampling) -> None:
     show_default=True,
     help="Plan one rank of the model split over this many processes (tensor parallel).",
 )
-def plan(model, backend, dtype, quant, context, batch, prompt_tokens, tp):
-    """Show what the model needs in memory and what fits, without loading the weights."""
-    from .memory import format_plan  # noqa: PLC0415
+@json_option
+def plan(model, backend, dtype, quant, context, batch, prompt_tokens, tp, json_out):
+    """Show what the model needs in memory and what fits, without loading the weights.
+    --model also takes shape:llama3-8b, shape:llama3-1b, shape:smollm2 (bench's shapes)."""
+    from .memory import EAGER, format_plan  # noqa: PLC0415
     from .planning import plan_config  # noqa: PLC0415
 
     p, c = plan_config(
@@ -345,7 +371,16 @@ def plan(model, backend, dtype, quant, context, batch, prompt_tokens, tp):
             f"{c.num_key_value_heads} KV heads, {c.intermediate_size} MLP rows (embedding, "
             "head and norms on every rank)"
         )
-    click.echo(format_plan(p))
+    if prompt_tokens is not None and (p.backend, p.device.kind) in EAGER:
+        click.echo(
+            f"note: --prompt-tokens does not change the plan on {p.backend} {p.device.kind}: "
+            "it keeps the whole context's workspace, so that is what is planned",
+            err=True,
+        )
+    if json_out:
+        emit_json({**dataclasses.asdict(p), "peak_bytes": p.peak_bytes}, json_out)
+    else:
+        click.echo(format_plan(p))
 
 
 @cli.command()
@@ -364,17 +399,22 @@ def plan(model, backend, dtype, quant, context, batch, prompt_tokens, tp):
 )
 @click.option("--group-size", type=int, default=None, help="Quantization group size.")
 @click.option("--bits", type=int, default=None, help="Quantization bits (a check for --quant).")
-def convert(model, out_dir, quant, group_size, bits):
+@verbosity_options
+def convert(model, out_dir, quant, group_size, bits, quiet, verbose):
     """Write a model as a Hugging Face-layout directory of safetensors (GGUF -> safetensors,
     or quantized to the format mlx-lm reads)."""
     from .convert import convert as run_convert  # noqa: PLC0415
 
     notes = run_convert(
-        model, out_dir, quant=quant, group_size=group_size, bits=bits, progress=sys.stderr.isatty()
+        model,
+        out_dir,
+        quant=quant,
+        group_size=group_size,
+        bits=bits,
+        progress=sys.stderr.isatty() and not quiet,
     )
-    for note in notes:
-        click.echo(f"note: {note}", err=True)
-    click.echo(f"wrote {out_dir}")
+    _notes(notes, quiet)
+    click.echo(convert_summary(out_dir))
 
 
 @cli.command("eval")
@@ -396,7 +436,8 @@ def convert(model, out_dir, quant, group_size, bits):
     "--max-tokens", type=int, default=4096, show_default=True, help="Most tokens of text scored."
 )
 @click.option("--window", type=int, default=512, show_default=True, help="Tokens per forward pass.")
-def eval_cmd(model, backend, dtype, quant, group_size, bits, text, max_tokens, window):
+@json_option
+def eval_cmd(model, backend, dtype, quant, group_size, bits, text, max_tokens, window, json_out):
     """Measure what quantization costs: perplexity, KL divergence from the unquantized
     model and top-1 agreement, per format, over a text."""
     from .evaluate import (  # noqa: PLC0415
@@ -407,6 +448,8 @@ def eval_cmd(model, backend, dtype, quant, group_size, bits, text, max_tokens, w
     )
 
     choices = parse_choices(quant, group_size, bits)
+    if json_out not in (None, "-"):
+        check_writable(json_out)
     run = evaluate_many(
         model,
         choices,
@@ -417,6 +460,10 @@ def eval_cmd(model, backend, dtype, quant, group_size, bits, text, max_tokens, w
         window=window,
         progress=sys.stderr.isatty(),
     )
+    if json_out:
+        info = {"model": model, "text": text or "bundled eval.txt", **dataclasses.asdict(run)}
+        emit_json(info, json_out)
+        return
     click.echo(f"{model} on {run.backend}; text: {text or 'bundled eval.txt'}")
     click.echo(run.reference)
     click.echo(format_table(run.results))
@@ -426,12 +473,17 @@ def eval_cmd(model, backend, dtype, quant, group_size, bits, text, max_tokens, w
 
 @cli.command()
 @click.option("--verbose", "-v", is_flag=True, help="Add each kernel's note and tile shapes.")
-def devices(verbose):
+@json_option
+def devices(verbose, json_out):
     """Show each device found, its memory and profile, the kernel and compute dtype per
     format, and what --quant auto picks there."""
     from .devices import detect, format_report  # noqa: PLC0415
 
-    click.echo(format_report(detect(), verbose=verbose))
+    reports = detect()
+    if json_out:
+        emit_json(reports, json_out)
+    else:
+        click.echo(format_report(reports, verbose=verbose))
 
 
 def _csv(value: str) -> list[str]:
@@ -442,7 +494,8 @@ def _csv(value: str) -> list[str]:
 @click.option(
     "--model",
     "-m",
-    required=True,
+    default="smollm2",
+    show_default=True,
     help="Model (directory, .gguf, Hub id, alias such as smollm2), or shape:llama3-8b, "
     "shape:llama3-1b, shape:smollm2 for random weights of that shape (no download).",
 )
@@ -459,8 +512,18 @@ def _csv(value: str) -> list[str]:
     help="Comma list of weight formats: none, int4, int8, fp8, fp4, nvfp4.",
 )
 @click.option("--prompt-tokens", type=int, default=512, show_default=True)
-@click.option("--gen-tokens", type=int, default=128, show_default=True)
-@click.option("--batch", type=int, default=1, show_default=True, help="Sequences at once.")
+@click.option(
+    "--max-tokens", "--gen-tokens", "gen_tokens", type=int, default=128, show_default=True
+)
+@click.option(
+    "--batch-size",
+    "--batch",
+    "batch",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Sequences at once.",
+)
 @click.option(
     "--reps", type=int, default=5, show_default=True, help="Timed runs after one warm-up."
 )
@@ -531,8 +594,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         rv = cli.main(args=argv, prog_name="mlxrun", standalone_mode=False)
         sys.exit(rv if isinstance(rv, int) else 0)
-    except MlxrunError as e:
-        click.echo(f"mlxrun: error: {e}", err=True)
+    except MlxrunError as e:  # the library's words for an API user; the CLI's flags here
+        click.echo(f"mlxrun: error: {getattr(e, 'cli_message', e)}", err=True)
         sys.exit(1)
     except click.exceptions.Abort:
         click.echo("mlxrun: interrupted", err=True)

@@ -15,6 +15,13 @@ from mlxrun.memory import DeviceMemory, _fmt, probe_device
 from mlxrun.quant.formats import USER_FORMATS
 from mlxrun.quant.profiles import DeviceProfile, apple_chip, match_profile, resolve_auto
 
+# Where the timings quoted in quant/profiles.py's reasons were measured.
+REFERENCE_MACHINES = {
+    "torch-cpu": "a 2-core AMD EPYC (x86-64) server",
+    "mlx-cpu": "a 2-core AMD EPYC (x86-64) server",
+    "nvidia-hopper": "an NVIDIA H100",
+}
+
 
 @dataclass(frozen=True)
 class DeviceReport:
@@ -147,10 +154,21 @@ def format_report(reports: list[DeviceReport], verbose: bool = False) -> str:
             k = r.profile.formats[f]
             tc = f"  tensor cores: {k.tensor_cores}" if k.tensor_cores and verbose else ""
             lines.append(f"    {f:<8} {k.kernel:<{kw}}  {k.compute_dtype}{tc}")
-            if verbose:
-                lines.append(f"    {'':<8}   {k.note}")
-                if k.tiles:
-                    lines.append(f"    {'':<8}   tiles: {k.tiles}")
+        if verbose:  # formats that share a note or tiles get it once, under their names
+            for what in ("note", "tiles"):
+                by_text: dict[str, list[str]] = {}
+                for f in USER_FORMATS:
+                    if text := getattr(r.profile.formats[f], what):
+                        by_text.setdefault(text, []).append(f)
+                for text, fs in by_text.items():
+                    who = "all formats" if len(fs) == len(USER_FORMATS) else ", ".join(fs)
+                    lines.append(f"    {what:<8} {who}: {text}")
         lines.append(f"    auto     {r.auto}: {r.auto_reason}")
+        if r.profile.name in REFERENCE_MACHINES:
+            lines.append(
+                f"    timings  reference figures from mlxrun/quant/profiles.py, measured on "
+                f"{REFERENCE_MACHINES[r.profile.name]}; not measured now "
+                "(mlxrun bench measures this machine)"
+            )
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)

@@ -449,8 +449,8 @@ def evaluate_many(
     scored = sum(len(w) - 1 for w in wins)
     if scored < MIN_TOKENS:
         raise MlxrunError(
-            f"the evaluation text gives only {scored} scored tokens; give at least "
-            f"{MIN_TOKENS} (a few paragraphs), or a larger --window"
+            f"the evaluation text gives only {scored} scored tokens and at least "
+            f"{MIN_TOKENS} are needed: give a longer --text (a few paragraphs)"
         )
     ref, _ = _build(ckpt.config, ckpt.tensors, be, QuantChoice(None))
     models, notes = [], []

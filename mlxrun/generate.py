@@ -31,7 +31,7 @@ class GenerationResponse:
     prompt_tps: float
     generation_tokens: int
     generation_tps: float
-    peak_memory: int  # bytes, as the backend measures it
+    peak_memory: float  # GB (1e9 bytes) as the backend measures it, as in mlx-lm
     logprob: float | None = None  # log-probability of `token` under the model, when asked
     top_logprobs: list[tuple[int, float]] | None = None  # the n most likely (id, logprob)
 
@@ -249,7 +249,7 @@ def stream(
             prompt_tps,
             n,
             (n - 1) / gen_time if n > 1 and gen_time > 0 else 0.0,
-            be.peak_memory(),
+            be.peak_memory() / 1e9,
             lp,
             top,
         )
@@ -273,8 +273,9 @@ class BatchResult:
     """One prompt's outcome in a batch, in the caller's order."""
 
     text: str
-    tokens: list[int]
+    tokens: list[int]  # the answer's tokens, without the end-of-sequence token
     finish_reason: str  # "stop" or "length"
+    generated: int = 0  # tokens generated, the end-of-sequence token included (as stream counts)
 
 
 def _finish(tokenizer: Tokenizer, toks: list[int], stops: list[str]) -> tuple[str, bool]:
@@ -311,6 +312,7 @@ def generate_batch(
         idx = order[start : start + batch_size]
         toks: list[list[int]] = [[] for _ in idx]
         reason: list[str | None] = [None] * len(idx)
+        ended = [0] * len(idx)  # 1 where the sequence ended on an end-of-sequence token
         for step in generate_step(
             model, [prompts[i] for i in idx], params, max_tokens, prefill_chunk
         ):
@@ -319,6 +321,7 @@ def generate_batch(
                     continue
                 if t in eos:
                     reason[b] = "stop"
+                    ended[b] = 1
                     continue
                 toks[b].append(t)
                 if stops and _finish(tokenizer, toks[b], stops)[1]:
@@ -327,5 +330,5 @@ def generate_batch(
                 break
         for b, i in enumerate(idx):
             text, _ = _finish(tokenizer, toks[b], stops)
-            results[i] = BatchResult(text, toks[b], reason[b] or "length")
+            results[i] = BatchResult(text, toks[b], reason[b] or "length", len(toks[b]) + ended[b])
     return results

@@ -727,6 +727,9 @@ class Plan:
         """The predicted high-water mark: the generation's total or the load's peak."""
         return max(self.total_bytes, self.load_bytes)
 
+    def __str__(self) -> str:
+        return format_plan(self)  # the table `mlxrun plan` prints
+
 
 def _limits(
     config: ModelConfig,

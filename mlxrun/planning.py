@@ -19,8 +19,16 @@ def backend_device(backend: str) -> tuple[str, str, str]:
 
 
 def model_shapes(model: str) -> tuple[ModelConfig, dict]:
-    """(config, {tensor: (shape, dtype)}) of any model source."""
+    """(config, {tensor: (shape, dtype)}) of any model source, or of `shape:NAME` (the
+    shapes `mlxrun bench` builds random weights of, bfloat16)."""
     from .loader import _read_json, resolve_source  # noqa: PLC0415
+
+    if model.startswith("shape:"):
+        from .bench import shape_config  # noqa: PLC0415
+        from .memory import config_shapes  # noqa: PLC0415
+
+        cfg = shape_config(model)
+        return cfg, config_shapes(cfg)
 
     path = resolve_source(model)
     if path.is_file():  # GGUF: the importer's tensors carry their canonical shapes
@@ -103,7 +111,7 @@ def plan_config(
     from .loader import resolve_source  # noqa: PLC0415
 
     cfg, shapes = model_shapes(model)
-    mapped = resolve_source(model).is_dir()
+    mapped = not model.startswith("shape:") and resolve_source(model).is_dir()
     if tp != 1:
         from .build import target_spec  # noqa: PLC0415
         from .shard import check, shard_config, shard_shapes, stored_groups  # noqa: PLC0415
