@@ -546,6 +546,12 @@ class TorchBackend:
             num_layers, batch, kv_heads, head_dim, max_len, self._dt, self._dev, self.triton_kernels
         )
 
+    def make_slot_cache(self, num_layers, slots, kv_heads, head_dim, max_len):
+        """A cache whose rows hold sequences of their own lengths (the serving engine's)."""
+        from .slots import TorchSlotCache  # noqa: PLC0415
+
+        return TorchSlotCache(num_layers, slots, kv_heads, head_dim, max_len, self._dt, self._dev)
+
     def decode_step(self, model, cache, batch: int, pads):
         """A captured greedy decode step (CUDA), or None to run steps eagerly. The caller
         calls its close() when the generation ends."""
