@@ -395,3 +395,29 @@ class Engine:
             self.cache.set_length(s.slot, 0)
         with self._cond:
             self.seqs[s.slot] = None
+
+
+def engine_for(m, max_batch: str | int = "auto", context: int | None = None, **kw) -> Engine:
+    """An Engine for a loaded mlxrun.Model, sized by its memory plan: `context` defaults to
+    the model's (capped by what one sequence can hold), `max_batch` "auto" to the most
+    sequences of that context that fit (at most 32 on CUDA, 8 elsewhere)."""
+    cap = 32 if m.backend.device == "cuda" else 8
+    if context is None:
+        context = min(m.config.max_position_embeddings, max(m.plan(None, 1).max_context, 1))
+    if context < 2:
+        raise MlxrunError(f"--context must be at least 2, got {context}")
+    if max_batch == "auto":
+        plan = m.plan(context, 1)
+        if plan.max_batch < 1:
+            raise MlxrunError(f"one sequence of {context} tokens does not fit: {plan.advice}")
+        batch = min(plan.max_batch, cap)
+    else:
+        if not (str(max_batch).isdigit() and int(max_batch) >= 1):
+            raise MlxrunError(
+                f"--max-batch must be a positive integer or 'auto', got {max_batch!r}"
+            )
+        batch = int(max_batch)
+        plan = m.plan(context, batch)
+        if not plan.fits:
+            raise MlxrunError(f"{batch} sequences of {context} tokens do not fit: {plan.advice}")
+    return Engine(m.transformer, m.tokenizer, max_batch=batch, context=context, **kw)
