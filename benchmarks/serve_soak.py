@@ -61,6 +61,8 @@ def _clients(url, model, prompts, gen, concurrency, drop_every, marks, done):
             counter["dropped"] += bool(drop)
             if counter["n"] == 100:
                 marks.put(100)
+            if counter["n"] % 100 == 0:
+                print(f"soak: {counter['n']} requests", file=sys.stderr, flush=True)
 
     with ThreadPoolExecutor(concurrency) as ex:
         list(ex.map(one, range(len(prompts))))
@@ -108,6 +110,7 @@ def main(argv=None) -> None:
     p.start()
     marks.get()
     rss_100 = rss_bytes()
+    print(f"soak: RSS after 100 requests {rss_100 / 2**20:.1f} MiB", file=sys.stderr, flush=True)
     counter = done.get()
     p.join()
     seconds = time.perf_counter() - t0
