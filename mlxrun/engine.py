@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .backends.base import QuantizedWeight
 from .errors import MlxrunError
 from .generate import _stop_hold
 from .memory import prefill_chunk_for
@@ -125,6 +126,20 @@ def sample_rows(be, logits, seqs: list[_Seq]) -> tuple[np.ndarray, list[TokenLog
     return toks, lps
 
 
+def _materialize(model: Transformer) -> None:
+    """Compute every lazy weight now, on this thread: MLX runs a graph on the stream of the
+    thread that built it, and the engine's thread has none of the loader's."""
+    arrays = []
+    for a in [model.embed, model.norm, model.head, model.rope] + [
+        v for L in model.layers for v in vars(L).values()
+    ]:
+        if isinstance(a, QuantizedWeight):
+            arrays += [x for x in (a.weight, a.scales, a.biases) if x is not None]
+        elif a is not None:
+            arrays.append(a)
+    model.be.eval(*arrays)
+
+
 def _common(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     if n == 0:
@@ -163,6 +178,7 @@ class Engine:
         self.cache = self.be.make_slot_cache(
             c.num_hidden_layers, max_batch, c.num_key_value_heads, c.head_dim, self.context
         )
+        _materialize(model)
         self.seqs: list[_Seq | None] = [None] * max_batch
         self.held: list[list[int]] = [
             [] for _ in range(max_batch)

@@ -415,12 +415,19 @@ def run_server(server: Server, host: str, port: int, log_level: str = "info") ->
     for a few seconds and cancels the rest; then the engine stops."""
     import uvicorn  # noqa: PLC0415
 
+    class Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            super().handle_exit(sig, frame)
+            # uvicorn re-raises the signal after its shutdown, which would end the process
+            # with the signal's status; the shutdown was clean, so exit with 0
+            self._captured_signals.clear()
+
     app = serve_app(server)
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
         access_log=False,
     )  # fmt: skip
     try:
-        uvicorn.Server(config).run()
+        Uvicorn(config).run()
     finally:
         server.engine.close()
