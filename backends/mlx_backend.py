@@ -263,6 +263,12 @@ class MLXBackend:
     def make_cache(self, num_layers, batch, kv_heads, head_dim, max_len):
         return MLXCache(num_layers, batch, kv_heads, head_dim, self._dt, max_len)
 
+    def make_slot_cache(self, num_layers, slots, kv_heads, head_dim, max_len):
+        """A cache whose rows hold sequences of their own lengths (the serving engine's)."""
+        from .slots import MLXSlotCache  # noqa: PLC0415
+
+        return MLXSlotCache(num_layers, slots, kv_heads, head_dim, max_len, self._dt)
+
     def random_normal(self, shape, std, seed):
         """Random weights made on the device (speed runs of big shapes need no host copy)."""
         return (mx.random.normal(shape, key=mx.random.key(seed)) * std).astype(self._dt)

@@ -605,6 +605,12 @@ class TorchBackend:
             num_layers, batch, kv_heads, head_dim, max_len, self._dt, self._dev, self.triton_kernels
         )
 
+    def make_slot_cache(self, num_layers, slots, kv_heads, head_dim, max_len):
+        """A cache whose rows hold sequences of their own lengths (the serving engine's)."""
+        from .slots import TorchSlotCache  # noqa: PLC0415
+
+        return TorchSlotCache(num_layers, slots, kv_heads, head_dim, max_len, self._dt, self._dev)
+
     def sampler(self, plan, state):
         """A device sampler (`mlxrun.sampling`) for logits on this backend's device."""
         from .torch_sampling import TorchSampler  # noqa: PLC0415

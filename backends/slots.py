@@ -1,0 +1,167 @@
+"""Slot KV caches for continuous batching: each row (slot) of the cache holds one sequence
+with its own length, so sequences join and leave the running batch independently.
+
+A forward pass runs the rows chosen by `select(rows)`: ids (len(rows), T), each row's
+queries at its own positions lengths[row] + t, its keys masked to its own filled prefix.
+The host keeps the lengths (numpy), so the masks and rope positions are built per pass.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mlxrun.errors import MlxrunError
+
+
+class SlotCache:
+    """Per-row lengths and the rows of the next pass; subclasses store k, v per backend."""
+
+    def __init__(self, slots: int, max_len: int):
+        self.slots = slots
+        self.max_len = max_len
+        self.lengths = np.zeros(slots, dtype=np.int64)  # filled positions of each row
+        self.rows = np.zeros(0, dtype=np.int64)
+
+    @property
+    def offset(self) -> int:
+        """The longest filled prefix among the selected rows (the KVCache protocol's offset)."""
+        return int(self.lengths[self.rows].max()) if len(self.rows) else 0
+
+    def select(self, rows) -> None:
+        """The rows (slot indices, in batch order) that the next forward pass runs."""
+        self.rows = np.asarray(rows, dtype=np.int64)
+
+    def set_length(self, slot: int, n: int) -> None:
+        """Keep only the first n positions of `slot` (0 empties it)."""
+        self.lengths[slot] = n
+
+    def _check(self, length: int) -> np.ndarray:
+        L = self.lengths[self.rows]
+        if int(L.max()) + length > self.max_len:
+            raise MlxrunError(
+                f"a sequence needs {int(L.max()) + length} positions and the cache holds "
+                f"{self.max_len}; raise --context"
+            )
+        return L
+
+    def mask_np(self, length: int) -> np.ndarray | None:
+        """(B, 1, T, S) bool, True = may attend, S = longest row + T: row b's query t sits at
+        lengths[b] + t and sees keys up to it. None when every key is visible to every query
+        (one new token, rows of equal length), as in a batch-1 decode step."""
+        L = self.lengths[self.rows]
+        if length == 1 and (L == L[0]).all():
+            return None
+        q = L[:, None] + np.arange(length)[None, :]  # (B, T)
+        k = np.arange(int(L.max()) + length)
+        return (k[None, None, :] <= q[:, :, None])[:, None]
+
+    def positions_np(self, length: int) -> np.ndarray:
+        """Rope positions (B, T) int32: each row continues from its own length."""
+        L = self.lengths[self.rows]
+        return (L[:, None] + np.arange(length)[None, :]).astype(np.int32)
+
+    def contiguous(self) -> int | None:
+        """The first row when the selected rows are consecutive (their keys are a view)."""
+        r = self.rows
+        return int(r[0]) if (r == np.arange(r[0], r[0] + len(r))).all() else None
+
+    def advance(self, n: int) -> None:
+        self.lengths[self.rows] += n
+
+
+class TorchSlotCache(SlotCache):
+    """Per layer k, v: (slots, kv_heads, max_len, D) torch tensors."""
+
+    def __init__(self, num_layers, slots, kv_heads, head_dim, max_len, dtype, device):
+        import torch  # noqa: PLC0415
+
+        super().__init__(slots, max_len)
+        self._torch, self.device = torch, device
+        shape = (slots, kv_heads, max_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def mask(self, length, pads):
+        from .torch_backend import CAUSAL  # noqa: PLC0415
+
+        if len(self.rows) == 1 and self.lengths[self.rows[0]] == 0 and length > 1:
+            return CAUSAL  # a fresh prompt alone: SDPA's own causal mask, as `generate` runs it
+        m = self.mask_np(length)
+        return None if m is None else self._torch.from_numpy(m).to(self.device)
+
+    def positions(self, length, pads):
+        pos = self._torch.from_numpy(self.positions_np(length)).to(self.device)  # (B, T)
+        # Where every layer writes this pass's k, v: (row, position) pairs, one scatter a
+        # layer instead of one copy per row (a batch of 32 on CUDA: 32 launches a layer).
+        rows = self._torch.from_numpy(self.rows).to(self.device)
+        self._write = (rows[:, None].expand(pos.shape), pos.long())
+        return pos
+
+    def update_and_fetch(self, layer, k, v):
+        T = k.shape[2]
+        L = self._check(T)
+        rows, pos = self._write  # (B, T) each
+        self.keys[layer][rows, :, pos] = k.transpose(1, 2)  # (B, T, kv_heads, D)
+        self.values[layer][rows, :, pos] = v.transpose(1, 2)
+        return self._take(self.keys[layer], L, T), self._take(self.values[layer], L, T)
+
+    def _take(self, buf, L, T):
+        S = int(L.max()) + T
+        r0 = self.contiguous()
+        if r0 is not None:
+            return buf[r0 : r0 + len(self.rows), :, :S]
+        return buf[self._torch.from_numpy(self.rows).to(self.device), :, :S]
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Row dst's first n positions := row src's (a prefix held by a running sequence)."""
+        for buf in self.keys + self.values:
+            buf[dst, :, :n] = buf[src, :, :n]
+        self.lengths[dst] = n
+
+
+class MLXSlotCache(SlotCache):
+    """Per layer k, v: (slots, kv_heads, max_len, D) mx arrays."""
+
+    def __init__(self, num_layers, slots, kv_heads, head_dim, max_len, dtype):
+        import mlx.core as mx  # noqa: PLC0415
+
+        super().__init__(slots, max_len)
+        self._mx = mx
+        shape = (slots, kv_heads, max_len, head_dim)
+        self.keys = [mx.zeros(shape, dtype) for _ in range(num_layers)]
+        self.values = [mx.zeros(shape, dtype) for _ in range(num_layers)]
+        mx.eval(self.keys, self.values)
+
+    def mask(self, length, pads):
+        m = self.mask_np(length)
+        return None if m is None else self._mx.array(m)
+
+    def positions(self, length, pads):
+        # mx.fast.rope takes each row's start offset: an int when all rows agree (as
+        # `generate` passes it), else (B,)
+        L = self.lengths[self.rows]
+        if (L == L[0]).all():
+            return int(L[0])
+        return self._mx.array(L.astype(np.int32))
+
+    def update_and_fetch(self, layer, k, v):
+        T = k.shape[2]
+        L = self._check(T)
+        for b, r in enumerate(self.rows.tolist()):
+            self.keys[layer][r, :, int(L[b]) : int(L[b]) + T] = k[b]
+            self.values[layer][r, :, int(L[b]) : int(L[b]) + T] = v[b]
+        return self._take(self.keys[layer], L, T), self._take(self.values[layer], L, T)
+
+    def _take(self, buf, L, T):
+        S = int(L.max()) + T
+        r0 = self.contiguous()
+        if r0 is not None:
+            return buf[r0 : r0 + len(self.rows), :, :S]
+        return buf[self._mx.array(self.rows.astype(np.int32)), :, :S]
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        for bufs in (self.keys, self.values):
+            for buf in bufs:
+                buf[dst, :, :n] = buf[src, :, :n]
+        self._mx.eval(self.keys, self.values)
+        self.lengths[dst] = n

@@ -1,0 +1,436 @@
+"""The serving engine: one model, a slot KV cache, continuous batching and a prefix cache.
+
+Everything that serves (`mlxrun serve`, `mlxrun chat`) submits `Request`s; one thread runs
+the loop: admit waiting requests into free slots (reusing the longest prefix already held),
+prefill one chunk of one admitted prompt, run one decode step for every running sequence,
+hand each new token to its request's callback, and retire finished or cancelled sequences
+at once. Rows have their own lengths, masks and rope positions (backends/slots.py), so a
+sequence's tokens do not depend on its batch-mates.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .backends.base import QuantizedWeight
+from .errors import MlxrunError
+from .generate import _stop_hold
+from .memory import prefill_chunk_for
+from .model import Transformer
+from .sampling import SamplingParams, pack, plan_for, row_seed
+from .tokenizer import Tokenizer
+
+
+class QueueFull(MlxrunError):
+    """The engine's waiting queue is at --max-queue: try again later."""
+
+
+@dataclass
+class TokenLogprob:
+    """log P(token) under the model's raw logits, and the `top` likeliest alternatives."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Event:
+    """One generated token's worth of output for a request. `text` is the newly final text
+    (empty while a multi-byte character or a possible stop string is pending)."""
+
+    text: str
+    token: int | None
+    logprob: TokenLogprob | None
+    finish_reason: str | None  # None while running; "stop", "length", "cancelled", "error"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens whose keys and values came from the prefix cache
+    error: str | None = None
+
+
+_ids = itertools.count(1)
+# Shorter held prefixes are not reused: a BOS alone is common to every prompt, and copying a
+# few positions saves less than it costs.
+MIN_PREFIX = 4
+
+
+@dataclass
+class Request:
+    """What to generate. `on_event` is called from the engine's thread for every token."""
+
+    prompt: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # None: off; k: the chosen token's and the top k
+    on_event: Callable[[Event], None] | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        """Stop generating; the engine frees the slot at its next step."""
+        self.cancelled = True
+
+
+class _Seq:
+    """A request in a slot: prefilling while done < len(prompt), then decoding."""
+
+    def __init__(self, req: Request, slot: int, cached: int, tokenizer: Tokenizer):
+        self.req, self.slot, self.cached = req, slot, cached
+        self.done = cached  # prompt tokens whose k, v are in the slot
+        self.history = list(req.prompt)  # for the repetition penalty
+        self.seed = row_seed(req.params)  # one per request: its draws ignore batch-mates
+        self.detok = tokenizer.detokenizer()
+        self.stops = [s for s in req.stop if s]
+        self.n = 0  # tokens generated
+        self.sent = 0  # characters of detok.text already handed out
+        self.last = -1  # the token the next decode step feeds
+
+
+def sample_rows(be, logits, seqs: list[_Seq]) -> tuple[np.ndarray, list[TokenLogprob | None]]:
+    """The one sampling call of a step: logits (B, V) of the running rows and their
+    requests -> next tokens (B,) int64 and per-row logprobs (None where not asked).
+
+    The device sampler (`mlxrun.sampling`) draws every row with its request's options, seed
+    and step count, so a seed gives the same tokens whatever the batch-mates; only the
+    tokens (and the log-probabilities asked for) come to the host.
+    """
+    rows = [s.req.params for s in seqs]
+    wants = [s.req.logprobs for s in seqs]
+    n = max((w for w in wants if w is not None), default=None)
+    if n is None and all(p.greedy for p in rows):
+        return be.to_numpy(be.argmax(logits)).astype(np.int64).reshape(-1), [None] * len(seqs)
+    plan = plan_for(rows, int(logits.shape[-1]), n)
+    state = pack(rows, [s.history for s in seqs], plan, [s.seed for s in seqs], [s.n for s in seqs])
+    sampler = be.sampler(plan, state)
+    toks = be.to_numpy(sampler(logits)).astype(np.int64).reshape(-1)
+    lps: list[TokenLogprob | None] = [None] * len(seqs)
+    if n is not None:
+        lp, top, ids = (None if x is None else be.to_numpy(x) for x in sampler.logprobs())
+        for b, k in enumerate(wants):
+            if k is not None:
+                best = [(int(ids[b, j]), float(top[b, j])) for j in range(k)]
+                lps[b] = TokenLogprob(int(toks[b]), float(lp[b]), best)
+    return toks, lps
+
+
+def _materialize(model: Transformer) -> None:
+    """Compute every lazy weight now, on this thread: MLX runs a graph on the stream of the
+    thread that built it, and the engine's thread has none of the loader's."""
+    arrays = []
+    for a in [model.embed, model.norm, model.head, model.rope] + [
+        v for L in model.layers for v in vars(L).values()
+    ]:
+        if isinstance(a, QuantizedWeight):
+            arrays += [x for x in (a.weight, a.scales, a.biases) if x is not None]
+        elif a is not None:
+            arrays.append(a)
+    model.be.eval(*arrays)
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.nonzero(np.asarray(a[:n]) != np.asarray(b[:n]))[0]
+    return int(diff[0]) if len(diff) else n
+
+
+class Engine:
+    """Continuous batching over `max_batch` cache slots of `context` positions each.
+
+    submit() queues a request (raising QueueFull at `max_queue` waiting, MlxrunError for a
+    request that cannot run); the engine thread calls the request's `on_event` per token.
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        max_batch: int = 4,
+        context: int | None = None,
+        max_queue: int = 64,
+        prefill_chunk: int | None = None,
+        prefix_cache: bool = True,
+    ):
+        c = model.config
+        self.model, self.tokenizer, self.be = model, tokenizer, model.be
+        self.max_batch = max_batch
+        self.context = min(context or c.max_position_embeddings, c.max_position_embeddings)
+        self.max_queue = max_queue
+        # The same chunks as `generate` for one sequence, so a prompt is prefilled as it is there.
+        self.prefill_chunk = prefill_chunk or prefill_chunk_for(
+            self.be.name, self.be.memory_kind, 1
+        )
+        self.prefix_cache = prefix_cache
+        self.cache = self.be.make_slot_cache(
+            c.num_hidden_layers, max_batch, c.num_key_value_heads, c.head_dim, self.context
+        )
+        _materialize(model)
+        self.seqs: list[_Seq | None] = [None] * max_batch
+        self.held: list[list[int]] = [
+            [] for _ in range(max_batch)
+        ]  # tokens whose k, v a slot holds
+        self.used = [0] * max_batch  # when each slot was last retired (least recently used first)
+        self.waiting: deque[Request] = deque()
+        self.stats = {
+            "requests": 0,
+            "finished": 0,
+            "cancelled": 0,
+            "prompt_tokens": 0,
+            "generated_tokens": 0,
+            "prefix_hits": 0,
+            "prefix_tokens_reused": 0,
+            "steps": 0,
+        }
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._tick = 0
+        self._thread = threading.Thread(target=self._loop, name="mlxrun-engine", daemon=True)
+        self._thread.start()
+
+    # --- the caller's side ------------------------------------------------------------
+
+    def check(self, req: Request) -> None:
+        """Raise MlxrunError if `req` can never run here (the server answers 400)."""
+        if not req.prompt:
+            raise MlxrunError("the prompt encodes to no tokens; give some text")
+        if req.max_tokens < 1:
+            raise MlxrunError(f"max_tokens must be at least 1, got {req.max_tokens}")
+        if len(req.prompt) + req.max_tokens > self.context:
+            raise MlxrunError(
+                f"the prompt ({len(req.prompt)} tokens) plus max_tokens ({req.max_tokens}) "
+                f"exceeds the context of {self.context} tokens; shorten one of them"
+            )
+
+    def submit(self, req: Request) -> Request:
+        self.check(req)
+        with self._cond:
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(
+                    f"{len(self.waiting)} requests are already waiting (--max-queue); retry later"
+                )
+            self.waiting.append(req)
+            self.stats["requests"] += 1
+            self._cond.notify()
+        return req
+
+    def stream(self, req: Request) -> Iterator[Event]:
+        """Submit `req` and yield its events until it finishes (for callers on a thread of
+        their own; closing the iterator cancels the request)."""
+        q: queue.Queue[Event] = queue.Queue()
+        req.on_event = q.put
+        self.submit(req)
+        try:
+            while True:
+                ev = q.get()
+                yield ev
+                if ev.finish_reason is not None:
+                    return
+        finally:
+            req.cancel()
+            with self._cond:
+                self._cond.notify()
+
+    def health(self) -> dict:
+        with self._cond:
+            running = sum(s is not None for s in self.seqs)
+            return {
+                "status": "ok",
+                "running": running,
+                "waiting": len(self.waiting),
+                "slots": self.max_batch,
+                "context": self.context,
+                **self.stats,
+            }
+
+    def close(self) -> None:
+        """Stop the loop; waiting and running requests end with finish_reason "cancelled"."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join()
+
+    # --- the engine thread ------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self.waiting and not any(self.seqs):
+                    self._cond.wait()
+                if self._stopping:
+                    break
+            try:
+                self._step()
+            except Exception as e:  # a fault in a step fails its requests, not the server
+                print(f"mlxrun: engine error: {type(e).__name__}: {e}", file=sys.stderr)
+                for s in [s for s in self.seqs if s is not None]:
+                    self._send(s, Event("", None, None, "error", 0, s.n, s.cached, str(e)))
+                    self._retire(s, keep=False)
+        for s in [s for s in self.seqs if s is not None]:
+            self._send(s, Event("", None, None, "cancelled", len(s.req.prompt), s.n, s.cached))
+            self._retire(s, keep=False)
+        with self._cond:
+            waiting, self.waiting = list(self.waiting), deque()
+        for r in waiting:
+            if r.on_event is not None:
+                r.on_event(Event("", None, None, "cancelled", len(r.prompt), 0, 0))
+
+    def _step(self) -> None:
+        for s in [s for s in self.seqs if s is not None and s.req.cancelled]:
+            self.stats["cancelled"] += 1
+            self._retire(s)
+        self._admit()
+        pre = [s for s in self.seqs if s is not None and s.done < len(s.req.prompt)]
+        if pre:  # one chunk of one prompt a step, so a long prompt stalls the others little
+            self._prefill(min(pre, key=lambda s: s.req.id))
+        dec = [s for s in self.seqs if s is not None and s.done == len(s.req.prompt) and s.n]
+        if dec:
+            self._decode(dec)
+        self.stats["steps"] += 1
+
+    def _admit(self) -> None:
+        while True:
+            with self._cond:
+                free = [i for i, s in enumerate(self.seqs) if s is None]
+                if not free or not self.waiting:
+                    return
+                req = self.waiting.popleft()
+            if req.cancelled:
+                self.stats["cancelled"] += 1
+                continue
+            slot, cached = self._place(req.prompt, free)
+            self.seqs[slot] = _Seq(req, slot, cached, self.tokenizer)
+            self.stats["prompt_tokens"] += len(req.prompt)
+            if cached:
+                self.stats["prefix_hits"] += 1
+                self.stats["prefix_tokens_reused"] += cached
+
+    def _place(self, prompt: list[int], free: list[int]) -> tuple[int, int]:
+        """A free slot for `prompt` and how many of its first tokens that slot already holds.
+
+        The longest prefix held anywhere wins: in a free slot it is kept in place (the next
+        turn of a chat); in a running one it is copied (a shared system prompt). At least
+        one prompt token is always prefilled: its logits give the first new token.
+        """
+        best, src = MIN_PREFIX - 1, None
+        if self.prefix_cache:
+            for i in range(self.max_batch):
+                n = min(_common(self.held[i], prompt), len(prompt) - 1)
+                if n > best or (n == best and src is not None and self.seqs[i] is None):
+                    best, src = n, i
+        best = best if src is not None else 0
+        if src is not None and self.seqs[src] is None:
+            slot = src
+        else:
+            slot = min(free, key=lambda i: self.used[i])
+            if src is not None:
+                self.cache.copy_prefix(src, slot, best)
+        self.cache.set_length(slot, best)
+        self.held[slot] = list(prompt[:best])
+        return slot, best
+
+    def _prefill(self, s: _Seq) -> None:
+        be, prompt = self.be, s.req.prompt
+        chunk = prompt[s.done : s.done + self.prefill_chunk]
+        self.cache.select([s.slot])
+        logits = self.model(be.ids(np.asarray([chunk])), self.cache, None, last_only=True)
+        self.held[s.slot].extend(chunk)
+        s.done += len(chunk)
+        if s.done < len(prompt):
+            be.eval(logits)  # bound MLX's lazy graph to one chunk
+            return
+        toks, lps = sample_rows(be, logits, [s])
+        self._emit(s, int(toks[0]), lps[0])
+
+    def _decode(self, seqs: list[_Seq]) -> None:
+        be = self.be
+        self.cache.select([s.slot for s in seqs])
+        ids = np.asarray([[s.last] for s in seqs])
+        logits = self.model(be.ids(ids), self.cache, None, last_only=True)  # (B, V)
+        for s in seqs:
+            self.held[s.slot].append(s.last)
+        toks, lps = sample_rows(be, logits, seqs)
+        for s, t, lp in zip(seqs, toks.tolist(), lps):
+            self._emit(s, t, lp)
+
+    def _emit(self, s: _Seq, token: int, lp: TokenLogprob | None) -> None:
+        """Hand one token to its request (as `generate.stream` turns tokens into text)."""
+        s.n += 1
+        s.last = token
+        s.history.append(token)
+        self.stats["generated_tokens"] += 1
+        finish = None
+        if token in self.tokenizer.eos_token_ids:
+            finish = "stop"
+            s.detok.flush()
+        else:
+            s.detok.add(token)
+            if s.n == s.req.max_tokens:
+                finish = "length"
+                s.detok.flush()
+        text = s.detok.text
+        hits = [i for stop in s.stops if (i := text.find(stop, s.sent)) >= 0]
+        if hits:
+            text, finish = text[: min(hits)], "stop"
+        end = len(text) if finish else len(text) - _stop_hold(text, s.stops)
+        piece, s.sent = text[s.sent : end], max(s.sent, end)
+        self._send(s, Event(piece, token, lp, finish, len(s.req.prompt), s.n, s.cached))
+        if finish:
+            self.stats["finished"] += 1
+            self._retire(s)
+
+    def _send(self, s: _Seq, ev: Event) -> None:
+        if s.req.on_event is not None and not s.req.cancelled:
+            try:
+                s.req.on_event(ev)
+            except Exception as e:  # a broken consumer loses its request, not the engine
+                print(f"mlxrun: dropping request {s.req.id}: {e}", file=sys.stderr)
+                s.req.cancel()
+
+    def _retire(self, s: _Seq, keep: bool = True) -> None:
+        """Free the slot now; its keys and values stay as a prefix for later requests."""
+        self._tick += 1
+        self.used[s.slot] = self._tick
+        if not (keep and self.prefix_cache):
+            self.held[s.slot] = []
+            self.cache.set_length(s.slot, 0)
+        with self._cond:
+            self.seqs[s.slot] = None
+
+
+def engine_for(m, max_batch: str | int = "auto", context: int | None = None, **kw) -> Engine:
+    """An Engine for a loaded mlxrun.Model, sized by its memory plan: `context` defaults to
+    the model's (capped by what one sequence can hold), `max_batch` "auto" to the most
+    sequences of that context that fit (at most 32 on CUDA, 8 elsewhere)."""
+    cap = 32 if m.backend.device == "cuda" else 8
+    if context is None:
+        context = min(m.config.max_position_embeddings, max(m.plan(None, 1).max_context, 1))
+    if context < 2:
+        raise MlxrunError(f"--context must be at least 2, got {context}")
+    if max_batch == "auto":
+        plan = m.plan(context, 1)
+        if plan.max_batch < 1:
+            raise MlxrunError(f"one sequence of {context} tokens does not fit: {plan.advice}")
+        batch = min(plan.max_batch, cap)
+    else:
+        if not (str(max_batch).isdigit() and int(max_batch) >= 1):
+            raise MlxrunError(
+                f"--max-batch must be a positive integer or 'auto', got {max_batch!r}"
+            )
+        batch = int(max_batch)
+        plan = m.plan(context, batch)
+        if not plan.fits:
+            raise MlxrunError(f"{batch} sequences of {context} tokens do not fit: {plan.advice}")
+    return Engine(m.transformer, m.tokenizer, max_batch=batch, context=context, **kw)

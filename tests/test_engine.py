@@ -1,0 +1,174 @@
+"""The serving engine on tiny random models, in process, on torch-cpu and MLX: greedy tokens
+equal `generate_step`'s whatever the batch-mates, the prefix cache, cancellation, seeds,
+logprobs and the queue limit."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import numpy as np
+import pytest
+
+import mlxrun
+from mlxrun.engine import Engine, QueueFull, Request
+from mlxrun.generate import generate_step
+from mlxrun.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module", params=["cpu", "mlx"])
+def tiny(request, tiny_dir):
+    d, _ = tiny_dir("llama_gqa_tied")
+    return mlxrun.load(str(d), backend=request.param, progress=False)
+
+
+def reference(m, prompt, n, params=None):
+    """Greedy tokens of `prompt` alone through generate_step, cut after the first EOS."""
+    out = []
+    for t in generate_step(m.transformer, [prompt], params or SamplingParams(), n):
+        out.append(int(t[0]))
+        if out[-1] in m.tokenizer.eos_token_ids:
+            break
+    return out
+
+
+def run_all(eng, reqs, timeout=120):
+    """Submit every request at once; wait for all to finish. -> per request: its events."""
+    got = {r.id: [] for r in reqs}
+    done = threading.Semaphore(0)
+
+    def on(rid):
+        def f(ev):
+            got[rid].append(ev)
+            if ev.finish_reason:
+                done.release()
+
+        return f
+
+    for r in reqs:
+        r.on_event = on(r.id)
+        eng.submit(r)
+    for _ in reqs:
+        assert done.acquire(timeout=timeout)
+    return [got[r.id] for r in reqs]
+
+
+def prompts(seed, lengths):
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(3, 96, n)] for n in lengths]
+
+
+def test_continuous_batching_matches_generate(tiny):
+    """7 prompts of 2-40 tokens through 3 slots in chunks of 8: requests join and leave the
+    running batch mid-way, yet each gets exactly its own greedy tokens."""
+    ps = prompts(0, (5, 17, 9, 40, 2, 12, 23))
+    eng = Engine(tiny.transformer, tiny.tokenizer, max_batch=3, context=64, prefill_chunk=8)
+    try:
+        outs = run_all(eng, [Request(p, max_tokens=10) for p in ps])
+        for p, evs in zip(ps, outs):
+            assert [e.token for e in evs] == reference(tiny, p, 10)
+            assert evs[-1].finish_reason in ("stop", "length")
+            assert evs[-1].completion_tokens == len(evs)
+        h = eng.health()
+        assert (h["running"], h["waiting"], h["finished"]) == (0, 0, len(ps))
+    finally:
+        eng.close()
+
+
+def test_prefix_cache_reuses_and_matches(tiny):
+    """A follow-up that extends a finished request's prompt reuses its slot's keys and values
+    (a chat's next turn); one that shares a running request's prefix copies them. Both still
+    give generate_step's tokens."""
+    base = prompts(1, (20,))[0]
+    eng = Engine(tiny.transformer, tiny.tokenizer, max_batch=2, context=96, prefill_chunk=8)
+    try:
+        (first,) = run_all(eng, [Request(base, max_tokens=6)])
+        assert first[-1].cached_tokens == 0
+        turn2 = base + [e.token for e in first] + [7, 8, 9]
+        (second,) = run_all(eng, [Request(turn2, max_tokens=6)])
+        # the slot holds base + all generated tokens but the last (never fed back)
+        assert second[-1].cached_tokens == len(base) + len(first) - 1
+        assert [e.token for e in second] == reference(tiny, turn2, 6)
+        # a long request keeps running while a second one with the same 20-token head comes
+        a, b = base + [11] * 4, base + [12, 13]
+        outs = run_all(eng, [Request(a, max_tokens=30), Request(b, max_tokens=5)])
+        assert outs[1][-1].cached_tokens >= len(base)
+        assert [e.token for e in outs[1]] == reference(tiny, b, 5)
+        assert [e.token for e in outs[0]] == reference(tiny, a, 30)
+        h = eng.health()
+        assert h["prefix_hits"] >= 3 and h["prefix_tokens_reused"] >= 3 * len(base)
+    finally:
+        eng.close()
+
+
+def test_cancel_frees_the_slot_and_others_go_on(tiny):
+    """A request cancelled mid-stream leaves at the next step; a waiting one takes its slot
+    and still gets its own tokens."""
+    p1, p2 = prompts(2, (6, 9))
+    eng = Engine(tiny.transformer, tiny.tokenizer, max_batch=1, context=128, prefix_cache=False)
+    try:
+        events = eng.stream(Request(p1, max_tokens=100))
+        next(events), next(events)
+        other: queue.Queue = queue.Queue()
+        eng.submit(Request(p2, max_tokens=8, on_event=other.put))
+        events.close()  # the consumer goes away: cancels
+        got = []
+        while not got or not got[-1].finish_reason:
+            got.append(other.get(timeout=60))
+        assert [e.token for e in got] == reference(tiny, p2, 8)
+        h = eng.health()
+        assert (h["running"], h["cancelled"]) == (0, 1)
+    finally:
+        eng.close()
+
+
+def test_seeded_sampling_ignores_batch_mates(tiny):
+    """One sampler per request: a seed gives the same tokens alone or among other requests."""
+    p, q, r = prompts(3, (7, 11, 4))
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=5)
+    eng = Engine(tiny.transformer, tiny.tokenizer, max_batch=3, context=64, prefix_cache=False)
+    try:
+        (alone,) = run_all(eng, [Request(p, params, max_tokens=12)])
+        mates = run_all(
+            eng,
+            [
+                Request(q, SamplingParams(temperature=1.0, seed=1), max_tokens=12),
+                Request(p, params, max_tokens=12),
+                Request(r, max_tokens=12),
+            ],
+        )
+        assert [e.token for e in mates[1]] == [e.token for e in alone]
+    finally:
+        eng.close()
+
+
+def test_logprobs_are_the_models_log_softmax(tiny):
+    """Chosen-token and top-k logprobs equal log_softmax of Model.logits on the same ids."""
+    (p,) = prompts(4, (9,))
+    eng = Engine(tiny.transformer, tiny.tokenizer, max_batch=2, context=64)
+    try:
+        (evs,) = run_all(eng, [Request(p, max_tokens=3, logprobs=3)])
+    finally:
+        eng.close()
+    seq = list(p)
+    for ev in evs:
+        x = tiny.logits(seq)[-1].astype(np.float64)
+        lsm = x - np.log(np.exp(x - x.max()).sum()) - x.max()
+        assert ev.token == int(np.argmax(x))
+        assert ev.logprob.logprob == pytest.approx(lsm[ev.token], abs=1e-4)
+        top = np.argsort(-lsm)[:3]
+        assert [t for t, _ in ev.logprob.top] == top.tolist()
+        seq.append(ev.token)
+
+
+def test_queue_limit_and_bad_requests(tiny):
+    eng = Engine(tiny.transformer, tiny.tokenizer, max_batch=1, context=32, max_queue=0)
+    try:
+        with pytest.raises(QueueFull, match="max-queue"):
+            eng.submit(Request([5, 6], max_tokens=2))
+        with pytest.raises(mlxrun.MlxrunError, match="exceeds the context of 32"):
+            eng.check(Request([5] * 30, max_tokens=3))
+        with pytest.raises(mlxrun.MlxrunError, match="max_tokens must be at least 1"):
+            eng.check(Request([5], max_tokens=0))
+    finally:
+        eng.close()

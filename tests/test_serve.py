@@ -1,0 +1,274 @@
+"""`mlxrun serve`: a real server process with the bundled SmolLM2 on loopback, driven by the
+official `openai` client (answers equal `mlxrun generate`'s greedy text) and by raw HTTP
+for malformed input; the API key and the full queue on a tiny model in process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+import mlxrun
+
+openai = pytest.importorskip("openai")
+
+MODEL = "smollm2"
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colors.",
+    "Write one sentence about the sea and the wind over it at night.",
+    "Hi",
+]
+N = 12  # tokens per answer: enough to differ, short enough for the CI
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    """`mlxrun serve` in a child process; yields its base URL; SIGTERM must end it cleanly."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "mlxrun", "serve", "-m", MODEL, "-b", "mlx", "--port",
+           str(port), "--context", "512", "--max-batch", "3"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"server did not start:\n{proc.stdout.read()}")
+        time.sleep(0.5)
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the server did not exit within 60 s of SIGTERM")
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out, out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Greedy answers of `mlxrun generate` (the same library call) for QUESTIONS."""
+    m = mlxrun.load(MODEL, backend="mlx", progress=False)
+    chat = {q: m.generate(q, max_tokens=N) for q in QUESTIONS}
+    plain = m.generate("The capital of France is", max_tokens=N, chat=False)
+    return chat, plain
+
+
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=900)
+
+
+def ask(url, q, stream):
+    c = client(url)
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=N,
+              temperature=0)  # fmt: skip
+    if not stream:
+        r = c.chat.completions.create(**kw)
+        return r.choices[0].message.content, r.choices[0].finish_reason, r.usage
+    text, finish, usage = [], None, None
+    for ch in c.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        if ch.choices:
+            text.append(ch.choices[0].delta.content or "")
+            finish = ch.choices[0].finish_reason or finish
+        if ch.usage:
+            usage = ch.usage
+    return "".join(text), finish, usage
+
+
+@pytest.mark.slow
+def test_concurrent_clients_get_generate_text(server, reference):
+    """Four clients at once (three slots: one waits and joins later), prompts of 31-46
+    tokens, streaming and not: each answer is exactly the greedy text of `generate`."""
+    chat, plain = reference
+    with ThreadPoolExecutor(4) as ex:
+        futs = [ex.submit(ask, server, q, i % 2 == 1) for i, q in enumerate(QUESTIONS)]
+        got = [f.result() for f in futs]
+    for q, (text, finish, usage) in zip(QUESTIONS, got):
+        assert text == chat[q]
+        assert finish in ("stop", "length")
+        assert usage.completion_tokens <= N and usage.prompt_tokens > 20
+    r = client(server).completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=N, temperature=0
+    )
+    assert r.choices[0].text == plain and r.usage.completion_tokens == N
+    h = httpx.get(server + "/health").json()
+    assert h["running"] == 0 and h["finished"] >= 5
+    # SmolLM2's template puts the same default system prompt before every question
+    assert h["prefix_hits"] >= 1
+
+
+@pytest.mark.slow
+def test_stop_logprobs_and_models(server, reference):
+    chat, _ = reference
+    q = QUESTIONS[0]
+    full = chat[q]
+    cut = full[len(full) // 2 :][:3]  # a piece of the answer: the text must end before it
+    r = client(server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=N, temperature=0,
+        stop=[cut], logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    ch = r.choices[0]
+    assert ch.message.content == full[: full.index(cut)] and ch.finish_reason == "stop"
+    lps = ch.logprobs.content
+    assert lps and all(len(t.top_logprobs) == 2 for t in lps)
+    assert all(
+        t.logprob <= 0 and t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in lps
+    )
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+BAD = [
+    (b"{not json", 400, "invalid_json"),
+    (b"[1, 2]", 400, "invalid_json"),
+    (json.dumps({"model": MODEL, "messages": "hi"}).encode(), 400, None),
+    (
+        json.dumps({"model": MODEL, "messages": [{"role": "bot", "content": "x"}]}).encode(),
+        400,
+        None,
+    ),
+    (
+        json.dumps({"model": MODEL, "messages": [{"role": "user", "content": 3}]}).encode(),
+        400,
+        None,
+    ),
+    (
+        json.dumps(
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}
+        ).encode(),
+        400,
+        None,
+    ),  # fmt: skip
+    (
+        json.dumps(
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}
+        ).encode(),
+        400,
+        None,
+    ),  # fmt: skip
+    (
+        json.dumps(
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2}
+        ).encode(),
+        400,
+        None,
+    ),  # fmt: skip
+    (
+        json.dumps({"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}).encode(),
+        404,
+        "model_not_found",
+    ),  # fmt: skip
+    (
+        json.dumps(
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "word " * 600}],
+                "max_tokens": 4,
+            }
+        ).encode(),
+        400,
+        "context_length_exceeded",
+    ),  # fmt: skip
+    (
+        json.dumps({"model": MODEL, "prompt": "/etc/passwd" * 500000}).encode(),
+        413,
+        "body_too_large",
+    ),  # fmt: skip
+]
+
+
+@pytest.mark.slow
+def test_malformed_requests_get_4xx_and_the_server_goes_on(server):
+    for body, status, code in BAD:
+        r = httpx.post(server + "/v1/chat/completions", content=body, timeout=60,
+                       headers={"content-type": "application/json"})  # fmt: skip
+        assert r.status_code == status, (body[:80], r.text)
+        err = r.json()["error"]
+        assert err["message"] and err["type"]
+        if code:
+            assert err["code"] == code
+    assert httpx.get(server + "/health").json()["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_disconnect_mid_stream_frees_the_slot(server):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        got = []
+        for ln in lines:
+            if ln.startswith("data:"):
+                got.append(ln)
+                if len(got) == 2:
+                    break
+    assert json.loads(got[0][5:])["object"] == "text_completion"
+    deadline = time.time() + 30
+    while (h := httpx.get(server + "/health").json())["running"]:
+        assert time.time() < deadline, h
+        time.sleep(0.2)
+    assert h["cancelled"] >= 1
+
+
+@pytest.fixture
+def tiny_app(tiny_dir):
+    from fastapi.testclient import TestClient
+
+    from mlxrun.engine import Engine
+    from mlxrun.server import Server, serve_app
+
+    d, _ = tiny_dir("llama_gqa_tied")
+    m = mlxrun.load(str(d), backend="cpu", progress=False)
+
+    def make(**kw):
+        eng = Engine(m.transformer, m.tokenizer, max_batch=1, context=64,
+                     max_queue=kw.pop("max_queue", 8))  # fmt: skip
+        made.append(eng)
+        return TestClient(serve_app(Server(eng, "tiny", **kw)))
+
+    made = []
+    yield make
+    for e in made:
+        e.close()
+
+
+def test_api_key_and_full_queue(tiny_app):
+    body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 2, "temperature": 0}
+    c = tiny_app(api_key="s3cret")
+    r = c.post("/v1/completions", json=body)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = c.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+    r = c.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    full = tiny_app(max_queue=0)
+    r = full.post("/v1/completions", json=body)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+
+
+@pytest.mark.skipif(os.name != "posix", reason="signals")
+def test_cli_refuses_bad_options():
+    r = subprocess.run([sys.executable, "-m", "mlxrun", "serve", "--max-batch", "many"],
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "--max-batch must be a positive integer" in r.stderr
