@@ -44,16 +44,21 @@ class SlotCache:
             )
         return L
 
-    def mask_np(self, length: int) -> np.ndarray | None:
+    def mask_np(self, length: int, window: int | None = None) -> np.ndarray | None:
         """(B, 1, T, S) bool, True = may attend, S = longest row + T: row b's query t sits at
-        lengths[b] + t and sees keys up to it. None when every key is visible to every query
-        (one new token, rows of equal length), as in a batch-1 decode step."""
+        lengths[b] + t and sees keys up to it (with a `window`, only its `window` latest).
+        None when every key is visible to every query (one new token, rows of equal length,
+        all in the window), as in a batch-1 decode step."""
         L = self.lengths[self.rows]
-        if length == 1 and (L == L[0]).all():
+        in_window = window is None or int(L.max()) + length <= window
+        if length == 1 and (L == L[0]).all() and in_window:
             return None
         q = L[:, None] + np.arange(length)[None, :]  # (B, T)
         k = np.arange(int(L.max()) + length)
-        return (k[None, None, :] <= q[:, :, None])[:, None]
+        m = k[None, None, :] <= q[:, :, None]
+        if not in_window:
+            m = m & (k[None, None, :] > q[:, :, None] - window)
+        return m[:, None]
 
     def positions_np(self, length: int) -> np.ndarray:
         """Rope positions (B, T) int32: each row continues from its own length."""
@@ -81,12 +86,13 @@ class TorchSlotCache(SlotCache):
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
-    def mask(self, length, pads):
+    def mask(self, length, pads, window=None):
         from .torch_backend import CAUSAL  # noqa: PLC0415
 
-        if len(self.rows) == 1 and self.lengths[self.rows[0]] == 0 and length > 1:
+        fresh = len(self.rows) == 1 and self.lengths[self.rows[0]] == 0 and length > 1
+        if fresh and (window is None or length <= window):
             return CAUSAL  # a fresh prompt alone: SDPA's own causal mask, as `generate` runs it
-        m = self.mask_np(length)
+        m = self.mask_np(length, window)
         return None if m is None else self._torch.from_numpy(m).to(self.device)
 
     def positions(self, length, pads):
@@ -132,8 +138,8 @@ class MLXSlotCache(SlotCache):
         self.values = [mx.zeros(shape, dtype) for _ in range(num_layers)]
         mx.eval(self.keys, self.values)
 
-    def mask(self, length, pads):
-        m = self.mask_np(length)
+    def mask(self, length, pads, window=None):
+        m = self.mask_np(length, window)
         return None if m is None else self._mx.array(m)
 
     def positions(self, length, pads):
