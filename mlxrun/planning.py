@@ -79,16 +79,26 @@ def plan_shapes(
     )
 
 
-def plan(*args, **kw) -> Plan:
+def plan(
+    model: str = "smollm2",
+    quant: str | None = None,
+    context: int | None = None,
+    batch: int = 1,
+    backend: str = "auto",
+    dtype: str | None = None,
+    prefill_chunk: int | None = None,
+    prompt_tokens: int | None = None,
+    tp: int = 1,
+) -> Plan:
     """Plan `batch` sequences of `context` tokens (default: the model's maximum) of `model`
     on the device `backend` selects, `prompt_tokens` of them the prompt (default: all: the
     prefill workspace is the prompt's); see mlxrun.memory.Plan for the fields.
 
     tp: plan one rank of the model split over `tp` processes (mlxrun.shard), each on a
     device like this one; MlxrunError, naming the counts that work, when it does not split.
-    Arguments as `plan_config`'s.
     """
-    return plan_config(*args, **kw)[0]
+    args = (model, quant, context, batch, backend, dtype, prefill_chunk, prompt_tokens, tp)
+    return plan_config(*args)[0]
 
 
 def plan_config(
