@@ -342,13 +342,59 @@ def plan(model, backend, dtype, quant, context, batch, prompt_tokens):
 )
 @click.option("--group-size", type=int, default=None, help="Quantization group size.")
 @click.option("--bits", type=int, default=None, help="Quantization bits (a check for --quant).")
-def convert(model, out_dir, quant, group_size, bits):
+@click.option(
+    "--calibrate",
+    type=click.Choice(["awq", "gptq"]),
+    default=None,
+    help="Round with a calibrated method instead of to nearest: awq (activation-aware "
+    "scales and clipping) or gptq (the same, then error feedback). Same format and size.",
+)
+@click.option(
+    "--calib-data",
+    default=None,
+    help='Calibration text: a UTF-8 file, or .jsonl with a "text" field per line '
+    "[default: the bundled English text].",
+)
+@click.option("--calib-samples", type=int, default=16, show_default=True, help="Windows of text.")
+@click.option("--calib-seq-len", type=int, default=320, show_default=True, help="Tokens a window.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Picks the windows.")
+@click.option(
+    "--backend",
+    default="cpu",
+    show_default=True,
+    help="Where calibration runs the layers: mlx, cuda, mps or cpu.",
+)
+def convert(
+    model,
+    out_dir,
+    quant,
+    group_size,
+    bits,
+    calibrate,
+    calib_data,
+    calib_samples,
+    calib_seq_len,
+    seed,
+    backend,
+):
     """Write a model as a Hugging Face-layout directory of safetensors (GGUF -> safetensors,
     or quantized to the format mlx-lm reads)."""
     from .convert import convert as run_convert  # noqa: PLC0415
 
+    opts = None
+    if calibrate is not None:
+        from mlxrun.quant.calibrate import CalibOptions  # noqa: PLC0415
+
+        opts = CalibOptions(calibrate, calib_data, calib_samples, calib_seq_len, seed).check()
     notes = run_convert(
-        model, out_dir, quant=quant, group_size=group_size, bits=bits, progress=sys.stderr.isatty()
+        model,
+        out_dir,
+        quant=quant,
+        group_size=group_size,
+        bits=bits,
+        progress=sys.stderr.isatty(),
+        calibrate=opts,
+        backend=backend,
     )
     for note in notes:
         click.echo(f"note: {note}", err=True)
