@@ -405,9 +405,15 @@ def convert(
 @model_options
 @click.option(
     "--quant",
-    required=True,
+    default=None,
     help="Formats to measure, a comma list of NAME[:gG][:clip]: none, int4, int8, fp8, fp4, "
-    "nvfp4; e.g. none,int8,int4:g32,int4:g64:clip,fp4.",
+    "nvfp4; e.g. none,int8,int4:g32,int4:g64:clip,fp4 [default with --against: none].",
+)
+@click.option(
+    "--against",
+    multiple=True,
+    help="A quantized checkpoint (directory, .gguf, Hub id) of the same model to score "
+    "against --model's dense weights; repeat for several.",
 )
 @click.option("--group-size", type=int, default=None, help="Group size for entries without :gG.")
 @click.option("--bits", type=int, default=None, help="Quantization bits (int formats).")
@@ -420,7 +426,7 @@ def convert(
     "--max-tokens", type=int, default=4096, show_default=True, help="Most tokens of text scored."
 )
 @click.option("--window", type=int, default=512, show_default=True, help="Tokens per forward pass.")
-def eval_cmd(model, backend, dtype, quant, group_size, bits, text, max_tokens, window):
+def eval_cmd(model, backend, dtype, quant, against, group_size, bits, text, max_tokens, window):
     """Measure what quantization costs: perplexity, KL divergence from the unquantized
     model and top-1 agreement, per format, over a text."""
     from .evaluate import (  # noqa: PLC0415
@@ -430,7 +436,15 @@ def eval_cmd(model, backend, dtype, quant, group_size, bits, text, max_tokens, w
         summarize_notes,
     )
 
-    choices = parse_choices(quant, group_size, bits)
+    if quant is None and not against:
+        raise MlxrunError("eval needs --quant (formats to measure) or --against (checkpoints)")
+    choices = parse_choices(quant or "none", group_size, bits)
+    extra = []
+    if against:
+        from .against import against_candidates  # noqa: PLC0415
+        from .loader import open_checkpoint  # noqa: PLC0415
+
+        extra = against_candidates(open_checkpoint(model), against, backend, dtype)
     run = evaluate_many(
         model,
         choices,
@@ -439,6 +453,7 @@ def eval_cmd(model, backend, dtype, quant, group_size, bits, text, max_tokens, w
         text=text,
         max_tokens=max_tokens,
         window=window,
+        extra=extra,
         progress=sys.stderr.isatty(),
     )
     click.echo(f"{model} on {run.backend}; text: {text or 'bundled eval.txt'}")

@@ -221,18 +221,25 @@ def output_error(e: np.ndarray, h: np.ndarray) -> float:
     return float(np.einsum("oi,oi->", e @ h, e))
 
 
-def search_scales(ws: list[np.ndarray], h: np.ndarray, xmean: np.ndarray, spec, dtype, grid):
+def sample_error(e: np.ndarray, x: np.ndarray) -> float:
+    """Mean squared output error of weight error E [out, in] over input rows x [n, in]:
+    an estimate of tr(E H E^T) at n*out*in operations instead of in*out*in."""
+    return float(((x @ e.T) ** 2).sum() / len(x))
+
+
+def search_scales(ws: list[np.ndarray], x: np.ndarray, xmean: np.ndarray, spec, dtype, grid):
     """Per input channel scales s [in] for the matrices `ws` (one shared input): the
     s = xmean^a (a in [0, 1), `grid` steps, normalised to geometric mean ~1) whose rounded
-    W*s, divided back by s, gives the least total output error. a = 0 (s = 1) is plain
-    rounding, so the result is never worse than that on these inputs."""
+    W*s, divided back by s, gives the least total output error on the input rows x
+    [n, in]. a = 0 (s = 1) is plain rounding, so the result is never worse than that on
+    these inputs."""
     best, best_s = None, np.ones_like(xmean)
     for k in range(grid):
         s = np.maximum(xmean ** (k / grid), 1e-4).astype(np.float32)
         s = s / np.sqrt(s.max() * s.min())
         err = 0.0
         for w in ws:
-            err += output_error(fake_quant(w * s, spec, dtype) / s - w, h)
+            err += sample_error(fake_quant(w * s, spec, dtype) / s - w, x)
         if best is None or err < best:
             best, best_s = err, s
     return best_s
@@ -317,22 +324,27 @@ class _Recorder:
 
 
 class _Stats:
-    """Running H = X^T X (float64) and sum |x| per channel of one linear input."""
+    """Running H = X^T X (float64), sum |x| per channel, and up to `keep` input rows (an
+    even spread over the calibration windows) of one linear input."""
 
-    def __init__(self):
+    def __init__(self, keep: int = 512):
         self.h = self.abs = None
         self.n = 0
+        self.keep, self.rows = keep, []
 
-    def add(self, x: np.ndarray) -> None:
+    def add(self, x: np.ndarray, every: int) -> None:
         g = (x.T @ x).astype(np.float64)
         a = np.abs(x).sum(0, dtype=np.float64)
         self.h = g if self.h is None else self.h + g
         self.abs = a if self.abs is None else self.abs + a
         self.n += len(x)
+        self.rows.append(x[::every])
 
-    def result(self) -> tuple[np.ndarray, np.ndarray]:
-        """(H / tokens as float32 [in, in], mean |x| [in])."""
-        return (self.h / self.n).astype(np.float32), (self.abs / self.n).astype(np.float32)
+    def result(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(H / tokens as float32 [in, in], mean |x| [in], sample rows [<=keep, in])."""
+        rows = np.concatenate(self.rows)[: self.keep]
+        h = (self.h / self.n).astype(np.float32)
+        return h, (self.abs / self.n).astype(np.float32), rows
 
 
 def _layer(be, w: dict, ln_in, ln_post, extra: dict):
@@ -361,7 +373,7 @@ def _run(shell, L, hs: np.ndarray, chunk: int, rec: _Recorder | None):
             for key, xs in rec.seen.items():
                 st = stats.setdefault(key, _Stats())
                 for x_ in xs:
-                    st.add(x_)
+                    st.add(x_, max(1, len(hs) * T // st.keep))
             rec.seen.clear()
     return new, stats
 
@@ -466,17 +478,17 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
 
         L = _layer(be, w, ln_in, ln_post, extra)
         _, stats = _run(shell_rec, L, hs, chunk, rec)
-        h_qkv, m_qkv = stats[id(L.q_proj)].result()
-        h_o, _ = stats[id(L.o_proj)].result()
-        h_gu, m_gu = stats[id(L.gate_proj)].result()
-        h_d, m_d = stats[id(L.down_proj)].result()
+        h_qkv, m_qkv, x_qkv = stats[id(L.q_proj)].result()
+        h_o, _, _ = stats[id(L.o_proj)].result()
+        h_gu, m_gu, x_gu = stats[id(L.gate_proj)].result()
+        h_d, m_d, x_d = stats[id(L.down_proj)].result()
         del stats
         # scales: q/k/v (folded into the input norm), down (into up's rows), gate/up
         qkv = [w["q_proj"], w["k_proj"], w["v_proj"]]
-        s1 = search_scales(qkv, h_qkv, m_qkv, spec, dtype, opts.grid)
-        s2 = search_scales([w["down_proj"]], h_d, m_d, spec, dtype, opts.grid)
+        s1 = search_scales(qkv, x_qkv, m_qkv, spec, dtype, opts.grid)
+        s2 = search_scales([w["down_proj"]], x_d, m_d, spec, dtype, opts.grid)
         w["up_proj"] = w["up_proj"] / s2[:, None]
-        s3 = search_scales([w["gate_proj"], w["up_proj"]], h_gu, m_gu, spec, dtype, opts.grid)
+        s3 = search_scales([w["gate_proj"], w["up_proj"]], x_gu, m_gu, spec, dtype, opts.grid)
         ln_in, ln_post = ln_in / s1, ln_post / s3
         scaled = {
             "q_proj": s1,
@@ -510,12 +522,9 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
     norm = f32("model.norm.weight")
     st = _Stats()
     for s in range(0, len(hs), chunk):
-        st.add(
-            be.to_numpy(be.rms_norm(be.array(hs[s : s + chunk]), be.array(norm), eps)).reshape(
-                -1, cfg.hidden_size
-            )
-        )
-    h_head, _ = st.result()
+        x = be.rms_norm(be.array(hs[s : s + chunk]), be.array(norm), eps)
+        st.add(be.to_numpy(x).reshape(-1, cfg.hidden_size), len(hs) * opts.seq_len)
+    h_head = st.result()[0]
     head = "model.embed_tokens" if cfg.tie_word_embeddings else "lm_head"
     quantize(head, f32(f"{head}.weight"), h_head, espec)
     if not cfg.tie_word_embeddings:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from mlxrun.cli import main
+from mlxrun.convert import convert
 from mlxrun.quant.calibrate import (
     CalibOptions,
     calib_text,
@@ -47,7 +48,7 @@ def test_calibrated_layer_has_lower_output_error_than_rtn(spec):
     err_rtn = float(((x @ rtn.T - y) ** 2).sum())
     # output_error from H is the activations' squared error
     assert output_error(rtn - w, h) * len(x) == pytest.approx(err_rtn, rel=1e-3)
-    s = search_scales([w], h, xmean, spec, "float32", 20)
+    s = search_scales([w], x[:512], xmean, spec, "float32", 20)
     ws, hs = w * s, h / np.outer(s, s)
     grid = make_grid(ws, spec, "float32", search_clip(ws, hs, spec, "float32"))
     awq = grid.values(grid.codes(ws)) / s
@@ -154,3 +155,25 @@ def test_convert_calibrated_loads_in_mlx_lm_with_our_logits(tiny_dir, tmp_path, 
     with torch.no_grad():
         dense = hf(torch.tensor(ids)).logits[0].numpy()
     assert np.corrcoef(mine.ravel(), dense.ravel())[0, 1] > 0.8
+
+
+def test_eval_against_scores_a_checkpoint_like_the_same_format(capsys, tiny_dir, tmp_path):
+    """A checkpoint converted to int4 g32 holds the bytes that quantize-on-load makes, so
+    `--against` it must score exactly as the `int4:g32` row of the same run."""
+    from .test_eval_cli import run_cli as run_eval
+    from .test_eval_cli import table
+
+    d, _ = tiny_dir("llama_gqa_tied")
+    out = tmp_path / "rtn"
+    convert(str(d), str(out), quant="int4", group_size=32, progress=False)
+    f = _calib_file(tmp_path, n=140)
+    code, text, err = run_eval(
+        capsys, "eval", "-m", str(d), "-b", "cpu", "--quant", "int4:g32",
+        "--against", str(out), "--text", str(f), "--window", "64",
+    )  # fmt: skip
+    assert code == 0, err
+    rows = table(text)
+    assert list(rows) == ["int4 g32", str(out)]
+    assert rows[str(out)] == rows["int4 g32"] and rows["int4 g32"][2] > 0
+    code, err = run_cli(capsys, "eval", "-m", str(d), "--text", str(f))
+    assert_one_line_error(code, err, "eval needs --quant")
