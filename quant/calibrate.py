@@ -530,8 +530,8 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
     if not cfg.tie_word_embeddings:
         emb_grid = make_grid(f32("model.embed_tokens.weight"), espec, dtype)
         put("model.embed_tokens", emb_grid, emb_grid.codes(f32("model.embed_tokens.weight")))
-    for name, x in t.items():
-        path = name.rsplit(".", 1)[0]
-        if name not in out and f"{path}.weight" not in out and f"{path}.scales" not in out:
+    for name, x in t.items():  # the rest (other norms, q/k/v biases) as stored
+        path, _, leaf = name.rpartition(".")
+        if name not in out and not (leaf == "weight" and f"{path}.scales" in out):
             out[name] = x
     return out, block, notes

@@ -121,13 +121,13 @@ def test_convert_calibrate_errors(capsys, tiny_dir, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq"])
-def test_convert_calibrated_loads_in_mlx_lm_with_our_logits(tiny_dir, tmp_path, method):
+@pytest.mark.parametrize("method,name", [("awq", "qwen2_bias"), ("gptq", "llama_gqa_tied")])
+def test_convert_calibrated_loads_in_mlx_lm_with_our_logits(tiny_dir, tmp_path, method, name):
     mx = pytest.importorskip("mlx.core")
     mlx_lm = pytest.importorskip("mlx_lm")
     import mlxrun
 
-    d, hf = tiny_dir("llama_gqa_tied")
+    d, hf = tiny_dir(name)
     f = _calib_file(tmp_path)
     out = tmp_path / "q"
     with pytest.raises(SystemExit) as e:
