@@ -399,12 +399,53 @@ def plan(model, backend, dtype, quant, context, batch, prompt_tokens, tp, json_o
 )
 @click.option("--group-size", type=int, default=None, help="Quantization group size.")
 @click.option("--bits", type=int, default=None, help="Quantization bits (a check for --quant).")
+@click.option(
+    "--calibrate",
+    type=click.Choice(["awq", "gptq"]),
+    default=None,
+    help="Round with a calibrated method instead of to nearest: awq (activation-aware "
+    "scales and clipping) or gptq (the same, then error feedback). Same format and size.",
+)
+@click.option(
+    "--calib-data",
+    default=None,
+    help='Calibration text: a UTF-8 file, or .jsonl with a "text" field per line '
+    "[default: the bundled English text].",
+)
+@click.option("--calib-samples", type=int, default=16, show_default=True, help="Windows of text.")
+@click.option("--calib-seq-len", type=int, default=320, show_default=True, help="Tokens a window.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Picks the windows.")
+@click.option(
+    "--backend",
+    default="cpu",
+    show_default=True,
+    help="Where calibration runs the layers: mlx, cuda, mps or cpu.",
+)
 @verbosity_options
-def convert(model, out_dir, quant, group_size, bits, quiet, verbose):
+def convert(
+    model,
+    out_dir,
+    quant,
+    group_size,
+    bits,
+    calibrate,
+    calib_data,
+    calib_samples,
+    calib_seq_len,
+    seed,
+    backend,
+    quiet,
+    verbose,
+):
     """Write a model as a Hugging Face-layout directory of safetensors (GGUF -> safetensors,
     or quantized to the format mlx-lm reads)."""
     from .convert import convert as run_convert  # noqa: PLC0415
 
+    opts = None
+    if calibrate is not None:
+        from mlxrun.quant.calibrate import CalibOptions  # noqa: PLC0415
+
+        opts = CalibOptions(calibrate, calib_data, calib_samples, calib_seq_len, seed).check()
     notes = run_convert(
         model,
         out_dir,
@@ -412,6 +453,8 @@ def convert(model, out_dir, quant, group_size, bits, quiet, verbose):
         group_size=group_size,
         bits=bits,
         progress=sys.stderr.isatty() and not quiet,
+        calibrate=opts,
+        backend=backend,
     )
     _notes(notes, quiet)
     click.echo(convert_summary(out_dir))
@@ -421,9 +464,15 @@ def convert(model, out_dir, quant, group_size, bits, quiet, verbose):
 @model_options
 @click.option(
     "--quant",
-    required=True,
+    default=None,
     help="Formats to measure, a comma list of NAME[:gG][:clip]: none, int4, int8, fp8, fp4, "
-    "nvfp4; e.g. none,int8,int4:g32,int4:g64:clip,fp4.",
+    "nvfp4; e.g. none,int8,int4:g32,int4:g64:clip,fp4 [default with --against: none].",
+)
+@click.option(
+    "--against",
+    multiple=True,
+    help="A quantized checkpoint (directory, .gguf, Hub id) of the same model to score "
+    "against --model's dense weights; repeat for several.",
 )
 @click.option("--group-size", type=int, default=None, help="Group size for entries without :gG.")
 @click.option("--bits", type=int, default=None, help="Quantization bits (int formats).")
@@ -437,7 +486,9 @@ def convert(model, out_dir, quant, group_size, bits, quiet, verbose):
 )
 @click.option("--window", type=int, default=512, show_default=True, help="Tokens per forward pass.")
 @json_option
-def eval_cmd(model, backend, dtype, quant, group_size, bits, text, max_tokens, window, json_out):
+def eval_cmd(
+    model, backend, dtype, quant, against, group_size, bits, text, max_tokens, window, json_out
+):
     """Measure what quantization costs: perplexity, KL divergence from the unquantized
     model and top-1 agreement, per format, over a text."""
     from .evaluate import (  # noqa: PLC0415
@@ -447,7 +498,15 @@ def eval_cmd(model, backend, dtype, quant, group_size, bits, text, max_tokens, w
         summarize_notes,
     )
 
-    choices = parse_choices(quant, group_size, bits)
+    if quant is None and not against:
+        raise MlxrunError("eval needs --quant (formats to measure) or --against (checkpoints)")
+    choices = parse_choices(quant or "none", group_size, bits)
+    extra = []
+    if against:
+        from .against import against_candidates  # noqa: PLC0415
+        from .loader import open_checkpoint  # noqa: PLC0415
+
+        extra = against_candidates(open_checkpoint(model), against, backend, dtype)
     if json_out not in (None, "-"):
         check_writable(json_out)
     run = evaluate_many(
@@ -458,6 +517,7 @@ def eval_cmd(model, backend, dtype, quant, group_size, bits, text, max_tokens, w
         text=text,
         max_tokens=max_tokens,
         window=window,
+        extra=extra,
         progress=sys.stderr.isatty(),
     )
     if json_out:

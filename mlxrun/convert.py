@@ -223,6 +223,37 @@ class _Plan:
         return out + self.notes
 
 
+class _Calibrated:
+    """The tensors and quantization block of a calibrated quantization, as a plan."""
+
+    def __init__(self, tensors: dict[str, Tensor], block: dict, notes: list[str]):
+        self.t, self.block, self.notes = tensors, block, notes
+
+    def __len__(self) -> int:
+        return len(self.t)
+
+    def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+        return iter(self.t.items())
+
+    def summary(self) -> list[str]:
+        return self.notes
+
+
+def _calibrated(ckpt: Checkpoint, spec, opts, backend: str, progress: bool) -> _Calibrated:
+    from mlxrun.quant.calibrate import calibrate  # noqa: PLC0415
+
+    from .evaluate import dense_checkpoint  # noqa: PLC0415
+
+    notes = []
+    if ckpt.config.quantization:
+        notes.append(
+            "the source is stored quantized: calibrated from its dequantized weights (the "
+            "rounding errors add up; the full-precision checkpoint gives the best quality)"
+        )
+    tensors, block, more = calibrate(dense_checkpoint(ckpt), spec, opts, backend, progress)
+    return _Calibrated(tensors, block, notes + more)
+
+
 def _write_shards(tmp: Path, items, shard_bytes: int, progress: bool) -> None:
     """Write (name, Tensor) pairs as shards of at most `shard_bytes` (a larger single
     tensor gets a shard of its own), mlx-lm's names, an index when there are several."""
@@ -272,13 +303,18 @@ def convert(
     bits: int | None = None,
     progress: bool = True,
     shard_bytes: int = SHARD_BYTES,
+    calibrate=None,
+    backend: str = "cpu",
 ) -> list[str]:
     """Write `model` to `out_dir` (new, or an empty directory): quantized to `quant` (int4, int8, fp8,
     fp4, nvfp4; 'none' dequantizes a quantized source; None keeps what is stored), in
     safetensors shards of at most `shard_bytes`. Returns notes for the user.
 
     The files are written under `.NAME.partial-PID` beside `out_dir` and renamed at the
-    end; such directories left by killed runs are removed first (`clean_stale_partials`)."""
+    end; such directories left by killed runs are removed first (`clean_stale_partials`).
+    calibrate: a `mlxrun.quant.calibrate.CalibOptions` to quantize with a calibrated method
+    (AWQ, GPTQ) instead of rounding to nearest, running the layers on `backend`; a
+    quantized source is dequantized first."""
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise MlxrunError(f"{out} already exists and is not empty; choose a new directory")
@@ -290,8 +326,13 @@ def convert(
         spec = resolve(quant, group_size=group_size, bits=bits)
     elif group_size is not None or bits is not None:
         raise MlxrunError("--group-size and --bits refine --quant; give --quant too")
+    if calibrate is not None and spec is None:
+        raise MlxrunError("--calibrate needs --quant (int4, fp4, ...): it chooses how to round")
     ckpt = open_checkpoint(model)
-    plan = _Plan(ckpt, spec, dense, group_size is not None)
+    if calibrate is not None:
+        plan = _calibrated(ckpt, spec, calibrate, backend, progress)
+    else:
+        plan = _Plan(ckpt, spec, dense, group_size is not None)
     out.parent.mkdir(parents=True, exist_ok=True)
     stale = clean_stale_partials(out.parent)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"

@@ -90,6 +90,36 @@ class Transformer:
             c.num_hidden_layers, batch, c.num_key_value_heads, c.head_dim, max_len
         )
 
+    def block(self, L: Layer, h: Array, x: Array, nxt: Array, cache, i: int, mask, pos):
+        """One decoder layer: residual h (B, T, hidden) and x = its input norm applied ->
+        (h, x) after the layer, x normalised by `nxt` (the next layer's input norm, or the
+        final norm). Uses slot `i` of the cache. Calibration runs layers one at a time
+        through this (quant/calibrate.py)."""
+        be, c = self.be, self.config
+        B, T = x.shape[0], x.shape[1]
+        nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        q, k, v = be.linears(x, (L.q_proj, L.k_proj, L.v_proj), (L.q_bias, L.k_bias, L.v_bias))
+        q = q.reshape(B, T, nh, hd).swapaxes(1, 2)
+        k = k.reshape(B, T, nkv, hd).swapaxes(1, 2)
+        v = v.reshape(B, T, nkv, hd).swapaxes(1, 2)
+        if L.q_norm is not None:  # Qwen3 normalises each head before rope
+            q = be.rms_norm(q, L.q_norm, c.rms_norm_eps)
+            k = be.rms_norm(k, L.k_norm, c.rms_norm_eps)
+        # q (B, nh, T, hd) rotated; k, v (B, nkv, offset+T, hd) from the cache
+        q, k, v = be.rope_and_cache(q, k, v, pos, self.rope, cache, i)
+        o = be.attention(q, k, v, self.scale, mask)  # (B, nh, T, hd)
+        # o and down see this rank's heads / MLP rows only: partial sums of the output, and
+        # their biases are added once, after the sum
+        o = be.all_sum(be.linear(o.swapaxes(1, 2).reshape(B, T, nh * hd), L.o_proj))
+        o = o if L.o_bias is None else o + L.o_bias
+        h, x = be.add_rms_norm(h, o, L.post_attention_layernorm, c.rms_norm_eps)
+        mlp_b = None if L.gate_bias is None else (L.gate_bias, L.up_bias)
+        y = be.gated_mlp(x, L.gate_proj, L.up_proj, c.hidden_act, mlp_b)
+        y = be.all_sum(be.linear(y, L.down_proj))
+        y = y if L.down_bias is None else y + L.down_bias
+        h, x = be.add_rms_norm(h, y, nxt, c.rms_norm_eps)
+        return h, x
+
     def __call__(
         self, ids: Array, cache, pads: np.ndarray | None = None, last_only: bool = False
     ) -> Array:
@@ -99,8 +129,7 @@ class Transformer:
         of different lengths); those slots are masked and the rope positions shifted.
         """
         be, c = self.be, self.config
-        B, T = ids.shape
-        nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        T = ids.shape[1]
         windows = [c.window(i) for i in range(len(self.layers))]
         # one mask per window in use: (B or 1, 1, T, keys) or None (or the backend's causal)
         masks = {w: cache.mask(T, pads, w) for w in set(windows)}
@@ -109,28 +138,9 @@ class Transformer:
         # Each residual add is done with the norm that follows it (one fused kernel on CUDA).
         h, x = be.add_rms_norm(h, None, self.layers[0].input_layernorm, c.rms_norm_eps)
         for i, L in enumerate(self.layers):
-            q, k, v = be.linears(x, (L.q_proj, L.k_proj, L.v_proj), (L.q_bias, L.k_bias, L.v_bias))
-            q = q.reshape(B, T, nh, hd).swapaxes(1, 2)
-            k = k.reshape(B, T, nkv, hd).swapaxes(1, 2)
-            v = v.reshape(B, T, nkv, hd).swapaxes(1, 2)
-            if L.q_norm is not None:  # Qwen3 normalises each head before rope
-                q = be.rms_norm(q, L.q_norm, c.rms_norm_eps)
-                k = be.rms_norm(k, L.k_norm, c.rms_norm_eps)
-            # q (B, nh, T, hd) rotated; k, v (B, nkv, offset+T, hd) from the cache
-            q, k, v = be.rope_and_cache(q, k, v, pos, self.rope, cache, i)
-            o = be.attention(q, k, v, self.scale, masks[windows[i]])  # (B, nh, T, hd)
-            # o and down see this rank's heads / MLP rows only: partial sums of the output,
-            # and their biases are added once, after the sum
-            o = be.all_sum(be.linear(o.swapaxes(1, 2).reshape(B, T, nh * hd), L.o_proj))
-            o = o if L.o_bias is None else o + L.o_bias
-            h, x = be.add_rms_norm(h, o, L.post_attention_layernorm, c.rms_norm_eps)
-            mlp_b = None if L.gate_bias is None else (L.gate_bias, L.up_bias)
-            y = be.gated_mlp(x, L.gate_proj, L.up_proj, c.hidden_act, mlp_b)
-            y = be.all_sum(be.linear(y, L.down_proj))
-            y = y if L.down_bias is None else y + L.down_bias
             last = i + 1 == len(self.layers)
             nxt = self.norm if last else self.layers[i + 1].input_layernorm
-            h, x = be.add_rms_norm(h, y, nxt, c.rms_norm_eps)
+            h, x = self.block(L, h, x, nxt, cache, i, masks[windows[i]], pos)
         cache.advance(T)
         if last_only:
             x = x[:, -1, :]

@@ -1,0 +1,546 @@
+"""Calibrated quantization: activation-aware scaling (AWQ), clipping and error feedback
+(GPTQ), written into the canonical (mlx-lm) packed format, so no new kernel is needed.
+
+The model runs one decoder layer at a time on any backend (`Transformer.block`), from
+the quantized previous layers' output, so memory holds one layer's weights and one layer's
+activations. For each linear, the inputs it sees on the calibration text give
+H = X^T X (in x in); every search below scores a candidate by the output error it causes,
+tr(E H E^T) for a weight error E, computed from H rather than from the activations:
+
+- awq: per input channel scales s = mean|x|^a (a searched on a grid), applied as W*s with
+  1/s folded into the op before (the RMSNorm weight, or the rows of up_proj for
+  down_proj), as mlx-lm's AWQ does; then per group a clip of the range (both ends shrunk by
+  a searched factor) against the group's block of H; codes by rounding to nearest.
+- gptq: the same scales and group parameters, then the codes chosen column by column with
+  the rounding error fed forward to the columns not yet quantized (GPTQ, static groups).
+
+The numerical work runs in numpy float32/float64 on the host; the backend only runs the
+layer forward passes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from mlxrun.errors import MlxrunError
+from mlxrun.quant.formats import QuantSpec
+from mlxrun.quant.reference import (
+    e2m1_decode,
+    e2m1_encode,
+    e4m3_decode,
+    e4m3_encode,
+    e8m0_encode,
+    e8m0_exponent,
+    pack,
+    round_to,
+)
+
+METHODS = ("awq", "gptq")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Output errors of q and k go through a softmax, where a clipped outlier matters more than
+# the squared error says; mlx-lm's AWQ leaves them unclipped too.
+NO_CLIP = ("q_proj", "k_proj")
+
+
+@dataclass(frozen=True)
+class CalibOptions:
+    """How to calibrate: `method` (awq | gptq), `samples` windows of `seq_len` tokens of
+    `data` (a file, or None for the bundled text), chosen by `seed`; `grid` points for the
+    scale search; the embedding (and a tied head) at `embed_group_size` (None: the spec's)."""
+
+    method: str = "awq"
+    data: str | None = None
+    samples: int = 16
+    seq_len: int = 320
+    seed: int = 0
+    grid: int = 20
+    embed_group_size: int | None = 32
+
+    def check(self) -> CalibOptions:
+        if self.method not in METHODS:
+            raise MlxrunError(
+                f"--calibrate {self.method!r} is not a method: use {' or '.join(METHODS)}"
+            )
+        if self.samples < 1 or self.seq_len < 2:
+            raise MlxrunError(
+                f"--calib-samples ({self.samples}) must be at least 1 and --calib-seq-len "
+                f"({self.seq_len}) at least 2"
+            )
+        return self
+
+
+# ---------------------------------------------------------------- calibration text
+
+
+def calib_text(path: str | None) -> str:
+    """The calibration text: plain UTF-8 text, or JSONL with a "text" field per line (the
+    fields joined by blank lines); None: the bundled mlxrun/data/calib.txt (original
+    English prose written for mlxrun, distinct from the evaluation text eval.txt)."""
+    if path is None:
+        return resources.files("mlxrun").joinpath("data/calib.txt").read_text(encoding="utf-8")
+    p = Path(path).expanduser()
+    try:
+        body = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise MlxrunError(f"--calib-data {path}: no such file; give a text or JSONL file") from None
+    except UnicodeDecodeError:
+        raise MlxrunError(f"--calib-data {path}: not UTF-8 text; give a plain text file") from None
+    except OSError as e:
+        raise MlxrunError(f"--calib-data {path}: cannot be read ({e.strerror or e})") from None
+    if p.suffix.lower() in (".jsonl", ".ndjson"):
+        texts = []
+        for n, line in enumerate(body.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise MlxrunError(
+                    f"--calib-data {path}: line {n} is not JSON; give one object per line "
+                    'with a "text" field'
+                ) from None
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                raise MlxrunError(
+                    f'--calib-data {path}: line {n} has no string "text" field; give one '
+                    'object per line such as {"text": "..."}'
+                )
+            texts.append(row["text"])
+        body = "\n\n".join(texts)
+    return body
+
+
+def calib_windows(ids: list[int], opts: CalibOptions) -> np.ndarray:
+    """Token ids -> `samples` non-overlapping windows [samples, seq_len] (int64), picked
+    from all the text's windows by a permutation seeded with `seed`."""
+    n = len(ids) // opts.seq_len
+    if n < opts.samples:
+        raise MlxrunError(
+            f"the calibration text gives {len(ids)} tokens, {n} windows of "
+            f"{opts.seq_len}, but --calib-samples asks for {opts.samples}: give a longer "
+            "--calib-data, or fewer --calib-samples or a shorter --calib-seq-len"
+        )
+    w = np.asarray(ids[: n * opts.seq_len], np.int64).reshape(n, opts.seq_len)
+    pick = np.random.default_rng(opts.seed).permutation(n)[: opts.samples]
+    return w[np.sort(pick)]
+
+
+# ---------------------------------------------------------------- group grids
+
+
+@dataclass
+class Grid:
+    """Per-group quantization parameters of one [out, in] matrix in `spec`'s format:
+    affine: scale, bias [out, groups] (float32 values of the stored dtype); float modes:
+    the stored scale bytes [out, groups] and their float32 values."""
+
+    spec: QuantSpec
+    dtype: str
+    scale: np.ndarray
+    bias: np.ndarray | None = None
+    sbytes: np.ndarray | None = None
+
+    def codes(self, w: np.ndarray, cols: slice | None = None) -> np.ndarray:
+        """Nearest codes for weights w [out, k] (columns `cols` of the matrix; None: all)."""
+        g = self.spec.group_size
+        idx = np.arange(w.shape[1]) + (cols.start if cols else 0)
+        s = self.scale[:, idx // g]
+        if self.spec.mode == "affine":
+            n = (1 << self.spec.bits) - 1
+            b = self.bias[:, idx // g]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                q = np.rint((w - b) / s)
+            return np.clip(np.nan_to_num(q), 0, n).astype(np.uint32)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            x = round_to(w / s, self.dtype)
+        return (e2m1_encode(x) if self.spec.bits == 4 else e4m3_encode(x)).astype(np.uint32)
+
+    def values(self, q: np.ndarray, cols: slice | None = None) -> np.ndarray:
+        """Dequantized float32 values of codes q [out, k] (as the float32 backends compute
+        them)."""
+        g = self.spec.group_size
+        idx = np.arange(q.shape[1]) + (cols.start if cols else 0)
+        s = self.scale[:, idx // g]
+        if self.spec.mode == "affine":
+            return q.astype(np.float32) * s + self.bias[:, idx // g]
+        v = e2m1_decode(q) if self.spec.bits == 4 else e4m3_decode(q)
+        return (v * s).astype(np.float32)
+
+    def tensors(self, q: np.ndarray) -> dict[str, np.ndarray]:
+        """Codes [out, in] -> the stored {"weight", "scales"[, "biases"]} (float32 scales
+        and biases, or uint16 bfloat16 bits / float16 per `dtype`; see `_store_float`)."""
+        out = {"weight": pack(q, self.spec.bits)}
+        if self.spec.mode == "affine":
+            out["scales"], out["biases"] = self.scale, self.bias
+        else:
+            out["scales"] = self.sbytes
+        return out
+
+
+def make_grid(w: np.ndarray, spec: QuantSpec, dtype: str, shrink=None) -> Grid:
+    """Group parameters for w [out, in] as `mx.quantize` computes them from the values,
+    after shrinking each group's range by `shrink` [out, groups] (1: MLX's own)."""
+    g = spec.group_size
+    wg = w.reshape(w.shape[0], -1, g)
+    shrink = np.ones(wg.shape[:2], np.float32) if shrink is None else shrink
+    if spec.mode == "affine":
+        from mlxrun.quant.reference import _affine_params  # noqa: PLC0415
+
+        lo = wg.min(-1) * shrink
+        hi = wg.max(-1) * shrink
+        s, b = _affine_params(lo[..., None], hi[..., None], spec.bits)
+        return Grid(spec, dtype, round_to(s[..., 0], dtype), round_to(b[..., 0], dtype))
+    amax = np.abs(wg).max(-1) * shrink
+    s = round_to(amax / np.float32(6.0 if spec.bits == 4 else 448.0), dtype)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if spec.mode == "nvfp4":
+            sb = e4m3_encode(s)
+            val = e4m3_decode(sb)
+        else:
+            sb = e8m0_encode(s)
+            val = np.ldexp(np.float32(1.0), e8m0_exponent(s)).astype(np.float32)
+    return Grid(spec, dtype, val.astype(np.float32), None, sb)
+
+
+def fake_quant(w: np.ndarray, spec: QuantSpec, dtype: str, shrink=None) -> np.ndarray:
+    """w [out, in] rounded to nearest in `spec` (optionally clipped): float32 values."""
+    grid = make_grid(w, spec, dtype, shrink)
+    return grid.values(grid.codes(w))
+
+
+# ---------------------------------------------------------------- searches
+
+
+def output_error(e: np.ndarray, h: np.ndarray) -> float:
+    """tr(E H E^T): the summed squared output error of weight error E [out, in] on the
+    inputs whose Gram matrix is H [in, in]."""
+    return float(np.einsum("oi,oi->", e @ h, e))
+
+
+def sample_error(e: np.ndarray, x: np.ndarray) -> float:
+    """Mean squared output error of weight error E [out, in] over input rows x [n, in]:
+    an estimate of tr(E H E^T) at n*out*in operations instead of in*out*in."""
+    return float(((x @ e.T) ** 2).sum() / len(x))
+
+
+def search_scales(ws: list[np.ndarray], x: np.ndarray, xmean: np.ndarray, spec, dtype, grid):
+    """Per input channel scales s [in] for the matrices `ws` (one shared input): the
+    s = xmean^a (a in [0, 1), `grid` steps, normalised to geometric mean ~1) whose rounded
+    W*s, divided back by s, gives the least total output error on the input rows x
+    [n, in]. a = 0 (s = 1) is plain rounding, so the result is never worse than that on
+    these inputs."""
+    best, best_s = None, np.ones_like(xmean)
+    for k in range(grid):
+        s = np.maximum(xmean ** (k / grid), 1e-4).astype(np.float32)
+        s = s / np.sqrt(s.max() * s.min())
+        err = 0.0
+        for w in ws:
+            err += sample_error(fake_quant(w * s, spec, dtype) / s - w, x)
+        if best is None or err < best:
+            best, best_s = err, s
+    return best_s
+
+
+def search_clip(w: np.ndarray, h: np.ndarray, spec, dtype, steps: int = 10) -> np.ndarray:
+    """Per group range shrink [out, groups] in {1, 0.95, ..., 0.55}: the one with the least
+    output error of the group, error_g^T H_gg error_g (H's diagonal block of the group)."""
+    g = spec.group_size
+    out, n = w.shape
+    hb = np.stack([h[i : i + g, i : i + g] for i in range(0, n, g)])  # [groups, g, g]
+    best_err = np.full((out, n // g), np.inf, np.float32)
+    best = np.ones((out, n // g), np.float32)
+    for k in range(steps):
+        p = np.float32(1.0 - 0.05 * k)
+        shrink = np.full((out, n // g), p, np.float32)
+        e = (fake_quant(w, spec, dtype, shrink) - w).reshape(out, n // g, g).transpose(1, 0, 2)
+        err = (np.matmul(e, hb) * e).sum(-1).T  # [out, groups]; a batched BLAS product
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best = np.where(better, p, best)
+    return best
+
+
+def gptq_codes(w: np.ndarray, h: np.ndarray, grid: Grid, block: int = 128) -> np.ndarray:
+    """Codes [out, in] for w on a fixed `grid`, chosen column by column with each column's
+    rounding error spread over the later columns by the inverse Hessian (GPTQ)."""
+    w = w.astype(np.float32).copy()
+    n = w.shape[1]
+    h = h.astype(np.float64).copy()
+    dead = np.diag(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    h[np.diag_indices(n)] += 0.01 * np.mean(np.diag(h))
+    # upper Cholesky factor of H^-1: row i holds the update weights for columns after i
+    hinv = np.linalg.cholesky(np.linalg.inv(h)).T.astype(np.float32)
+    q = np.zeros(w.shape, np.uint32)
+    for i0 in range(0, n, block):
+        i1 = min(i0 + block, n)
+        wb = w[:, i0:i1].copy()
+        err = np.zeros_like(wb)
+        hb = hinv[i0:i1, i0:i1]
+        for j in range(i1 - i0):
+            col = slice(i0 + j, i0 + j + 1)
+            qj = grid.codes(wb[:, j : j + 1], col)
+            q[:, i0 + j] = qj[:, 0]
+            e = (wb[:, j] - grid.values(qj, col)[:, 0]) / hb[j, j]
+            wb[:, j + 1 :] -= np.outer(e, hb[j, j + 1 :])
+            err[:, j] = e
+        w[:, i1:] -= err @ hinv[i0:i1, i1:]
+    return q
+
+
+# ---------------------------------------------------------------- the model, layer by layer
+
+
+class _Recorder:
+    """The backend, recording the input of each linear it runs (keyed by the weight's id)
+    as float32 numpy, so one pass of `Transformer.block` yields every linear's inputs."""
+
+    def __init__(self, be):
+        self._be, self.seen = be, {}
+
+    def __getattr__(self, name):
+        return getattr(self._be, name)
+
+    def _keep(self, w, x) -> None:
+        x = self._be.to_numpy(x)
+        self.seen.setdefault(id(w), []).append(x.reshape(-1, x.shape[-1]).astype(np.float32))
+
+    def linears(self, x, ws, biases=None):
+        self._keep(ws[0], x)
+        return self._be.linears(x, ws, biases)
+
+    def linear(self, x, w, bias=None):
+        self._keep(w, x)
+        return self._be.linear(x, w, bias)
+
+    def silu_gated(self, x, gate, up):
+        self._keep(gate, x)
+        return self._be.silu_gated(x, gate, up)
+
+    def gated_mlp(self, x, gate, up, act, biases=None):
+        self._keep(gate, x)
+        return self._be.gated_mlp(x, gate, up, act, biases)
+
+
+class _Stats:
+    """Running H = X^T X (float64), sum |x| per channel, and up to `keep` input rows (an
+    even spread over the calibration windows) of one linear input."""
+
+    def __init__(self, keep: int = 512):
+        self.h = self.abs = None
+        self.n = 0
+        self.keep, self.rows = keep, []
+
+    def add(self, x: np.ndarray, every: int) -> None:
+        g = (x.T @ x).astype(np.float64)
+        a = np.abs(x).sum(0, dtype=np.float64)
+        self.h = g if self.h is None else self.h + g
+        self.abs = a if self.abs is None else self.abs + a
+        self.n += len(x)
+        self.rows.append(x[::every])
+
+    def result(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(H / tokens as float32 [in, in], mean |x| [in], sample rows [<=keep, in])."""
+        rows = np.concatenate(self.rows)[: self.keep]
+        h = (self.h / self.n).astype(np.float32)
+        return h, (self.abs / self.n).astype(np.float32), rows
+
+
+def _layer(be, w: dict, ln_in, ln_post, extra: dict):
+    """A dense Layer on `be` from float32 numpy weights."""
+    from mlxrun.model import Layer  # noqa: PLC0415
+
+    return Layer(be.array(ln_in), be.array(ln_post), *(be.array(w[k]) for k in LINEARS), **extra)
+
+
+def _run(shell, L, hs: np.ndarray, chunk: int, rec: _Recorder | None):
+    """Layer L over the residual stream hs [samples, T, hidden], `chunk` windows at a
+    time: (the new residual stream, {id(weight): _Stats of its inputs} when `rec` is the
+    shell's recording backend)."""
+    be, cfg = shell.be, shell.config
+    new = np.empty_like(hs)
+    stats: dict[int, _Stats] = {}
+    T = hs.shape[1]
+    for s in range(0, len(hs), chunk):
+        h = be.array(hs[s : s + chunk])
+        x = be.rms_norm(h, L.input_layernorm, cfg.rms_norm_eps)
+        cache = be.make_cache(1, h.shape[0], cfg.num_key_value_heads, cfg.head_dim, T)
+        mask, pos = cache.mask(T, None), cache.positions(T, None)
+        hn, _ = shell.block(L, h, x, L.input_layernorm, cache, 0, mask, pos)
+        new[s : s + chunk] = be.to_numpy(hn)
+        if rec is not None:
+            for key, xs in rec.seen.items():
+                st = stats.setdefault(key, _Stats())
+                for x_ in xs:
+                    st.add(x_, max(1, len(hs) * T // st.keep))
+            rec.seen.clear()
+    return new, stats
+
+
+def _names(i: int) -> dict[str, str]:
+    p = f"model.layers.{i}"
+    out = {k: f"{p}.self_attn.{k}" for k in LINEARS[:4]}
+    out.update({k: f"{p}.mlp.{k}" for k in LINEARS[4:]})
+    return out
+
+
+def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", progress=True):
+    """Quantize the dense checkpoint `ckpt` (its matrices float32-able) to `spec` with
+    calibration `opts`, running the layers on `backend`. Returns (tensors, block, notes):
+    every tensor to write (packed matrices, folded norms, the rest unchanged), the
+    config.json quantization block, and notes for the user."""
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    from mlxrun.backends import get_backend  # noqa: PLC0415
+    from mlxrun.model import Transformer  # noqa: PLC0415
+    from mlxrun.quant.formats import resolve, to_config  # noqa: PLC0415
+    from mlxrun.weights import Tensor, bf16_bits  # noqa: PLC0415
+
+    opts.check()
+    cfg = ckpt.config
+    if any(cfg.window(i) is not None for i in range(cfg.num_hidden_layers)):
+        raise MlxrunError(
+            "--calibrate does not run sliding-window models yet; convert without it "
+            "(round to nearest)"
+        )
+    if cfg.hidden_size % spec.group_size or cfg.intermediate_size % spec.group_size:
+        raise MlxrunError(
+            f"calibration needs the hidden size {cfg.hidden_size} and intermediate size "
+            f"{cfg.intermediate_size} to be multiples of the group size {spec.group_size}; "
+            "choose a smaller --group-size"
+        )
+    ids = ckpt.tokenizer.encode(calib_text(opts.data), add_special_tokens=False)
+    wins = calib_windows(ids, opts)
+    t = dict(ckpt.tensors)
+    dtype = {"BF16": "bfloat16", "F16": "float16"}.get(t["model.embed_tokens.weight"].dtype)
+    dtype = dtype or "float32"
+    be = get_backend(backend, "float32")
+    eps = cfg.rms_norm_eps
+
+    def f32(name):
+        return t[name].float32()
+
+    def stored(name: str, v: np.ndarray) -> Tensor:
+        """A float32 array as a tensor of the checkpoint's float dtype."""
+        if dtype == "bfloat16":
+            return Tensor("BF16", bf16_bits(v))
+        return Tensor.from_numpy(v.astype(np.float16 if dtype == "float16" else np.float32))
+
+    out: dict[str, Tensor] = {}
+    block = to_config(spec)
+
+    def put(path: str, grid: Grid, q: np.ndarray) -> np.ndarray:
+        """Store codes q on `grid` as `path`'s packed tensors; their float32 values back."""
+        for k, v in grid.tensors(q).items():
+            out[f"{path}.{k}"] = stored(path, v) if v.dtype == np.float32 else Tensor.from_numpy(v)
+        return grid.values(q)
+
+    def quantize(path, w, h, sp, clip=True) -> np.ndarray:
+        shrink = search_clip(w, h, sp, dtype) if clip else None
+        grid = make_grid(w, sp, dtype, shrink)
+        q = gptq_codes(w, h, grid) if opts.method == "gptq" else grid.codes(w)
+        return put(path, grid, q)
+
+    # The embedding is quantized at its own group size (mlx-lm's AWQ uses g32) by rounding
+    # first, for the layers' inputs; with a tied head it is re-done at the end against
+    # the head's inputs.
+    espec = spec
+    if opts.embed_group_size and spec.mode == "affine":
+        espec = resolve("int" + str(spec.bits), group_size=opts.embed_group_size, bits=spec.bits)
+    if espec != spec:
+        block["model.embed_tokens"] = to_config(espec)
+        if not cfg.tie_word_embeddings:
+            block["lm_head"] = to_config(espec)
+    emb = fake_quant(f32("model.embed_tokens.weight"), espec, dtype)
+    shell = Transformer(cfg, be, None, [], None, None)
+    rec = _Recorder(be)
+    shell_rec = Transformer(cfg, rec, None, [], None, None)
+    chunk = max(1, 4096 // opts.seq_len)  # windows per forward: ~4096 tokens of activations
+    hs = emb[wins]  # residual stream [samples, T, hidden], float32 on the host
+    notes = []
+    bar = tqdm(
+        range(cfg.num_hidden_layers),
+        desc=f"calibrating ({opts.method})",
+        unit="layer",
+        disable=not progress,
+    )
+    for i in bar:
+        names = _names(i)
+        p = f"model.layers.{i}"
+        w = {k: f32(f"{n}.weight") for k, n in names.items()}
+        ln_in, ln_post = (
+            f32(f"{p}.input_layernorm.weight"),
+            f32(f"{p}.post_attention_layernorm.weight"),
+        )
+        extra = {}
+        for k in ("q_proj", "k_proj", "v_proj"):
+            if f"{names[k]}.bias" in t:
+                extra[k[0] + "_bias"] = be.array(f32(f"{names[k]}.bias"))
+        for k in ("q_norm", "k_norm"):
+            if f"{p}.self_attn.{k}.weight" in t:
+                extra[k] = be.array(f32(f"{p}.self_attn.{k}.weight"))
+
+        L = _layer(be, w, ln_in, ln_post, extra)
+        _, stats = _run(shell_rec, L, hs, chunk, rec)
+        h_qkv, m_qkv, x_qkv = stats[id(L.q_proj)].result()
+        h_o, _, _ = stats[id(L.o_proj)].result()
+        h_gu, m_gu, x_gu = stats[id(L.gate_proj)].result()
+        h_d, m_d, x_d = stats[id(L.down_proj)].result()
+        del stats
+        # scales: q/k/v (folded into the input norm), down (into up's rows), gate/up
+        qkv = [w["q_proj"], w["k_proj"], w["v_proj"]]
+        s1 = search_scales(qkv, x_qkv, m_qkv, spec, dtype, opts.grid)
+        s2 = search_scales([w["down_proj"]], x_d, m_d, spec, dtype, opts.grid)
+        w["up_proj"] = w["up_proj"] / s2[:, None]
+        s3 = search_scales([w["gate_proj"], w["up_proj"]], x_gu, m_gu, spec, dtype, opts.grid)
+        ln_in, ln_post = ln_in / s1, ln_post / s3
+        scaled = {
+            "q_proj": s1,
+            "k_proj": s1,
+            "v_proj": s1,
+            "o_proj": None,
+            "gate_proj": s3,
+            "up_proj": s3,
+            "down_proj": s2,
+        }
+        hh = {
+            "q_proj": h_qkv,
+            "k_proj": h_qkv,
+            "v_proj": h_qkv,
+            "o_proj": h_o,
+            "gate_proj": h_gu,
+            "up_proj": h_gu,
+            "down_proj": h_d,
+        }
+        wq = {}
+        for k in LINEARS:
+            s = scaled[k]
+            ws = w[k] if s is None else w[k] * s
+            hk = hh[k] if s is None else hh[k] / np.outer(s, s)
+            wq[k] = quantize(names[k], ws, hk, spec, clip=k not in NO_CLIP)
+        out[f"{p}.input_layernorm.weight"] = stored("", ln_in)
+        out[f"{p}.post_attention_layernorm.weight"] = stored("", ln_post)
+        hs, _ = _run(shell, _layer(be, wq, ln_in, ln_post, extra), hs, chunk, None)
+    bar.close()
+    # the head (or the tied embedding) against the final norm's outputs
+    norm = f32("model.norm.weight")
+    st = _Stats()
+    for s in range(0, len(hs), chunk):
+        x = be.rms_norm(be.array(hs[s : s + chunk]), be.array(norm), eps)
+        st.add(be.to_numpy(x).reshape(-1, cfg.hidden_size), len(hs) * opts.seq_len)
+    h_head = st.result()[0]
+    head = "model.embed_tokens" if cfg.tie_word_embeddings else "lm_head"
+    quantize(head, f32(f"{head}.weight"), h_head, espec)
+    if not cfg.tie_word_embeddings:
+        emb_grid = make_grid(f32("model.embed_tokens.weight"), espec, dtype)
+        put("model.embed_tokens", emb_grid, emb_grid.codes(f32("model.embed_tokens.weight")))
+    for name, x in t.items():  # the rest (other norms, q/k/v biases) as stored
+        path, _, leaf = name.rpartition(".")
+        if name not in out and not (leaf == "weight" and f"{path}.scales" in out):
+            out[name] = x
+    return out, block, notes
