@@ -7,6 +7,7 @@ Only argument parsing and printing live here; the work is in the library. User e
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 
 import click
@@ -722,6 +723,12 @@ def serve(model, backend, dtype, quant, max_batch, context, no_prefix_cache, hos
     serve_app(server)  # the missing-extra error before we say we are listening
     click.echo(f"mlxrun: serving '{model}' on http://{host}:{port}/v1", err=True)
     run_server(server, host, port)
+    # The engine thread is joined and every request answered. MLX (0.32, CPU) can abort
+    # while the interpreter tears down arrays its engine thread made (seen as SIGABRT after
+    # a clean shutdown), so leave now, with the output flushed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @cli.command()

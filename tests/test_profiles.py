@@ -362,7 +362,7 @@ def test_report_of_a_simulated_gpu():
     assert "[0] torch cuda:0: NVIDIA H100 80GB HBM3, sm_90, 132 SMs" in text
     assert "budget 76.60 GiB = free VRAM 79.00 GiB - reserve 2.40 GiB" in text
     assert "nvidia-hopper" in text and "auto     int4: decode is memory-bound" in text
-    assert text.count(TRITON) == 5 and "tiles: M<=4: GEMV" in text
+    assert text.count(TRITON) == 5 and "tiles    all formats: M<=4: GEMV" in text
     assert "tensor cores: FP8 MMA" in text  # fp8 row, verbose
 
 

@@ -211,6 +211,7 @@ def test_mlx_ring_two_ranks_equal_one_process(tiny_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_smollm2_three_ranks_equal_one_process(tmp_path):
     """The bundled GGUF (Q4_1, loaded as affine 4-bit g32) over 3 gloo ranks: 3 heads,
     1 KV head and 512 MLP rows a rank (2 ranks do not divide its 9 heads). gloo, not the

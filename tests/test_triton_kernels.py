@@ -15,6 +15,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 HAS_CUDA = torch.cuda.is_available()
+# Over a minute each under the interpreter on 2 cores; on a GPU they take seconds and run
+# by default (deselected on CPUs by pyproject's addopts; `pytest -m long` runs them).
+LONG_ON_CPU = pytest.mark.long if not HAS_CUDA else pytest.mark.cuda
 if not HAS_CUDA:
     # must be set before triton decorates the kernels
     os.environ["TRITON_INTERPRET"] = "1"
@@ -248,6 +251,7 @@ def test_gemm_small_m_swap_packed(mode, bits, group_size, m):
     assert rel_err(tk.qmatmul(x.to(DEV), q, cfg).cpu(), want) < 1e-2
 
 
+@LONG_ON_CPU
 @pytest.mark.parametrize(
     "mode,bits,group_size", [FORMATS[1], FORMATS[6], FORMATS[8]], ids=["int4", "mxfp4", "mxfp8"]
 )
@@ -362,7 +366,10 @@ def test_cuda_llama8b_shapes(mode, bits, group_size):
                 assert torch.equal(tk.qmatmul(xd, q), y)  # split-K tickets reset; deterministic
 
 
-@pytest.mark.parametrize("quant", ["none", "int4", "fp4"])
+@pytest.mark.parametrize(
+    "quant",
+    ["none", pytest.param("int4", marks=LONG_ON_CPU), pytest.param("fp4", marks=LONG_ON_CPU)],
+)
 def test_cuda_code_path_end_to_end(tiny_dir, quant):
     """The PyTorch backend with its Triton kernels on (the CUDA code path: load-time repack,
     GEMM prefill, GEMV decode, embedding rows gathered from the tied quantized matrix) gives
