@@ -114,14 +114,15 @@ def word_tokenizer_json(vocab_size: int) -> str:
     return tok.to_str()
 
 
-def make_tiny(tmp: Path, name: str, seed: int = 0):
-    """Write a random tiny checkpoint with transformers; returns (dir, hf_model fp32)."""
+def write_random(
+    d: Path, model_type: str, kw: dict, seed: int = 0, std: float = 0.15, bias_std: float = 0.2
+):
+    """A random checkpoint of transformers' `model_type` class with config `kw`, written to
+    `d` with a word tokenizer; returns (d, hf_model fp32)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kw = dict(TINY[name])
-    mt = kw.pop("model_type")
-    cfg = AutoConfig.for_model(mt, bos_token_id=1, eos_token_id=2, **kw)
+    cfg = AutoConfig.for_model(model_type, bos_token_id=1, eos_token_id=2, **kw)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():  # HF inits biases and norms to 0/1; randomise so they matter
@@ -129,14 +130,20 @@ def make_tiny(tmp: Path, name: str, seed: int = 0):
             if "norm" in n:
                 p.copy_(1 + 0.2 * torch.randn_like(p))
             elif n.endswith("bias"):
-                p.copy_(0.2 * torch.randn_like(p))
+                p.copy_(bias_std * torch.randn_like(p))
             else:
-                p.copy_(0.15 * torch.randn_like(p))
-    d = tmp / name
+                p.copy_(std * torch.randn_like(p))
     model.save_pretrained(d, safe_serialization=True)
     (d / "tokenizer.json").write_text(word_tokenizer_json(kw["vocab_size"]))
     (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
     return d, model
+
+
+def make_tiny(tmp: Path, name: str, seed: int = 0):
+    """Write a random tiny checkpoint with transformers; returns (dir, hf_model fp32)."""
+    kw = dict(TINY[name])
+    mt = kw.pop("model_type")
+    return write_random(tmp / name, mt, kw, seed)
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from mlxrun.errors import MlxrunError
 from mlxrun.generate import generate_step
 from mlxrun.sampling import SamplingParams
 
-from .conftest import rel_err, word_tokenizer_json
+from .conftest import rel_err, write_random
 
 VOCAB = 64
 BASE = dict(
@@ -79,24 +79,7 @@ VARIANTS = {
 
 def _make(root, name: str, mt: str, opts: dict, seed: int = 0):
     """A random checkpoint written by transformers; returns (dir, fp32 model)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(mt, bos_token_id=1, eos_token_id=2, **{**BASE, **opts})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():  # HF inits biases and norms to 0/1; randomise so they matter
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif n.endswith("bias"):
-                p.copy_(0.3 * torch.randn_like(p))
-            else:
-                p.copy_(0.2 * torch.randn_like(p))
-    d = root / name
-    model.save_pretrained(d, safe_serialization=True)
-    (d / "tokenizer.json").write_text(word_tokenizer_json(VOCAB))
-    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    return d, model
+    return write_random(root / name, mt, {**BASE, **opts}, seed, std=0.2, bias_std=0.3)
 
 
 @pytest.fixture(scope="module")
