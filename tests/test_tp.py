@@ -22,6 +22,7 @@ from mlxrun.shard import check, shard_config, shard_tensors, split_axis, working
 from mlxrun.weights import Tensor, load_safetensors
 
 from .conftest import SMOLLM2, rel_err
+from .tp_worker import load_job
 
 WORKER = Path(__file__).with_name("tp_worker.py")
 IDS = [1, 5, 9, 14, 30, 7, 3, 41]
@@ -147,14 +148,7 @@ def _run_split(launch: list[str], jobs: list[dict], out: Path) -> None:
 
 def _compare(jobs: list[dict], out: Path) -> None:
     for i, job in enumerate(jobs):
-        m = mlxrun.load(
-            job["model"],
-            backend=job["backend"],
-            dtype="float32",
-            quant=job.get("quant"),
-            group_size=job.get("group_size"),
-            progress=False,
-        )
+        m = load_job(job)  # the same load, in this one process
         assert rel_err(np.load(out / f"{i}.npy"), m.logits(job["ids"])) <= 1e-5, job
         texts = {p.read_text() for p in out.glob(f"{i}.rank*.txt")}
         assert texts == {(out / f"{i}.txt").read_text()}, job  # every rank drew the same

@@ -17,17 +17,22 @@ import mlxrun
 from mlxrun.distributed import env_rank
 
 
+def load_job(job: dict):
+    """The job's model, in float32 (split over the ranks when a launcher started us)."""
+    return mlxrun.load(
+        job["model"],
+        backend=job["backend"],
+        dtype="float32",
+        quant=job.get("quant"),
+        group_size=job.get("group_size"),
+        progress=False,
+    )
+
+
 def main() -> None:
     jobs, out = json.loads(sys.argv[1]), Path(sys.argv[2])
     for i, job in enumerate(jobs):
-        m = mlxrun.load(
-            job["model"],
-            backend=job["backend"],
-            dtype="float32",
-            quant=job.get("quant"),
-            group_size=job.get("group_size"),
-            progress=False,
-        )
+        m = load_job(job)
         logits = m.logits(job["ids"])
         temp = job.get("temperature", 0.0)
         text = m.generate(job["prompt"], max_tokens=job["max_tokens"], chat=False, temperature=temp)
