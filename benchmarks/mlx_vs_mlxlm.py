@@ -84,22 +84,25 @@ def measure(a, q: str, m, names: list[str]) -> list[dict]:
     from mlxrun.backends import mlx_backend as mb
     from mlxrun.backends.base import causal_mask_np
     from mlxrun.bench import _run_once, _weights_label
+    from mlxrun.sampling import SamplingParams
 
     fused, causal = mb._swiglu_fused, mb.MLXCache.mask
     stream = mx.new_stream(mx.default_device())
+    greedy = SamplingParams()
     mlm = bench_mlxlm.mlx_lm_model(m)
     prompt = np.random.default_rng(0).integers(0, m.config.vocab_size, a.prompt_tokens).tolist()
 
-    def mask_array(cache, length, pads):
-        return mx.array(causal_mask_np(cache.offset, length, pads)) if length > 1 else None
+    def mask_array(cache, length, pads, window=None):
+        m = causal_mask_np(cache.offset, length, pads, window)
+        return None if m is None else mx.array(m)
 
     def ours(swiglu=fused, in_stream=False, mask=causal):
         mb._swiglu_fused, mb.MLXCache.mask = swiglu, mask
         try:
             if in_stream:
                 with mx.stream(stream):
-                    return _run_once(m, [prompt], a.gen_tokens)
-            return _run_once(m, [prompt], a.gen_tokens)
+                    return _run_once(m, [prompt], a.gen_tokens, greedy)
+            return _run_once(m, [prompt], a.gen_tokens, greedy)
         finally:
             mb._swiglu_fused, mb.MLXCache.mask = fused, causal
 
