@@ -100,6 +100,10 @@ class Backend(Protocol):
     ) -> Array: ...
     def silu_gated(self, x: Array, gate, up) -> Array: ...  # silu(x @ gate^T) * (x @ up^T)
     def all_sum(self, x: Array) -> Array: ...  # x summed over the ranks (tensor parallel)
+    def linear_sum(
+        self, x: Array, w: Array | QuantizedWeight, bias: Array | None = None
+    ) -> Array: ...  # x @ w^T summed over the ranks (w split by input), then + bias; it may
+    # come back in float32 (unrounded partial sums): add_rms_norm rounds it to h's dtype
     def gated_mlp(
         self, x: Array, gate, up, act: str, biases: tuple | None = None
     ) -> Array: ...  # act(x @ gate^T + bg) * (x @ up^T + bu); act one of config.ACTIVATIONS

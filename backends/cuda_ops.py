@@ -58,10 +58,10 @@ def _add_rms_norm_kernel(
         tlc.gdc_launch_dependents()
     h = tl.load(h_ptr + row * n + cols, mask=mask, other=0.0)
     if HAS_Y:
-        # the residual sum is rounded to the model dtype, as `h + y` is
-        h = (h.to(tl.float32) + tl.load(y_ptr + row * n + cols, mask=mask, other=0.0)).to(
-            h_ptr.dtype.element_ty
-        )
+        # the residual sum is rounded to the model dtype, as `h + y` is; an fp32 y (a
+        # tensor-parallel sum) is first rounded as one device's product is
+        y = tl.load(y_ptr + row * n + cols, mask=mask, other=0.0).to(h_ptr.dtype.element_ty)
+        h = (h.to(tl.float32) + y.to(tl.float32)).to(h_ptr.dtype.element_ty)
         tl.store(h_out_ptr + row * n + cols, h, mask=mask)
     h32 = h.to(tl.float32)
     r = tl.rsqrt(tl.sum(h32 * h32, axis=0) / n + eps)
@@ -593,10 +593,11 @@ def _dense_gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_ym, stride_w
 
 
 def dense_gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False, block_n: int = 4,
-               warps: int = 4, vec: int = 16) -> torch.Tensor:  # fmt: skip
+               warps: int = 4, vec: int = 16, out_dtype=None) -> torch.Tensor:  # fmt: skip
     """x [..., K] @ w[N, K]^T for a few rows of x (bf16 or fp16, w contiguous in K), as one
     CUDA-core kernel. silu: w is the joint [gate; up] (N even) and the result is
-    silu(gate) * up, rounded as silu_mul rounds it.
+    silu(gate) * up, rounded as silu_mul rounds it. out_dtype (default x's): float32 keeps
+    the fp32 sums unrounded.
 
     cuBLAS runs a batch-1 bf16 product below the copy bandwidth on the 8B shapes; this kernel
     streams them faster (H100, cycled weights in a CUDA graph, us, cuBLAS -> this, with the
@@ -609,7 +610,7 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False, block_n: in
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    y = torch.empty((m, n // 2 if silu else n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n // 2 if silu else n), dtype=out_dtype or x.dtype, device=x.device)
     block_k = 32 * warps * vec
     rows = block_n // 2 if silu else block_n
     grid = (m, triton.cdiv(n // 2 if silu else n, rows))

@@ -239,6 +239,13 @@ class MLXBackend:
             return x
         return mx.distributed.all_sum(x, group=self.group.handle)
 
+    def linear_sum(self, x, w, bias=None):
+        # mx.distributed sums the products in the model's dtype: on the CPU (float32) that
+        # is exact enough; half-precision ranks round each partial once more than one
+        # device would.
+        y = self.all_sum(self.linear(x, w))
+        return y if bias is None else y + bias
+
     def gated_mlp(self, x, gate, up, act, biases=None):
         if act == "silu" and biases is None:
             return self.silu_gated(x, gate, up)

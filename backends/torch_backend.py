@@ -286,6 +286,7 @@ class TorchBackend:
         self.cuda_graphs = cuda_graphs and device == "cuda"
         self.memory_kind = {"cuda": "cuda", "mps": "apple"}.get(device, "cpu")  # planner's kind
         self.group = None  # mlxrun.distributed.Group when the model is split over processes
+        self._all_sum = None  # its all-reduce (torch_tp.AllSum), made on first use
         # Fused Triton kernels (packed-weight matmuls, norms, rope, SiLU): CUDA only in use; a
         # test may turn them on for the CPU under TRITON_INTERPRET to run the CUDA code path.
         self.triton_kernels = device == "cuda"
@@ -491,7 +492,7 @@ class TorchBackend:
 
             return add_rms_norm(h, y, w, eps)
         if y is not None:
-            h = h + y
+            h = h + y.to(h.dtype)  # an fp32 y (linear_sum) rounds as one device's product
         return h, self.rms_norm(h, w, eps)
 
     def rms_norm(self, x, w, eps):
@@ -567,12 +568,24 @@ class TorchBackend:
         return self.silu_mul(*self.linears(x, (gate, up)))
 
     def all_sum(self, x):
-        """x summed over the group's ranks (in place: x is a fresh product). NCCL's
-        all-reduce is captured into the decode graph with the rest of the step."""
-        if self.group is None:
+        """x summed over the group's ranks (x is a fresh product: it may be summed in
+        place). Captured into the decode graph with the rest of the step (backends/torch_tp.py
+        says which all-reduce runs)."""
+        if self.group is None or self.group.size == 1:
             return x
-        torch.distributed.all_reduce(x)
-        return x
+        if self._all_sum is None:
+            from .torch_tp import AllSum  # noqa: PLC0415
+
+            self._all_sum = AllSum(self._dev)
+        return self._all_sum(x)
+
+    def linear_sum(self, x, w, bias=None):
+        if self.group is None or self.group.size == 1:
+            return self.linear(x, w, bias)
+        from .torch_tp import product32  # noqa: PLC0415
+
+        y = self.all_sum(product32(self, x, w))
+        return y if bias is None else y.to(self._dt) + bias
 
     def gated_mlp(self, x, gate, up, act, biases=None):
         """act(x @ gate^T + bg) * (x @ up^T + bu). SiLU without biases takes silu_gated (its

@@ -32,10 +32,11 @@ from mlxrun.shard import check, shard_config
 
 def allreduce_us(be, hidden: int, calls: int = 64, reps: int = 50) -> float:
     """Microseconds of one all-reduce of a (1, hidden) activation, as `calls` of them
-    replayed from one CUDA graph (a decode step of 32 layers makes 64)."""
+    replayed from one CUDA graph (a decode step of 32 layers makes 64). float32, as the
+    model's partial products are summed (backends/torch_tp.py)."""
     import torch  # noqa: PLC0415
 
-    x = torch.ones((1, hidden), dtype=getattr(torch, be.dtype), device="cuda")
+    x = torch.ones((1, hidden), dtype=torch.float32, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -5,6 +5,11 @@ tokens in bfloat16 on CUDA (or float32 on the CPU).
     python benchmarks/tp_greedy_equal.py --make DIR            # the checkpoint
     python benchmarks/tp_greedy_equal.py DIR                   # one process
     torchrun --nproc-per-node 2 benchmarks/tp_greedy_equal.py DIR
+    # a real model (SmolLM2 splits over 3 ranks), its answer to a chat message:
+    torchrun --nproc-per-node 3 benchmarks/tp_greedy_equal.py SmolLM2.gguf --prompt "..."
+
+A random model's top logits are close together (bf16 rounds them into ties), so its
+greedy tokens part at the first difference in the last bits of a sum; a trained model's are far apart, which is what the comparison is for.
 
 Rank 0 prints one JSON line with the token ids; the two lines must be equal.
 """
@@ -45,17 +50,28 @@ def main() -> None:
     ap.add_argument("--make", action="store_true")
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, else float32")
+    ap.add_argument(
+        "--prompt", default=None, help="a user message through the chat template (real models)"
+    )
     a = ap.parse_args()
     if a.make:
         make(a.dir)
         return
-    dtype = "bfloat16" if a.backend == "cuda" else "float32"
+    dtype = a.dtype or ("bfloat16" if a.backend == "cuda" else "float32")
     m = mlxrun.load(str(a.dir), backend=a.backend, dtype=dtype, progress=False)
-    prompt = [[1, 17, 400, 2048, 9, 77, 3000, 5]]
+    if a.prompt is None:
+        prompt = [[1, 17, 400, 2048, 9, 77, 3000, 5]]
+    else:
+        text = m.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}])
+        prompt = [m.tokenizer.encode(text, add_special_tokens=False)]
     toks = [int(t[0]) for t in generate_step(m.transformer, prompt, SamplingParams(), a.tokens)]
     group = m.transformer.be.group
     if group is None or group.rank == 0:
-        print(json.dumps({"tp": 1 if group is None else group.size, "tokens": toks}), flush=True)
+        row = {"tp": 1 if group is None else group.size, "tokens": toks}
+        if a.prompt is not None:
+            row["text"] = m.tokenizer.decode(toks)
+        print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -24,8 +24,8 @@ _joined: Group | None = None  # a process joins its launcher's group once
 def launcher() -> str | None:
     """'torch' under torchrun, 'mlx' under mlx.launch with more than one process, else None.
 
-    torchrun with one process still joins (a one-rank NCCL group): it runs the collective
-    path, graph capture included, on a single GPU."""
+    torchrun with one process still joins (a one-rank group), whose sums the backend skips:
+    it runs as one process does, the baseline the split runs are compared with."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return "torch"
     if "MLX_RANK" in os.environ and int(os.environ.get("MLX_WORLD_SIZE", "2")) > 1:

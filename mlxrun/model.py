@@ -110,13 +110,11 @@ class Transformer:
         o = be.attention(q, k, v, self.scale, mask)  # (B, nh, T, hd)
         # o and down see this rank's heads / MLP rows only: partial sums of the output, and
         # their biases are added once, after the sum
-        o = be.all_sum(be.linear(o.swapaxes(1, 2).reshape(B, T, nh * hd), L.o_proj))
-        o = o if L.o_bias is None else o + L.o_bias
+        o = be.linear_sum(o.swapaxes(1, 2).reshape(B, T, nh * hd), L.o_proj, L.o_bias)
         h, x = be.add_rms_norm(h, o, L.post_attention_layernorm, c.rms_norm_eps)
         mlp_b = None if L.gate_bias is None else (L.gate_bias, L.up_bias)
         y = be.gated_mlp(x, L.gate_proj, L.up_proj, c.hidden_act, mlp_b)
-        y = be.all_sum(be.linear(y, L.down_proj))
-        y = y if L.down_bias is None else y + L.down_bias
+        y = be.linear_sum(y, L.down_proj, L.down_bias)
         h, x = be.add_rms_norm(h, y, nxt, c.rms_norm_eps)
         return h, x
 

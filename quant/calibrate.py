@@ -318,6 +318,10 @@ class _Recorder:
         self._keep(w, x)
         return self._be.linear(x, w, bias)
 
+    def linear_sum(self, x, w, bias=None):
+        self._keep(w, x)
+        return self._be.linear_sum(x, w, bias)
+
     def silu_gated(self, x, gate, up):
         self._keep(gate, x)
         return self._be.silu_gated(x, gate, up)

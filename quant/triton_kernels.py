@@ -1439,9 +1439,14 @@ def _gemv_constexprs(w, cfg: KernelConfig, silu: bool = False, dense: bool = Tru
 
 
 def qmatmul(
-    x: torch.Tensor, w: QLinear, config: KernelConfig | None = None, silu: bool = False
+    x: torch.Tensor,
+    w: QLinear,
+    config: KernelConfig | None = None,
+    silu: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x [..., K] (bf16/fp16/fp32) @ W^T -> [..., N] in x's dtype, W quantized (QLinear).
+    """x [..., K] (bf16/fp16/fp32) @ W^T -> [..., N] in out_dtype (default x's), W quantized
+    (QLinear). The kernels sum in fp32: out_dtype float32 keeps those sums unrounded.
 
     silu (where silu_fusable): W is the joint [gate; up] and the result [..., N/2] is
     silu(x @ gate^T) * (x @ up^T), rounded as cuda_ops.silu_mul rounds it."""
@@ -1458,7 +1463,7 @@ def qmatmul(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    y = torch.empty((m, w.n // 2 if silu else w.n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, w.n // 2 if silu else w.n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*lead, y.shape[-1])
     # The kernels index rows of x and y in 32 bits: a prefill of many sequences at once (an
@@ -1466,7 +1471,7 @@ def qmatmul(
     rows = MAX_INDEX // max(w.n, w.k)
     if m > rows:
         for r in range(0, m, rows):
-            y[r : r + rows] = qmatmul(x2[r : r + rows], w, config)
+            y[r : r + rows] = qmatmul(x2[r : r + rows], w, config, out_dtype=out_dtype)
         return y.reshape(*lead, w.n)
     cfg = config or choose_config(m, w, x.device, x.dtype)
     if cfg.kernel == "gemv":

@@ -119,7 +119,15 @@ def test_shards_are_views_and_quantized_columns_are_whole_groups(tmp_path):
 
 
 def _torchrun(n: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n)]
+    # --standalone: a free port of its own, so concurrent runs on one host do not collide
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(n),
+    ]
 
 
 def _mlx_launch(n: int) -> list[str]:

@@ -1,0 +1,95 @@
+"""The torch backend's tensor-parallel sum: fp32 partial products, and the all-reduce.
+
+Each rank's o_proj and down_proj product is a partial sum of the whole product. Rounding
+each partial to bf16 before the sum (as a plain `all_reduce(linear(x, w))` does) rounds
+every output element twice where one device rounds it once, and greedy decoding drifts
+from the one-device tokens within a few dozen steps. The partials here stay fp32 through
+the sum; the residual add rounds the sum once (add_rms_norm rounds y to the residual's
+dtype), so the split model differs from one device only in the order of fp32 additions.
+
+The all-reduce of a decode step is a few KB, where NCCL's latency (about 19 us on two
+H200s, inside a CUDA graph) is most of its cost: 64 of them a token for an 8B model. Such
+small sums go through PyTorch's symmetric-memory one-shot all-reduce (each rank reads the
+others' buffers over NVLink and adds them in rank order, so every rank gets the same bits);
+larger ones (prefill) and other devices use the process group's all_reduce.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mlxrun.backends.base import QuantizedWeight
+
+# one-shot all-reduce up to this many bytes (a batch-32 decode step of a 4096-wide model
+# in fp32 is 512 KiB); MLXRUN_ONE_SHOT=0 turns it off (for A/B timing)
+ONE_SHOT_BYTES = 1 << 20
+_ONE_SHOT = os.environ.get("MLXRUN_ONE_SHOT", "1") != "0"
+
+
+def product32(be, x, w):
+    """x @ w^T with fp32 output, without rounding to the model's dtype first."""
+    if isinstance(w, QuantizedWeight):
+        kernel = be._kernel(w)
+        if kernel is not None:
+            from mlxrun.quant.triton_kernels import qmatmul  # noqa: PLC0415
+
+            return qmatmul(x, kernel, out_dtype=torch.float32)
+        from mlxrun.quant.torch_linear import packed_linear  # noqa: PLC0415
+
+        return packed_linear(
+            x.float(), w.weight, w.scales, w.biases, w.mode, w.bits, w.group_size, torch.float32
+        )
+    if be._dense_gemv(x, w):
+        from .cuda_ops import dense_gemv  # noqa: PLC0415
+
+        return dense_gemv(x, w, out_dtype=torch.float32)
+    if x.is_cuda and x.dtype != torch.float32:
+        # cuBLAS accumulates in fp32 anyway; this keeps its result unrounded
+        y = torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+    return F.linear(x.float(), w.float())
+
+
+class AllSum:
+    """Sum over the process group, in place where it can be (x is a fresh product)."""
+
+    def __init__(self, device):
+        self.device = device
+        self._buf = None  # the symmetric-memory buffer, on first use
+        self._name = None
+        self.one_shot = _ONE_SHOT and str(device).startswith("cuda") and self._available()
+
+    @staticmethod
+    def _available() -> bool:
+        try:
+            import torch.distributed._symmetric_memory  # noqa: F401, PLC0415
+
+            return hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy")
+        except Exception:
+            return False
+
+    def _buffer(self):
+        if self._buf is None:
+            import torch.distributed._symmetric_memory as symm_mem  # noqa: PLC0415
+
+            self._name = dist.group.WORLD.group_name
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before 2.8
+                symm_mem.enable_symm_mem_for_group(self._name)
+            self._buf = symm_mem.empty(ONE_SHOT_BYTES // 4, dtype=torch.float32, device=self.device)
+            symm_mem.rendezvous(self._buf, self._name)
+        return self._buf
+
+    def __call__(self, x):
+        n = x.numel()
+        # Every rank sees the same shapes, so every rank takes the same branch.
+        if self.one_shot and x.dtype == torch.float32 and n * 4 <= ONE_SHOT_BYTES and n % 4 == 0:
+            buf = self._buffer()[:n].view(x.shape)
+            return torch.ops.symm_mem.one_shot_all_reduce_copy(
+                buf, x.contiguous(), "sum", self._name
+            )
+        dist.all_reduce(x)
+        return x
