@@ -1,9 +1,13 @@
-"""The serving engine on tiny random models, in process, on torch-cpu and MLX: greedy tokens
-equal `generate_step`'s whatever the batch-mates, the prefix cache, cancellation, seeds,
-logprobs and the queue limit."""
+"""The serving engine on tiny random models, in process, on torch-cpu and MLX and through
+the fixed-shape decode steps of the CUDA code path (slot_graph.py: captured graphs on a GPU,
+the same steps run by the Triton interpreter elsewhere): greedy tokens equal
+`generate_step`'s whatever the batch-mates, the prefix cache, cancellation, seeds, logprobs,
+the queue limit, and a request whose logits turn NaN failing alone."""
 
 from __future__ import annotations
 
+import importlib
+import os
 import queue
 import threading
 
@@ -15,10 +19,54 @@ from mlxrun.engine import Engine, QueueFull, Request
 from mlxrun.generate import generate_step
 from mlxrun.sampling import SamplingParams
 
+try:
+    import torch
 
-@pytest.fixture(scope="module", params=["cpu", "mlx"])
+    HAS_CUDA = torch.cuda.is_available()
+except ImportError:
+    torch, HAS_CUDA = None, False
+if not HAS_CUDA:
+    # before anything imports triton (transformers does, building the tiny checkpoints):
+    # its own library functions (tl.sum) must be interpreted too
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _interpreted_kernels() -> bool:
+    """The CUDA path's Triton kernels on this CPU: decorated by the interpreter."""
+    try:
+        import mlxrun.backends.cuda_ops as ops
+        import mlxrun.backends.cuda_sampling as smp
+        import mlxrun.quant.triton_kernels as tk
+    except ImportError:  # no triton
+        return False
+    for mod, fn in ((tk, "_gemv_kernel"), (ops, "_rope_qkv_kernel"), (smp, "_draw_kernel")):
+        if type(getattr(mod, fn)).__name__ != "InterpretedFunction":
+            importlib.reload(mod)  # imported earlier without the interpreter
+    return True
+
+
+def load_fixed(d):
+    """The tiny model on the CUDA code path with the engine's fixed-shape steps: captured on
+    a GPU; on a CPU, torch with the Triton kernels on, interpreted, and no capture."""
+    if HAS_CUDA:
+        return mlxrun.load(str(d), backend="cuda", dtype="float32", progress=False)
+    if torch is None or not _interpreted_kernels():
+        pytest.skip("needs torch and triton")
+    m = mlxrun.load(str(d), backend="cpu", progress=False)
+    m.transformer.be.triton_kernels = True  # dense float32 weights: nothing to repack
+    return m
+
+
+# Every engine test on the fixed-shape steps too: seconds on a GPU; minutes under the
+# Triton interpreter on 2 cores (`pytest -m long`; test_fixed_steps below is CI's share).
+FIXED = pytest.param("fixed", marks=pytest.mark.cuda if HAS_CUDA else pytest.mark.long)
+
+
+@pytest.fixture(scope="module", params=["cpu", "mlx", FIXED])
 def tiny(request, tiny_dir):
     d, _ = tiny_dir("llama_gqa_tied")
+    if request.param == "fixed":
+        return load_fixed(d)
     return mlxrun.load(str(d), backend=request.param, progress=False)
 
 
@@ -172,3 +220,29 @@ def test_queue_limit_and_bad_requests(tiny):
             eng.check(Request([5], max_tokens=0))
     finally:
         eng.close()
+
+
+def test_fixed_steps_pad_rows_and_match_generate(tiny_dir):
+    """CI's share of the fixed-shape steps (every test above runs on them with -m long):
+    three requests of different lengths in 5 slots decode in the bucket of 4, a dummy row
+    beside them, one row sampled with a seed; each gets what it gets alone on the plain
+    CPU path (generate_step's greedy tokens; the seeded row's own draw)."""
+    d, _ = tiny_dir("llama_gqa_tied")
+    fixed, plain = load_fixed(d), mlxrun.load(str(d), backend="cpu", progress=False)
+    ps = prompts(5, (3, 9, 5))
+    seeded = SamplingParams(temperature=0.8, top_k=20, seed=11)
+    eng = Engine(fixed.transformer, fixed.tokenizer, max_batch=5, context=32)
+    try:
+        outs = run_all(eng, [Request(ps[0], max_tokens=4), Request(ps[1], seeded, max_tokens=4),
+                             Request(ps[2], max_tokens=4)])  # fmt: skip
+        assert {b for b, _ in eng.graphs.steps} >= {4}  # three rows and a dummy ran
+    finally:
+        eng.close()
+    ref = Engine(plain.transformer, plain.tokenizer, max_batch=1, context=32)
+    try:
+        (alone,) = run_all(ref, [Request(ps[1], seeded, max_tokens=4)])
+    finally:
+        ref.close()
+    assert [e.token for e in outs[0]] == reference(plain, ps[0], 4)
+    assert [e.token for e in outs[1]] == [e.token for e in alone]
+    assert [e.token for e in outs[2]] == reference(plain, ps[2], 4)
