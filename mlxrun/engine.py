@@ -426,7 +426,8 @@ class Engine:
             self.stats["failed"] += 1
             msg = not_finite(s.n)
             self._send(s, Event("", None, None, "error", len(s.req.prompt), s.n, s.cached, msg))
-            self._retire(s, keep=False)  # its keys and values may hold NaN: no prefix reuse
+            self._retire(s, keep=False)
+            self.cache.clear(s.slot)  # its keys and values may hold NaN
             return
         s.n += 1
         s.last = token

@@ -246,3 +246,39 @@ def test_fixed_steps_pad_rows_and_match_generate(tiny_dir):
     assert [e.token for e in outs[0]] == reference(plain, ps[0], 4)
     assert [e.token for e in outs[1]] == [e.token for e in alone]
     assert [e.token for e in outs[2]] == reference(plain, ps[2], 4)
+
+
+def test_a_row_gone_nan_fails_alone(tiny):
+    """A request whose logits turn NaN mid-decode (its second token's embedding row is
+    poisoned; the tied head keeps the clean one) ends with an error event after the tokens
+    it had; its batch-mate gets all of its own tokens; a short request that then takes the
+    failed slot beside a long one (whose attention spans the NaN position) is clean too."""
+    m, be = tiny.transformer, tiny.transformer.be
+    rng = np.random.default_rng(8)
+    cands = [[int(t) for t in rng.integers(3, 96, n)] for n in (6, 5, 7, 9, 4, 8, 6, 5) * 3]
+    refs = [reference(tiny, p, 6) for p in cands]
+    a = next(i for i, r in enumerate(refs) if len(r) == 6 and r[0] != r[1]
+             and r[1] not in cands[i])  # fmt: skip
+    bad = refs[a][1]
+    clean = [i for i in range(len(cands)) if bad not in cands[i] + refs[i] and i != a]
+    b = clean[0]
+    c = next(i for i in clean[1:] if len(cands[i]) < len(cands[a]))
+    d = next(i for i in clean[1:] if i != c and len(cands[i]) + 6 > len(cands[a]) + 2)
+    embed = m.embed
+    w = be.to_numpy(embed).astype(np.float32)
+    w[bad] = np.nan
+    m.embed = be.array(w)
+    eng = Engine(m, tiny.tokenizer, max_batch=2, context=32, prefix_cache=False)
+    try:
+        ea, eb = run_all(eng, [Request(cands[a], max_tokens=6), Request(cands[b], max_tokens=6)])
+        assert [e.token for e in ea[:-1]] == refs[a][:2]
+        assert ea[-1].finish_reason == "error" and "NaN or infinite" in ea[-1].error
+        assert "generated token 3" in ea[-1].error
+        assert [e.token for e in eb] == refs[b]
+        ec, ed = run_all(eng, [Request(cands[c], max_tokens=6), Request(cands[d], max_tokens=6)])
+        assert [e.token for e in ec] == refs[c] and [e.token for e in ed] == refs[d]
+        h = eng.health()
+        assert (h["failed"], h["running"], h["finished"]) == (1, 0, 3)
+    finally:
+        eng.close()
+        m.embed = embed
