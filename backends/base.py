@@ -115,6 +115,9 @@ class Backend(Protocol):
     def make_slot_cache(
         self, num_layers: int, slots: int, kv_heads: int, head_dim: int, max_len: int
     ) -> KVCache: ...  # rows of their own lengths (backends/slots.py), for the engine
+    def slot_decoder(
+        self, model, cache: KVCache, max_batch: int
+    ) -> Any: ...  # the engine's fixed-shape decode steps over a slot cache, or None
     def random_normal(self, shape: tuple[int, ...], std: float, seed: int) -> Array: ...
     def random_bits(self, shape: tuple[int, ...], seed: int) -> Array: ...
     def wired(self, nbytes: int) -> AbstractContextManager: ...

@@ -104,6 +104,7 @@ def _rope_qkv_kernel(
     ko_ptr,
     vo_ptr,
     slot_ptr,
+    rows_ptr,
     NH,
     NKV,
     T,
@@ -122,6 +123,7 @@ def _rope_qkv_kernel(
     sot,
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
+    ROWS: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     if PDL:
@@ -129,17 +131,23 @@ def _rope_qkv_kernel(
         tlc.gdc_launch_dependents()
     # program (b * T + t, head): heads [0, NH) rotate q into qo (contiguous (B, NH, T, D));
     # [NH, NH + NKV) rotate k and [NH + NKV, NH + 2 NKV) copy v into the caches at slot + t
+    # (with ROWS, into cache row rows[b] at slot[b] + t: each sequence at its own length)
     bt = tl.program_id(0).to(tl.int64)  # offsets pass 2^31 at large batch prefills
     hh = tl.program_id(1)
     t = bt % T
     b = bt // T
     i = tl.arange(0, BLOCK)
     m = i < HALF
-    slot = tl.load(slot_ptr) + t
+    if ROWS:
+        cb = tl.load(rows_ptr + b).to(tl.int64)
+        slot = tl.load(slot_ptr + b).to(tl.int64) + t
+    else:
+        cb = b
+        slot = tl.load(slot_ptr) + t
     if hh >= NH + NKV:
         h = hh - NH - NKV
         src = v_ptr + b * svb + h * svh + t * svt
-        dst = vo_ptr + b * sob + h * soh + slot * sot
+        dst = vo_ptr + cb * sob + h * soh + slot * sot
         tl.store(dst + i, tl.load(src + i, mask=m), mask=m)
         tl.store(dst + HALF + i, tl.load(src + HALF + i, mask=m), mask=m)
     else:
@@ -148,7 +156,7 @@ def _rope_qkv_kernel(
             dst = qo_ptr + ((b * NH + hh) * T + t) * (2 * HALF)
         else:
             src = k_ptr + b * skb + (hh - NH) * skh + t * skt
-            dst = ko_ptr + b * sob + (hh - NH) * soh + slot * sot
+            dst = ko_ptr + cb * sob + (hh - NH) * soh + slot * sot
         x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF + i, mask=m, other=0.0).to(tl.float32)
         ang = tl.load(pos_ptr + b * spb + t).to(tl.float32) * tl.load(inv_ptr + i, mask=m)
@@ -164,11 +172,14 @@ def _rope_qkv_kernel(
         tl.store(dst + HALF + i, (a2 + b2).to(dt), mask=m)
 
 
-def rope_qkv(q, k, v, positions, inv_freq, k_cache, v_cache, slot) -> torch.Tensor:
+def rope_qkv(q, k, v, positions, inv_freq, k_cache, v_cache, slot, rows=None) -> torch.Tensor:
     """Rotate q (B, NH, T, D) and k (B, NKV, T, D), and store k and v (B, NKV, T, D) in
     k_cache, v_cache (B, NKV, S, D, same strides) at positions slot[0] + t along S, in one
     launch (it was five per layer: two ropes, two cache writes and a q copy). q, k, v may be
-    strided views of the joint q/k/v product. Returns the rotated q, contiguous."""
+    strided views of the joint q/k/v product. Returns the rotated q, contiguous.
+
+    With `rows` (B,) int64, sequence b goes to cache row rows[b] (the caches may hold more
+    rows than B) at positions slot[b] + t: a slot cache's rows, each at its own length."""
     B, NH, T, D = q.shape
     NKV = k.shape[1]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
@@ -178,10 +189,12 @@ def rope_qkv(q, k, v, positions, inv_freq, k_cache, v_cache, slot) -> torch.Tens
         pos = pos.contiguous()
     out = torch.empty((B, NH, T, D), dtype=q.dtype, device=q.device)
     _rope_qkv_kernel[(B * T, NH + 2 * NKV)](
-        q, k, v, pos, inv_freq, out, k_cache, v_cache, slot, NH, NKV, T,
+        q, k, v, pos, inv_freq, out, k_cache, v_cache, slot, slot if rows is None else rows,
+        NH, NKV, T,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         pos.stride(0) if pos.shape[0] > 1 else 0, *k_cache.stride()[:3],
-        HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2), num_warps=1, **pdl_args(q.device),
+        HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2), ROWS=rows is not None, num_warps=1,
+        **pdl_args(q.device),
     )  # fmt: skip
     return out
 
@@ -207,6 +220,7 @@ def _decode_attn_kernel(
     k_ptr,
     v_ptr,
     mask_ptr,
+    rows_ptr,
     part_ptr,
     stat_ptr,
     S,
@@ -228,6 +242,7 @@ def _decode_attn_kernel(
     BL: tl.constexpr,
     HAS_MASK: tl.constexpr,
     F32_DOT: tl.constexpr,
+    ROWS: tl.constexpr = False,
     PDL: tl.constexpr = False,
     LINES: tl.constexpr = 0,
     EPL: tl.constexpr = 64,
@@ -235,10 +250,15 @@ def _decode_attn_kernel(
     # program (b * NKV + kv head, split): the G query heads of one kv head against keys
     # [split * KEYS_PER_SPLIT, +KEYS_PER_SPLIT), an online softmax over blocks of BL keys;
     # writes the unnormalised output and (max, sum) of each query head for the combine.
+    # With ROWS, sequence b's keys and values are row rows[b] of the caches.
     bh = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     b = bh // NKV
     kh = bh % NKV
+    if ROWS:
+        kb = tl.load(rows_ptr + b).to(tl.int64)
+    else:
+        kb = b
     rg = tl.arange(0, GP)
     rd = tl.arange(0, D)
     rl = tl.arange(0, BL)
@@ -257,8 +277,8 @@ def _decode_attn_kernel(
             if tl.max(ok.to(tl.int32), axis=0) > 0:
                 kc = tl.minimum(keys, S - 1)[:, None]
                 col = (tl.arange(0, LINES) * EPL)[None, :]
-                _l2_prefetch(k_ptr + b * skb + kh * skh + kc * sks + col)
-                _l2_prefetch(v_ptr + b * svb + kh * svh + kc * svs + col)
+                _l2_prefetch(k_ptr + kb * skb + kh * skh + kc * sks + col)
+                _l2_prefetch(v_ptr + kb * svb + kh * svh + kc * svs + col)
     if PDL:
         tlc.gdc_wait()
         tlc.gdc_launch_dependents()
@@ -273,7 +293,7 @@ def _decode_attn_kernel(
         if HAS_MASK:
             ok = ok & (tl.load(mask_ptr + b * smb + keys, mask=keys < S, other=0) != 0)
         if tl.max(ok.to(tl.int32), axis=0) > 0:  # skip blocks with no visible key (unfilled)
-            kt = tl.load(k_ptr + b * skb + kh * skh + keys[:, None] * sks + rd[None, :],
+            kt = tl.load(k_ptr + kb * skb + kh * skh + keys[:, None] * sks + rd[None, :],
                          mask=ok[:, None], other=0.0)  # fmt: skip
             if F32_DOT:
                 sc = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
@@ -283,7 +303,7 @@ def _decode_attn_kernel(
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
             p = tl.exp(sc - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
-            vt = tl.load(v_ptr + b * svb + kh * svh + keys[:, None] * svs + rd[None, :],
+            vt = tl.load(v_ptr + kb * svb + kh * svh + keys[:, None] * svs + rd[None, :],
                          mask=ok[:, None], other=0.0)  # fmt: skip
             if F32_DOT:
                 pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
@@ -325,10 +345,11 @@ def _decode_attn_combine(part_ptr, stat_ptr, out_ptr, SPLITS, G: tl.constexpr,
 L2_PREFETCH_KV = os.environ.get("MLXRUN_L2PF_KV", "1") == "1"
 
 
-def decode_attention(q, k, v, scale: float, mask) -> torch.Tensor:
+def decode_attention(q, k, v, scale: float, mask, rows=None) -> torch.Tensor:
     """Attention of one new token per sequence: q (B, NH, 1, D) against k, v (B, NKV, S, D)
     (GQA: query head h reads kv head h // (NH / NKV)); mask None or bool (B or 1, 1, 1, S),
-    True = may attend. Returns (B, NH, 1, D).
+    True = may attend. Returns (B, NH, 1, D). With `rows` (B,) int64, k and v are the whole
+    caches of a slot cache (any number of rows) and sequence b reads row rows[b], in place.
 
     The keys are split across programs so that a batch of one still spreads over the GPU
     (split-K over the sequence, "flash decoding"), and blocks with no visible key are not
@@ -361,11 +382,12 @@ def decode_attention(q, k, v, scale: float, mask) -> torch.Tensor:
     if pd["PDL"] and L2_PREFETCH_KV and row % 128 == 0:
         lines = row // 128 if 2 * B * NKV * S * row <= _l2_bytes(q.device) // 4 else 0
     _decode_attn_kernel[(B * NKV, splits)](
-        q, k, v, mask if mask is not None else q, part, stat, S, per, scale,
+        q, k, v, mask if mask is not None else q, rows if rows is not None else q, part, stat,
+        S, per, scale,
         q.stride(0), q.stride(1), *k.stride()[:3], *v.stride()[:3],
         mask.stride(0) if mask is not None and mask.shape[0] > 1 else 0,
         NKV=NKV, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BL=BL,
-        HAS_MASK=mask is not None, num_warps=4,
+        HAS_MASK=mask is not None, ROWS=rows is not None, num_warps=4,
         # float32 models get float32 dots (not TF32); the interpreter's bf16 dot is wrong
         F32_DOT=q.dtype == torch.float32 or q.device.type != "cuda", **pd,
         LINES=lines if lines & (lines - 1) == 0 else 0,  # tl.arange takes powers of two

@@ -276,6 +276,9 @@ class MLXBackend:
 
         return MLXSlotCache(num_layers, slots, kv_heads, head_dim, max_len, self._dt)
 
+    def slot_decoder(self, model, cache, max_batch: int):
+        return None  # the engine's eager steps: MLX builds its graphs lazily anyway
+
     def random_normal(self, shape, std, seed):
         """Random weights made on the device (speed runs of big shapes need no host copy)."""
         return (mx.random.normal(shape, key=mx.random.key(seed)) * std).astype(self._dt)

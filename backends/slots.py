@@ -124,6 +124,13 @@ class TorchSlotCache(SlotCache):
             buf[dst, :, :n] = buf[src, :, :n]
         self.lengths[dst] = n
 
+    def clear(self, slot: int) -> None:
+        """Zero the slot's keys and values (a sequence whose activations went NaN leaves them
+        behind: masked-out positions still meet the attention's product, 0 * NaN = NaN)."""
+        for buf in self.keys + self.values:
+            buf[slot].zero_()
+        self.lengths[slot] = 0
+
 
 class MLXSlotCache(SlotCache):
     """Per layer k, v: (slots, kv_heads, max_len, D) mx arrays."""
@@ -171,3 +178,10 @@ class MLXSlotCache(SlotCache):
                 buf[dst, :, :n] = buf[src, :, :n]
         self._mx.eval(self.keys, self.values)
         self.lengths[dst] = n
+
+    def clear(self, slot: int) -> None:
+        for bufs in (self.keys, self.values):
+            for buf in bufs:
+                buf[slot] = 0
+        self._mx.eval(self.keys, self.values)
+        self.lengths[slot] = 0

@@ -19,6 +19,8 @@ try:
     import torch.nn.functional as F
 except ImportError:  # reported by get_backend with the extra to install
     torch = None
+if torch is not None:
+    from mlxrun.backends.slot_graph import RowMask, SlotRows
 
 _DTYPES = ("float32", "bfloat16", "float16")
 # MLXRUN_SILU_IN_GEMV=0 runs SiLU-multiply as its own kernel again (for A/B timing)
@@ -524,16 +526,27 @@ class TorchBackend:
             kd, vd, slot = cache.slots(layer, k.shape[2])
             q = rope_qkv(q, k, v, positions, table, kd, vd, slot)
             return q, *cache.fetch(layer, k.shape[2])
+        if self.triton_kernels and isinstance(cache, SlotRows):  # the engine's decode step
+            from .cuda_ops import rope_qkv  # noqa: PLC0415
+
+            kd, vd = cache.buffers(layer)
+            q = rope_qkv(q, k, v, positions, table, kd, vd, cache.pos, rows=cache.rows)
+            return q, kd, vd
         k, v = cache.update_and_fetch(layer, self.rope(k, positions, table), v)
         return self.rope(q, positions, table), k, v
 
     def attention(self, q, k, v, scale, mask):
         causal = isinstance(mask, str)  # CAUSAL
         D = q.shape[-1]
+        rows = None
+        if isinstance(mask, RowMask):  # k, v: a slot cache's whole buffers; row b reads rows[b]
+            mask, rows = mask
         if self.triton_kernels and q.shape[2] == 1 and not causal and D >= 16 and D & (D - 1) == 0:
             from .cuda_ops import decode_attention  # noqa: PLC0415
 
-            return decode_attention(q, k, v, scale, mask)
+            return decode_attention(q, k, v, scale, mask, rows=rows)
+        if rows is not None:
+            k, v = k[rows], v[rows]
         return F.scaled_dot_product_attention(
             q,
             k,
@@ -623,6 +636,16 @@ class TorchBackend:
         from .slots import TorchSlotCache  # noqa: PLC0415
 
         return TorchSlotCache(num_layers, slots, kv_heads, head_dim, max_len, self._dt, self._dev)
+
+    def slot_decoder(self, model, cache, max_batch: int):
+        """The engine's decode steps over `cache`'s rows with fixed shapes (slot_graph.py):
+        captured per batch-size bucket on CUDA; run as they are where the Triton kernels are
+        on without graphs (a CPU test under the interpreter). None: the engine runs eagerly."""
+        if not self.triton_kernels:
+            return None
+        from .slot_graph import SlotDecoder  # noqa: PLC0415
+
+        return SlotDecoder(model, cache, max_batch, capture=self.cuda_graphs)
 
     def sampler(self, plan, state):
         """A device sampler (`mlxrun.sampling`) for logits on this backend's device."""

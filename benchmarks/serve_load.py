@@ -2,18 +2,27 @@
 this process, then the same prompts through the batched generate loop that `mlxrun bench
 --batch N` times, in the same run and on the same model.
 
-Reports aggregate generated tok/s, TTFT p50/p99 and per-request latency for the server, the
-bench-equivalent decode tok/s at batch N and 1, and (with --prefix-tokens) the TTFT of a
-request whose long prefix is already cached against the first one's.
+Reports, per client count N: the server's aggregate generated tok/s (prefills included),
+its decode tok/s while all N clients generate, TTFT p50/p99 and per-request latency
+p50/p99/max; the bench-equivalent decode tok/s and TTFT at batch N (and at batch 1, also
+when 1 is not among the counts); serve_over_bench = serve decode / bench decode. With
+--prefix-tokens, the TTFT of a request whose long prefix is already cached against the
+first one's (ratio).
 
-  python benchmarks/serve_load.py --model smollm2 --backend cpu --clients 4 \
+  python benchmarks/serve_load.py --model smollm2 --backend cpu --clients 1,4 \
       --prompt-tokens 64 --gen-tokens 16
   python benchmarks/serve_load.py --model shape:llama3-8b --backend cuda --quant int4 \
-      --clients 1,32 --prompt-tokens 1024 --gen-tokens 128 --prefix-tokens 1000
+      --clients 1,32 --prompt-tokens 1024 --gen-tokens 128 --prefix-tokens 1000 \
+      --json $OUT/serve-load.json
 
 A `shape:` model has random weights; it gets a word-level tokenizer over its whole
 vocabulary (token i is the word "w<i>", no end-of-sequence token), so every prompt is
 exactly --prompt-tokens tokens and every answer runs --gen-tokens tokens.
+
+Needs the `serve` extra and the `openai` client (1.x: its 2.x/3.x releases need httpx2).
+Where those are wheels in a directory (a machine without an index), install them beside
+the system's packages with `pip install --no-index --no-deps --target DIR WHEELS/*.whl`
+and run with PYTHONPATH=DIR.
 """
 
 from __future__ import annotations
@@ -72,8 +81,11 @@ def make_prompts(tok, vocab: int, n: int, length: int, seed: int, prefix: list[i
     return out
 
 
-def _client(url, model, prompts, gen, results):
-    """Stream every prompt at once (one thread each); results: (ttft, latency, tokens)."""
+def _client(url, model, prompts, gen, ready, go, results):
+    """Stream every prompt at once (one thread each) once `go` is set; puts on `results` per
+    prompt (request start, chunk arrival times, completion tokens, end).
+
+    Times are time.monotonic(): CLOCK_MONOTONIC on Linux, one clock for every process."""
     from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
 
     import openai  # noqa: PLC0415
@@ -81,29 +93,42 @@ def _client(url, model, prompts, gen, results):
     c = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=3600)
 
     def one(p):
-        t0 = time.perf_counter()
-        first, toks = None, 0
+        t0, arrivals, toks = time.monotonic(), [], 0
         for ch in c.completions.create(model=model, prompt=p, max_tokens=gen, temperature=0,
                                        stream=True, stream_options={"include_usage": True}):  # fmt: skip
-            if first is None and ch.choices and ch.choices[0].text:
-                first = time.perf_counter()
+            if ch.choices and ch.choices[0].text:
+                arrivals.append(time.monotonic())
             if ch.usage:
                 toks = ch.usage.completion_tokens
-        end = time.perf_counter()
-        return ((first or end) - t0, end - t0, toks, t0, end)
+        return (t0, arrivals, toks, time.monotonic())
 
-    with ThreadPoolExecutor(len(prompts)) as ex:
+    # One short request first: the client's lazy imports and first connection (~0.4 s)
+    # would otherwise land in the first TTFT.
+    for _ in c.completions.create(model=model, prompt=prompts[0][:8], max_tokens=1, stream=True):
+        pass
+    with ThreadPoolExecutor(max(1, len(prompts))) as ex:
+        ready.put(True)
+        go.wait()
         results.put(list(ex.map(one, prompts)))
 
 
-def run_clients(url, model, prompts, gen):
-    """The clients in a process of their own, so their Python does not slow the server's."""
+def run_clients(url, model, prompts, gen, per_proc: int = 8):
+    """The clients in processes of their own (`per_proc` streams each), so neither their
+    Python nor their parsing of a few thousand chunks a second slows the server's; all
+    start together once every process has imported the client."""
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_client, args=(url, model, prompts, gen, q))
-    p.start()
-    res = q.get()
-    p.join()
+    ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    groups = [prompts[i : i + per_proc] for i in range(0, len(prompts), per_proc)]
+    procs = [ctx.Process(target=_client, args=(url, model, g, gen, ready, go, results))
+             for g in groups]  # fmt: skip
+    for p in procs:
+        p.start()
+    for _ in procs:
+        ready.get()
+    go.set()
+    res = [r for _ in procs for r in results.get()]
+    for p in procs:
+        p.join()
     return res
 
 
@@ -112,18 +137,30 @@ def pct(xs, q):
 
 
 def serve_round(url, name, prompts, gen) -> dict:
+    """Aggregate tok/s over the whole round (prefills included), and the decode tok/s while
+    every client is generating: the chunks that arrive between the last client's first
+    token and the first client's end, over that time (for one client, tokens 2..gen over
+    their time: what `bench` reports as decode)."""
     res = run_clients(url, name, prompts, gen)
-    ttft = [r[0] for r in res]
-    lat = [r[1] for r in res]
+    ttft = [(r[1][0] if r[1] else r[3]) - r[0] for r in res]
+    lat = [r[3] - r[0] for r in res]
     toks = sum(r[2] for r in res)
-    wall = max(r[4] for r in res) - min(r[3] for r in res)
+    wall = max(r[3] for r in res) - min(r[0] for r in res)
+    lo = max(r[1][0] for r in res if r[1]) if all(r[1] for r in res) else None
+    hi = min(r[1][-1] for r in res) if lo is not None else None
+    steady = None
+    if lo is not None and hi > lo:
+        n = sum(sum(lo < t <= hi for t in r[1]) for r in res)
+        steady = n / (hi - lo) if n >= len(res) else None  # at least a step's worth
     return {
         "clients": len(prompts),
         "generated_tokens": toks,
         "aggregate_tps": toks / wall,
+        "decode_tps": steady,
         "ttft_p50_ms": 1e3 * pct(ttft, 50),
         "ttft_p99_ms": 1e3 * pct(ttft, 99),
         "latency_p50_s": pct(lat, 50),
+        "latency_p99_s": pct(lat, 99),
         "latency_max_s": max(lat),
     }
 
@@ -131,12 +168,13 @@ def serve_round(url, name, prompts, gen) -> dict:
 def bench_round(model, tok, prompts, gen) -> dict:
     """The same prompts through generate_step at batch len(prompts): `mlxrun bench`'s loop."""
     from mlxrun.bench import _run_once  # noqa: PLC0415
+    from mlxrun.sampling import SamplingParams  # noqa: PLC0415
 
     ids = [tok.encode(p) for p in prompts]
     L = min(len(i) for i in ids)
     ids = [i[:L] for i in ids]  # bench's batches are of one length
-    _run_once(model, ids, gen)  # warm-up
-    ttft, steps = _run_once(model, ids, gen)
+    _run_once(model, ids, gen, SamplingParams())  # warm-up
+    ttft, steps = _run_once(model, ids, gen, SamplingParams())
     return {"batch": len(ids), "decode_tps": len(ids) * steps, "ttft_ms": 1e3 * ttft}
 
 
@@ -181,9 +219,14 @@ def main(argv=None) -> None:
         prompts = make_prompts(tok, vocab, n, args.prompt_tokens, seed=i)
         row = {"serve": serve_round(url, name, prompts, args.gen_tokens),
                "bench": bench_round(model, tok, prompts, args.gen_tokens)}  # fmt: skip
-        row["serve_over_bench"] = row["serve"]["aggregate_tps"] / row["bench"]["decode_tps"]
+        # the targets compare decode with decode: the server's while all N clients generate
+        d = row["serve"]["decode_tps"]
+        row["serve_over_bench"] = None if d is None else d / row["bench"]["decode_tps"]
         report["rounds"].append(row)
         print(json.dumps(row), flush=True)
+    if 1 not in counts:  # the batch-1 decode the one-client target is set against
+        report["bench_batch1"] = bench_round(model, tok, prompts[:1], args.gen_tokens)
+        print(json.dumps({"bench_batch1": report["bench_batch1"]}), flush=True)
     if args.prefix_tokens:
         head = np.random.default_rng(7).integers(3, vocab, args.prefix_tokens).tolist()
         a, b = (make_prompts(tok, vocab, 1, 8, s, prefix=head)[0] for s in (8, 9))

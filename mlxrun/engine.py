@@ -113,14 +113,29 @@ def sample_rows(be, logits, seqs: list[_Seq]) -> tuple[np.ndarray, list[TokenLog
     state = pack(rows, [s.history for s in seqs], plan, [s.seed for s in seqs], [s.n for s in seqs])
     sampler = be.sampler(plan, state)
     toks = be.to_numpy(sampler(logits)).astype(np.int64).reshape(-1)
-    lps: list[TokenLogprob | None] = [None] * len(seqs)
-    if n is not None:
-        lp, top, ids = (None if x is None else be.to_numpy(x) for x in sampler.logprobs())
-        for b, k in enumerate(wants):
-            if k is not None:
-                best = [(int(ids[b, j]), float(top[b, j])) for j in range(k)]
-                lps[b] = TokenLogprob(int(toks[b]), float(lp[b]), best)
-    return toks, lps
+    if n is None:
+        return toks, [None] * len(seqs)
+    return toks, token_logprobs(be, toks, wants, sampler.logprobs())
+
+
+def token_logprobs(be, toks: np.ndarray, wants: list[int | None], lps) -> list:
+    """Per row, a TokenLogprob where `wants` asks for one (None elsewhere), from a device
+    sampler's logprobs(): (chosen (B,), top values (B, n) or None, top ids (B, n) or None)."""
+    lp, top, ids = (None if x is None else be.to_numpy(x) for x in lps)
+    out: list[TokenLogprob | None] = [None] * len(wants)
+    for b, k in enumerate(wants):
+        if k is not None:
+            best = [(int(ids[b, j]), float(top[b, j])) for j in range(k)]
+            out[b] = TokenLogprob(int(toks[b]), float(lp[b]), best)
+    return out
+
+
+def not_finite(n: int) -> str:
+    return (
+        f"the model's logits are NaN or infinite at generated token {n + 1}: this request "
+        "stops rather than emitting garbage (the others go on); the weights or activations "
+        "overflow, so try --dtype float32 or another checkpoint"
+    )
 
 
 def _materialize(model: Transformer) -> None:
@@ -176,6 +191,11 @@ class Engine:
             c.num_hidden_layers, max_batch, c.num_key_value_heads, c.head_dim, self.context
         )
         _materialize(model)
+        # Fixed-shape decode steps over the slots (CUDA: a graph per batch-size bucket, the
+        # greedy ones captured now); None: each step runs eagerly at its own batch size.
+        self.graphs = self.be.slot_decoder(model, self.cache, max_batch)
+        if self.graphs is not None and self.graphs.capture:
+            self.graphs.warm()
         self.seqs: list[_Seq | None] = [None] * max_batch
         self.held: list[list[int]] = [
             [] for _ in range(max_batch)
@@ -190,6 +210,7 @@ class Engine:
             "generated_tokens": 0,
             "prefix_hits": 0,
             "prefix_tokens_reused": 0,
+            "failed": 0,  # stopped by NaN or infinite logits
             "steps": 0,
         }
         self._cond = threading.Condition()
@@ -275,6 +296,8 @@ class Engine:
                 self._step()
             except Exception as e:  # a fault in a step fails its requests, not the server
                 print(f"mlxrun: engine error: {type(e).__name__}: {e}", file=sys.stderr)
+                if self.graphs is not None:
+                    self.graphs.forget()
                 for s in [s for s in self.seqs if s is not None]:
                     self._send(s, Event("", None, None, "error", 0, s.n, s.cached, str(e)))
                     self._retire(s, keep=False)
@@ -352,9 +375,12 @@ class Engine:
             be.eval(logits)  # bound MLX's lazy graph to one chunk
             return
         toks, lps = sample_rows(be, logits, [s])
-        self._emit(s, int(toks[0]), lps[0])
+        ok = be.to_numpy(be.finite_rows(logits)).reshape(-1)
+        self._emit(s, int(toks[0]), lps[0], bool(ok[0]))
 
     def _decode(self, seqs: list[_Seq]) -> None:
+        if self.graphs is not None:
+            return self._decode_fixed(seqs)
         be = self.be
         self.cache.select([s.slot for s in seqs])
         ids = np.asarray([[s.last] for s in seqs])
@@ -362,11 +388,47 @@ class Engine:
         for s in seqs:
             self.held[s.slot].append(s.last)
         toks, lps = sample_rows(be, logits, seqs)
-        for s, t, lp in zip(seqs, toks.tolist(), lps):
-            self._emit(s, t, lp)
+        ok = be.to_numpy(be.finite_rows(logits)).reshape(-1)
+        for s, t, lp, f in zip(seqs, toks.tolist(), lps, ok.tolist()):
+            self._emit(s, t, lp, bool(f))
 
-    def _emit(self, s: _Seq, token: int, lp: TokenLogprob | None) -> None:
-        """Hand one token to its request (as `generate.stream` turns tokens into text)."""
+    def _decode_fixed(self, seqs: list[_Seq]) -> None:
+        """One step through the backend's fixed-shape decoder: the rows' state stays on the
+        device while the same sequences run, so a step copies nothing in."""
+        be = self.be
+        wants = [s.req.logprobs for s in seqs]
+        n = max((w for w in wants if w is not None), default=None)
+        y, ok, lps = self.graphs(
+            tuple(s.req.id for s in seqs),
+            [s.slot for s in seqs],
+            [s.last for s in seqs],
+            [s.req.params for s in seqs],
+            [s.history for s in seqs],
+            [s.seed for s in seqs],
+            [s.n for s in seqs],
+            n,
+        )
+        be.start(y, ok, *(x for x in lps or () if x is not None))  # their copies, queued
+        for s in seqs:
+            self.held[s.slot].append(s.last)
+            self.cache.lengths[s.slot] += 1
+        B = len(seqs)
+        toks = be.to_numpy(y).astype(np.int64).reshape(-1)[:B]
+        flags = be.to_numpy(ok).reshape(-1)[:B]
+        rows = [None] * B if n is None else token_logprobs(be, toks, wants, lps)
+        for s, t, lp, f in zip(seqs, toks.tolist(), rows, flags.tolist()):
+            self._emit(s, t, lp, bool(f))
+
+    def _emit(self, s: _Seq, token: int, lp: TokenLogprob | None, finite: bool = True) -> None:
+        """Hand one token to its request (as `generate.stream` turns tokens into text); a
+        row whose logits were not finite ends its request with an error instead."""
+        if not finite:
+            self.stats["failed"] += 1
+            msg = not_finite(s.n)
+            self._send(s, Event("", None, None, "error", len(s.req.prompt), s.n, s.cached, msg))
+            self._retire(s, keep=False)
+            self.cache.clear(s.slot)  # its keys and values may hold NaN
+            return
         s.n += 1
         s.last = token
         s.history.append(token)

@@ -1,9 +1,13 @@
-"""The serving engine on tiny random models, in process, on torch-cpu and MLX: greedy tokens
-equal `generate_step`'s whatever the batch-mates, the prefix cache, cancellation, seeds,
-logprobs and the queue limit."""
+"""The serving engine on tiny random models, in process, on torch-cpu and MLX and through
+the fixed-shape decode steps of the CUDA code path (slot_graph.py: captured graphs on a GPU,
+the same steps run by the Triton interpreter elsewhere): greedy tokens equal
+`generate_step`'s whatever the batch-mates, the prefix cache, cancellation, seeds, logprobs,
+the queue limit, and a request whose logits turn NaN failing alone."""
 
 from __future__ import annotations
 
+import importlib
+import os
 import queue
 import threading
 
@@ -15,10 +19,54 @@ from mlxrun.engine import Engine, QueueFull, Request
 from mlxrun.generate import generate_step
 from mlxrun.sampling import SamplingParams
 
+try:
+    import torch
 
-@pytest.fixture(scope="module", params=["cpu", "mlx"])
+    HAS_CUDA = torch.cuda.is_available()
+except ImportError:
+    torch, HAS_CUDA = None, False
+if not HAS_CUDA:
+    # before anything imports triton (transformers does, building the tiny checkpoints):
+    # its own library functions (tl.sum) must be interpreted too
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _interpreted_kernels() -> bool:
+    """The CUDA path's Triton kernels on this CPU: decorated by the interpreter."""
+    try:
+        import mlxrun.backends.cuda_ops as ops
+        import mlxrun.backends.cuda_sampling as smp
+        import mlxrun.quant.triton_kernels as tk
+    except ImportError:  # no triton
+        return False
+    for mod, fn in ((tk, "_gemv_kernel"), (ops, "_rope_qkv_kernel"), (smp, "_draw_kernel")):
+        if type(getattr(mod, fn)).__name__ != "InterpretedFunction":
+            importlib.reload(mod)  # imported earlier without the interpreter
+    return True
+
+
+def load_fixed(d):
+    """The tiny model on the CUDA code path with the engine's fixed-shape steps: captured on
+    a GPU; on a CPU, torch with the Triton kernels on, interpreted, and no capture."""
+    if HAS_CUDA:
+        return mlxrun.load(str(d), backend="cuda", dtype="float32", progress=False)
+    if torch is None or not _interpreted_kernels():
+        pytest.skip("needs torch and triton")
+    m = mlxrun.load(str(d), backend="cpu", progress=False)
+    m.transformer.be.triton_kernels = True  # dense float32 weights: nothing to repack
+    return m
+
+
+# Every engine test on the fixed-shape steps too: seconds on a GPU; minutes under the
+# Triton interpreter on 2 cores (`pytest -m long`; test_fixed_steps below is CI's share).
+FIXED = pytest.param("fixed", marks=pytest.mark.cuda if HAS_CUDA else pytest.mark.long)
+
+
+@pytest.fixture(scope="module", params=["cpu", "mlx", FIXED])
 def tiny(request, tiny_dir):
     d, _ = tiny_dir("llama_gqa_tied")
+    if request.param == "fixed":
+        return load_fixed(d)
     return mlxrun.load(str(d), backend=request.param, progress=False)
 
 
@@ -172,3 +220,65 @@ def test_queue_limit_and_bad_requests(tiny):
             eng.check(Request([5], max_tokens=0))
     finally:
         eng.close()
+
+
+def test_fixed_steps_pad_rows_and_match_generate(tiny_dir):
+    """CI's share of the fixed-shape steps (every test above runs on them with -m long):
+    three requests of different lengths in 5 slots decode in the bucket of 4, a dummy row
+    beside them, one row sampled with a seed; each gets what it gets alone on the plain
+    CPU path (generate_step's greedy tokens; the seeded row's own draw)."""
+    d, _ = tiny_dir("llama_gqa_tied")
+    fixed, plain = load_fixed(d), mlxrun.load(str(d), backend="cpu", progress=False)
+    ps = prompts(5, (3, 9, 5))
+    seeded = SamplingParams(temperature=0.8, top_k=20, seed=11)
+    eng = Engine(fixed.transformer, fixed.tokenizer, max_batch=5, context=32)
+    try:
+        outs = run_all(eng, [Request(ps[0], max_tokens=4), Request(ps[1], seeded, max_tokens=4),
+                             Request(ps[2], max_tokens=4)])  # fmt: skip
+        assert {b for b, _ in eng.graphs.steps} >= {4}  # three rows and a dummy ran
+    finally:
+        eng.close()
+    ref = Engine(plain.transformer, plain.tokenizer, max_batch=1, context=32)
+    try:
+        (alone,) = run_all(ref, [Request(ps[1], seeded, max_tokens=4)])
+    finally:
+        ref.close()
+    assert [e.token for e in outs[0]] == reference(plain, ps[0], 4)
+    assert [e.token for e in outs[1]] == [e.token for e in alone]
+    assert [e.token for e in outs[2]] == reference(plain, ps[2], 4)
+
+
+def test_a_row_gone_nan_fails_alone(tiny):
+    """A request whose logits turn NaN mid-decode (its second token's embedding row is
+    poisoned; the tied head keeps the clean one) ends with an error event after the tokens
+    it had; its batch-mate gets all of its own tokens; a short request that then takes the
+    failed slot beside a long one (whose attention spans the NaN position) is clean too."""
+    m, be = tiny.transformer, tiny.transformer.be
+    rng = np.random.default_rng(8)
+    cands = [[int(t) for t in rng.integers(3, 96, n)] for n in (6, 5, 7, 9, 4, 8, 6, 5) * 3]
+    refs = [reference(tiny, p, 6) for p in cands]
+    a = next(i for i, r in enumerate(refs) if len(r) == 6 and r[0] != r[1]
+             and r[1] not in cands[i])  # fmt: skip
+    bad = refs[a][1]
+    clean = [i for i in range(len(cands)) if bad not in cands[i] + refs[i] and i != a]
+    b = clean[0]
+    c = next(i for i in clean[1:] if len(cands[i]) < len(cands[a]))
+    d = next(i for i in clean[1:] if i != c and len(cands[i]) + 6 > len(cands[a]) + 2)
+    embed = m.embed
+    w = be.to_numpy(embed).astype(np.float32)
+    w[bad] = np.nan
+    m.embed = be.array(w)
+    eng = Engine(m, tiny.tokenizer, max_batch=2, context=32, prefix_cache=False)
+    try:
+        ea, eb = run_all(eng, [Request(cands[a], max_tokens=6), Request(cands[b], max_tokens=6)])
+        assert [e.token for e in ea[:-1]] == refs[a][:2]
+        assert ea[-1].finish_reason == "error" and "NaN or infinite" in ea[-1].error
+        assert "generated token 3" in ea[-1].error
+        assert [e.token for e in eb] == refs[b]
+        ec, ed = run_all(eng, [Request(cands[c], max_tokens=6), Request(cands[d], max_tokens=6)])
+        assert [e.token for e in ec] == refs[c] and [e.token for e in ed] == refs[d]
+        h = eng.health()
+        assert (h["failed"], h["running"], h["finished"]) == (1, 0, 3)
+    finally:
+        eng.close()
+        m.embed = embed

@@ -589,6 +589,51 @@ def test_decode_attention_equals_sdpa(dtype):
         assert rel_err(got.float().cpu(), want.cpu()) < tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slot_rows_are_written_and_read_in_place(dtype):
+    """The serving engine's decode step over a slot cache: rope_qkv with `rows` stores each
+    sequence's k, v in its own slot at its own position, touching nothing else, and
+    decode_attention with `rows` reads each sequence's slot in place, as SDPA over the
+    gathered rows does (a dummy row in slot 0 that sees only the last position included)."""
+    import torch.nn.functional as F
+
+    from mlxrun.backends import cuda_ops
+    from mlxrun.backends.torch_backend import TorchBackend
+
+    stock = TorchBackend(DEV, "bfloat16" if dtype == torch.bfloat16 else "float32")
+    stock.triton_kernels = False
+    g = torch.Generator().manual_seed(1)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dtype).to(DEV)
+
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    SLOTS, NH, NKV, S, D = 5, 4, 2, 80, 32
+    rows = torch.tensor([3, 1, 4, 0], device=DEV)  # three sequences and a dummy
+    pos = torch.tensor([7, 0, 66, S - 1], device=DEV)
+    q, k, v = rnd(4, NH, 1, D), rnd(4, NKV, 1, D), rnd(4, NKV, 1, D)
+    kc, vc = rnd(SLOTS, NKV, S, D), rnd(SLOTS, NKV, S, D)
+    kw, vw = kc.clone(), vc.clone()
+    inv = torch.from_numpy(1.0 / 10000 ** (np.arange(0, D, 2) / D)).float().to(DEV)
+    for b in range(4):
+        kw[rows[b], :, pos[b]] = stock.rope(k[b : b + 1], pos[b].view(1, 1), inv)[0, :, 0]
+        vw[rows[b], :, pos[b]] = v[b, :, 0]
+    qr = cuda_ops.rope_qkv(q, k, v, pos.view(-1, 1), inv, kc, vc, pos, rows=rows)
+    assert rel_err(qr.float().cpu(), stock.rope(q, pos.view(-1, 1), inv).float().cpu()) < tol
+    assert rel_err(kc.float().cpu(), kw.float().cpu()) < tol
+    assert torch.equal(vc, vw)  # v stored bit for bit, every other position untouched
+
+    keys = torch.arange(S, device=DEV)[None]
+    lo = torch.tensor([0, 0, 0, S - 1], device=DEV)[:, None]
+    mask = ((keys >= lo) & (keys <= pos[:, None]))[:, None, None]
+    got = cuda_ops.decode_attention(qr, kc, vc, 0.2, mask, rows=rows)
+    want = F.scaled_dot_product_attention(
+        qr.float(), kc[rows].float(), vc[rows].float(), attn_mask=mask, scale=0.2,
+        enable_gqa=True,
+    )  # fmt: skip
+    assert got.shape == q.shape and rel_err(got.float().cpu(), want.cpu()) < tol
+
+
 def test_cuda_code_path_honours_biases_activation_and_window(tmp_path):
     """The CUDA code path (joint q/k/v product with its biases, decode attention kernel under
     a sliding-window mask, the activation outside the SiLU epilogues): the logits and greedy

@@ -1,0 +1,218 @@
+"""The serving engine's decode steps on the PyTorch CUDA code path: one CUDA graph per
+batch-size bucket (and sampling plan), over the slot cache's rows in place.
+
+The engine's running sequences sit in slots of their own lengths, and they join and leave
+between steps; a captured graph needs fixed shapes and addresses. So a step of bucket b runs
+b rows whose token, slot and write position are device buffers (`SlotRows`): the Triton
+kernels store each row's k, v at its own position of its own slot (`rope_qkv` with rows)
+and attend to that slot in place (`decode_attention` with rows), under a mask the step
+builds from the positions. The device sampler and the finite-rows flags are in the graph.
+
+Rows past the running ones are dummies. They write, and attend to, only the last position
+of slot 0, which no sequence uses (a sequence that fills the context never feeds its last
+token back), so they cannot touch a real row's keys; every other operation is row by row,
+so they do not change a real row's result either.
+
+A step writes its tokens back into its input buffer and moves the positions (and the
+sampler's counters and windows) on, so while the same sequences run in the same rows a
+replay needs no copy in: the host loads the buffers only when the batch changes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from mlxrun.sampling import SamplerPlan, SamplingParams, pack, plan_for
+
+# (token, slot, write position, lowest visible key, 1 for a sequence / 0 for a dummy) a row
+_IO = 5
+# Steps of sampled plans are captured as requests ask for them (top-k values differ); the
+# least recently used go beyond this many. Greedy steps, captured at start, always stay.
+MAX_SAMPLED_STEPS = 16
+
+
+class RowMask(NamedTuple):
+    """What `SlotRows.mask` gives the attention: the mask and the slot each row reads."""
+
+    mask: torch.Tensor  # (b, 1, 1, S) bool, True = may attend
+    rows: torch.Tensor  # (b,) int64
+
+
+class SlotRows:
+    """The KV-cache protocol for a decode step of b rows over a TorchSlotCache's buffers:
+    row i is slot rows[i], writing at pos[i] and seeing keys lo[i]..pos[i] (lo is 0 for a
+    sequence). All of it is on the device, in `io` (5, b) int64."""
+
+    def __init__(self, cache, io: torch.Tensor):
+        self.cache = cache
+        self.tok, self.rows, self.pos, self.lo, self.live = io.unbind(0)
+        self.offset = 0  # the protocol's; positions are per row here
+        self._keys = torch.arange(cache.max_len, device=io.device)
+
+    def mask(self, length: int, pads, window: int | None = None) -> RowMask:
+        k = self._keys[None, :]
+        m = (k >= self.lo[:, None]) & (k <= self.pos[:, None])
+        if window is not None:
+            m = m & (k > self.pos[:, None] - window)
+        return RowMask(m[:, None, None, :], self.rows)
+
+    def positions(self, length: int, pads) -> torch.Tensor:
+        return self.pos.view(-1, 1)  # (b, 1): a row's rope position is its write position
+
+    def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer's whole k, v caches (slots, kv_heads, max_len, D): read through `rows`."""
+        return self.cache.keys[layer], self.cache.values[layer]
+
+    def update_and_fetch(self, layer, k, v):
+        """Without the Triton kernels: store k, v (b, kv_heads, 1, D) at each row's slot and
+        position; the attention gathers the rows (RowMask)."""
+        K, V = self.buffers(layer)
+        K[self.rows, :, self.pos] = k[:, :, 0]
+        V[self.rows, :, self.pos] = v[:, :, 0]
+        return K, V
+
+    def advance(self, n: int) -> None:
+        self.pos.add_(self.live * n)  # the dummies stay on their one position
+
+
+def buckets(max_batch: int) -> list[int]:
+    """Batch sizes with a step of their own: powers of two up to max_batch, and max_batch."""
+    out = [1]
+    while out[-1] * 2 < max_batch:
+        out.append(out[-1] * 2)
+    return sorted(set(out) | {max_batch})
+
+
+class SlotStep:
+    """One decode step of `batch` rows: greedy (plan None) or through a device sampler of
+    `plan`; a CUDA graph when `capture`, else run as it is (the CPU tests of this path)."""
+
+    def __init__(self, model, cache, batch: int, plan: SamplerPlan | None, capture: bool, pool):
+        be = model.be
+        self.model, self.batch, self.plan = model, batch, plan
+        dev = cache.keys[0].device
+        self.io = torch.zeros((_IO, batch), dtype=torch.int64, device=dev)
+        self.rows = SlotRows(cache, self.io)
+        self.ok = torch.ones((batch,), dtype=torch.bool, device=dev)
+        self.sampler = None
+        if plan is not None:
+            idle = [SamplingParams()] * batch
+            self.sampler = be.sampler(plan, pack(idle, [[]] * batch, plan, [0] * batch))
+        self.dummy_io = np.zeros((_IO, batch), dtype=np.int64)
+        self.dummy_io[2:4] = cache.max_len - 1  # the one position no sequence uses
+        self.io.copy_(torch.from_numpy(self.dummy_io))  # warm-up and capture touch nothing
+        self.graph = None
+        if capture:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up runs (autotuning, workspaces) first
+                for _ in range(2):
+                    self._run()
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self._run()
+
+    def _run(self) -> None:
+        be = self.model.be
+        logits = self.model(self.rows.tok.view(-1, 1), self.rows, None, last_only=True)
+        if self.sampler is not None:
+            self.rows.tok.copy_(self.sampler(logits))
+        elif be.triton_kernels:
+            from .cuda_ops import argmax  # noqa: PLC0415
+
+            argmax(logits, out=self.rows.tok)
+        else:
+            self.rows.tok.copy_(be.argmax(logits))
+        self.ok.copy_(be.finite_rows(logits))
+
+    def load(self, io: np.ndarray, state: dict | None) -> None:
+        """The rows' buffers (io (5, batch)) and sampler state, for a new set of sequences."""
+        self.io.copy_(torch.from_numpy(io))
+        if self.sampler is not None:
+            self.sampler.load(state)
+
+    def __call__(self):
+        """Run the step: (tokens (batch,), finite flags (batch,), the sampler's logprobs or
+        None), fresh views of buffers the next call overwrites."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._run()
+        lps = self.sampler.logprobs() if self.sampler is not None else None
+        return self.io[0].view(-1), self.ok.view(-1), lps
+
+
+class SlotDecoder:
+    """The engine's decode steps for the rows of a TorchSlotCache, one `SlotStep` per
+    (bucket, sampling plan): a batch of n sequences runs in the smallest bucket >= n."""
+
+    def __init__(self, model, cache, max_batch: int, capture: bool):
+        self.model, self.cache, self.capture = model, cache, capture
+        self.buckets = buckets(max_batch)
+        self.vocab = int(model.head.shape[0])
+        self.steps: dict[tuple[int, SamplerPlan | None], SlotStep] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self._loaded: tuple | None = None  # (step, batch key) whose buffers are on the device
+
+    def warm(self) -> None:
+        """Capture the greedy step of every bucket now, largest first (the graphs share one
+        memory pool, which the largest sizes), so no request waits for a capture."""
+        for b in reversed(self.buckets):
+            self._step(b, None)
+
+    def _step(self, b: int, plan: SamplerPlan | None) -> SlotStep:
+        key = (b, plan)
+        step = self.steps.pop(key, None)
+        if step is None:
+            sampled = [k for k in self.steps if k[1] is not None]
+            if plan is not None and len(sampled) >= MAX_SAMPLED_STEPS:
+                del self.steps[sampled[0]]  # the least recently used
+            step = SlotStep(self.model, self.cache, b, plan, self.capture, self.pool)
+        self.steps[key] = step  # most recently used last
+        return step
+
+    def __call__(
+        self,
+        key,
+        slots: list[int],
+        tokens: list[int],
+        params: list[SamplingParams],
+        histories: list[list[int]],
+        seeds: list[int],
+        counts: list[int],
+        logprobs: int | None,
+    ):
+        """Run one decode step of sequences in `slots` (at the cache's host lengths), fed
+        `tokens`. `key` names the batch (its sequences, in row order): when it and the step
+        are the last call's, the device holds the rows' state already and nothing is copied
+        in. Returns the step's (tokens, flags, logprobs) device views, rows past
+        len(slots) being dummies; the caller moves the host lengths on."""
+        n = len(slots)
+        b = next(x for x in self.buckets if x >= n)
+        pad = b - n
+        rows = list(params) + [SamplingParams()] * pad
+        plain = logprobs is None and all(p.greedy for p in params)
+        plan = None if plain else plan_for(rows, self.vocab, logprobs)
+        step = self._step(b, plan)
+        if self._loaded != (step, key):
+            io = step.dummy_io.copy()
+            io[0, :n] = tokens
+            io[1, :n] = slots
+            io[2, :n] = self.cache.lengths[slots]
+            io[3, :n] = 0
+            io[4, :n] = 1
+            state = None
+            if plan is not None:
+                state = pack(rows, list(histories) + [[]] * pad, plan,
+                             list(seeds) + [0] * pad, list(counts) + [0] * pad)  # fmt: skip
+            step.load(io, state)
+            self._loaded = (step, key)
+        return step()
+
+    def forget(self) -> None:
+        """The device rows no longer match any batch (after a failed step)."""
+        self._loaded = None
