@@ -58,6 +58,25 @@ def allreduce_us(be, hidden: int, calls: int = 64, reps: int = 50) -> float:
     return a.elapsed_time(b) * 1e3 / (reps * calls)
 
 
+def profile(model, prompts, rank: int, path: str) -> None:
+    """Every rank generates 16 tokens (the sums need them all); rank 0 under torch.profiler
+    writes its kernels' device time, most first, to `path`."""
+    import torch  # noqa: PLC0415
+
+    greedy = SamplingParams()
+    if rank != 0:
+        _run_once(model, prompts, 16, greedy)
+        return
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        _run_once(model, prompts, 16, greedy)
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=25, max_name_column_width=60
+    )
+    with open(path, "w") as f:
+        f.write(table)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="llama3-8b")
@@ -68,6 +87,9 @@ def main() -> None:
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument(
+        "--profile", default=None, help="file: rank 0's per-kernel device time of 16 tokens"
+    )
     a = ap.parse_args()
     be = get_backend(a.backend, a.dtype)
     group = join(be)
@@ -99,6 +121,8 @@ def main() -> None:
         }
         if rank == 0:
             print(json.dumps(row), flush=True)
+        if a.profile:
+            profile(model, prompts, rank, f"{a.profile}.{q}.txt")
         del model
         if hasattr(be, "release"):
             be.release()

@@ -30,6 +30,9 @@ for step in "$@"; do
         [ "$GPUS" -ge $n ] || continue
         timeout 120 torchrun --nproc-per-node $n benchmarks/tp_greedy_equal.py "$MODEL" --prompt "$Q" | tag real-tp$n
       done >> $OUT/tp-greedy.jsonl ;;
+    profile-*)  # rank 0's kernels over 16 tokens, per format
+      n=${step#profile-}
+      timeout 280 torchrun --nproc-per-node $n $D --profile $OUT/prof-tp$n > /dev/null ;;
     decode-*-nccl)
       n=${step#decode-}; n=${n%-nccl}
       MLXRUN_ONE_SHOT=0 timeout 280 torchrun --nproc-per-node $n $D | tag tp$n-nccl >> $OUT/tp-decode.jsonl ;;
