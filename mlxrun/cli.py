@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import sys
 
 import click
@@ -719,6 +720,13 @@ def serve(model, backend, dtype, quant, max_batch, context, no_prefix_cache, hos
     if not 0 <= port < 65536:
         raise MlxrunError(f"--port must be in 0..65535, got {port}")
     m, eng = _engine(model, backend, dtype, quant, max_batch, context, no_prefix_cache, max_queue)
+    if eng.sync is not None and not eng.sync.leader:
+        # A tensor-parallel follower: rank 0 serves, and says when to stop (a signal from
+        # the launcher must not end this rank while rank 0 still needs its sums).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        eng.wait()
+        os._exit(0)
     server = Server(eng, model, api_key or None)
     serve_app(server)  # the missing-extra error before we say we are listening
     click.echo(f"mlxrun: serving '{model}' on http://{host}:{port}/v1", err=True)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backends.base import QuantizedWeight
+from .engine_tp import IDLE_BEAT_S, StepSync, fix_seed, from_wire, to_wire
 from .errors import MlxrunError
 from .generate import _stop_hold
 from .memory import prefill_chunk_for
@@ -74,11 +75,15 @@ class Request:
     logprobs: int | None = None  # None: off; k: the chosen token's and the top k
     on_event: Callable[[Event], None] | None = None
     id: int = field(default_factory=lambda: next(_ids))
-    cancelled: bool = False
+    cancelled: bool = False  # as the engine sees it
+    asked: bool = False  # cancel() was called
+    deferred: bool = False  # cancel() takes effect at the next step's message (tensor parallel)
 
     def cancel(self) -> None:
         """Stop generating; the engine frees the slot at its next step."""
-        self.cancelled = True
+        self.asked = True
+        if not self.deferred:
+            self.cancelled = True
 
 
 class _Seq:
@@ -202,6 +207,11 @@ class Engine:
         ]  # tokens whose k, v a slot holds
         self.used = [0] * max_batch  # when each slot was last retired (least recently used first)
         self.waiting: deque[Request] = deque()
+        # Split over ranks: rank 0 queues arrivals here until the next step's message, so
+        # every rank's `waiting` changes at the same step (engine_tp)
+        g = self.be.group
+        self.sync = StepSync(g) if g is not None and g.size > 1 else None
+        self.arrived: list[Request] = []
         self.stats = {
             "requests": 0,
             "finished": 0,
@@ -235,14 +245,16 @@ class Engine:
 
     def submit(self, req: Request) -> Request:
         self.check(req)
+        if self.sync is not None:
+            req.deferred = True
+            fix_seed(req)
         with self._cond:
             if self._stopping:
                 raise QueueFull("the server is shutting down")
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFull(
-                    f"{len(self.waiting)} requests are already waiting (--max-queue); retry later"
-                )
-            self.waiting.append(req)
+            queued = len(self.waiting) + len(self.arrived)
+            if queued >= self.max_queue:
+                raise QueueFull(f"{queued} requests are already waiting (--max-queue); retry later")
+            (self.waiting if self.sync is None else self.arrived).append(req)
             self.stats["requests"] += 1
             self._cond.notify()
         return req
@@ -283,15 +295,24 @@ class Engine:
             self._cond.notify()
         self._thread.join()
 
+    def wait(self) -> None:
+        """Until the loop ends: a tensor-parallel follower's engine, until rank 0's stops."""
+        self._thread.join()
+
     # --- the engine thread ------------------------------------------------------------
 
     def _loop(self) -> None:
         while True:
-            with self._cond:
-                while not self._stopping and not self.waiting and not any(self.seqs):
-                    self._cond.wait()
-                if self._stopping:
-                    break
+            if self.sync is None:
+                with self._cond:
+                    while not self._stopping and not self.waiting and not any(self.seqs):
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+            elif self._exchange():
+                break
+            elif not self.waiting and not any(self.seqs):
+                continue
             try:
                 self._step()
             except Exception as e:  # a fault in a step fails its requests, not the server
@@ -309,6 +330,33 @@ class Engine:
         for r in waiting:
             if r.on_event is not None:
                 r.on_event(Event("", None, None, "cancelled", len(r.prompt), 0, 0))
+
+    def _exchange(self) -> bool:
+        """The step's message between ranks (engine_tp): rank 0 sends what arrived and what
+        was cancelled, the others apply it. True: stop."""
+        if not self.sync.leader:
+            news = self.sync.exchange()
+            self.waiting.extend(from_wire(d, Request) for d in news["arrived"])
+            gone = set(news["cancelled"])
+            for r in self._live():
+                r.cancelled = r.cancelled or r.id in gone
+            return news["stop"]
+        with self._cond:
+            if not (self._stopping or self.arrived or self.waiting or any(self.seqs)):
+                self._cond.wait(IDLE_BEAT_S)
+            arrived, self.arrived = self.arrived, []
+            self.waiting.extend(arrived)
+            stop = self._stopping
+        gone = [r.id for r in self._live() if r.asked and not r.cancelled]
+        for r in self._live():
+            r.cancelled = r.cancelled or r.asked
+        news = {"arrived": [to_wire(r) for r in arrived], "cancelled": gone, "stop": stop}
+        self.sync.exchange(news if arrived or gone or stop else None)
+        return stop
+
+    def _live(self) -> list[Request]:
+        with self._cond:
+            return list(self.waiting) + [s.req for s in self.seqs if s is not None]
 
     def _step(self) -> None:
         for s in [s for s in self.seqs if s is not None and s.req.cancelled]:
@@ -495,4 +543,8 @@ def engine_for(m, max_batch: str | int = "auto", context: int | None = None, **k
         plan = m.plan(context, batch)
         if not plan.fits:
             raise MlxrunError(f"{batch} sequences of {context} tokens do not fit: {plan.advice}")
+    g = m.backend.group
+    if g is not None and g.size > 1:  # every rank's engine has rank 0's slots and context
+        mine = [batch, context] if g.rank == 0 else [0, 0]
+        batch, context = (int(v) for v in g.all_sum_np(np.array(mine, dtype=np.int64)))
     return Engine(m.transformer, m.tokenizer, max_batch=batch, context=context, **kw)

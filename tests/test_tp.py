@@ -8,8 +8,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -271,3 +274,54 @@ def test_error_on_split_ends_every_rank_with_one_line(tiny_dir):
     # mlx.launch reports each rank that exits by itself; it ends any rank still running
     # once one has failed, so the second report may be missing (or carry its signal)
     assert "exited with code 1" in out, out[-3000:]
+
+
+def test_serve_over_two_ranks_answers_as_one_process(tiny_dir):
+    """`torchrun -m mlxrun serve` (gloo): rank 0 serves, both ranks step together; three
+    concurrent clients each get the one-process greedy text; SIGTERM to the launcher ends
+    it without a hang (the follower waits for rank 0's stop)."""
+    openai = pytest.importorskip("openai")
+    httpx = pytest.importorskip("httpx")
+    from tests.test_serve import free_port  # noqa: PLC0415
+
+    d = str(tiny_dir("llama_gqa_tied")[0])
+    m = mlxrun.load(d, backend="cpu", dtype="float32", progress=False)
+    prompts = [PROMPT, "a b c", PROMPT + " and more of the same words"]
+    want = [m.generate(p, max_tokens=6, chat=False) for p in prompts]
+    port = free_port()
+    cmd = [*_torchrun(2), "-m", "mlxrun", "serve", "--model", d, "-b", "cpu", "--dtype",
+           "float32", "--port", str(port), "--max-batch", "2", "--context", "128"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
+            time.sleep(0.5)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+        def ask(p):
+            r = c.completions.create(model=d, prompt=p, max_tokens=6, temperature=0)
+            return r.choices[0].text
+
+        with ThreadPoolExecutor(3) as pool:  # 3 clients, 2 slots: one waits, then joins
+            got = list(pool.map(ask, prompts))
+        assert got == want
+        assert httpx.get(url + "/health").json()["running"] == 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("the ranks did not exit within 90 s of SIGTERM")
+    # torchrun itself ends with a traceback of its own after forwarding SIGTERM; the ranks
+    # must have shut down cleanly (rank 0's server finished, no engine error)
+    assert "Finished server process" in out and "engine error" not in out, out[-3000:]
