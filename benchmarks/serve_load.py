@@ -58,11 +58,15 @@ def load_model(args):
     if args.model.startswith(SHAPE_PREFIX):
         from mlxrun.backends import get_backend  # noqa: PLC0415
         from mlxrun.bench import _quant_specs  # noqa: PLC0415
+        from mlxrun.distributed import join  # noqa: PLC0415
+        from mlxrun.shard import shard_config  # noqa: PLC0415
 
         cfg = shape_config(args.model)
         be = get_backend(args.backend, args.dtype)
+        group = join(be)  # under torchrun: this rank's shard, as tp_decode.py builds it
+        tp, rank = (1, 0) if group is None else (group.size, group.rank)
         spec = _quant_specs([args.quant or "none"]).get(args.quant or "none")
-        model = build_random(cfg, be, spec)
+        model = build_random(shard_config(cfg, tp), be, spec, seed=rank)
         return model, word_tokenizer(cfg.vocab_size)
     import mlxrun  # noqa: PLC0415
 
@@ -203,6 +207,10 @@ def main(argv=None) -> None:
     context = max(args.prompt_tokens, args.prefix_tokens + 16) + args.gen_tokens + 16
     eng = Engine(model, tok, max_batch=max(counts), context=context, max_queue=4 * max(counts))
     name = args.model
+    split = eng.sync is not None  # under torchrun: rank 0 serves, the others follow
+    if split and not eng.sync.leader:
+        eng.wait()
+        return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -217,14 +225,15 @@ def main(argv=None) -> None:
     serve_round(url, name, make_prompts(tok, vocab, 1, 8, 99), 4)  # warm-up
     for i, n in enumerate(counts):
         prompts = make_prompts(tok, vocab, n, args.prompt_tokens, seed=i)
-        row = {"serve": serve_round(url, name, prompts, args.gen_tokens),
-               "bench": bench_round(model, tok, prompts, args.gen_tokens)}  # fmt: skip
-        # the targets compare decode with decode: the server's while all N clients generate
-        d = row["serve"]["decode_tps"]
-        row["serve_over_bench"] = None if d is None else d / row["bench"]["decode_tps"]
+        row = {"serve": serve_round(url, name, prompts, args.gen_tokens)}
+        if not split:  # (bench's loop would need every rank: tp_decode.py times it)
+            row["bench"] = bench_round(model, tok, prompts, args.gen_tokens)
+            # the targets compare decode with decode: the server's while all N clients generate
+            d = row["serve"]["decode_tps"]
+            row["serve_over_bench"] = None if d is None else d / row["bench"]["decode_tps"]
         report["rounds"].append(row)
         print(json.dumps(row), flush=True)
-    if 1 not in counts:  # the batch-1 decode the one-client target is set against
+    if 1 not in counts and not split:  # the batch-1 decode the one-client target is set against
         report["bench_batch1"] = bench_round(model, tok, prompts[:1], args.gen_tokens)
         print(json.dumps({"bench_batch1": report["bench_batch1"]}), flush=True)
     if args.prefix_tokens:
