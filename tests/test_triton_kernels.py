@@ -535,6 +535,13 @@ def test_fused_small_ops_equal_the_stock_ops(dtype):
     assert torch.equal(kc[:, :, :3], kw[:, :, :3]) and torch.equal(kc[:, :, 10:], kw[:, :, 10:])
     one = cuda_ops.rope_qkv(q[:1], k[:1], v[:1], pos[1:], inv, kc[:1], vc[:1], slot)
     assert rel_err(one.float().cpu(), stock.rope(q[:1], pos[1:], inv).float().cpu()) < tol
+    # a sliding-window layer's ring: the writes wrap past the end of the buffer to its start
+    kc2, vc2 = rnd(2, 2, 12, 32), rnd(2, 2, 12, 32)
+    kw2, vw2 = kc2.clone(), vc2.clone()
+    ring = [9, 10, 11, 0, 1, 2, 3]
+    kw2[:, :, ring], vw2[:, :, ring] = stock.rope(k, pos, inv), v
+    cuda_ops.rope_qkv(q, k, v, pos, inv, kc2, vc2, torch.tensor([9], device=DEV))
+    assert rel_err(kc2.float().cpu(), kw2.float().cpu()) < tol and torch.equal(vc2, vw2)
 
     # greedy argmax over a vocabulary of 3 blocks and a bit, split across programs: a tie
     # across blocks gives the first index, as torch.argmax
