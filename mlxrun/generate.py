@@ -87,7 +87,7 @@ def generate_step(
         )
     if prefill_chunk is None:  # the planner's choice, so its workspace is what runs
         prefill_chunk = prefill_chunk_for(be.name, be.memory_kind, B)
-    with be.wired(model.weight_bytes() + model.kv_bytes(B, L + max_tokens)):
+    with be.wired(model.weight_bytes() + model.kv_bytes(B, L + max_tokens, prefill_chunk)):
         yield from _steps(model, ids, pads, rows, max_tokens, prefill_chunk, prompts, logprobs)
 
 

@@ -256,3 +256,57 @@ def test_window_ring_slot_cache_serves_transformers_tokens(root, backend):
         assert [e.token for e in third] == _hf_greedy(hf, short, 6)
     finally:
         eng.close()
+
+
+def test_planner_counts_only_the_window_and_equals_the_caches(root):
+    """Mistral-7B's shape (32 layers, window 4096) at 32k context: the plan's KV is 32 layers
+    x (4096 + chunk - 1) positions, not 32k; and on a tiny model the planned bytes are
+    the bytes the cache allocates, window layers and full ones mixed."""
+    from mlxrun.memory import DeviceMemory, config_shapes, footprint, make_plan
+
+    GiB = 1 << 30
+    mistral = ModelConfig.from_dict({
+        "model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "vocab_size": 32000, "max_position_embeddings": 32768, "sliding_window": 4096,
+    })  # fmt: skip
+    fp = footprint(mistral, config_shapes(mistral), "bfloat16")
+    per_pos = 32 * 2 * 8 * 128 * 2  # layers x k,v x kv heads x head_dim x bf16
+    assert fp.kv_bytes_per_token == per_pos
+    gpu = DeviceMemory("cuda", "H100 80GB", 80 * GiB, 79 * GiB, False)
+    plan = make_plan(mistral, fp, gpu, context=32768, batch=4, prefill_chunk=512)
+    assert plan.kv_bytes == 4 * per_pos * (4096 + 511)
+    unbounded = make_plan(
+        mistral.replace(layer_windows=()),
+        fp.__class__(**{**fp.__dict__, "kv_windows": ()}),
+        gpu,
+        context=32768,
+        batch=4,
+        prefill_chunk=512,
+    )
+    assert unbounded.kv_bytes == 4 * per_pos * 32768
+    assert plan.max_batch > 5 * unbounded.max_batch
+
+    mt, opts = SLIDING["alternating"]
+    d, _ = write_random(root / "plan", mt, {**BASE, **opts}, std=0.2)
+    m = mlxrun.load(str(d), backend="cpu", dtype="float32", progress=False)
+    tr = m.transformer
+    cache = tr.make_cache(3, 100, chunk=5)
+    held = sum(int(b.nbytes) for b in cache.keys + cache.values)
+    assert held == tr.kv_bytes(3, 100, 5) == 2 * 2 * 8 * 4 * 3 * (WINDOW + 4 + 100)
+    fp = footprint(tr.config, config_shapes(tr.config), "float32")
+    assert fp.kv_bytes(100, 3, 5) == held
+
+
+def test_bench_shape_and_kv_bytes_read():
+    """shape:llama3.1-8b runs 128k positions through llama3 rope; the bench's roofline
+    counts the KV a decode step reads: every position of a full layer, the window of a
+    sliding one."""
+    from mlxrun.bench import kv_read_bytes, shape_config
+
+    c = shape_config("llama3.1-8b")
+    assert c.context_length == 131072 and c.rope_scaling["rope_type"] == "llama3"
+    per_pos = 32 * 2 * 8 * 128 * 2
+    assert kv_read_bytes(c, "bfloat16", 32768) == per_pos * 32768
+    alt = c.replace(layer_windows=(4096, None) * 16)
+    assert kv_read_bytes(alt, "bfloat16", 32768) == per_pos / 32 * 16 * (4096 + 32768)
