@@ -310,3 +310,18 @@ def test_bench_shape_and_kv_bytes_read():
     assert kv_read_bytes(c, "bfloat16", 32768) == per_pos * 32768
     alt = c.replace(layer_windows=(4096, None) * 16)
     assert kv_read_bytes(alt, "bfloat16", 32768) == per_pos / 32 * 16 * (4096 + 32768)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("name", list(SLIDING))
+def test_cuda_graph_ring_decode_matches_transformers(root, name):
+    """On a GPU: the Triton rope/cache kernel writing into rings of 9 slots (chunks of 4)
+    and the captured decode step with its ring masks, 20 tokens past a window of 6."""
+    mt, opts = SLIDING[name]
+    d, hf = write_random(root / f"cuda_{name}", mt, {**BASE, **opts}, std=0.2)
+    ids = np.random.default_rng(5).integers(3, VOCAB, size=14)
+    want = _hf_greedy(hf, ids.tolist(), 20, eos=-1)
+    m = mlxrun.load(str(d), backend="cuda", dtype="float32", progress=False)
+    steps = generate_step(m.transformer, [ids.tolist()], SamplingParams(), max_tokens=20,
+                          prefill_chunk=4)  # fmt: skip
+    assert [int(t[0]) for t in steps] == want
