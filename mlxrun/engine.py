@@ -185,16 +185,18 @@ class Engine:
         c = model.config
         self.model, self.tokenizer, self.be = model, tokenizer, model.be
         self.max_batch = max_batch
-        self.context = min(context or c.max_position_embeddings, c.max_position_embeddings)
+        self.context = min(context or c.context_length, c.context_length)
         self.max_queue = max_queue
         # The same chunks as `generate` for one sequence, so a prompt is prefilled as it is there.
         self.prefill_chunk = prefill_chunk or prefill_chunk_for(
             self.be.name, self.be.memory_kind, 1
         )
         self.prefix_cache = prefix_cache
+        windows = [c.window(i) for i in range(c.num_hidden_layers)]
         self.cache = self.be.make_slot_cache(
-            c.num_hidden_layers, max_batch, c.num_key_value_heads, c.head_dim, self.context
-        )
+            c.num_hidden_layers, max_batch, c.num_key_value_heads, c.head_dim, self.context,
+            windows, self.prefill_chunk,
+        )  # fmt: skip
         _materialize(model)
         # Fixed-shape decode steps over the slots (CUDA: a graph per batch-size bucket, the
         # greedy ones captured now); None: each step runs eagerly at its own batch size.
@@ -399,6 +401,8 @@ class Engine:
         if self.prefix_cache:
             for i in range(self.max_batch):
                 n = min(_common(self.held[i], prompt), len(prompt) - 1)
+                if not self.cache.keeps(i, n):  # its window rings moved on past n
+                    continue
                 if n > best or (n == best and src is not None and self.seqs[i] is None):
                     best, src = n, i
         best = best if src is not None else 0
@@ -526,7 +530,7 @@ def engine_for(m, max_batch: str | int = "auto", context: int | None = None, **k
     sequences of that context that fit (at most 32 on CUDA, 8 elsewhere)."""
     cap = 32 if m.backend.device == "cuda" else 8
     if context is None:
-        context = min(m.config.max_position_embeddings, max(m.plan(None, 1).max_context, 1))
+        context = min(m.config.context_length, max(m.plan(None, 1).max_context, 1))
     if context < 2:
         raise MlxrunError(f"--context must be at least 2, got {context}")
     if max_batch == "auto":
