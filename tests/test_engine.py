@@ -134,8 +134,10 @@ def test_prefix_cache_reuses_and_matches(tiny):
         assert first[-1].cached_tokens == 0
         turn2 = base + [e.token for e in first] + [7, 8, 9]
         (second,) = run_all(eng, [Request(turn2, max_tokens=6)])
-        # the slot holds base + all generated tokens but the last (never fed back)
-        assert second[-1].cached_tokens == len(base) + len(first) - 1
+        # the slot holds base + all generated tokens but the last (never fed back), or the
+        # last too where the fixed steps launched the step after it before reading it
+        n = len(base) + len(first)
+        assert second[-1].cached_tokens in ((n - 1, n) if eng.graphs else (n - 1,))
         assert [e.token for e in second] == reference(tiny, turn2, 6)
         # a long request keeps running while a second one with the same 20-token head comes
         a, b = base + [11] * 4, base + [12, 13]
