@@ -137,13 +137,18 @@ class SlotStep:
 
     def __call__(self):
         """Run the step: (tokens (batch,), finite flags (batch,), the sampler's logprobs or
-        None), fresh views of buffers the next call overwrites."""
+        None). Replayed, they are fresh views of buffers the next replay overwrites (the
+        engine queues their copies to the host first, `be.start`); run eagerly, copies."""
+        lps = None
         if self.graph is not None:
             self.graph.replay()
-        else:
-            self._run()
-        lps = self.sampler.logprobs() if self.sampler is not None else None
-        return self.io[0].view(-1), self.ok.view(-1), lps
+            if self.sampler is not None:
+                lps = self.sampler.logprobs()
+            return self.io[0].view(-1), self.ok.view(-1), lps
+        self._run()
+        if self.sampler is not None and self.sampler.logprobs() is not None:
+            lps = tuple(None if x is None else x.clone() for x in self.sampler.logprobs())
+        return self.io[0].clone(), self.ok.clone(), lps
 
 
 class SlotDecoder:

@@ -11,6 +11,7 @@ sequence's tokens do not depend on its batch-mates.
 from __future__ import annotations
 
 import itertools
+import os
 import queue
 import sys
 import threading
@@ -62,6 +63,9 @@ _ids = itertools.count(1)
 # Shorter held prefixes are not reused: a BOS alone is common to every prompt, and copying a
 # few positions saves less than it costs.
 MIN_PREFIX = 4
+# Launch a fixed-shape decode step before reading the previous one's tokens (CUDA);
+# MLXRUN_SERVE_OVERLAP=0 reads each step's tokens first (for A/B timing).
+OVERLAP = os.environ.get("MLXRUN_SERVE_OVERLAP", "1") != "0"
 
 
 @dataclass
@@ -203,6 +207,7 @@ class Engine:
         self.graphs = self.be.slot_decoder(model, self.cache, max_batch)
         if self.graphs is not None and self.graphs.capture:
             self.graphs.warm()
+        self._flight: tuple | None = None  # a launched fixed step whose tokens are unread
         self.seqs: list[_Seq | None] = [None] * max_batch
         self.held: list[list[int]] = [
             [] for _ in range(max_batch)
@@ -321,6 +326,7 @@ class Engine:
                 print(f"mlxrun: engine error: {type(e).__name__}: {e}", file=sys.stderr)
                 if self.graphs is not None:
                     self.graphs.forget()
+                    self._flight = None
                 for s in [s for s in self.seqs if s is not None]:
                     self._send(s, Event("", None, None, "error", 0, s.n, s.cached, str(e)))
                     self._retire(s, keep=False)
@@ -371,6 +377,8 @@ class Engine:
         dec = [s for s in self.seqs if s is not None and s.done == len(s.req.prompt) and s.n]
         if dec:
             self._decode(dec)
+        elif self._flight is not None:  # its sequences were all cancelled
+            self._flight = None
         self.stats["steps"] += 1
 
     def _admit(self) -> None:
@@ -445,13 +453,34 @@ class Engine:
             self._emit(s, t, lp, bool(f))
 
     def _decode_fixed(self, seqs: list[_Seq]) -> None:
-        """One step through the backend's fixed-shape decoder: the rows' state stays on the
-        device while the same sequences run, so a step copies nothing in."""
+        """One step through the backend's fixed-shape decoder. While the same sequences run,
+        the step after is launched before this one's tokens are read (it feeds on them on
+        the device), so the host's detokenizing and sending overlap the device's work."""
+        fl = self._flight
+        key = tuple(s.req.id for s in seqs)
+        if fl is not None and fl[0] == key and OVERLAP:
+            self._flight = self._launch(seqs, key, fed=False)
+            self._land(fl, chained=True)
+            return
+        self._flight = None
+        if fl is not None:
+            self._land(fl, chained=False)
+            seqs = [s for s in seqs if self.seqs[s.slot] is s]  # some may have finished
+            key = tuple(s.req.id for s in seqs)
+        if seqs:
+            self._flight = self._launch(seqs, key, fed=True)
+            if not OVERLAP:
+                self._land(self._flight, chained=False)
+                self._flight = None
+
+    def _launch(self, seqs: list[_Seq], key: tuple, fed: bool) -> tuple:
+        """Queue a step of `seqs` and its tokens' copies to the host. fed: their last tokens
+        are on the host (else they are the step in flight's, still on the device)."""
         be = self.be
         wants = [s.req.logprobs for s in seqs]
         n = max((w for w in wants if w is not None), default=None)
         y, ok, lps = self.graphs(
-            tuple(s.req.id for s in seqs),
+            key,
             [s.slot for s in seqs],
             [s.last for s in seqs],
             [s.req.params for s in seqs],
@@ -462,13 +491,25 @@ class Engine:
         )
         be.start(y, ok, *(x for x in lps or () if x is not None))  # their copies, queued
         for s in seqs:
-            self.held[s.slot].append(s.last)
+            if fed:
+                self.held[s.slot].append(s.last)
             self.cache.lengths[s.slot] += 1
+        return key, seqs, y, ok, lps, wants, n
+
+    def _land(self, fl: tuple, chained: bool) -> None:
+        """Read a launched step's tokens and hand them out; chained: each was fed to the
+        step launched after it (so its keys and values are being written)."""
+        be = self.be
+        _, seqs, y, ok, lps, wants, n = fl
         B = len(seqs)
         toks = be.to_numpy(y).astype(np.int64).reshape(-1)[:B]
         flags = be.to_numpy(ok).reshape(-1)[:B]
         rows = [None] * B if n is None else token_logprobs(be, toks, wants, lps)
         for s, t, lp, f in zip(seqs, toks.tolist(), rows, flags.tolist()):
+            if self.seqs[s.slot] is not s:
+                continue  # cancelled meanwhile
+            if chained:
+                self.held[s.slot].append(t)
             self._emit(s, t, lp, bool(f))
 
     def _emit(self, s: _Seq, token: int, lp: TokenLogprob | None, finite: bool = True) -> None:

@@ -14,6 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import numpy as np
 import pytest
 
 import mlxrun
@@ -264,6 +265,48 @@ def test_api_key_and_full_queue(tiny_app):
     full = tiny_app(max_queue=0)
     r = full.post("/v1/completions", json=body)
     assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+
+
+def test_a_request_gone_nan_gets_an_error_and_the_server_goes_on(tiny_dir):
+    """Logits that turn NaN (a token's embedding row poisoned, the tied head clean) end that
+    request: a 500 in OpenAI's error shape, or an error event closing the stream; a clean
+    request before and after gets its answer."""
+    from fastapi.testclient import TestClient
+
+    from mlxrun.engine import Engine
+    from mlxrun.generate import generate_step
+    from mlxrun.sampling import SamplingParams
+    from mlxrun.server import Server, serve_app
+
+    d, _ = tiny_dir("llama_gqa_tied")
+    m = mlxrun.load(str(d), backend="cpu", progress=False)
+    t = m.transformer
+    clean = [int(x[0]) for x in generate_step(t, [[5, 6, 8]], SamplingParams(), 2)]
+    poison = next(x for x in range(9, 96) if x not in clean)
+    w = np.array(t.be.to_numpy(t.embed))  # a copy: the tied head keeps the clean rows
+    w[poison] = np.nan
+    t.embed = t.be.array(w)
+    eng = Engine(t, m.tokenizer, max_batch=2, context=32)
+    try:
+        c = TestClient(serve_app(Server(eng, "tiny")))
+        ok = {"prompt": [5, 6, 8], "max_tokens": 2, "temperature": 0}
+        bad = {**ok, "prompt": [5, 6, poison]}
+        r = c.post("/v1/completions", json=ok)
+        assert r.status_code == 200, r.text
+        r = c.post("/v1/completions", json=bad)
+        err = r.json()["error"]
+        assert r.status_code == 500 and err["code"] == "error" and "NaN" in err["message"]
+        assert err["type"] == "server_error"
+        lines = [ln for ln in c.post("/v1/completions", json={**bad, "stream": True})
+                 .text.splitlines() if ln.startswith("data: ")]  # fmt: skip
+        assert "NaN" in json.loads(lines[-2][6:])["error"]["message"]
+        assert lines[-1] == "data: [DONE]"
+        r = c.post("/v1/completions", json=ok)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        h = c.get("/health").json()
+        assert (h["failed"], h["running"]) == (2, 0)
+    finally:
+        eng.close()
 
 
 @pytest.mark.skipif(os.name != "posix", reason="signals")
