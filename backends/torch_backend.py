@@ -252,6 +252,15 @@ def _expandable_segments() -> None:
             setting("expandable_segments:True")
 
 
+_NOTED: set[str] = set()
+
+
+def _note_once(msg: str) -> None:
+    if msg not in _NOTED:
+        _NOTED.add(msg)
+        print(f"mlxrun: note: {msg}", file=sys.stderr)
+
+
 def _rows(t, ids):
     # CUDA has no indexing kernel for uint32: gather the same bits as int32.
     if t.dtype == torch.uint32:
@@ -582,6 +591,12 @@ class TorchBackend:
         g, u = self.linears(x, (gate, up), biases)
         return _ACT[act](g) * u
 
+    def moe(self, x, logits, experts, opts):
+        """The top-k experts of each token, weighted and summed (backends/torch_moe.py)."""
+        from .torch_moe import moe  # noqa: PLC0415
+
+        return moe(x, logits, experts, opts)
+
     def argmax(self, logits):
         if self.triton_kernels and logits.dim() == 2:
             from .cuda_ops import argmax  # noqa: PLC0415
@@ -623,6 +638,15 @@ class TorchBackend:
         `sampler`'s state. The caller calls its close() when the generation ends."""
         if not self.cuda_graphs:
             return None
+        moe = model.config.moe
+        if moe is not None:
+            from .torch_moe import GATHER_MAX_SLOTS  # noqa: PLC0415
+
+            if batch * moe.top_k > GATHER_MAX_SLOTS:
+                # the grouped expert path reads its per-expert counts on the host, which a
+                # captured graph cannot do: these steps run eagerly
+                _note_once("MoE decode past batch 1-2 runs without a CUDA graph")
+                return None
         s = self._session
         plan = None if sampler is None else sampler.plan
         if s is not None and s.cache is cache and s.model is model and not s.busy:

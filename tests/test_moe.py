@@ -1,0 +1,244 @@
+"""Mixture-of-experts models against transformers: tiny random Qwen3-MoE and Mixtral
+checkpoints built with transformers' own classes, in its per-expert layout and in mlx-lm's
+stacked `switch_mlp` one. Logits within 1e-4 on torch-cpu and MLX (prompts long enough for
+the grouped expert paths, decode through the gathered ones), greedy tokens equal, and the
+same after int4 / fp4 quantization against transformers running the dequantized bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import mlxrun
+from mlxrun.backends.base import QuantizedWeight
+from mlxrun.config import ModelConfig
+from mlxrun.errors import MlxrunError
+from mlxrun.generate import generate_step
+from mlxrun.moe import MoEOptions
+from mlxrun.sampling import SamplingParams
+from mlxrun.weights import Tensor, load_safetensors, save_safetensors
+
+from .conftest import rel_err, write_random
+
+VOCAB = 64
+BASE = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+VARIANTS = {
+    # renormalised top-k; layer 1 keeps a dense MLP (mlp_only_layers)
+    "qwen3_moe_norm_dense1": (
+        "qwen3_moe",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            intermediate_size=64,
+            head_dim=16,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+    ),  # fmt: skip
+    "qwen3_moe_raw_topk": (
+        "qwen3_moe",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            intermediate_size=64,
+            head_dim=16,
+            norm_topk_prob=False,
+        ),
+    ),  # fmt: skip
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
+}
+PROMPT = np.random.default_rng(1).integers(3, VOCAB, size=36)  # 72+ slots: sorted/grouped
+
+
+@pytest.fixture(scope="module")
+def variant(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            mt, kw = VARIANTS[name]
+            cache[name] = write_random(root / name, mt, {**BASE, **kw}, 0, std=0.2)
+        return cache[name]
+
+    return get
+
+
+def _hf(hf, ids, new=6):
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)[None]).logits[0].numpy()
+        out = hf.generate(torch.tensor(ids)[None], max_new_tokens=new, min_new_tokens=new,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    return ref, out[0, len(ids) :].tolist()
+
+
+def _check(m, ids, ref, want, tol, what):
+    assert rel_err(m.logits(ids), ref) < tol, what
+    steps = generate_step(m.transformer, [list(ids)], SamplingParams(), max_tokens=len(want),
+                          prefill_chunk=7)  # fmt: skip
+    assert [int(t[0]) for t in steps] == want, what
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_moe_matches_transformers(variant, name):
+    d, hf = variant(name)
+    ref, want = _hf(hf, PROMPT)
+    for backend in ("cpu", "mlx"):
+        m = mlxrun.load(str(d), backend=backend, dtype="float32", progress=False)
+        o = m.transformer.config.moe
+        assert isinstance(o, MoEOptions) and o.num_experts == hf.config.num_local_experts
+        _check(m, PROMPT, ref, want, 1e-4, backend)
+
+
+def test_dense_layers_and_routing_options_are_read(variant):
+    d, _ = variant("qwen3_moe_norm_dense1")
+    m = mlxrun.load(str(d), backend="cpu", dtype="float32", progress=False)
+    o = m.transformer.config.moe
+    assert (o.top_k, o.norm_topk, o.layers) == (2, True, (True, False))
+    L0, L1 = m.transformer.layers
+    assert L0.moe is not None and L0.gate_proj is None
+    assert L1.moe is None and L1.gate_proj is not None
+    assert tuple(L0.moe.gate.shape) == (8, 32, 64) and tuple(L0.moe.down.shape) == (8, 64, 32)
+    # the renormalisation matters: the same weights without it give other logits
+    m.transformer.config = m.transformer.config.replace(moe=MoEOptions(8, 2, 32, norm_topk=False,
+                                                                       layers=(True, False)))  # fmt: skip
+    _, hf = variant("qwen3_moe_norm_dense1")
+    ref, _ = _hf(hf, PROMPT[:8], 1)
+    assert rel_err(m.logits(PROMPT[:8]), ref) > 1e-3
+
+
+def _to_switch_layout(src, dst, mt, experts):
+    """Rewrite a transformers checkpoint in mlx-lm's stacked layout, as mlx-lm's sanitize
+    does (per-expert tensors stacked under switch_mlp, gate/up/down names)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    (dst / "model.safetensors").unlink()
+    t, _ = load_safetensors(src / "model.safetensors")
+    block, names = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+                    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}[mt]  # fmt: skip
+    out = {}
+    for n, x in t.items():
+        if ".experts." not in n:
+            out[n] = x
+    for i in range(BASE["num_hidden_layers"]):
+        p = f"model.layers.{i}.{block}"
+        if f"{p}.experts.0.{names[0]}.weight" not in t:
+            continue
+        for ours, theirs in zip(("gate_proj", "up_proj", "down_proj"), names):
+            stack = np.stack([t[f"{p}.experts.{e}.{theirs}.weight"].data for e in range(experts)])
+            out[f"{p}.switch_mlp.{ours}.weight"] = Tensor.from_numpy(stack)
+    save_safetensors(dst / "model.safetensors", out)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe_norm_dense1", "mixtral"])
+def test_switch_mlp_layout_loads(variant, tmp_path, name):
+    d, hf = variant(name)
+    mt = VARIANTS[name][0]
+    _to_switch_layout(d, tmp_path / "sw", mt, hf.config.num_local_experts)
+    ref, _ = _hf(hf, PROMPT[:12], 1)
+    for backend in ("cpu", "mlx"):
+        m = mlxrun.load(str(tmp_path / "sw"), backend=backend, dtype="float32", progress=False)
+        assert rel_err(m.logits(PROMPT[:12]), ref) < 1e-4, backend
+
+
+def _dequantized_reference(hf, m):
+    """A copy of the transformers model whose weights are mlxrun's dequantized ones."""
+    import copy
+
+    be = m.transformer.be
+    ref = copy.deepcopy(hf)
+    sd = ref.state_dict()
+
+    def put(name, w):
+        a = be.to_numpy(be.dequantize(w)) if isinstance(w, QuantizedWeight) else be.to_numpy(w)
+        sd[name].copy_(torch.from_numpy(a).reshape(sd[name].shape))
+
+    t = m.transformer
+    put("model.embed_tokens.weight", t.embed)
+    put("lm_head.weight", t.head)
+    for i, L in enumerate(t.layers):
+        p = f"model.layers.{i}"
+        for k in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            put(f"{p}.self_attn.{k}.weight", getattr(L, k))
+        e = L.moe
+        if e is None:
+            for k in ("gate_proj", "up_proj", "down_proj"):
+                put(f"{p}.mlp.{k}.weight", getattr(L, k))
+            continue
+        block = "mlp" if f"{p}.mlp.experts.gate_up_proj" in sd else "block_sparse_moe"
+        g, u = (be.to_numpy(be.dequantize(w)) for w in (e.gate, e.up))
+        sd[f"{p}.{block}.experts.gate_up_proj"].copy_(torch.from_numpy(np.concatenate([g, u], 1)))
+        put(f"{p}.{block}.experts.down_proj", e.down)
+    ref.load_state_dict(sd)
+    return ref
+
+
+@pytest.mark.parametrize("name,quant", [("qwen3_moe_norm_dense1", "int4"), ("mixtral", "fp4")])
+def test_quantized_experts_match_transformers_on_their_bytes(variant, name, quant):
+    """Quantized on load (group 32: every matrix of the tiny model): experts are packed
+    stacks, and the logits are transformers' on the dequantized bytes, on both backends."""
+    d, hf = variant(name)
+    got = {}
+    for backend in ("mlx", "cpu"):
+        m = mlxrun.load(str(d), backend=backend, dtype="float32", progress=False, quant=quant,
+                        group_size=32)  # fmt: skip
+        e = m.transformer.layers[0].moe
+        assert isinstance(e.gate, QuantizedWeight) and not isinstance(e.router, QuantizedWeight)
+        ref, want = _hf(_dequantized_reference(hf, m), PROMPT[:20], 4)
+        assert rel_err(ref, _hf(hf, PROMPT[:20], 1)[0]) > 1e-3  # quantized for real
+        _check(m, PROMPT[:20], ref, want, 1e-4, backend)
+        got[backend] = m.logits(PROMPT[:20])
+    assert rel_err(got["cpu"], got["mlx"]) < 1e-4
+
+
+def test_unsupported_architecture_names_it_and_the_supported_ones():
+    with pytest.raises(MlxrunError) as e:
+        ModelConfig.from_dict({"model_type": "deepseek_v3", **BASE, "intermediate_size": 64})
+    msg = str(e.value)
+    assert "\n" not in msg and "deepseek_v3" in msg
+    for mt in ("llama", "qwen3_moe", "mixtral"):
+        assert mt in msg
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(num_experts_per_tok=9), ["num_experts_per_tok", "9", "8"]),
+        (dict(num_experts=0), ["num_experts", "0"]),
+        (dict(moe_intermediate_size=None), ["moe_intermediate_size"]),
+        (dict(shared_expert_intermediate_size=128), ["shared_expert_intermediate_size"]),
+    ],
+)
+def test_bad_moe_configs_are_refused(kw, words):
+    d = {"model_type": "qwen3_moe", **BASE, "intermediate_size": 64, "num_experts": 8,
+         "num_experts_per_tok": 2, "moe_intermediate_size": 32}  # fmt: skip
+    d.update(kw)
+    d = {k: v for k, v in d.items() if v is not None}
+    with pytest.raises(MlxrunError) as e:
+        ModelConfig.from_dict(d)
+    msg = str(e.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg
+
+
+def test_quantized_expert_bytes_are_counted(variant):
+    from mlxrun.evaluate import matrix_bytes_per_weight
+
+    d, _ = variant("mixtral")
+    m = mlxrun.load(str(d), backend="mlx", dtype="float32", progress=False, quant="fp4")
+    # mxfp4 g32: half a byte a weight plus a 1-byte scale a group, experts included
+    assert matrix_bytes_per_weight(m.transformer) == pytest.approx(0.5 + 1 / 32, rel=1e-12)
