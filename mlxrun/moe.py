@@ -195,3 +195,30 @@ def stack_per_expert(tensors: dict, n: ExpertNames, num_experts: int) -> list[st
             stack = np.stack([np.asarray(t.data) for t in parts])
             tensors[f"{n.stacked}.{ours}.{suffix}"] = Tensor(parts[0].dtype, stack)
     return used
+
+
+# --- accounting (memory planner, bench) ------------------------------------------------------
+
+
+def layer_shapes(c, prefix: str, dtype: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{name: (shape, dtype)} of one MoE layer's tensors in the stacked layout (`prefix`
+    like "model.layers.3."), for a planner without a checkpoint."""
+    o = c.moe
+    E, I, H = o.num_experts, o.intermediate_size, c.hidden_size
+    n = expert_names(c.model_type, prefix.rstrip("."))
+    out = {f"{n.router}.weight": ((E, H), dtype)}
+    for k, shape in (("gate_proj", (E, I, H)), ("up_proj", (E, I, H)), ("down_proj", (E, H, I))):
+        out[f"{n.stacked}.{k}.weight"] = (shape, dtype)
+        if o.bias:
+            out[f"{n.stacked}.{k}.bias"] = (shape[:2], dtype)
+    if o.bias:
+        out[f"{n.router}.bias"] = ((E,), dtype)
+    return out
+
+
+def experts_read(o: MoEOptions, batch: int) -> float:
+    """Experts one decode step of `batch` tokens reads in a layer, expected: each token picks
+    top_k of E; taken as uniform and independent, an expert is missed by all of them with
+    probability (1 - k/E)^batch. Batch 1 reads exactly k; the bound is E."""
+    E, k = o.num_experts, o.top_k
+    return E * (1 - (1 - k / E) ** batch)

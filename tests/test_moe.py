@@ -242,3 +242,48 @@ def test_quantized_expert_bytes_are_counted(variant):
     m = mlxrun.load(str(d), backend="mlx", dtype="float32", progress=False, quant="fp4")
     # mxfp4 g32: half a byte a weight plus a 1-byte scale a group, experts included
     assert matrix_bytes_per_weight(m.transformer) == pytest.approx(0.5 + 1 / 32, rel=1e-12)
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "switch_mlp"])
+def test_planner_counts_every_expert_as_loaded(variant, tmp_path, layout):
+    """The planner's weight bytes from the headers alone equal what the loaded model holds
+    (every expert, quantized on load; the router as stored), in either stored layout."""
+    from mlxrun.memory import footprint, header_shapes
+    from mlxrun.quant.formats import resolve
+
+    d, hf = variant("mixtral")
+    if layout == "switch_mlp":
+        _to_switch_layout(d, tmp_path / "sw", "mixtral", hf.config.num_local_experts)
+        d = tmp_path / "sw"
+    for quant in (None, "int4"):
+        m = mlxrun.load(str(d), backend="mlx", dtype="float32", progress=False, quant=quant,
+                        group_size=32)  # fmt: skip
+        spec = None if quant is None else resolve(quant, group_size=32)
+        fp = footprint(m.transformer.config, header_shapes(d), "float32", spec, backend="mlx")
+        assert fp.weight_bytes == m.transformer.weight_bytes(), quant
+        assert fp.n_params == sum(p.numel() for p in hf.parameters())
+
+
+def test_moe_shapes_plan_by_total_and_bench_by_active_bytes():
+    from mlxrun.backends import get_backend
+    from mlxrun.bench import build_random, shape_config, weight_bytes
+    from mlxrun.memory import config_shapes, footprint
+    from mlxrun.moe import experts_read
+
+    big = shape_config("shape:qwen3-30b-a3b")
+    assert big.moe.num_experts == 128 and big.moe.top_k == 8
+    fp = footprint(big, config_shapes(big), "bfloat16")
+    assert fp.n_params == pytest.approx(30.53e9, rel=2e-3)  # Qwen3-30B-A3B: 30.5B
+    c = shape_config("shape:tiny-moe")
+    m = build_random(c, get_backend("mlx", "float32"), seed=1)
+    E, k = c.moe.num_experts, c.moe.top_k
+    experts = sum(
+        int(w.nbytes) for L in m.layers for w in (L.moe.gate, L.moe.up, L.moe.down)
+    )  # fmt: skip
+    held, read1 = weight_bytes(m, 1)
+    assert held == m.weight_bytes()
+    rows = int(m.embed.nbytes) * (1 - 1 / c.vocab_size)  # the embedding: one row read
+    assert held - read1 == pytest.approx(experts * (E - k) / E + rows, abs=len(m.layers))
+    assert experts_read(c.moe, 1) == pytest.approx(k)
+    _, read32 = weight_bytes(m, 32)
+    assert read1 < read32 < held - rows + int(m.embed.nbytes) * 31 / c.vocab_size
