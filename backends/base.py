@@ -97,8 +97,8 @@ class Backend(Protocol):
         self, q: Array, k: Array, v: Array, positions: Array, table: Array, cache, layer: int
     ) -> tuple[Array, Array, Array]: ...  # rope q and k, store k, v: (q, keys, values)
     def attention(
-        self, q: Array, k: Array, v: Array, scale: float, mask: Array | None
-    ) -> Array: ...
+        self, q: Array, k: Array, v: Array, scale: float, mask: Array | None, sinks=None
+    ) -> Array: ...  # sinks (NH,) or None: a learned logit per head joining the softmax
     def silu_gated(self, x: Array, gate, up) -> Array: ...  # silu(x @ gate^T) * (x @ up^T)
     def all_sum(self, x: Array) -> Array: ...  # x summed over the ranks (tensor parallel)
     def gated_mlp(

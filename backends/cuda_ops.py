@@ -299,12 +299,14 @@ def _decode_attn_kernel(
 
 
 @triton.jit
-def _decode_attn_combine(part_ptr, stat_ptr, out_ptr, SPLITS, G: tl.constexpr,
-                         D: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+def _decode_attn_combine(part_ptr, stat_ptr, sink_ptr, out_ptr, SPLITS, NH, G: tl.constexpr,
+                         D: tl.constexpr, SP: tl.constexpr, HAS_SINK: tl.constexpr,
+                         PDL: tl.constexpr = False):  # fmt: skip
     if PDL:
         tlc.gdc_wait()
         tlc.gdc_launch_dependents()
-    # program (b * NH + head): out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M)
+    # program (b * NH + head): out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M), and
+    # with a sink logit z (gpt-oss) e^(z - M) joins the denominator (M then covers z too)
     bq = tl.program_id(0).to(tl.int64)
     bkv = bq // G  # = b * NKV + head // G
     g = bq % G
@@ -314,9 +316,16 @@ def _decode_attn_combine(part_ptr, stat_ptr, out_ptr, SPLITS, G: tl.constexpr,
     row = (bkv * SPLITS + rs) * G + g  # [SP]
     m = tl.load(stat_ptr + row * 2, mask=smask, other=-1.0e30)
     l_s = tl.load(stat_ptr + row * 2 + 1, mask=smask, other=0.0)
-    w = tl.exp(m - tl.max(m, axis=0))
+    top = tl.max(m, axis=0)
+    if HAS_SINK:
+        z = tl.load(sink_ptr + bq % NH).to(tl.float32)
+        top = tl.maximum(top, z)
+    w = tl.exp(m - top)
+    den = tl.sum(l_s * w, axis=0)
+    if HAS_SINK:
+        den += tl.exp(z - top)
     acc = tl.load(part_ptr + row[:, None] * D + rd[None, :], mask=smask[:, None], other=0.0)
-    o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+    o = tl.sum(acc * w[:, None], axis=0) / den
     tl.store(out_ptr + bq * D + rd, o.to(out_ptr.dtype.element_ty))
 
 
@@ -325,10 +334,11 @@ def _decode_attn_combine(part_ptr, stat_ptr, out_ptr, SPLITS, G: tl.constexpr,
 L2_PREFETCH_KV = os.environ.get("MLXRUN_L2PF_KV", "1") == "1"
 
 
-def decode_attention(q, k, v, scale: float, mask) -> torch.Tensor:
+def decode_attention(q, k, v, scale: float, mask, sinks=None) -> torch.Tensor:
     """Attention of one new token per sequence: q (B, NH, 1, D) against k, v (B, NKV, S, D)
     (GQA: query head h reads kv head h // (NH / NKV)); mask None or bool (B or 1, 1, 1, S),
-    True = may attend. Returns (B, NH, 1, D).
+    True = may attend; sinks None or (NH,), a logit per head joining the softmax (gpt-oss).
+    Returns (B, NH, 1, D).
 
     The keys are split across programs so that a batch of one still spreads over the GPU
     (split-K over the sequence, "flash decoding"), and blocks with no visible key are not
@@ -373,8 +383,9 @@ def decode_attention(q, k, v, scale: float, mask) -> torch.Tensor:
     )  # fmt: skip
     out = torch.empty((B, NH, 1, D), dtype=q.dtype, device=q.device)
     _decode_attn_combine[(B * NH,)](
-        part, stat, out, splits, G=G, D=D,
-        SP=triton.next_power_of_2(splits), num_warps=1, **pdl_args(q.device),
+        part, stat, sinks if sinks is not None else part, out, splits, NH, G=G, D=D,
+        SP=triton.next_power_of_2(splits), HAS_SINK=sinks is not None, num_warps=1,
+        **pdl_args(q.device),
     )  # fmt: skip
     return out
 

@@ -235,8 +235,9 @@ class MLXBackend:
         k, v = cache.update_and_fetch(layer, self.rope(k, positions, freqs), v)
         return self.rope(q, positions, freqs), k, v
 
-    def attention(self, q, k, v, scale, mask):
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    def attention(self, q, k, v, scale, mask, sinks=None):
+        # sinks (NH,): one more logit per head in the softmax (gpt-oss), fused by MLX
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
 
     def silu_mul(self, gate, up):
         return _swiglu_fused(gate, up)

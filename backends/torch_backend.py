@@ -261,6 +261,25 @@ def _note_once(msg: str) -> None:
         print(f"mlxrun: note: {msg}", file=sys.stderr)
 
 
+def _sink_attention(q, k, v, scale, mask, sinks):
+    """Attention whose softmax has one more logit per head, `sinks` (NH,), joined to every
+    query's scores and dropped after (gpt-oss): the weights of the keys sum to less than 1.
+    q (B, NH, T, D), k, v (B, NKV, S, D); mask CAUSAL (queries aligned to the last keys),
+    bool (B or 1, 1, T, S) with True = may attend, or None. Softmax in float32."""
+    B, NH, T, _ = q.shape
+    S, rep = k.shape[2], NH // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    s = (q @ k.transpose(-1, -2)).float() * scale  # (B, NH, T, S)
+    if isinstance(mask, str):
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, NH, 1, 1).expand(B, NH, T, 1)
+    p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+    return p.to(v.dtype) @ v
+
+
 def _rows(t, ids):
     # CUDA has no indexing kernel for uint32: gather the same bits as int32.
     if t.dtype == torch.uint32:
@@ -535,13 +554,15 @@ class TorchBackend:
         k, v = cache.update_and_fetch(layer, self.rope(k, positions, table), v)
         return self.rope(q, positions, table), k, v
 
-    def attention(self, q, k, v, scale, mask):
+    def attention(self, q, k, v, scale, mask, sinks=None):
         causal = isinstance(mask, str)  # CAUSAL
         D = q.shape[-1]
         if self.triton_kernels and q.shape[2] == 1 and not causal and D >= 16 and D & (D - 1) == 0:
             from .cuda_ops import decode_attention  # noqa: PLC0415
 
-            return decode_attention(q, k, v, scale, mask)
+            return decode_attention(q, k, v, scale, mask, sinks)
+        if sinks is not None:  # SDPA has no sink logit: the plain path for these layers
+            return _sink_attention(q, k, v, scale, mask, sinks)
         return F.scaled_dot_product_attention(
             q,
             k,
@@ -636,7 +657,9 @@ class TorchBackend:
         """A captured decode step (CUDA), greedy or through `sampler`, or None to run steps
         eagerly. The step samples with the returned decoder's `sampler`, which holds
         `sampler`'s state. The caller calls its close() when the generation ends."""
-        if not self.cuda_graphs:
+        if not self.cuda_graphs or model.config.rope_dynamic:
+            # dynamic (NTK) rope changes its frequencies every step past the trained context:
+            # a captured step would replay the first step's
             return None
         moe = model.config.moe
         if moe is not None:

@@ -266,11 +266,11 @@ class Model:
         ids = [self._ids(p, system, chat) for p in prompts]
         longest = max(len(i) for i in ids)
         context = longest + max_tokens
-        if context > self.config.max_position_embeddings:
+        if context > self.config.context_length:
             raise MlxrunError(
                 f"the longest prompt ({longest} tokens) + "
                 f"--max-tokens ({max_tokens}) exceeds the model's context of "
-                f"{self.config.max_position_embeddings} tokens"
+                f"{self.config.context_length} tokens"
             )
         want = len(prompts) if batch_size == "auto" else int(batch_size)
         if want < 1:

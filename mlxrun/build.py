@@ -321,6 +321,7 @@ def build_model(
     q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     tied = c.tie_word_embeddings
     per_layer = 9 + 3 * c.attention_bias + c.o_bias + 3 * c.mlp_bias + 2 * c.qk_norm
+    per_layer += c.attention_sinks
     bar = _progress(2 + c.num_hidden_layers * per_layer + (0 if tied else 1), progress)
     b = _Builder(cfg, tensors, be, quant, bar, dense, group_asked, check_weights)
     try:
@@ -354,6 +355,8 @@ def build_model(
             if c.qk_norm:
                 L.q_norm = b.dense(f"{p}.self_attn.q_norm.weight", (c.head_dim,))
                 L.k_norm = b.dense(f"{p}.self_attn.k_norm.weight", (c.head_dim,))
+            if c.attention_sinks:
+                L.sinks = b.dense(f"{p}.self_attn.sinks", (c.num_attention_heads,))
             layers.append(L)
         norm = b.dense("model.norm.weight", (H,))
         head = embed if tied else b.matrix("lm_head", V, H)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from . import rope
 from .errors import MlxrunError
 from .moe import MOE_KEYS, MoEOptions, moe_options
 from .validate import check_config
@@ -73,6 +73,8 @@ class ModelConfig:
     mlp_bias: bool = False  # gate/up/down carry biases (Llama option)
     hidden_act: str = "silu"  # the gate's activation: one of ACTIVATIONS
     qk_norm: bool = False  # RMSNorm on each head of q and k before rope (Qwen3)
+    # a learned logit per head (self_attn.sinks) joins each query's softmax (gpt-oss)
+    attention_sinks: bool = False
     # Per layer: the attention window (a query sees the `w` latest keys, itself included),
     # or None for full causal attention. Empty means no layer slides.
     layer_windows: tuple[int | None, ...] = ()
@@ -115,18 +117,9 @@ class ModelConfig:
         if isinstance(rp, dict):
             if "rope_theta" in rp:
                 kw["rope_theta"] = rp["rope_theta"]
-            if rp.get("rope_type", "default") != "default":
+            if rope.rope_type(rp) != "default":
                 kw["rope_scaling"] = rp
-        rs = kw.get("rope_scaling")
-        if rs is not None:
-            rtype = rs.get("rope_type", rs.get("type"))
-            if rtype in (None, "default"):
-                kw["rope_scaling"] = None
-            elif rtype not in ("llama3", "linear"):
-                raise MlxrunError(
-                    f"unsupported rope_scaling type {rtype!r}: "
-                    "mlxrun supports 'llama3' and 'linear'"
-                )
+        kw["rope_scaling"] = rope.normalise(kw.get("rope_scaling"), d)
         eos = d.get("eos_token_id")
         kw["eos_token_id"] = (
             tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -156,28 +149,31 @@ class ModelConfig:
         """Query heads per KV head (grouped-query attention)."""
         return self.num_attention_heads // self.num_key_value_heads
 
-    def rope_freqs(self) -> np.ndarray:
-        """Inverse frequencies (head_dim/2,) float32, with llama3/linear scaling applied."""
-        dim = self.head_dim
-        inv = 1.0 / (self.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-        rs = self.rope_scaling
-        if rs is None:
-            return inv.astype(np.float32)
-        rtype = rs.get("rope_type", rs.get("type"))
-        factor = float(rs.get("factor", 1.0))
-        if rtype == "linear":
-            return (inv / factor).astype(np.float32)
-        # llama3: long wavelengths are slowed by `factor`, short ones kept, smooth in between.
-        low = float(rs.get("low_freq_factor", 1.0))
-        high = float(rs.get("high_freq_factor", 4.0))
-        old_ctx = float(rs.get("original_max_position_embeddings", 8192))
-        wavelen = 2 * math.pi / inv
-        low_wl, high_wl = old_ctx / low, old_ctx / high
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        scaled = np.where(wavelen > low_wl, inv / factor, inv)
-        mid = (wavelen <= low_wl) & (wavelen >= high_wl)
-        scaled = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
-        return scaled.astype(np.float32)
+    def rope_freqs(self, seq_len: int | None = None) -> np.ndarray:
+        """Inverse frequencies (head_dim/2,) float32 with the rope scaling applied; for
+        "dynamic" (NTK) rope, those of a forward pass whose largest position is seq_len - 1."""
+        return rope.inv_freq(
+            self.rope_theta, self.head_dim, self.rope_scaling, self.max_position_embeddings, seq_len
+        )
+
+    @property
+    def context_length(self) -> int:
+        """The longest sequence the model runs: max_position_embeddings, times the factor of
+        "dynamic" rope (its config names the trained context; NTK stretches past it)."""
+        if self.rope_dynamic:
+            return int(self.max_position_embeddings * self.rope_scaling["factor"])
+        return self.max_position_embeddings
+
+    @property
+    def rope_dynamic(self) -> bool:
+        """The inverse frequencies depend on the pass's length ("dynamic" NTK rope)."""
+        return rope.rope_type(self.rope_scaling) == "dynamic"
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale: head_dim^-0.5, times the square of YaRN's attention factor
+        (transformers scales cos and sin by it, so q and k each carry it)."""
+        return self.head_dim**-0.5 * rope.attention_factor(self.rope_scaling) ** 2
 
 
 def _refuse(option: str, value: Any, why: str) -> MlxrunError:

@@ -165,7 +165,7 @@ class Engine:
         c = model.config
         self.model, self.tokenizer, self.be = model, tokenizer, model.be
         self.max_batch = max_batch
-        self.context = min(context or c.max_position_embeddings, c.max_position_embeddings)
+        self.context = min(context or c.context_length, c.context_length)
         self.max_queue = max_queue
         # The same chunks as `generate` for one sequence, so a prompt is prefilled as it is there.
         self.prefill_chunk = prefill_chunk or prefill_chunk_for(
@@ -416,7 +416,7 @@ def engine_for(m, max_batch: str | int = "auto", context: int | None = None, **k
     sequences of that context that fit (at most 32 on CUDA, 8 elsewhere)."""
     cap = 32 if m.backend.device == "cuda" else 8
     if context is None:
-        context = min(m.config.max_position_embeddings, max(m.plan(None, 1).max_context, 1))
+        context = min(m.config.context_length, max(m.plan(None, 1).max_context, 1))
     if context < 2:
         raise MlxrunError(f"--context must be at least 2, got {context}")
     if max_batch == "auto":

@@ -79,7 +79,7 @@ def generate_step(
     rows = list(params) if isinstance(params, list | tuple) else [params] * B
     if len(rows) != B:
         raise MlxrunError(f"{len(rows)} sampling settings for {B} prompts; give one or one each")
-    limit = model.config.max_position_embeddings
+    limit = model.config.context_length
     if L + max_tokens > limit:
         raise MlxrunError(
             f"prompt ({L} tokens) + --max-tokens ({max_tokens}) exceeds the "

@@ -40,6 +40,7 @@ class Layer:
     q_norm: Array | None = None
     k_norm: Array | None = None
     moe: Experts | None = None  # experts in place of the MLP (mlxrun/moe.py)
+    sinks: Array | None = None  # (num_heads,) a learned logit per head in the softmax
 
 
 class Transformer:
@@ -53,7 +54,7 @@ class Transformer:
         self.norm = norm
         self.head = head  # the embedding again when tied
         self.rope = backend.rope_table(config.rope_freqs())
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale
 
     def weight_bytes(self) -> int:
         """Bytes of every weight array on the device (packed parts included, tied head once)."""
@@ -94,11 +95,11 @@ class Transformer:
             c.num_hidden_layers, batch, c.num_key_value_heads, c.head_dim, max_len
         )
 
-    def block(self, L: Layer, h: Array, x: Array, nxt: Array, cache, i: int, mask, pos):
+    def block(self, L: Layer, h: Array, x: Array, nxt: Array, cache, i: int, mask, pos, rope=None):
         """One decoder layer: residual h (B, T, hidden) and x = its input norm applied ->
         (h, x) after the layer, x normalised by `nxt` (the next layer's input norm, or the
-        final norm). Uses slot `i` of the cache. Calibration runs layers one at a time
-        through this (quant/calibrate.py)."""
+        final norm). Uses slot `i` of the cache and the rope table `rope` (the model's when
+        None). Calibration runs layers one at a time through this (quant/calibrate.py)."""
         be, c = self.be, self.config
         B, T = x.shape[0], x.shape[1]
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -110,8 +111,9 @@ class Transformer:
             q = be.rms_norm(q, L.q_norm, c.rms_norm_eps)
             k = be.rms_norm(k, L.k_norm, c.rms_norm_eps)
         # q (B, nh, T, hd) rotated; k, v (B, nkv, offset+T, hd) from the cache
-        q, k, v = be.rope_and_cache(q, k, v, pos, self.rope, cache, i)
-        o = be.attention(q, k, v, self.scale, mask)  # (B, nh, T, hd)
+        rope = self.rope if rope is None else rope
+        q, k, v = be.rope_and_cache(q, k, v, pos, rope, cache, i)
+        o = be.attention(q, k, v, self.scale, mask, sinks=L.sinks)  # (B, nh, T, hd)
         # o and down see this rank's heads / MLP rows only: partial sums of the output, and
         # their biases are added once, after the sum
         o = be.all_sum(be.linear(o.swapaxes(1, 2).reshape(B, T, nh * hd), L.o_proj))
@@ -143,13 +145,16 @@ class Transformer:
         # one mask per window in use: (B or 1, 1, T, keys) or None (or the backend's causal)
         masks = {w: cache.mask(T, pads, w) for w in set(windows)}
         pos = cache.positions(T, pads)
+        rope = self.rope
+        if c.rope_dynamic:  # NTK: frequencies of this pass's length, as transformers runs it
+            rope = be.rope_table(c.rope_freqs(cache.offset + T))
         h = be.embedding(ids, self.embed)  # (B, T, hidden)
         # Each residual add is done with the norm that follows it (one fused kernel on CUDA).
         h, x = be.add_rms_norm(h, None, self.layers[0].input_layernorm, c.rms_norm_eps)
         for i, L in enumerate(self.layers):
             last = i + 1 == len(self.layers)
             nxt = self.norm if last else self.layers[i + 1].input_layernorm
-            h, x = self.block(L, h, x, nxt, cache, i, masks[windows[i]], pos)
+            h, x = self.block(L, h, x, nxt, cache, i, masks[windows[i]], pos, rope)
         cache.advance(T)
         if last_only:
             x = x[:, -1, :]

@@ -69,7 +69,7 @@ def plan_shapes(
         cfg,
         fp,
         dev,
-        context=cfg.max_position_embeddings if context is None else context,
+        context=cfg.context_length if context is None else context,
         batch=batch,
         prefill_chunk=prefill_chunk,
         dtype_bytes=_DTYPE_BYTES[dtype],

@@ -66,18 +66,18 @@ def _rope_scaling(field: str, rs: Any) -> None:
         raise _fail(f"{field}.rope_type", rtype, "a string such as 'llama3' or 'linear'")
     if rtype in (None, "default"):
         return
-    if "factor" in rs:
-        _positive_float(rs, "factor", f"{field}.")
-    if rtype != "llama3":
-        return  # other types are refused by name in ModelConfig.from_dict
-    for k in ("low_freq_factor", "high_freq_factor"):
-        if k in rs:
+    for k in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
+              "attention_factor", "mscale", "mscale_all_dim"):  # fmt: skip
+        if rs.get(k) is not None:
             _positive_float(rs, k, f"{field}.")
-    low, high = rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
-    if high <= low:  # the smoothing between the two divides by (high - low)
-        raise _fail(f"{field}.high_freq_factor", high, f"greater than low_freq_factor ({low})")
-    if "original_max_position_embeddings" in rs:
+    if rs.get("original_max_position_embeddings") is not None:
         _size(rs, "original_max_position_embeddings")
+    if "truncate" in rs and not isinstance(rs["truncate"], bool):
+        raise _fail(f"{field}.truncate", rs["truncate"], "true or false")
+    if rtype == "llama3":
+        low, high = rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+        if high <= low:  # the smoothing between the two divides by (high - low)
+            raise _fail(f"{field}.high_freq_factor", high, f"greater than low_freq_factor ({low})")
 
 
 def _quantization(field: str, q: Any) -> None:

@@ -140,8 +140,7 @@ def _cfg(mt: str = "llama", **kw) -> dict:
         (_cfg(logits_scaling=8.0), ["logits_scaling", "8.0"]),
         (_cfg(embedding_multiplier=12.0), ["embedding_multiplier"]),
         (_cfg(partial_rotary_factor=0.5), ["partial_rotary_factor", "0.5"]),
-        (_cfg(rope_scaling={"rope_type": "yarn", "factor": 4.0}), ["rope_scaling", "yarn"]),
-        (_cfg(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), ["dynamic"]),
+        (_cfg(rope_scaling={"rope_type": "longrope", "factor": 4.0}), ["rope_scaling", "longrope"]),
         (_cfg(sliding_window=512), ["sliding_window", "512", "mistral"]),
         (_cfg("mistral", sliding_window=0), ["sliding_window", "0"]),
         (

@@ -589,6 +589,26 @@ def test_decode_attention_equals_sdpa(dtype):
         assert rel_err(got.float().cpu(), want.cpu()) < tol
 
 
+def test_decode_attention_with_sinks():
+    """A sink logit per head (gpt-oss) joins the combine's denominator: what the plain torch
+    path gives, over several splits, with and without a mask, sinks large and small."""
+    from mlxrun.backends import cuda_ops
+    from mlxrun.backends.torch_backend import _sink_attention
+
+    g = torch.Generator().manual_seed(1)
+    B, NH, NKV, S, D = 2, 8, 2, 200, 32
+    q, k, v = (torch.randn(*s, generator=g).to(DEV) for s in
+               ((B, NH, 1, D), (B, NKV, S, D), (B, NKV, S, D)))  # fmt: skip
+    mask = (torch.arange(S, device=DEV) < 150)[None, None, None]
+    for sinks in (torch.randn(NH, generator=g), torch.full((NH,), 30.0)):
+        sinks = sinks.to(DEV)
+        for m in (None, mask):
+            want = _sink_attention(q, k, v, 0.2, m, sinks)
+            got = cuda_ops.decode_attention(q, k, v, 0.2, m, sinks)
+            assert rel_err(got.cpu(), want.cpu()) < 1e-5
+    assert rel_err(cuda_ops.decode_attention(q, k, v, 0.2, None).cpu(), want.cpu()) > 1e-2
+
+
 def test_cuda_code_path_honours_biases_activation_and_window(tmp_path):
     """The CUDA code path (joint q/k/v product with its biases, decode attention kernel under
     a sliding-window mask, the activation outside the SiLU epilogues): the logits and greedy

@@ -237,13 +237,11 @@ def _rope_scaling(path: Path, meta: Meta, raw: dict, cfg: dict, arch: str) -> di
     if kind == "linear" and factor:
         return {"rope_type": "linear", "factor": float(factor)}
     if kind == "yarn" and factor:
-        return {
-            "rope_type": "yarn",
-            "factor": float(factor),
-            "original_max_position_embeddings": int(
-                meta.get(f"{arch}.rope.scaling.original_context_length", 0)
-            ),
-        }
+        rs = {"rope_type": "yarn", "factor": float(factor)}
+        old = int(meta.get(f"{arch}.rope.scaling.original_context_length", 0))
+        if old:  # else the context length, as transformers defaults it
+            rs["original_max_position_embeddings"] = old
+        return rs
     if "rope_freqs.weight" not in raw:
         return None
     # llama.cpp stores llama3 scaling as one divisor per frequency (head_dim/2,): 1 for short
