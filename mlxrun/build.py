@@ -243,7 +243,7 @@ class _Builder:
 
     def experts(self, p: str) -> Experts:
         """Layer prefix `p`'s router and stacked experts, from either stored layout."""
-        from .moe import expert_names, stack_per_expert  # noqa: PLC0415
+        from .moe import expert_names, fused_experts, stack_per_expert  # noqa: PLC0415
 
         c, o = self.cfg, self.cfg.moe
         E, I, H = o.num_experts, o.intermediate_size, c.hidden_size
@@ -251,6 +251,7 @@ class _Builder:
         dims = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
         stacked = set(self.t)
         self.used.update(stack_per_expert(self.t, n, E))
+        self.used.update(fused_experts(self.t, n))
         stacked = set(self.t) - stacked  # stacks made here from per-expert tensors
         mats = {k: self.matrix(f"{n.stacked}.{k}", *d, lead=(E,)) for k, d in dims.items()}
         e = Experts(self.stored_or_dense(n.router, E, H), *mats.values())

@@ -13,7 +13,15 @@ from .errors import MlxrunError
 from .moe import MOE_KEYS, MoEOptions, moe_options
 from .validate import check_config
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "gpt_oss",
+)
 
 # hidden_act values the model runs, under transformers' names; gelu_new is the same tanh
 # approximation as gelu_pytorch_tanh, swish another name for silu.
@@ -128,7 +136,11 @@ class ModelConfig:
         if "quantization" not in kw and "quantization_config" in d:
             kw["quantization"] = d["quantization_config"]
         method = (kw.get("quantization") or {}).get("quant_method")
-        if method is not None:
+        if method == "mxfp4" and mt == "gpt_oss":
+            # OpenAI's release: the experts in MXFP4 (E2M1 values, E8M0 scales, groups of
+            # 32: MLX's mxfp4 bytes, read as stored), everything else unquantized
+            kw["quantization"] = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+        elif method is not None:
             raise MlxrunError(
                 f"config.json quantization_config has quant_method {method!r}, a transformers "
                 "format mlxrun does not read; use the full-precision checkpoint (mlxrun "
@@ -229,6 +241,11 @@ def _arch_options(mt: str, d: dict[str, Any], n: int) -> dict[str, Any]:
         opts.update(attention_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True)
         slide = d.get("use_sliding_window", False) is True
         windows = [_window_value(d, 4096) if slide else None] * n
+    elif mt == "gpt_oss":  # biases on q/k/v/o, a sink per head, windows by layer_types
+        opts.update(attention_bias=bias, o_bias=bias, mlp_bias=False, attention_sinks=True)
+        w = _window_value(d, 128)
+        default = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+        windows = [w if t == "sliding_attention" else None for t in _layer_types(d, n, default)]
     elif mt in ("qwen2", "qwen3"):
         if mt == "qwen2":  # q/k/v always biased, o never
             opts.update(attention_bias=True, o_bias=False, mlp_bias=False)

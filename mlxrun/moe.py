@@ -153,6 +153,9 @@ class ExpertNames:
 _LAYOUTS = {
     "qwen3_moe": ("mlp", "gate", "switch_mlp", "experts", ("gate_proj", "up_proj", "down_proj")),
     "mixtral": ("block_sparse_moe", "gate", "switch_mlp", "experts", ("w1", "w3", "w2")),
+    # mlx-lm stacks gpt-oss's experts under mlp.experts; transformers fuses them there too
+    # (fused_experts below)
+    "gpt_oss": ("mlp", "router", "experts", "experts", ("gate_proj", "up_proj", "down_proj")),
 }
 
 
@@ -222,3 +225,54 @@ def experts_read(o: MoEOptions, batch: int) -> float:
     probability (1 - k/E)^batch. Batch 1 reads exactly k; the bound is E."""
     E, k = o.num_experts, o.top_k
     return E * (1 - (1 - k / E) ** batch)
+
+
+def fused_experts(tensors: dict, n: ExpertNames) -> list[str]:
+    """gpt-oss's fused expert tensors -> the stacked layout, put in `tensors`; returns the
+    names consumed. Two stored forms, both transformers':
+    - full precision: gate_up_proj (E, hidden, 2I) (input first, gate and up interleaved
+      along the last axis), down_proj (E, I, hidden), and their _bias (E, 2I) / (E, hidden);
+    - OpenAI's MXFP4 release: *_blocks (E, out, in/32, 16) uint8, two E2M1 codes a byte, low
+      nibble first, and *_scales (E, out, in/32) E8M0: MLX's mxfp4 bytes exactly, so the
+      blocks are only viewed as uint32 words (as mlx-lm's sanitize does), never re-quantized.
+    """
+    import numpy as np  # noqa: PLC0415
+
+    from .weights import Tensor  # noqa: PLC0415
+
+    used: list[str] = []
+    base = n.stacked
+
+    def take(name):
+        used.append(name)
+        return tensors[name]
+
+    def put(name, dtype, a):
+        tensors[name] = Tensor(dtype, np.ascontiguousarray(a))
+
+    if f"{base}.gate_up_proj" in tensors:
+        t = take(f"{base}.gate_up_proj")
+        put(f"{base}.gate_proj.weight", t.dtype, np.swapaxes(t.data[..., 0::2], 1, 2))
+        put(f"{base}.up_proj.weight", t.dtype, np.swapaxes(t.data[..., 1::2], 1, 2))
+    if f"{base}.down_proj" in tensors:
+        t = take(f"{base}.down_proj")
+        put(f"{base}.down_proj.weight", t.dtype, np.swapaxes(t.data, 1, 2))
+    for proj in ("gate_up_proj", "down_proj"):
+        if f"{base}.{proj}_blocks" in tensors:
+            b, sc = take(f"{base}.{proj}_blocks"), take(f"{base}.{proj}_scales")
+            words = np.ascontiguousarray(b.data).view(np.uint32).reshape(*b.shape[:2], -1)
+            for k, rows in (
+                (("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2)))
+                if proj == "gate_up_proj"
+                else (("down_proj", slice(None)),)
+            ):
+                put(f"{base}.{k}.weight", "U32", words[:, rows])
+                put(f"{base}.{k}.scales", sc.dtype, sc.data[:, rows])
+        if f"{base}.{proj}_bias" in tensors:
+            t = take(f"{base}.{proj}_bias")
+            if proj == "gate_up_proj":
+                put(f"{base}.gate_proj.bias", t.dtype, t.data[:, 0::2])
+                put(f"{base}.up_proj.bias", t.dtype, t.data[:, 1::2])
+            else:
+                put(f"{base}.down_proj.bias", t.dtype, t.data)
+    return used

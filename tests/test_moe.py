@@ -58,6 +58,19 @@ VARIANTS = {
         ),
     ),  # fmt: skip
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
+    # biases everywhere, sinks, clamped SwiGLU, top-k-then-softmax routing, YaRN, a window
+    # of 8 on layer 0 (the 36-token prompt crosses it)
+    "gpt_oss": (
+        "gpt_oss",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            head_dim=16,
+            sliding_window=8,
+            swiglu_limit=0.5,
+        ),
+    ),  # fmt: skip
 }
 PROMPT = np.random.default_rng(1).integers(3, VOCAB, size=36)  # 72+ slots: sorted/grouped
 
@@ -287,3 +300,83 @@ def test_moe_shapes_plan_by_total_and_bench_by_active_bytes():
     assert experts_read(c.moe, 1) == pytest.approx(k)
     _, read32 = weight_bytes(m, 32)
     assert read1 < read32 < held - rows + int(m.embed.nbytes) * 31 / c.vocab_size
+
+
+def _gpt_oss_mxfp4(src, root):
+    """The tiny gpt-oss checkpoint with its experts in MXFP4, written twice: as OpenAI
+    ships it (transformers' *_blocks / *_scales, quant_method mxfp4) and in mlx-lm's
+    layout (mlp.experts.gate_proj.weight uint32 ...). Returns (openai dir, mlx-lm dir,
+    {param: dequantized (E, ...) float32 in transformers' in-memory layout})."""
+    import json
+    import shutil
+
+    from mlxrun.quant.formats import QuantSpec
+    from mlxrun.quant.reference import dequantize, quantize
+
+    spec = QuantSpec("mxfp4", 4, 32)
+    t, _ = load_safetensors(src / "model.safetensors")
+    oa, ml, deq = {}, {}, {}
+    for n, x in t.items():
+        if ".mlp.experts." not in n or n.endswith("_bias"):
+            oa[n] = x
+            if ".mlp.experts." not in n:
+                ml[n] = x
+            continue
+        w = np.swapaxes(x.float32(), 1, 2)  # (E, out, in): gate and up rows interleaved
+        q = quantize(w, spec)
+        E, out, _ = w.shape
+        oa[n + "_blocks"] = Tensor.from_numpy(q["weight"].view(np.uint8).reshape(E, out, -1, 16))
+        oa[n + "_scales"] = Tensor.from_numpy(q["scales"])
+        back = dequantize(q["weight"], q["scales"], None, spec, dtype="float32")
+        deq[n] = np.swapaxes(back, 1, 2)
+        p = n.rsplit(".", 1)[0]
+        bias = t[n + "_bias"].data
+        parts = (
+            [("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2))]
+            if n.endswith("gate_up_proj")
+            else [("down_proj", slice(None))]
+        )
+        for k, rows in parts:
+            ml[f"{p}.{k}.weight"] = Tensor.from_numpy(np.ascontiguousarray(q["weight"][:, rows]))
+            ml[f"{p}.{k}.scales"] = Tensor.from_numpy(np.ascontiguousarray(q["scales"][:, rows]))
+            ml[f"{p}.{k}.bias"] = Tensor.from_numpy(np.ascontiguousarray(bias[:, rows]))
+    cfg = json.loads((src / "config.json").read_text())
+    out = []
+    for name, tensors, quant in (
+        ("openai", oa, {"quantization_config": {"quant_method": "mxfp4",
+                                                "modules_to_not_convert": ["router"]}}),
+        ("mlx_lm", ml, {"quantization": {"group_size": 32, "bits": 4, "mode": "mxfp4"}}),
+    ):  # fmt: skip
+        d = root / name
+        shutil.copytree(src, d)
+        save_safetensors(d / "model.safetensors", tensors)
+        (d / "config.json").write_text(json.dumps({**cfg, **quant}))
+        out.append(d)
+    return *out, deq
+
+
+def test_gpt_oss_mxfp4_experts_load_as_stored(variant, tmp_path):
+    import copy
+
+    d, hf = variant("gpt_oss")
+    openai, mlx_lm_dir, deq = _gpt_oss_mxfp4(d, tmp_path)
+    ref_model = copy.deepcopy(hf)
+    sd = ref_model.state_dict()
+    for n, a in deq.items():
+        sd[n].copy_(torch.from_numpy(a))
+    ref_model.load_state_dict(sd)
+    ref, want = _hf(ref_model, PROMPT[:20], 4)
+    assert rel_err(ref, _hf(hf, PROMPT[:20], 1)[0]) > 1e-3  # the experts are fp4 for real
+    blocks, _ = load_safetensors(openai / "model.safetensors")
+    stored = blocks["model.layers.0.mlp.experts.down_proj_blocks"].data
+    for path in (openai, mlx_lm_dir):
+        for backend in ("cpu", "mlx"):
+            m = mlxrun.load(str(path), backend=backend, dtype="float32", progress=False)
+            e = m.transformer.layers[0].moe
+            assert (e.down.mode, e.down.group_size) == ("mxfp4", 32)
+            # the stored bytes themselves, no re-quantization
+            w = e.down.weight
+            words = w.view(torch.int32).numpy() if isinstance(w, torch.Tensor) else np.array(w)
+            assert np.array_equal(words.view(np.uint8).reshape(stored.shape), stored)
+            assert isinstance(m.transformer.layers[0].q_proj, type(e.router))  # dense
+            _check(m, PROMPT[:20], ref, want, 1e-4, f"{path.name} {backend}")
