@@ -76,6 +76,15 @@ SHAPES: dict[str, dict] = {
         rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=40960,
         tie_word_embeddings=False,
     ),
+    "gpt-oss-20b": dict(  # gpt-oss-20b: 32 experts, 4 a token (3.6B of 20.9B active)
+        model_type="gpt_oss",
+        hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
+        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+        vocab_size=201088, attention_bias=True, sliding_window=128, rms_norm_eps=1e-5,
+        rope_theta=150000.0, max_position_embeddings=131072, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                      "original_max_position_embeddings": 4096, "truncate": False},
+    ),
     "tiny-moe": dict(  # for tests: the qwen3_moe code path at the tiny shape
         model_type="qwen3_moe",
         hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_experts=8,
@@ -283,6 +292,12 @@ def build_random(cfg: ModelConfig, be, spec=None, seed: int = 0) -> Transformer:
             down_proj=None if moe else r.matrix(H, I),
             moe=r.experts(c) if moe else None,
         )
+        if c.attention_bias:
+            L.q_bias, L.k_bias, L.v_bias = r.vector(q_out), r.vector(kv_out), r.vector(kv_out)
+        if c.o_bias:
+            L.o_bias = r.vector(H)
+        if c.attention_sinks:
+            L.sinks = r.vector(c.num_attention_heads)
         be.eval(*_arrays(*_layer_arrays(L)))  # one layer at a time bounds MLX's lazy graph
         layers.append(L)
     head = embed if c.tie_word_embeddings else r.matrix(V, H)

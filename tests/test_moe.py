@@ -287,6 +287,12 @@ def test_moe_shapes_plan_by_total_and_bench_by_active_bytes():
     assert big.moe.num_experts == 128 and big.moe.top_k == 8
     fp = footprint(big, config_shapes(big), "bfloat16")
     assert fp.n_params == pytest.approx(30.53e9, rel=2e-3)  # Qwen3-30B-A3B: 30.5B
+    oss = shape_config("shape:gpt-oss-20b")
+    assert (oss.moe.routing, oss.attention_sinks, oss.layer_windows[:2]) == (
+        "topk_softmax", True, (128, None))  # fmt: skip
+    assert footprint(oss, config_shapes(oss), "bfloat16").n_params == pytest.approx(
+        20.91e9, rel=2e-3
+    )
     c = shape_config("shape:tiny-moe")
     m = build_random(c, get_backend("mlx", "float32"), seed=1)
     E, k = c.moe.num_experts, c.moe.top_k
