@@ -616,7 +616,7 @@ class TorchBackend:
         """The top-k experts of each token, weighted and summed (backends/torch_moe.py)."""
         from .torch_moe import moe  # noqa: PLC0415
 
-        return moe(x, logits, experts, opts)
+        return moe(x, logits, experts, opts, kernel=self.triton_kernels)
 
     def argmax(self, logits):
         if self.triton_kernels and logits.dim() == 2:
@@ -662,12 +662,12 @@ class TorchBackend:
             # a captured step would replay the first step's
             return None
         moe = model.config.moe
-        if moe is not None:
+        if moe is not None and not self.triton_kernels:
             from .torch_moe import GATHER_MAX_SLOTS  # noqa: PLC0415
 
             if batch * moe.top_k > GATHER_MAX_SLOTS:
-                # the grouped expert path reads its per-expert counts on the host, which a
-                # captured graph cannot do: these steps run eagerly
+                # without the Triton kernels, the grouped expert path reads its per-expert
+                # counts on the host, which a captured graph cannot do: steps run eagerly
                 _note_once("MoE decode past batch 1-2 runs without a CUDA graph")
                 return None
         s = self._session

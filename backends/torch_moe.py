@@ -20,6 +20,9 @@ from mlxrun.moe import Experts, MoEOptions
 # Token slots (tokens x k) up to which the gathered path runs: each gathered expert is a
 # full (out, in) matrix, so past this the grouped path reads less.
 GATHER_MAX_SLOTS = 16
+# With the Triton kernels (CUDA): slots up to which they run (decode batches); past it
+# (prefill) the grouped path reads each expert's weights once for all its tokens.
+KERNEL_MAX_SLOTS = 1024
 
 
 def route(logits: torch.Tensor, o: MoEOptions) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,12 +99,19 @@ def _grouped(x, ids, e: Experts, o: MoEOptions):
     return y.view(N, k, -1)
 
 
-def moe(x: torch.Tensor, logits: torch.Tensor, e: Experts, o: MoEOptions) -> torch.Tensor:
+def moe(
+    x: torch.Tensor, logits: torch.Tensor, e: Experts, o: MoEOptions, kernel: bool = False
+) -> torch.Tensor:
     """x (B, T, H), router logits (B, T, E) -> the weighted sum of the top-k experts'
-    outputs (B, T, H)."""
+    outputs (B, T, H). kernel: run the Triton kernels (backends/cuda_moe.py) for up to
+    KERNEL_MAX_SLOTS token slots."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     w, ids = route(logits.reshape(-1, logits.shape[-1]), o)
+    if kernel and ids.numel() <= KERNEL_MAX_SLOTS:
+        from .cuda_moe import moe_experts  # noqa: PLC0415
+
+        return moe_experts(x2, ids, w, e, o).view(shape)
     run = _gathered if ids.numel() <= GATHER_MAX_SLOTS else _grouped
     y = run(x2, ids, e, o)  # (N, k, H)
     return (y * w.to(y.dtype).unsqueeze(-1)).sum(dim=1).view(shape)
