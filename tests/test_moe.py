@@ -386,3 +386,43 @@ def test_gpt_oss_mxfp4_experts_load_as_stored(variant, tmp_path):
             assert np.array_equal(words.view(np.uint8).reshape(stored.shape), stored)
             assert isinstance(m.transformer.layers[0].q_proj, type(e.router))  # dense
             _check(m, PROMPT[:20], ref, want, 1e-4, f"{path.name} {backend}")
+
+
+def _legacy_keys(d):
+    """config.json as the published checkpoints spell it (num_experts, rope_theta), which
+    mlx-lm's model classes require; transformers 5 writes other names."""
+    import json
+
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.setdefault("num_experts", cfg.get("num_local_experts"))
+    cfg.setdefault("rope_theta", cfg["rope_parameters"]["rope_theta"])
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe_norm_dense1", "mixtral"])
+def test_mlx_lm_interop_both_ways(variant, tmp_path, name):
+    """mlxrun convert writes mlx-lm's switch_mlp layout (experts stacked, then quantized):
+    mlx-lm loads it with the same logits; mlx_lm.convert's output loads in mlxrun."""
+    import shutil
+
+    mx = pytest.importorskip("mlx.core")
+    mlx_lm = pytest.importorskip("mlx_lm")
+    from mlxrun.convert import convert
+
+    src, _ = variant(name)
+    d = tmp_path / "src"
+    shutil.copytree(src, d)
+    _legacy_keys(d)
+    ids = PROMPT[:12].tolist()
+    ours_dir = tmp_path / "ours"
+    assert convert(str(d), str(ours_dir), quant="int4", group_size=32, progress=False) == []
+    t, _ = load_safetensors(ours_dir / "model.safetensors")
+    assert not any(".experts." in n for n in t) and any(".switch_mlp." in n for n in t)
+    theirs_dir = tmp_path / "theirs"
+    mlx_lm.convert(hf_path=str(d), mlx_path=str(theirs_dir), quantize=True, q_group_size=32,
+                   q_bits=4)  # fmt: skip
+    for path in (ours_dir, theirs_dir):
+        model, _ = mlx_lm.load(str(path))
+        want = np.array(model(mx.array([ids])).astype(mx.float32))[0]
+        m = mlxrun.load(str(path), backend="mlx", dtype="float32", progress=False)
+        assert rel_err(m.logits(ids), want) < 1e-4, path.name
