@@ -391,6 +391,9 @@ def convert(
     try:
         _write_shards(tmp, plan, shard_bytes, progress)
         config = dict(ckpt.raw_config)  # no --quant: the checkpoint's own block, as is
+        if plan.block is None and "quant_method" in (config.get("quantization_config") or {}):
+            # a transformers format read as one of MLX's (gpt-oss's mxfp4): written as MLX's
+            config["quantization"] = config["quantization_config"] = ckpt.config.quantization
         if plan.block is not None or dense:
             config.pop("quantization", None)
             config.pop("quantization_config", None)

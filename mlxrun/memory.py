@@ -558,6 +558,14 @@ def footprint(
     weight = dense = int4 = n_params = largest = stored = requant = 0
     for name, (shape, sdt) in shapes.items():
         stored += _numel(shape) * STORED_BYTES.get(sdt, db)
+        if config.moe is not None and name.endswith(("_blocks", "_scales")):
+            # OpenAI's MXFP4 experts (gpt-oss): held as stored, two values a block byte
+            weight += _numel(shape)
+            if name.endswith("_blocks"):
+                n_params += 2 * _numel(shape)
+                dense += 2 * _numel(shape) * db
+            int4 += _numel(shape)
+            continue
         prefix, _, leaf = name.rpartition(".")
         is_q = prefix in quantized and leaf in ("weight", "scales", "biases")
         if is_q:

@@ -426,3 +426,27 @@ def test_mlx_lm_interop_both_ways(variant, tmp_path, name):
         want = np.array(model(mx.array([ids])).astype(mx.float32))[0]
         m = mlxrun.load(str(path), backend="mlx", dtype="float32", progress=False)
         assert rel_err(m.logits(ids), want) < 1e-4, path.name
+
+
+def test_gpt_oss_mxfp4_plans_and_converts_as_stored(variant, tmp_path):
+    """Both MXFP4 layouts plan at the bytes the loaded model holds; convert rewrites
+    OpenAI's layout as mlx-lm's (config quantization block included) with the same bytes."""
+    import json
+
+    from mlxrun.convert import convert
+    from mlxrun.memory import footprint, header_shapes
+
+    d, _ = variant("gpt_oss")
+    openai, mlx_lm_dir, _ = _gpt_oss_mxfp4(d, tmp_path)
+    for path in (openai, mlx_lm_dir):
+        m = mlxrun.load(str(path), backend="mlx", dtype="float32", progress=False)
+        fp = footprint(m.transformer.config, header_shapes(path), "float32", backend="mlx")
+        assert fp.weight_bytes == m.transformer.weight_bytes(), path.name
+    out = tmp_path / "converted"
+    assert convert(str(openai), str(out), progress=False) == []
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization"] == {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    a, _ = load_safetensors(out / "model.safetensors")
+    b, _ = load_safetensors(mlx_lm_dir / "model.safetensors")
+    assert sorted(a) == sorted(b)
+    assert all(np.array_equal(a[n].data, b[n].data) for n in a)
