@@ -43,58 +43,63 @@ def _e2m1(q):
 
 
 @triton.jit
-def _tile(W, S, B, e, rows, rmask, k, kmask, N, K, MODE: tl.constexpr, BITS: tl.constexpr,
-          G: tl.constexpr):  # fmt: skip
-    """Weights (BLOCK_N, BLOCK_K) float32 of expert e: rows `rows`, inputs `k`."""
-    m2 = rmask[:, None] & kmask[None, :]
+def _tile(W, S, B, e, rows, rmask, w0, N, KW, KG, MODE: tl.constexpr, BITS: tl.constexpr,
+          G: tl.constexpr, BW: tl.constexpr):  # fmt: skip
+    """Weights (BLOCK_N, BW, PER) float32 of expert e, rows `rows`: words w0..w0+BW of each
+    row (PER = 32 // BITS values a word; dense: BW values, PER 1). Each word is loaded once
+    and its values taken by shifts, so a k-step is BW loads a row, not BW * PER."""
+    PER: tl.constexpr = 32 // BITS
+    wi = w0 + tl.arange(0, BW)
+    m2 = rmask[:, None] & (wi < KW)[None, :]
+    base = (e * N + rows[:, None]).to(tl.int64)
     if MODE == 0:
-        w = tl.load(W + (e * N + rows[:, None]).to(tl.int64) * K + k[None, :], mask=m2, other=0.0)
-        return w.to(tl.float32)
-    PER: tl.constexpr = 32 // BITS  # values a word
-    KW = K // PER  # words a row
-    word = tl.load(W + (e * N + rows[:, None]).to(tl.int64) * KW + (k // PER)[None, :],
-                   mask=m2, other=0)  # fmt: skip
-    q = (word >> ((k % PER) * BITS)[None, :]) & ((1 << BITS) - 1)
-    KG = K // G
-    gi = (e * N + rows[:, None]).to(tl.int64) * KG + (k // G)[None, :]
+        w = tl.load(W + base * KW + wi[None, :], mask=m2, other=0.0)
+        return w.to(tl.float32)[:, :, None]
+    word = tl.load(W + base * KW + wi[None, :], mask=m2, other=0)
+    q = (word[:, :, None] >> (tl.arange(0, PER) * BITS)[None, None, :]) & ((1 << BITS) - 1)
+    WPG: tl.constexpr = G // PER  # words a group
+    gi = base * KG + (wi // WPG)[None, :]
     if MODE == 1:  # affine: scale * q + bias
-        s = tl.load(S + gi, mask=m2, other=0.0).to(tl.float32)
-        b = tl.load(B + gi, mask=m2, other=0.0).to(tl.float32)
-        return q.to(tl.float32) * s + b
-    sc = tl.load(S + gi, mask=m2, other=0).to(tl.int32)
+        sc = tl.load(S + gi, mask=m2, other=0.0).to(tl.float32)[:, :, None]
+        b = tl.load(B + gi, mask=m2, other=0.0).to(tl.float32)[:, :, None]
+        return q.to(tl.float32) * sc + b
+    code = tl.load(S + gi, mask=m2, other=0).to(tl.int32)
     if MODE == 3:  # nvfp4: E4M3 scale
-        scale = _e4m3(sc)
+        scale = _e4m3(code)
     else:  # E8M0: a power of two
-        scale = tl.exp2((sc - 127).to(tl.float32))
+        scale = tl.exp2((code - 127).to(tl.float32))
     if MODE == 4:
-        return _e4m3(q) * scale
-    return _e2m1(q) * scale
+        return _e4m3(q) * scale[:, :, None]
+    return _e2m1(q) * scale[:, :, None]
 
 
 @triton.jit
 def _moe_gemv(X, IDS, OUT, RW, W1, S1, B1, BIAS1, W2, S2, B2, BIAS2, N, K, X_DIV, limit, alpha,
               MODE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, GATED: tl.constexpr,
               ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+              BLOCK_N: tl.constexpr, BW: tl.constexpr):  # fmt: skip
     """OUT[s, rows] for slot s = program 0: x = X[s // X_DIV] (K,), expert IDS[s].
     GATED: act(x @ W1[e]^T + b1) * (x @ W2[e]^T + b2); else x @ W1[e]^T + b1, times RW[s]
-    when SCALED."""
+    when SCALED. A k-step covers BW words (BW * PER inputs) of each of BLOCK_N rows."""
+    PER: tl.constexpr = 32 // BITS
     s = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     e = tl.load(IDS + s).to(tl.int64)
     xrow = X + (s // X_DIV).to(tl.int64) * K
+    KW = K // PER
+    KG = K // G
     acc1 = tl.zeros((BLOCK_N,), tl.float32)
     acc2 = tl.zeros((BLOCK_N,), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        kmask = k < K
-        x = tl.load(xrow + k, mask=kmask, other=0.0).to(tl.float32)
-        w = _tile(W1, S1, B1, e, rows, rmask, k, kmask, N, K, MODE, BITS, G)
-        acc1 += tl.sum(w * x[None, :], axis=1)
+    for w0 in range(0, KW, BW):
+        k = w0 * PER + tl.arange(0, BW * PER)
+        x = tl.load(xrow + k, mask=k < K, other=0.0).to(tl.float32)
+        x = tl.reshape(x, (BW, PER))[None, :, :]  # input k = word * PER + position
+        w = _tile(W1, S1, B1, e, rows, rmask, w0, N, KW, KG, MODE, BITS, G, BW)
+        acc1 += tl.sum(tl.sum(w * x, axis=2), axis=1)
         if GATED:
-            w = _tile(W2, S2, B2, e, rows, rmask, k, kmask, N, K, MODE, BITS, G)
-            acc2 += tl.sum(w * x[None, :], axis=1)
+            w = _tile(W2, S2, B2, e, rows, rmask, w0, N, KW, KG, MODE, BITS, G, BW)
+            acc2 += tl.sum(tl.sum(w * x, axis=2), axis=1)
     if HAS_BIAS:
         acc1 += tl.load(BIAS1 + e * N + rows, mask=rmask, other=0.0).to(tl.float32)
         if GATED:
@@ -127,15 +132,15 @@ def _launch(x, ids, out, rw, w1, b1, w2, b2, x_div, o, gated, scaled):
     S, N = out.shape
     K = x.shape[-1]
     bias = b1 is not None
-    # a k-step reads 128 bytes of each row (one cache line): 256 4-bit codes, 128 8-bit
-    # ones, 64 16-bit values (every group size divides these)
-    BLOCK_N, BLOCK_K = 16, {4: 256, 8: 128}.get(bits, 64)
+    # a k-step reads 128 bytes of each row (one cache line): 32 words of 4- or 8-bit
+    # codes, 64 16-bit values (32 float32 ones)
+    BLOCK_N, BW = 16, 32 if bits < 32 else 128 // W1.element_size()
     grid = (S, triton.cdiv(N, BLOCK_N))
     _moe_gemv[grid](
         x, ids, out, rw, W1, S1, B1, b1 if bias else out, W2, S2, B2,
         b2 if (bias and gated) else out, N, K, x_div, o.swiglu_limit, o.swiglu_alpha,
         MODE=_MODE[mode], BITS=bits, G=g, GATED=gated, ACT=0 if o.act == "silu" else 1,
-        HAS_BIAS=bias, SCALED=scaled, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4,
+        HAS_BIAS=bias, SCALED=scaled, BLOCK_N=BLOCK_N, BW=BW, num_warps=4,
     )  # fmt: skip
 
 
