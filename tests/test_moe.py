@@ -59,7 +59,7 @@ VARIANTS = {
     ),  # fmt: skip
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
     # biases everywhere, sinks, clamped SwiGLU, top-k-then-softmax routing, YaRN, a window
-    # of 8 on layer 0 (the 36-token prompt crosses it)
+    # of 8 on layer 0 (the 32-token prompt crosses it)
     "gpt_oss": (
         "gpt_oss",
         dict(
@@ -72,7 +72,7 @@ VARIANTS = {
         ),
     ),  # fmt: skip
 }
-PROMPT = np.random.default_rng(1).integers(3, VOCAB, size=36)  # 72+ slots: sorted/grouped
+PROMPT = np.random.default_rng(1).integers(3, VOCAB, size=32)  # 64+ slots: sorted/grouped
 
 
 @pytest.fixture(scope="module")
