@@ -111,10 +111,24 @@ class Backend(Protocol):
     def argmax(self, logits: Array) -> Array: ...
     def finite_rows(self, logits: Array) -> Array: ...  # (B, V) -> (B,) bool: no NaN or inf
     def make_cache(
-        self, num_layers: int, batch: int, kv_heads: int, head_dim: int, max_len: int
-    ) -> KVCache: ...
+        self,
+        num_layers: int,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        windows=None,
+        chunk: int | None = None,
+    ) -> KVCache: ...  # windows (per layer) + chunk: sliding-window layers hold a ring
     def make_slot_cache(
-        self, num_layers: int, slots: int, kv_heads: int, head_dim: int, max_len: int
+        self,
+        num_layers: int,
+        slots: int,
+        kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        windows=None,
+        chunk: int | None = None,
     ) -> KVCache: ...  # rows of their own lengths (backends/slots.py), for the engine
     def random_normal(self, shape: tuple[int, ...], std: float, seed: int) -> Array: ...
     def random_bits(self, shape: tuple[int, ...], seed: int) -> Array: ...
@@ -150,6 +164,41 @@ def causal_mask_np(
         # Real queries never see padding. A padding query sees only itself: a row with no
         # key at all would give NaN, which would reach real rows through the cache (0 * NaN).
         m = m & ((k >= pads[:, None, None, None]) | (k == q))
+    return m
+
+
+def ring_capacity(window: int | None, max_len: int, chunk: int | None) -> int:
+    """Slots a layer's KV cache holds: all `max_len` positions, or for a sliding-window layer
+    run in passes of at most `chunk` tokens a ring of window + chunk - 1 (the keys the
+    pass's first query still sees, plus the pass's own), written at position % capacity."""
+    if window is None or chunk is None:
+        return max_len
+    return min(max_len, window + chunk - 1)
+
+
+def ring_slices(offset: int, length: int, cap: int) -> list[tuple[int, int, int]]:
+    """Where positions offset .. offset+length-1 go in a ring of `cap` slots: (first slot,
+    first new token, count) for each contiguous run (two when the pass wraps)."""
+    s = offset % cap
+    n = min(length, cap - s)
+    return [(s, 0, n)] + ([(0, n, length - n)] if n < length else [])
+
+
+def ring_mask_np(
+    offset: int, length: int, pads: np.ndarray | None, window: int, cap: int
+) -> np.ndarray | None:
+    """causal_mask_np for keys in a ring of `cap` slots that holds the `cap` latest positions
+    once this pass is written: (B or 1, 1, length, cap), or (.., offset+length) while
+    nothing has wrapped (slots are positions then)."""
+    total = offset + length
+    if total <= cap:
+        return causal_mask_np(offset, length, pads, window)
+    slots = np.arange(cap)
+    p = (total - 1 - (total - 1 - slots) % cap)[None, :]  # the position each slot holds
+    q = np.arange(offset, total)[:, None]
+    m = ((p <= q) & (p > q - window))[None, None]  # (1, 1, T, cap)
+    if pads is not None and pads.any():
+        m = m & ((p >= pads[:, None, None, None]) | (p == q))
     return m
 
 

@@ -120,6 +120,7 @@ def _rope_qkv_kernel(
     sob,
     soh,
     sot,
+    RING,
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
@@ -135,7 +136,7 @@ def _rope_qkv_kernel(
     b = bt // T
     i = tl.arange(0, BLOCK)
     m = i < HALF
-    slot = tl.load(slot_ptr) + t
+    slot = (tl.load(slot_ptr) + t) % RING  # wraps in a sliding-window layer's ring
     if hh >= NH + NKV:
         h = hh - NH - NKV
         src = v_ptr + b * svb + h * svh + t * svt
@@ -166,7 +167,7 @@ def _rope_qkv_kernel(
 
 def rope_qkv(q, k, v, positions, inv_freq, k_cache, v_cache, slot) -> torch.Tensor:
     """Rotate q (B, NH, T, D) and k (B, NKV, T, D), and store k and v (B, NKV, T, D) in
-    k_cache, v_cache (B, NKV, S, D, same strides) at positions slot[0] + t along S, in one
+    k_cache, v_cache (B, NKV, S, D, same strides) at (slot[0] + t) mod S along S, in one
     launch (it was five per layer: two ropes, two cache writes and a q copy). q, k, v may be
     strided views of the joint q/k/v product. Returns the rotated q, contiguous."""
     B, NH, T, D = q.shape
@@ -180,7 +181,7 @@ def rope_qkv(q, k, v, positions, inv_freq, k_cache, v_cache, slot) -> torch.Tens
     _rope_qkv_kernel[(B * T, NH + 2 * NKV)](
         q, k, v, pos, inv_freq, out, k_cache, v_cache, slot, NH, NKV, T,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        pos.stride(0) if pos.shape[0] > 1 else 0, *k_cache.stride()[:3],
+        pos.stride(0) if pos.shape[0] > 1 else 0, *k_cache.stride()[:3], k_cache.shape[2],
         HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2), num_warps=1, **pdl_args(q.device),
     )  # fmt: skip
     return out

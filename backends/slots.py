@@ -4,23 +4,46 @@ with its own length, so sequences join and leave the running batch independently
 A forward pass runs the rows chosen by `select(rows)`: ids (len(rows), T), each row's
 queries at its own positions lengths[row] + t, its keys masked to its own filled prefix.
 The host keeps the lengths (numpy), so the masks and rope positions are built per pass.
+
+With `windows` (each layer's attention window or None) and `chunk` (the most tokens a pass
+brings), a sliding-window layer's rows are rings of window + chunk - 1 slots
+(base.ring_capacity): position p of a row at slot p % capacity.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from mlxrun.backends.base import ring_capacity, ring_slices
 from mlxrun.errors import MlxrunError
 
 
 class SlotCache:
     """Per-row lengths and the rows of the next pass; subclasses store k, v per backend."""
 
-    def __init__(self, slots: int, max_len: int):
+    def __init__(self, slots: int, max_len: int, num_layers: int = 0, windows=None, chunk=None):
         self.slots = slots
         self.max_len = max_len
         self.lengths = np.zeros(slots, dtype=np.int64)  # filled positions of each row
         self.rows = np.zeros(0, dtype=np.int64)
+        windows = list(windows or [None] * num_layers)
+        self.caps = [ring_capacity(w, max_len, chunk) for w in windows]  # slots per layer
+        self._cap_of = {w: c for w, c in zip(windows, self.caps)}
+        # how far a row's length may be cut back with its rings still holding what the
+        # next pass sees (`keeps`): the fewest spare slots of any ring
+        spare = [c - w + 1 for w, c in zip(windows, self.caps) if c < max_len]
+        self._spare = min(spare) if spare else None
+        self.chunk = chunk
+
+    def ring(self, layer: int) -> int | None:
+        """Layer `layer`'s ring size, or None when its rows hold every position."""
+        c = self.caps[layer] if self.caps else self.max_len
+        return c if c < self.max_len else None
+
+    def keeps(self, slot: int, n: int) -> bool:
+        """Whether `slot` (or a copy of it) can continue from its first n positions: the
+        rings still hold the keys a query at n sees (none of them overwritten since)."""
+        return self._spare is None or int(self.lengths[slot]) - n <= self._spare
 
     @property
     def offset(self) -> int:
@@ -42,6 +65,8 @@ class SlotCache:
                 f"a sequence needs {int(L.max()) + length} positions and the cache holds "
                 f"{self.max_len}; raise --context"
             )
+        # a longer pass would overwrite ring keys its own first queries still see
+        assert self._spare is None or length <= self.chunk, "a pass longer than the chunk"
         return L
 
     def mask_np(self, length: int, window: int | None = None) -> np.ndarray | None:
@@ -50,6 +75,13 @@ class SlotCache:
         None when every key is visible to every query (one new token, rows of equal length,
         all in the window), as in a batch-1 decode step."""
         L = self.lengths[self.rows]
+        cap = self._cap_of.get(window, self.max_len)
+        if int(L.max()) + length > cap:  # a ring that has wrapped: (B, 1, T, cap)
+            E = L[:, None] + length  # (B, 1): each row's length after this pass
+            p = E - 1 - (E - 1 - np.arange(cap)[None, :]) % cap  # (B, cap) position held
+            q = (L[:, None] + np.arange(length)[None, :])[:, :, None]  # (B, T, 1)
+            p = p[:, None, :]
+            return ((p <= q) & (p > q - window) & (p >= 0))[:, None]
         in_window = window is None or int(L.max()) + length <= window
         if length == 1 and (L == L[0]).all() and in_window:
             return None
@@ -77,14 +109,18 @@ class SlotCache:
 class TorchSlotCache(SlotCache):
     """Per layer k, v: (slots, kv_heads, max_len, D) torch tensors."""
 
-    def __init__(self, num_layers, slots, kv_heads, head_dim, max_len, dtype, device):
+    def __init__(self, num_layers, slots, kv_heads, head_dim, max_len, dtype, device,
+                 windows=None, chunk=None):  # fmt: skip
         import torch  # noqa: PLC0415
 
-        super().__init__(slots, max_len)
+        super().__init__(slots, max_len, num_layers, windows, chunk)
         self._torch, self.device = torch, device
-        shape = (slots, kv_heads, max_len, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+        def buf(cap):
+            return torch.zeros((slots, kv_heads, cap, head_dim), dtype=dtype, device=device)
+
+        self.keys = [buf(c) for c in self.caps]
+        self.values = [buf(c) for c in self.caps]
 
     def mask(self, length, pads, window=None):
         from .torch_backend import CAUSAL  # noqa: PLC0415
@@ -101,41 +137,49 @@ class TorchSlotCache(SlotCache):
         # layer instead of one copy per row (a batch of 32 on CUDA: 32 launches a layer).
         rows = self._torch.from_numpy(self.rows).to(self.device)
         self._write = (rows[:, None].expand(pos.shape), pos.long())
+        self._ring_write = {}  # ring size -> (rows, pos % size), made on first use
         return pos
 
     def update_and_fetch(self, layer, k, v):
         T = k.shape[2]
         L = self._check(T)
         rows, pos = self._write  # (B, T) each
+        cap = self.ring(layer)
+        if cap is not None:
+            if cap not in self._ring_write:
+                self._ring_write[cap] = (rows, pos % cap)
+            rows, pos = self._ring_write[cap]
         self.keys[layer][rows, :, pos] = k.transpose(1, 2)  # (B, T, kv_heads, D)
         self.values[layer][rows, :, pos] = v.transpose(1, 2)
         return self._take(self.keys[layer], L, T), self._take(self.values[layer], L, T)
 
     def _take(self, buf, L, T):
-        S = int(L.max()) + T
+        S = min(int(L.max()) + T, buf.shape[2])  # a wrapped ring: all of it
         r0 = self.contiguous()
         if r0 is not None:
             return buf[r0 : r0 + len(self.rows), :, :S]
         return buf[self._torch.from_numpy(self.rows).to(self.device), :, :S]
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """Row dst's first n positions := row src's (a prefix held by a running sequence)."""
+        """Row dst's first n positions := row src's (a prefix held by a running sequence);
+        a ring is copied whole (`keeps(src, n)` says whether it still holds them)."""
         for buf in self.keys + self.values:
-            buf[dst, :, :n] = buf[src, :, :n]
+            m = n if buf.shape[2] == self.max_len else buf.shape[2]
+            buf[dst, :, :m] = buf[src, :, :m]
         self.lengths[dst] = n
 
 
 class MLXSlotCache(SlotCache):
     """Per layer k, v: (slots, kv_heads, max_len, D) mx arrays."""
 
-    def __init__(self, num_layers, slots, kv_heads, head_dim, max_len, dtype):
+    def __init__(self, num_layers, slots, kv_heads, head_dim, max_len, dtype,
+                 windows=None, chunk=None):  # fmt: skip
         import mlx.core as mx  # noqa: PLC0415
 
-        super().__init__(slots, max_len)
+        super().__init__(slots, max_len, num_layers, windows, chunk)
         self._mx = mx
-        shape = (slots, kv_heads, max_len, head_dim)
-        self.keys = [mx.zeros(shape, dtype) for _ in range(num_layers)]
-        self.values = [mx.zeros(shape, dtype) for _ in range(num_layers)]
+        self.keys = [mx.zeros((slots, kv_heads, c, head_dim), dtype) for c in self.caps]
+        self.values = [mx.zeros((slots, kv_heads, c, head_dim), dtype) for c in self.caps]
         mx.eval(self.keys, self.values)
 
     def mask(self, length, pads, window=None):
@@ -153,13 +197,15 @@ class MLXSlotCache(SlotCache):
     def update_and_fetch(self, layer, k, v):
         T = k.shape[2]
         L = self._check(T)
+        cap = self.ring(layer) or self.max_len
         for b, r in enumerate(self.rows.tolist()):
-            self.keys[layer][r, :, int(L[b]) : int(L[b]) + T] = k[b]
-            self.values[layer][r, :, int(L[b]) : int(L[b]) + T] = v[b]
+            for s, t, n in ring_slices(int(L[b]), T, cap):  # one run unless a ring wraps
+                self.keys[layer][r, :, s : s + n] = k[b, :, t : t + n]
+                self.values[layer][r, :, s : s + n] = v[b, :, t : t + n]
         return self._take(self.keys[layer], L, T), self._take(self.values[layer], L, T)
 
     def _take(self, buf, L, T):
-        S = int(L.max()) + T
+        S = min(int(L.max()) + T, buf.shape[2])  # a wrapped ring: all of it
         r0 = self.contiguous()
         if r0 is not None:
             return buf[r0 : r0 + len(self.rows), :, :S]
@@ -168,6 +214,7 @@ class MLXSlotCache(SlotCache):
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         for bufs in (self.keys, self.values):
             for buf in bufs:
-                buf[dst, :, :n] = buf[src, :, :n]
+                m = n if buf.shape[2] == self.max_len else buf.shape[2]  # a ring: whole
+                buf[dst, :, :m] = buf[src, :, :m]
         self._mx.eval(self.keys, self.values)
         self.lengths[dst] = n

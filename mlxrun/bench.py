@@ -48,6 +48,14 @@ SHAPES: dict[str, dict] = {
         rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
         tie_word_embeddings=False,
     ),
+    "llama3.1-8b": dict(  # 128k context through llama3 rope scaling
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    ),
     "llama3-70b": dict(
         hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
         num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
@@ -387,6 +395,15 @@ def kv_bytes_per_position(cfg: ModelConfig, dtype: str) -> int:
     return c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * DTYPE_BYTES[dtype]
 
 
+def kv_read_bytes(cfg: ModelConfig, dtype: str, ctx: float) -> float:
+    """K and V one decode step of one sequence reads at context `ctx`: every cached position
+    of a full-attention layer, at most the window of a sliding one."""
+    per_layer = kv_bytes_per_position(cfg, dtype) / cfg.num_hidden_layers
+    return per_layer * sum(
+        ctx if w is None else min(ctx, w) for w in map(cfg.window, range(cfg.num_hidden_layers))
+    )
+
+
 def mean_context(prompt_tokens: int, gen_tokens: int) -> float:
     """Mean number of cached positions a timed decode step attends over.
 
@@ -604,7 +621,7 @@ def _bench_model(
             peer_peak = max(peer_peak, be.peak_memory())
     held, per_step = weight_bytes(model, run.batch)
     ctx = mean_context(run.prompt_tokens, run.gen_tokens)
-    kv = round(run.batch * kv_bytes_per_position(cfg, be.dtype) * ctx)
+    kv = round(run.batch * kv_read_bytes(cfg, be.dtype, ctx))
     common = dict(
         weight_bytes=int(held),
         weight_bytes_per_step=int(per_step),
@@ -860,7 +877,7 @@ def _bench_hf(run: _Run, src: _Source, be) -> BenchRow:
     if emb.data_ptr() != head.data_ptr():  # untied: only the gathered rows are read
         per_step += run.batch * int(emb.nbytes) // emb.shape[0] - int(emb.nbytes)
     ctx = mean_context(run.prompt_tokens, run.gen_tokens)
-    kv = round(run.batch * kv_bytes_per_position(cfg, be.dtype) * ctx)
+    kv = round(run.batch * kv_read_bytes(cfg, be.dtype, ctx))
     gguf = not src.shape and src.source.endswith(".gguf")
     del hf
     _release(be)

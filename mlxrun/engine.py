@@ -172,9 +172,11 @@ class Engine:
             self.be.name, self.be.memory_kind, 1
         )
         self.prefix_cache = prefix_cache
+        windows = [c.window(i) for i in range(c.num_hidden_layers)]
         self.cache = self.be.make_slot_cache(
-            c.num_hidden_layers, max_batch, c.num_key_value_heads, c.head_dim, self.context
-        )
+            c.num_hidden_layers, max_batch, c.num_key_value_heads, c.head_dim, self.context,
+            windows, self.prefill_chunk,
+        )  # fmt: skip
         _materialize(model)
         self.seqs: list[_Seq | None] = [None] * max_batch
         self.held: list[list[int]] = [
@@ -328,6 +330,8 @@ class Engine:
         if self.prefix_cache:
             for i in range(self.max_batch):
                 n = min(_common(self.held[i], prompt), len(prompt) - 1)
+                if not self.cache.keeps(i, n):  # its window rings moved on past n
+                    continue
                 if n > best or (n == best and src is not None and self.seqs[i] is None):
                     best, src = n, i
         best = best if src is not None else 0

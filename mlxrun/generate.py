@@ -87,7 +87,7 @@ def generate_step(
         )
     if prefill_chunk is None:  # the planner's choice, so its workspace is what runs
         prefill_chunk = prefill_chunk_for(be.name, be.memory_kind, B)
-    with be.wired(model.weight_bytes() + model.kv_bytes(B, L + max_tokens)):
+    with be.wired(model.weight_bytes() + model.kv_bytes(B, L + max_tokens, prefill_chunk)):
         yield from _steps(model, ids, pads, rows, max_tokens, prefill_chunk, prompts, logprobs)
 
 
@@ -103,7 +103,7 @@ def _not_finite(step: int, ok: np.ndarray) -> MlxrunError:
 def _steps(model, ids, pads, rows, max_tokens, prefill_chunk, prompts, logprobs):
     be = model.be
     B, L = ids.shape
-    cache = model.make_cache(B, L + max_tokens)
+    cache = model.make_cache(B, L + max_tokens, chunk=prefill_chunk)
     if (
         be.group is not None
         and any(p.seed is None for p in rows)

@@ -503,8 +503,10 @@ class ModelFootprint:
 
     weight_bytes: the weights as they will sit in memory (after quantization).
     kv_bytes_per_token: one token of one sequence's KV cache (layers x 2 x kv_heads x
-    head_dim x dtype size). dense_weight_bytes / int4_weight_bytes: the same weights
-    unquantized at the compute dtype, and quantized to `--quant int4` (affine 4-bit, group 64).
+    head_dim x dtype size) while no layer's window is full. dense_weight_bytes /
+    int4_weight_bytes: the same weights unquantized at the compute dtype, and quantized to
+    `--quant int4` (affine 4-bit, group 64). kv_windows: each layer's attention window (or
+    None), from config.layer_windows; empty when no layer slides.
     """
 
     weight_bytes: int
@@ -517,10 +519,19 @@ class ModelFootprint:
     largest_packed: int = 0  # weights of the largest matrix held packed (0: none)
     stored_bytes: int = 0  # the tensors the loader reads, as stored (tied head once)
     load_quantized: int = 0  # weights of the largest matrix quantized at load (0: none)
+    kv_windows: tuple[int | None, ...] = ()
 
-    def kv_bytes(self, tokens: int, batch: int = 1) -> int:
-        """KV-cache bytes for `batch` sequences of `tokens` tokens."""
-        return self.kv_bytes_per_token * tokens * batch
+    def kv_bytes(self, tokens: int, batch: int = 1, chunk: int | None = None) -> int:
+        """KV-cache bytes for `batch` sequences of `tokens` tokens; with `chunk` (the most
+        tokens a pass brings), a sliding-window layer holds window + chunk - 1 of them, as
+        the caches do (backends.base.ring_capacity)."""
+        if not self.kv_windows or chunk is None:
+            return self.kv_bytes_per_token * tokens * batch
+        from mlxrun.backends.base import ring_capacity  # noqa: PLC0415
+
+        per_layer = self.kv_bytes_per_token // len(self.kv_windows)
+        held = sum(ring_capacity(w, tokens, chunk) for w in self.kv_windows)
+        return per_layer * held * batch
 
     @property
     def bits_per_weight(self) -> float:
@@ -615,8 +626,9 @@ def footprint(
     kv = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * db
     quantizing = requant if quant is not None else 0
     return ModelFootprint(
-        weight, kv, n_params, dense, int4, dtype, label, largest, stored, quantizing
-    )
+        weight, kv, n_params, dense, int4, dtype, label, largest, stored, quantizing,
+        tuple(c.layer_windows),
+    )  # fmt: skip
 
 
 # --- planning ------------------------------------------------------------------------------
@@ -754,7 +766,7 @@ class Plan:
 def _limits(
     config: ModelConfig,
     weights: int,
-    kv_tok: int,
+    kv_of,
     budget: int,
     *,
     context: int,
@@ -766,13 +778,14 @@ def _limits(
     prompt: int | None = None,
 ) -> tuple[int, int]:
     """(max batch at `context`, max context at `batch`) for `weights` bytes of weights;
-    chunk_of(b) is the prefill chunk for a batch of b; `prompt`: the prompt's tokens where
-    known (the prefill's length; else the whole context)."""
+    chunk_of(b) is the prefill chunk for a batch of b; kv_of(ctx, chunk) the KV bytes of a
+    sequence (ModelFootprint.kv_bytes); `prompt`: the prompt's tokens where known (the
+    prefill's length; else the whole context)."""
 
     def need(b: int, ctx: int) -> int:  # grows with both, so bisect
         filled = ctx if prompt is None else min(prompt, ctx)
         ws = _ws_per_seq(config, filled, chunk_of(b), dtype_bytes, key)
-        return weights + overhead + b * (kv_tok * ctx + ws)
+        return weights + overhead + b * (kv_of(ctx, 1, chunk_of(b)) + ws)
 
     def largest(lo: int, hi: int, fits) -> int:
         while lo < hi:
@@ -869,7 +882,7 @@ def make_plan(
         key=(backend, device.kind),
         prompt=prompt_tokens,
     )
-    kv = fp.kv_bytes(context, batch)
+    kv = fp.kv_bytes(context, batch, prefill_chunk)
     ws = workspace_bytes(
         config,
         context=prompt,
@@ -881,13 +894,13 @@ def make_plan(
     )
     ws += expand
     total = fp.weight_bytes + kv + ws
-    max_batch, max_context = _limits(config, fp.weight_bytes, fp.kv_bytes_per_token, budget, **kw)
+    max_batch, max_context = _limits(config, fp.weight_bytes, fp.kv_bytes, budget, **kw)
     advice = ""
     if total > budget:
         opts = []
         if fp.int4_weight_bytes < fp.weight_bytes:
             int4_total = fp.int4_weight_bytes + kv + ws
-            _, ctx4 = _limits(config, fp.int4_weight_bytes, fp.kv_bytes_per_token, budget, **kw)
+            _, ctx4 = _limits(config, fp.int4_weight_bytes, fp.kv_bytes, budget, **kw)
             if int4_total <= budget:
                 opts.append(f"--quant int4 ({_gib(int4_total)} GiB)")
             elif max_context == 0 and ctx4 > 0:
@@ -965,7 +978,8 @@ def format_plan(plan: Plan) -> str:
         (
             "KV cache",
             f"{_fmt(plan.kv_bytes)}  ({plan.batch} x {plan.context} tokens x "
-            f"{_fmt(plan.kv_bytes_per_token)}/token)",
+            f"{_fmt(plan.kv_bytes_per_token)}/token"
+            + (", sliding-window layers hold their window + chunk)" if fp.kv_windows else ")"),
         ),
         (
             "workspace",

@@ -82,17 +82,23 @@ class Transformer:
                     add(part)
         return total
 
-    def kv_bytes(self, batch: int, tokens: int) -> int:
+    def kv_bytes(self, batch: int, tokens: int, chunk: int | None = None) -> int:
+        """Bytes of the KV cache `make_cache(batch, tokens, chunk)` allocates."""
+        from mlxrun.backends.base import ring_capacity  # noqa: PLC0415
+
         c = self.config
         itemsize = 4 if self.be.dtype == "float32" else 2
-        return (
-            c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * itemsize * batch * tokens
-        )
+        held = sum(ring_capacity(c.window(i), tokens, chunk) for i in range(c.num_hidden_layers))
+        return 2 * c.num_key_value_heads * c.head_dim * itemsize * batch * held
 
-    def make_cache(self, batch: int, max_len: int):
+    def make_cache(self, batch: int, max_len: int, chunk: int | None = None):
+        """A KV cache for `batch` sequences of up to `max_len` positions. With `chunk`, the
+        most tokens any forward pass on it brings, a sliding-window layer keeps a ring of
+        window + chunk - 1 positions instead of max_len."""
         c = self.config
+        windows = [c.window(i) for i in range(c.num_hidden_layers)]
         return self.be.make_cache(
-            c.num_hidden_layers, batch, c.num_key_value_heads, c.head_dim, max_len
+            c.num_hidden_layers, batch, c.num_key_value_heads, c.head_dim, max_len, windows, chunk
         )
 
     def block(self, L: Layer, h: Array, x: Array, nxt: Array, cache, i: int, mask, pos, rope=None):

@@ -27,7 +27,10 @@ from .errors import MlxrunError
 from .weights import Tensor
 
 # checkpoint name -> the axis split across ranks: 0 = output rows, -1 = input columns
-_ROWS = re.compile(r"\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.(weight|scales|biases|bias)$")
+# (attention sinks are one logit per query head: split with the heads)
+_ROWS = re.compile(
+    r"\.((self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.(weight|scales|biases|bias)|self_attn\.sinks)$"
+)
 _COLS = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.(weight|scales|biases)$")
 
 

@@ -169,7 +169,12 @@ def test_random_shape_model_is_sane(backend, quant):
 # Parameter counts published for the real models these shapes copy.
 @pytest.mark.parametrize(
     "name, params",
-    [("llama3-8b", 8_030_261_248), ("llama3-1b", 1_235_814_400), ("smollm2", 134_515_008)],
+    [
+        ("llama3-8b", 8_030_261_248),
+        ("llama3.1-8b", 8_030_261_248),
+        ("llama3-1b", 1_235_814_400),
+        ("smollm2", 134_515_008),
+    ],
 )
 def test_shapes_match_the_real_models(name, params):
     c = shape_config(name)

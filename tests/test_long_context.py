@@ -158,3 +158,170 @@ def test_unknown_rope_is_refused(rs, words):
     assert "\n" not in str(e.value)
     for w in words:
         assert w in str(e.value)
+
+
+WINDOW = 6
+SLIDING = {  # every layer (Mistral); alternating by layer_types, Gemma-2/3 style (Qwen2)
+    "mistral": ("mistral", dict(sliding_window=WINDOW)),
+    "alternating": ("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW,
+                                  layer_types=["sliding_attention", "full_attention"])),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(SLIDING))
+def test_window_ring_cache_matches_transformers(root, name):
+    """A sliding-window layer's cache holds window + chunk - 1 positions; prefill in chunks
+    of 4 and decode one token at a time past the window (the ring wraps several times):
+    logits at every position within 1e-4 of transformers on the whole sequence."""
+    mt, opts = SLIDING[name]
+    d, hf = write_random(root / name, mt, {**BASE, **opts}, std=0.2)
+    ids = np.random.default_rng(3).integers(3, VOCAB, size=30)
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)[None]).logits[0].numpy()
+    chunk = 4
+    for backend in ("cpu", "mlx"):
+        m = mlxrun.load(str(d), backend=backend, dtype="float32", progress=False)
+        tr, be = m.transformer, m.backend
+        cache = tr.make_cache(1, len(ids), chunk=chunk)
+        cuts = [0, 4, 8, 12, *range(13, len(ids) + 1)]  # 3 prefill chunks, then decode
+        got = np.concatenate(
+            [be.to_numpy(tr(be.ids(ids[None, a:b]), cache))[0] for a, b in zip(cuts, cuts[1:])]
+        )
+        assert rel_err(got, ref) < 1e-4, backend
+        held = [k.shape[2] for k in cache.keys]
+        want = [WINDOW + chunk - 1 if tr.config.window(i) else len(ids) for i in range(2)]
+        assert held == want, backend
+
+
+def test_window_ring_graph_mode_equals_unbounded_cache(root):
+    """The CUDA graph's device-side ring (slot pos % capacity, its mask moved on with the
+    position) gives the logits of the unbounded cache, decoding a left-padded batch well
+    past the window; run here without capture."""
+    mt, opts = SLIDING["alternating"]
+    d, _ = write_random(root / "graph_ring", mt, {**BASE, **opts}, std=0.2)
+    m = mlxrun.load(str(d), backend="cpu", dtype="float32", progress=False)
+    t, be = m.transformer, m.backend
+    prompts = np.array([[0, 0, 5, 6], [8, 9, 10, 11]])
+    pads = np.array([2, 0])
+    full, graph = t.make_cache(2, 24), t.make_cache(2, 24, chunk=2)
+    assert [k.shape[2] for k in graph.keys] == [WINDOW + 1, 24]
+    for c in (full, graph):
+        t(be.ids(prompts[:, :2]), c, pads)
+        t(be.ids(prompts[:, 2:]), c, pads)
+    graph.enter_graph(pads)
+    for i in range(16):  # positions 4..19: the ring of 7 wraps twice
+        tok = np.array([[13 + i], [30 + i]])
+        a = be.to_numpy(t(be.ids(tok), full, pads, last_only=True))
+        b = be.to_numpy(t(be.ids(tok), graph, pads, last_only=True))
+        graph.offset += 1
+        assert rel_err(b, a) < 1e-5, i
+
+
+def _hf_greedy(hf, prompt, n, eos=2):
+    with torch.no_grad():
+        out = hf.generate(torch.tensor(prompt)[None], max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    toks = out[0, len(prompt) :].tolist()
+    return toks[: toks.index(eos) + 1] if eos in toks else toks
+
+
+@pytest.mark.parametrize("backend", ["cpu", "mlx"])
+def test_window_ring_slot_cache_serves_transformers_tokens(root, backend):
+    """The serving engine's slot cache with rings of window + chunk - 1 = 9 slots: requests
+    of 3-25 tokens join and leave 3 slots in chunks of 4 and decode past the window; a
+    chat's next turn reuses its slot's rings, a prefix the rings no longer hold is
+    prefilled again. Every request gets transformers' greedy tokens."""
+    from mlxrun.engine import Engine, Request
+
+    from .test_engine import run_all
+
+    mt, opts = SLIDING["mistral"]
+    d, hf = write_random(root / f"engine_{backend}", mt, {**BASE, **opts}, std=0.2)
+    m = mlxrun.load(str(d), backend=backend, dtype="float32", progress=False)
+    rng = np.random.default_rng(4)
+    ps = [[int(t) for t in rng.integers(3, VOCAB, n)] for n in (3, 25, 9, 14, 6)]
+    eng = Engine(m.transformer, m.tokenizer, max_batch=3, context=64, prefill_chunk=4)
+    try:
+        assert [k.shape[2] for k in eng.cache.keys] == [WINDOW + 3] * 2
+        for p, evs in zip(ps, run_all(eng, [Request(p, max_tokens=10) for p in ps])):
+            assert [e.token for e in evs] == _hf_greedy(hf, p, 10)
+        (first,) = run_all(eng, [Request(ps[1], max_tokens=6)])
+        turn2 = ps[1] + [e.token for e in first] + [7, 8, 9]
+        (second,) = run_all(eng, [Request(turn2, max_tokens=6)])
+        assert second[-1].cached_tokens == len(ps[1]) + len(first) - 1
+        assert [e.token for e in second] == _hf_greedy(hf, turn2, 6)
+        short = ps[1][:12] + [5, 5]  # 12 tokens held, but the rings moved on past them
+        (third,) = run_all(eng, [Request(short, max_tokens=6)])
+        assert third[-1].cached_tokens == 0
+        assert [e.token for e in third] == _hf_greedy(hf, short, 6)
+    finally:
+        eng.close()
+
+
+def test_planner_counts_only_the_window_and_equals_the_caches(root):
+    """Mistral-7B's shape (32 layers, window 4096) at 32k context: the plan's KV is 32 layers
+    x (4096 + chunk - 1) positions, not 32k; and on a tiny model the planned bytes are
+    the bytes the cache allocates, window layers and full ones mixed."""
+    from mlxrun.memory import DeviceMemory, config_shapes, footprint, make_plan
+
+    GiB = 1 << 30
+    mistral = ModelConfig.from_dict({
+        "model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "vocab_size": 32000, "max_position_embeddings": 32768, "sliding_window": 4096,
+    })  # fmt: skip
+    fp = footprint(mistral, config_shapes(mistral), "bfloat16")
+    per_pos = 32 * 2 * 8 * 128 * 2  # layers x k,v x kv heads x head_dim x bf16
+    assert fp.kv_bytes_per_token == per_pos
+    gpu = DeviceMemory("cuda", "H100 80GB", 80 * GiB, 79 * GiB, False)
+    plan = make_plan(mistral, fp, gpu, context=32768, batch=4, prefill_chunk=512)
+    assert plan.kv_bytes == 4 * per_pos * (4096 + 511)
+    unbounded = make_plan(
+        mistral.replace(layer_windows=()),
+        fp.__class__(**{**fp.__dict__, "kv_windows": ()}),
+        gpu,
+        context=32768,
+        batch=4,
+        prefill_chunk=512,
+    )
+    assert unbounded.kv_bytes == 4 * per_pos * 32768
+    assert plan.max_batch > 5 * unbounded.max_batch
+
+    mt, opts = SLIDING["alternating"]
+    d, _ = write_random(root / "plan", mt, {**BASE, **opts}, std=0.2)
+    m = mlxrun.load(str(d), backend="cpu", dtype="float32", progress=False)
+    tr = m.transformer
+    cache = tr.make_cache(3, 100, chunk=5)
+    held = sum(int(b.nbytes) for b in cache.keys + cache.values)
+    assert held == tr.kv_bytes(3, 100, 5) == 2 * 2 * 8 * 4 * 3 * (WINDOW + 4 + 100)
+    fp = footprint(tr.config, config_shapes(tr.config), "float32")
+    assert fp.kv_bytes(100, 3, 5) == held
+
+
+def test_bench_shape_and_kv_bytes_read():
+    """shape:llama3.1-8b runs 128k positions through llama3 rope; the bench's roofline
+    counts the KV a decode step reads: every position of a full layer, the window of a
+    sliding one."""
+    from mlxrun.bench import kv_read_bytes, shape_config
+
+    c = shape_config("llama3.1-8b")
+    assert c.context_length == 131072 and c.rope_scaling["rope_type"] == "llama3"
+    per_pos = 32 * 2 * 8 * 128 * 2
+    assert kv_read_bytes(c, "bfloat16", 32768) == per_pos * 32768
+    alt = c.replace(layer_windows=(4096, None) * 16)
+    assert kv_read_bytes(alt, "bfloat16", 32768) == per_pos / 32 * 16 * (4096 + 32768)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("name", list(SLIDING))
+def test_cuda_graph_ring_decode_matches_transformers(root, name):
+    """On a GPU: the Triton rope/cache kernel writing into rings of 9 slots (chunks of 4)
+    and the captured decode step with its ring masks, 20 tokens past a window of 6."""
+    mt, opts = SLIDING[name]
+    d, hf = write_random(root / f"cuda_{name}", mt, {**BASE, **opts}, std=0.2)
+    ids = np.random.default_rng(5).integers(3, VOCAB, size=14)
+    want = _hf_greedy(hf, ids.tolist(), 20, eos=-1)
+    m = mlxrun.load(str(d), backend="cuda", dtype="float32", progress=False)
+    steps = generate_step(m.transformer, [ids.tolist()], SamplingParams(), max_tokens=20,
+                          prefill_chunk=4)  # fmt: skip
+    assert [int(t[0]) for t in steps] == want

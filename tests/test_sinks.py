@@ -38,6 +38,14 @@ def inputs():
     return q, k, v, sinks, causal, window
 
 
+def test_sinks_split_with_the_heads():
+    from mlxrun.shard import split_axis
+
+    assert split_axis("model.layers.3.self_attn.sinks") == 0
+    assert split_axis("model.layers.3.self_attn.q_proj.weight") == 0
+    assert split_axis("model.layers.3.self_attn.o_proj.weight") == -1
+
+
 @pytest.mark.parametrize("backend", ["cpu", "mlx"])
 def test_attention_with_sinks_matches_transformers(inputs, backend):
     from mlxrun.backends import get_backend

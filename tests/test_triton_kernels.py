@@ -535,6 +535,13 @@ def test_fused_small_ops_equal_the_stock_ops(dtype):
     assert torch.equal(kc[:, :, :3], kw[:, :, :3]) and torch.equal(kc[:, :, 10:], kw[:, :, 10:])
     one = cuda_ops.rope_qkv(q[:1], k[:1], v[:1], pos[1:], inv, kc[:1], vc[:1], slot)
     assert rel_err(one.float().cpu(), stock.rope(q[:1], pos[1:], inv).float().cpu()) < tol
+    # a sliding-window layer's ring: the writes wrap past the end of the buffer to its start
+    kc2, vc2 = rnd(2, 2, 12, 32), rnd(2, 2, 12, 32)
+    kw2, vw2 = kc2.clone(), vc2.clone()
+    ring = [9, 10, 11, 0, 1, 2, 3]
+    kw2[:, :, ring], vw2[:, :, ring] = stock.rope(k, pos, inv), v
+    cuda_ops.rope_qkv(q, k, v, pos, inv, kc2, vc2, torch.tensor([9], device=DEV))
+    assert rel_err(kc2.float().cpu(), kw2.float().cpu()) < tol and torch.equal(vc2, vw2)
 
     # greedy argmax over a vocabulary of 3 blocks and a bit, split across programs: a tie
     # across blocks gives the first index, as torch.argmax
@@ -640,3 +647,49 @@ def test_cuda_code_path_honours_biases_activation_and_window(tmp_path):
     assert rel_err(got, ref) < (2e-3 if HAS_CUDA else 1e-4)
     toks = [int(t[0]) for t in generate_step(m, [ids.tolist()], SamplingParams(), 3)]
     assert toks == out[0, len(ids) :].tolist()
+
+
+@LONG_ON_CPU
+def test_cuda_code_path_window_rings(tmp_path):
+    """The CUDA code path with sliding-window rings (rope/cache kernel writing mod the ring,
+    decode attention under the ring mask): transformers' greedy tokens through chunks of 3
+    and 10 decode steps (rings of 8, wrapped twice); and the graph-mode ring (device slot
+    and mask moved with the position, no capture) equal to the unbounded cache over a
+    left-padded batch."""
+    from mlxrun.backends.torch_backend import TorchBackend
+    from mlxrun.build import build_model
+    from mlxrun.generate import generate_step
+    from mlxrun.loader import open_checkpoint
+    from mlxrun.sampling import SamplingParams
+
+    from .conftest import rel_err, write_random
+
+    base = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=64, max_position_embeddings=128,
+                rms_norm_eps=1e-5, head_dim=16, use_sliding_window=True, sliding_window=6,
+                layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    d, hf = write_random(tmp_path / "m", "qwen2", base, std=0.2)
+    ids = np.random.default_rng(0).integers(3, 64, size=10)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor(ids)[None], max_new_tokens=10, min_new_tokens=10,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    ckpt = open_checkpoint(str(d))
+    be = TorchBackend(DEV, "float32")
+    be.triton_kernels, be.cuda_graphs = True, False
+    t = build_model(ckpt.config, ckpt.tensors, be, None, progress=False)[0]
+    assert t.make_cache(1, 20, 3).caps == [8, 20]
+    toks = generate_step(t, [ids.tolist()], SamplingParams(), 10, prefill_chunk=3)
+    assert [int(x[0]) for x in toks] == out[0, len(ids) :].tolist()
+
+    prompts, pads = np.array([[0, 0, 5, 6], [8, 9, 10, 11]]), np.array([2, 0])
+    full, graph = t.make_cache(2, 24), t.make_cache(2, 24, chunk=2)
+    for c in (full, graph):
+        t(be.ids(prompts[:, :2]), c, pads)
+        t(be.ids(prompts[:, 2:]), c, pads)
+    graph.enter_graph(pads)
+    for i in range(12):  # positions 4..15: the ring of 7 wraps
+        tok = be.ids(np.array([[13 + i], [30 + i]]))
+        a = be.to_numpy(t(tok, full, pads, last_only=True))
+        b = be.to_numpy(t(tok, graph, pads, last_only=True))
+        graph.offset += 1
+        assert rel_err(b, a) < (2e-3 if HAS_CUDA else 1e-5), i
