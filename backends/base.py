@@ -23,7 +23,7 @@ class QuantizedWeight:
     """A linear or embedding weight in the canonical packed format, on a backend.
 
     weight: uint32 (out, in*bits/32); scales, biases: (out, in/group_size); biases is None
-    for the floating-point modes. `kernel` is backend-specific prepared state (e.g. a Triton
+    for the floating-point modes. Stacked experts carry a leading E axis on all three. `kernel` is backend-specific prepared state (e.g. a Triton
     repack) or None.
     """
 
@@ -36,9 +36,10 @@ class QuantizedWeight:
     kernel: Any = None
 
     @property
-    def shape(self) -> tuple[int, int]:
-        out, packed = self.weight.shape
-        return int(out), int(packed) * 32 // self.bits
+    def shape(self) -> tuple[int, ...]:
+        """(out, in), or (E, out, in) for stacked experts."""
+        *lead, packed = self.weight.shape
+        return (*(int(d) for d in lead), int(packed) * 32 // self.bits)
 
 
 class KVCache(Protocol):
@@ -107,6 +108,10 @@ class Backend(Protocol):
     def gated_mlp(
         self, x: Array, gate, up, act: str, biases: tuple | None = None
     ) -> Array: ...  # act(x @ gate^T + bg) * (x @ up^T + bu); act one of config.ACTIVATIONS
+    def moe(
+        self, x: Array, logits: Array, experts, opts
+    ) -> Array: ...  # x (B, T, H), router logits (B, T, E), mlxrun.moe.Experts and
+    # MoEOptions -> (B, T, H): each token's top-k experts, weighted by the routing, summed
     def argmax(self, logits: Array) -> Array: ...
     def finite_rows(self, logits: Array) -> Array: ...  # (B, V) -> (B,) bool: no NaN or inf
     def make_cache(

@@ -47,6 +47,17 @@ def _swiglu(gate, up):
 _swiglu_fused = mx.compile(_swiglu, shapeless=True) if mx is not None else None
 
 
+def _switch(x, w, idx, bias, srt):
+    """x @ w[idx]^T for stacked expert weights w (E, out, in), dense or packed."""
+    if isinstance(w, QuantizedWeight):
+        y = mx.gather_qmm(x, w.weight, w.scales, w.biases, rhs_indices=idx, transpose=True,
+                          group_size=w.group_size, bits=w.bits, mode=w.mode,
+                          sorted_indices=srt)  # fmt: skip
+    else:
+        y = mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=srt)
+    return y if bias is None else y + mx.expand_dims(bias[idx], -2)
+
+
 class MLXCache:
     """KV cache, per layer k, v: (B, kv_heads, capacity, D), written at `offset`.
 
@@ -293,6 +304,43 @@ class MLXBackend:
             return self.silu_gated(x, gate, up)
         g, u = self.linears(x, (gate, up), biases)
         return _ACT[act](g) * u
+
+    def moe(self, x, logits, e, o):
+        """x (B, T, H), router logits (B, T, E) -> the routing-weighted sum of each token's
+        top-k experts (B, T, H), through mx.gather_mm / mx.gather_qmm as mlx-lm's
+        SwitchGLU runs them (token slots sorted by expert when there are many)."""
+        shape, k = x.shape, o.top_k
+        lg = logits.reshape(-1, logits.shape[-1])
+        if o.routing == "softmax_topk":  # transformers' routers: softmax in float32
+            p = mx.softmax(lg.astype(mx.float32), axis=-1)
+            ids = mx.argpartition(-p, kth=k - 1, axis=-1)[:, :k]
+            w = mx.take_along_axis(p, ids, axis=-1)
+            if o.norm_topk:
+                w = w / w.sum(axis=-1, keepdims=True)
+        else:
+            ids = mx.argpartition(-lg, kth=k - 1, axis=-1)[:, :k]
+            w = mx.softmax(mx.take_along_axis(lg, ids, axis=-1).astype(mx.float32), axis=-1)
+        xe = mx.expand_dims(x.reshape(-1, shape[-1]), (-2, -3))  # (N, 1, 1, H)
+        srt = ids.size >= 64
+        idx, inv = ids, None
+        if srt:  # expert-ordered slots: each expert's rows are read once, in one run
+            flat = ids.flatten()
+            order = mx.argsort(flat)
+            inv = mx.argsort(order)
+            xe, idx = xe.flatten(0, -3)[order // k], flat[order]
+        g = _switch(xe, e.gate, idx, e.gate_bias, srt)
+        u = _switch(xe, e.up, idx, e.up_bias, srt)
+        if o.act == "silu":
+            h = _swiglu_fused(g, u)
+        else:  # gpt-oss: gate clamped from above, up on both sides, and up shifted by one
+            g = mx.minimum(g, o.swiglu_limit)
+            u = mx.clip(u, -o.swiglu_limit, o.swiglu_limit)
+            h = (u + 1) * (g * mx.sigmoid(g * o.swiglu_alpha))
+        y = _switch(h, e.down, idx, e.down_bias, srt)  # (N, k, 1, H) or (N*k, 1, H)
+        if srt:
+            y = y[inv]
+        y = y.reshape(*ids.shape, shape[-1])
+        return (y * mx.expand_dims(w.astype(y.dtype), -1)).sum(axis=1).reshape(shape)
 
     def argmax(self, logits):
         return mx.argmax(logits, axis=-1)

@@ -322,6 +322,15 @@ def _expandable_segments() -> None:
             setting("expandable_segments:True")
 
 
+_NOTED: set[str] = set()
+
+
+def _note_once(msg: str) -> None:
+    if msg not in _NOTED:
+        _NOTED.add(msg)
+        print(f"mlxrun: note: {msg}", file=sys.stderr)
+
+
 def _sink_attention(q, k, v, scale, mask, sinks):
     """Attention whose softmax has one more logit per head, `sinks` (NH,), joined to every
     query's scores and dropped after (gpt-oss): the weights of the keys sum to less than 1.
@@ -697,6 +706,12 @@ class TorchBackend:
         g, u = self.linears(x, (gate, up), biases)
         return _ACT[act](g) * u
 
+    def moe(self, x, logits, experts, opts):
+        """The top-k experts of each token, weighted and summed (backends/torch_moe.py)."""
+        from .torch_moe import moe  # noqa: PLC0415
+
+        return moe(x, logits, experts, opts, kernel=self.triton_kernels)
+
     def argmax(self, logits):
         if self.triton_kernels and logits.dim() == 2:
             from .cuda_ops import argmax  # noqa: PLC0415
@@ -760,6 +775,15 @@ class TorchBackend:
             # dynamic (NTK) rope changes its frequencies every step past the trained context:
             # a captured step would replay the first step's
             return None
+        moe = model.config.moe
+        if moe is not None and not self.triton_kernels:
+            from .torch_moe import GATHER_MAX_SLOTS  # noqa: PLC0415
+
+            if batch * moe.top_k > GATHER_MAX_SLOTS:
+                # without the Triton kernels, the grouped expert path reads its per-expert
+                # counts on the host, which a captured graph cannot do: steps run eagerly
+                _note_once("MoE decode past batch 1-2 runs without a CUDA graph")
+                return None
         s = self._session
         plan = None if sampler is None else sampler.plan
         if s is not None and s.cache is cache and s.model is model and not s.busy:

@@ -34,6 +34,7 @@ from .errors import MlxrunError
 from .generate import generate_step
 from .memory import prefill_chunk_for
 from .model import Layer, Transformer
+from .moe import Experts
 from .sampling import SamplingParams
 
 GB = 1e9  # the report's unit for bytes, bandwidth and memory (decimal, as vendors quote)
@@ -74,6 +75,31 @@ SHAPES: dict[str, dict] = {
         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
         rope_theta=100000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
         tie_word_embeddings=True,
+    ),
+    "qwen3-30b-a3b": dict(  # Qwen3-30B-A3B: 128 experts, 8 a token (3.3B of 30.5B active)
+        model_type="qwen3_moe",
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=40960,
+        tie_word_embeddings=False,
+    ),
+    "gpt-oss-20b": dict(  # gpt-oss-20b: 32 experts, 4 a token (3.6B of 20.9B active)
+        model_type="gpt_oss",
+        hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
+        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+        vocab_size=201088, attention_bias=True, sliding_window=128, rms_norm_eps=1e-5,
+        rope_theta=150000.0, max_position_embeddings=131072, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                      "original_max_position_embeddings": 4096, "truncate": False},
+    ),
+    "tiny-moe": dict(  # for tests: the qwen3_moe code path at the tiny shape
+        model_type="qwen3_moe",
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+        rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096,
+        tie_word_embeddings=False,
     ),
     "tiny": dict(  # for tests: builds and runs in milliseconds; untied to cover both heads
         hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -153,12 +179,12 @@ class BenchReport:
 
 
 def shape_config(name: str) -> ModelConfig:
-    """`llama3-8b` (or `shape:llama3-8b`) -> a llama ModelConfig with that model's shapes."""
+    """`llama3-8b` (or `shape:llama3-8b`) -> a ModelConfig with that model's shapes."""
     key = name.removeprefix(SHAPE_PREFIX)
     if key not in SHAPES:
         known = ", ".join(SHAPE_PREFIX + k for k in SHAPES)
         raise MlxrunError(f"unknown model shape {name!r}: use one of {known}")
-    return ModelConfig.from_dict({"model_type": "llama", **SHAPES[key]})
+    return ModelConfig.from_dict({"model_type": "llama", **SHAPES[key]})  # llama unless named
 
 
 def _u8(be, words):
@@ -208,25 +234,46 @@ class _RandomWeights:
         # Norm weights: ones (a (n,) host array is a few KB).
         return self.be.array(np.ones((n,), np.float32))
 
-    def matrix(self, out: int, inp: int, embedding: bool = False):
-        """(out, inp) weight: dense N(0, WEIGHT_STD), or random packed codes with small scales
-        in the asked format (layers whose input does not divide by the group stay dense)."""
+    def matrix(self, out: int, inp: int, embedding: bool = False, lead: tuple[int, ...] = ()):
+        """(out, inp) weight, or a stack (*lead, out, inp) of them (experts): dense
+        N(0, WEIGHT_STD), or random packed codes with small scales in the asked format
+        (layers whose input does not divide by the group stay dense)."""
         be, q = self.be, self.spec
         if q is None or inp % q.group_size:
-            return be.random_normal((out, inp), WEIGHT_STD, self._next())
+            return be.random_normal((*lead, out, inp), WEIGHT_STD, self._next())
         groups = inp // q.group_size
-        w = be.random_bits((out, inp * q.bits // 32), self._next())
+        out = (*lead, out)  # a shape prefix from here on
+        embedding = embedding or bool(lead)  # experts are gathered by row too
+        w = be.random_bits((*out, inp * q.bits // 32), self._next())
         if q.mode == "mxfp8":
             w = _finite_e4m3(be, w)
         if q.mode == "affine":
             # w = s*q + b with q in [0, 2^bits): s ~ 0.01, b = -2^(bits-1) s centres it on 0.
-            s = be.random_normal((out, groups), 0.001, self._next()) + 0.01
+            s = be.random_normal((*out, groups), 0.001, self._next()) + 0.01
             return _wrap_quantized(be, w, s, s * float(-(2 ** (q.bits - 1))), q, embedding)
         # 8-bit scale codes: E8M0 120..123 is 2^-7..2^-4; E4M3 4..11 is 0.0078..0.027.
-        words = be.random_bits((out, -(-groups // 4)), self._next())
+        words = be.random_bits((*out, -(-groups // 4)), self._next())
         base = 4 if q.mode == "nvfp4" else 120
-        s = _u8(be, words)[:, :groups] % (8 if q.mode == "nvfp4" else 4) + base
+        s = _u8(be, words)[..., :groups] % (8 if q.mode == "nvfp4" else 4) + base
         return _wrap_quantized(be, w, s, None, q, embedding)
+
+    def experts(self, c: ModelConfig) -> Experts:
+        """A MoE layer: a dense router (the loader keeps routers as stored) and stacked
+        experts in the asked format; biases where the architecture has them."""
+        o, H = c.moe, c.hidden_size
+        E, I = o.num_experts, o.intermediate_size
+        e = Experts(
+            self.be.random_normal((E, H), WEIGHT_STD, self._next()),
+            self.matrix(I, H, lead=(E,)),
+            self.matrix(I, H, lead=(E,)),
+            self.matrix(H, I, lead=(E,)),
+        )
+        if o.bias:
+            e.router_bias = self.be.random_normal((E,), WEIGHT_STD, self._next())
+            e.gate_bias, e.up_bias = (self.be.random_normal((E, I), WEIGHT_STD, self._next())
+                                      for _ in range(2))  # fmt: skip
+            e.down_bias = self.be.random_normal((E, H), WEIGHT_STD, self._next())
+        return e
 
 
 def build_random(cfg: ModelConfig, be, spec=None, seed: int = 0) -> Transformer:
@@ -239,7 +286,8 @@ def build_random(cfg: ModelConfig, be, spec=None, seed: int = 0) -> Transformer:
     embed = r.matrix(V, H, embedding=True)  # rows are gathered from it (and tied: the head)
     be.eval(*_arrays(embed))
     layers = []
-    for _ in range(c.num_hidden_layers):
+    for i in range(c.num_hidden_layers):
+        moe = c.moe is not None and c.moe.is_moe(i)
         L = Layer(
             input_layernorm=r.vector(H),
             post_attention_layernorm=r.vector(H),
@@ -247,10 +295,17 @@ def build_random(cfg: ModelConfig, be, spec=None, seed: int = 0) -> Transformer:
             k_proj=r.matrix(kv_out, H),
             v_proj=r.matrix(kv_out, H),
             o_proj=r.matrix(H, q_out),
-            gate_proj=r.matrix(I, H),
-            up_proj=r.matrix(I, H),
-            down_proj=r.matrix(H, I),
+            gate_proj=None if moe else r.matrix(I, H),
+            up_proj=None if moe else r.matrix(I, H),
+            down_proj=None if moe else r.matrix(H, I),
+            moe=r.experts(c) if moe else None,
         )
+        if c.attention_bias:
+            L.q_bias, L.k_bias, L.v_bias = r.vector(q_out), r.vector(kv_out), r.vector(kv_out)
+        if c.o_bias:
+            L.o_bias = r.vector(H)
+        if c.attention_sinks:
+            L.sinks = r.vector(c.num_attention_heads)
         be.eval(*_arrays(*_layer_arrays(L)))  # one layer at a time bounds MLX's lazy graph
         layers.append(L)
     head = embed if c.tie_word_embeddings else r.matrix(V, H)
@@ -276,7 +331,12 @@ def _arrays(*ws) -> list:
 
 
 def _layer_arrays(L: Layer) -> list:
-    return [getattr(L, f.name) for f in dataclasses.fields(Layer)]
+    """The layer's weights (an Experts' parts included)."""
+    out = []
+    for f in dataclasses.fields(Layer):
+        w = getattr(L, f.name)
+        out += list(vars(w).values()) if isinstance(w, Experts) else [w]
+    return out
 
 
 def _canonical_bytes(w) -> int:
@@ -313,6 +373,16 @@ def weight_bytes(model: Transformer, batch: int = 1) -> tuple[int, int]:
     parts = [w for L in model.layers for w in _layer_arrays(L)] + [model.norm, model.head]
     held = sum(_held_bytes(w) for w in parts)
     read = sum(_read_bytes(w) for w in parts)
+    o = model.config.moe
+    if o is not None:  # a step reads only the experts its tokens picked (mlxrun/moe.py)
+        from .moe import experts_read  # noqa: PLC0415
+
+        unread = 1 - experts_read(o, batch) / o.num_experts
+        for L in model.layers:
+            if L.moe is not None:
+                e = L.moe
+                stacked = (e.gate, e.up, e.down, e.gate_bias, e.up_bias, e.down_bias)
+                read -= round(unread * sum(_read_bytes(w) for w in stacked))
     if model.embed is not model.head:
         held += _held_bytes(model.embed)
         read += batch * (_canonical_bytes(model.embed) // model.config.vocab_size)

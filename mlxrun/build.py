@@ -16,6 +16,7 @@ import numpy as np
 from .config import ModelConfig
 from .errors import MlxrunError
 from .model import Layer, Transformer
+from .moe import Experts
 from .weights import Tensor
 
 # Tensors a checkpoint may carry that the model derives itself: rope inverse frequencies
@@ -83,10 +84,11 @@ def check_runnable(be, spec, path: str) -> None:
     )
 
 
-def _is_embedding(path: str) -> bool:
-    """Rows of the embedding are gathered (and a tied head reuses it), so a backend that
-    repacks for its matmul kernels must also keep the canonical bytes of this one."""
-    return path == "model.embed_tokens"
+def _gathered(path: str, lead: tuple[int, ...] = ()) -> bool:
+    """Rows of the embedding are gathered (and a tied head reuses it), and so are the
+    experts of a stacked (lead: (E,)) weight, so a backend that repacks for its matmul
+    kernels must also keep the canonical bytes of these."""
+    return path == "model.embed_tokens" or bool(lead)
 
 
 # Byte codes of the packed float modes that can spell NaN: mode -> {tensor: code}.
@@ -155,8 +157,9 @@ class _Builder:
     def dense(self, name: str, shape: tuple[int, ...]):
         return self.be.array(self._get(name, shape))
 
-    def _stored(self, path: str, out: int, inp: int):
-        """A layer stored packed: kept, re-quantized to `quant`, or expanded (--quant none)."""
+    def _stored(self, path: str, out: int, inp: int, lead: tuple[int, ...] = ()):
+        """A layer stored packed: kept, re-quantized to `quant`, or expanded (--quant none).
+        lead: leading dimensions of a stacked weight (experts: (E,))."""
         from mlxrun.quant.formats import layer_spec  # noqa: PLC0415
 
         spec = layer_spec(self.qconfig or {}, path)
@@ -172,8 +175,8 @@ class _Builder:
             from mlxrun.quant.formats import infer_spec  # noqa: PLC0415
 
             w, s = self.t.get(f"{path}.weight"), self.t.get(f"{path}.scales")
-            if w is not None and (w.shape, s.shape) != ((out, inp * spec.bits // 32),
-                                                        (out, inp // spec.group_size)):  # fmt: skip
+            if w is not None and (w.shape, s.shape) != ((*lead, out, inp * spec.bits // 32),
+                                                        (*lead, out, inp // spec.group_size)):  # fmt: skip
                 spec = infer_spec(path, inp, w.shape[-1], s.shape[-1], s.dtype == "U8")
                 self.notes.append(
                     f"{path} is not named in config.json's per-layer quantization and is "
@@ -184,11 +187,11 @@ class _Builder:
                 f"{path}: input size {inp} is not a multiple of the group size "
                 f"{spec.group_size} that config.json gives it; fix the quantization block"
             )
-        w = self._get(f"{path}.weight", (out, inp * spec.bits // 32))
-        s = self._get(f"{path}.scales", (out, inp // spec.group_size))
+        w = self._get(f"{path}.weight", (*lead, out, inp * spec.bits // 32))
+        s = self._get(f"{path}.scales", (*lead, out, inp // spec.group_size))
         b = None
         if spec.mode == "affine":
-            b = self._get(f"{path}.biases", (out, inp // spec.group_size))
+            b = self._get(f"{path}.biases", (*lead, out, inp // spec.group_size))
         if self.check:  # what _get could not see: NaN codes in uint8 bytes
             for k, code in _CODES.get(spec.mode, {}).items():
                 check_finite(f"{path}.{k}", w if k == "weight" else s, code)
@@ -199,7 +202,7 @@ class _Builder:
                 self.kept.append(path)
             check_runnable(self.be, spec, path)
             return self.be.quantized(
-                w, s, b, spec.mode, spec.bits, spec.group_size, embedding=_is_embedding(path)
+                w, s, b, spec.mode, spec.bits, spec.group_size, embedding=_gathered(path, lead)
             )
         x = self.be.array(stored_dense(w, s, b, spec))  # this one layer, in the compute dtype
         if self.dense_only:
@@ -212,14 +215,14 @@ class _Builder:
             )
             return x
         self.requantized.setdefault(f"{spec.label} g{spec.group_size}", []).append(path)
-        return self._quantize(x, q, path)
+        return self._quantize(x, q, path, lead)
 
-    def matrix(self, path: str, out: int, inp: int):
-        """A linear/embedding weight (out, in): packed when the checkpoint is quantized,
-        quantized here when asked, else dense."""
+    def matrix(self, path: str, out: int, inp: int, lead: tuple[int, ...] = ()):
+        """A linear/embedding weight (out, in), or a stack of them (*lead, out, in):
+        packed when the checkpoint is quantized, quantized here when asked, else dense."""
         if f"{path}.scales" in self.t:
-            return self._stored(path, out, inp)
-        w = self.dense(f"{path}.weight", (out, inp))
+            return self._stored(path, out, inp, lead)
+        w = self.dense(f"{path}.weight", (*lead, out, inp))
         q = self.quant
         if q is None:
             return w
@@ -229,10 +232,40 @@ class _Builder:
                 f"multiple of the group size {q.group_size}"
             )
             return w
-        return self._quantize(w, q, path)
+        return self._quantize(w, q, path, lead)
 
-    def _quantize(self, w, q, path: str):
-        out = self.be.quantize(w, q.mode, q.bits, q.group_size, embedding=_is_embedding(path))
+    def stored_or_dense(self, path: str, out: int, inp: int):
+        """A small matrix whose precision matters (a MoE router: it picks the experts): as
+        stored, never quantized on load."""
+        if f"{path}.scales" in self.t:
+            return self._stored(path, out, inp)
+        return self.dense(f"{path}.weight", (out, inp))
+
+    def experts(self, p: str) -> Experts:
+        """Layer prefix `p`'s router and stacked experts, from either stored layout."""
+        from .moe import expert_names, fused_experts, stack_per_expert  # noqa: PLC0415
+
+        c, o = self.cfg, self.cfg.moe
+        E, I, H = o.num_experts, o.intermediate_size, c.hidden_size
+        n = expert_names(c.model_type, p)
+        dims = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+        stacked = set(self.t)
+        self.used.update(stack_per_expert(self.t, n, E))
+        self.used.update(fused_experts(self.t, n))
+        stacked = set(self.t) - stacked  # stacks made here from per-expert tensors
+        mats = {k: self.matrix(f"{n.stacked}.{k}", *d, lead=(E,)) for k, d in dims.items()}
+        e = Experts(self.stored_or_dense(n.router, E, H), *mats.values())
+        if o.bias:
+            e.router_bias = self.dense(f"{n.router}.bias", (E,))
+            for k, (out, _) in dims.items():
+                b = self.dense(f"{n.stacked}.{k}.bias", (E, out))
+                setattr(e, k.replace("_proj", "_bias"), b)
+        for k in stacked:  # on the device now: the host copies go
+            del self.t[k]
+        return e
+
+    def _quantize(self, w, q, path: str, lead: tuple[int, ...] = ()):
+        out = self.be.quantize(w, q.mode, q.bits, q.group_size, embedding=_gathered(path, lead))
         # MLX is lazy: evaluated here, the full-precision source is freed now, one matrix at a
         # time, not at the first forward pass (SmolLM2 --quant int4 held 75 MiB of it there)
         self.be.eval(*(a for a in (out.weight, out.scales, out.biases) if a is not None))
@@ -297,6 +330,7 @@ def build_model(
         layers = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}"
+            moe = c.moe is not None and c.moe.is_moe(i)
             L = Layer(
                 input_layernorm=b.dense(f"{p}.input_layernorm.weight", (H,)),
                 post_attention_layernorm=b.dense(f"{p}.post_attention_layernorm.weight", (H,)),
@@ -304,9 +338,10 @@ def build_model(
                 k_proj=b.matrix(f"{p}.self_attn.k_proj", kv_out, H),
                 v_proj=b.matrix(f"{p}.self_attn.v_proj", kv_out, H),
                 o_proj=b.matrix(f"{p}.self_attn.o_proj", H, q_out),
-                gate_proj=b.matrix(f"{p}.mlp.gate_proj", I, H),
-                up_proj=b.matrix(f"{p}.mlp.up_proj", I, H),
-                down_proj=b.matrix(f"{p}.mlp.down_proj", H, I),
+                gate_proj=None if moe else b.matrix(f"{p}.mlp.gate_proj", I, H),
+                up_proj=None if moe else b.matrix(f"{p}.mlp.up_proj", I, H),
+                down_proj=None if moe else b.matrix(f"{p}.mlp.down_proj", H, I),
+                moe=b.experts(p) if moe else None,
             )
             if c.attention_bias:
                 L.q_bias = b.dense(f"{p}.self_attn.q_proj.bias", (q_out,))

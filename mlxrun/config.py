@@ -10,9 +10,18 @@ import numpy as np
 
 from . import rope
 from .errors import MlxrunError
+from .moe import MOE_KEYS, MoEOptions, moe_options
 from .validate import check_config
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "gpt_oss",
+)
 
 # hidden_act values the model runs, under transformers' names; gelu_new is the same tanh
 # approximation as gelu_pytorch_tanh, swish another name for silu.
@@ -77,6 +86,7 @@ class ModelConfig:
     # Per layer: the attention window (a query sees the `w` latest keys, itself included),
     # or None for full causal attention. Empty means no layer slides.
     layer_windows: tuple[int | None, ...] = ()
+    moe: MoEOptions | None = None  # mixture-of-experts layers (mlxrun/moe.py); None: dense
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     quantization: dict | None = None
@@ -126,7 +136,11 @@ class ModelConfig:
         if "quantization" not in kw and "quantization_config" in d:
             kw["quantization"] = d["quantization_config"]
         method = (kw.get("quantization") or {}).get("quant_method")
-        if method is not None:
+        if method == "mxfp4" and mt == "gpt_oss":
+            # OpenAI's release: the experts in MXFP4 (E2M1 values, E8M0 scales, groups of
+            # 32: MLX's mxfp4 bytes, read as stored), everything else unquantized
+            kw["quantization"] = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+        elif method is not None:
             raise MlxrunError(
                 f"config.json quantization_config has quant_method {method!r}, a transformers "
                 "format mlxrun does not read; use the full-precision checkpoint (mlxrun "
@@ -199,14 +213,17 @@ def _arch_options(mt: str, d: dict[str, Any], n: int) -> dict[str, Any]:
     """The options of `model_type` mt that change the arithmetic, read as transformers'
     modeling code for that family reads them; anything else that would change it is refused
     with one line naming the option and its value."""
+    moe = moe_options(mt, d, n)
     for key, neutral in _FOREIGN.items():
+        if moe is not None and key in MOE_KEYS:
+            continue
         v = d.get(key)
         if v not in neutral:
             raise _refuse(key, v, f"mlxrun's {mt} model has no such option")
     act = d.get("hidden_act", "silu")
     if act not in ACTIVATIONS:
         raise _refuse("hidden_act", act, f"mlxrun runs {', '.join(ACTIVATIONS)}")
-    opts: dict[str, Any] = {"hidden_act": "silu" if act == "swish" else act}
+    opts: dict[str, Any] = {"hidden_act": "silu" if act == "swish" else act, "moe": moe}
     bias = d.get("attention_bias", False) is True
     if mt == "llama":  # biases on every attention projection, and optionally the MLP
         opts.update(attention_bias=bias, o_bias=bias, mlp_bias=d.get("mlp_bias", False) is True)
@@ -217,6 +234,18 @@ def _arch_options(mt: str, d: dict[str, Any], n: int) -> dict[str, Any]:
     elif mt == "mistral":  # fixed: no biases; the window (4096 if unset) on every layer
         opts.update(attention_bias=False, o_bias=False, mlp_bias=False)
         windows = [_window_value(d, 4096)] * n
+    elif mt == "mixtral":  # Mistral's attention; the window on every layer, none if unset
+        opts.update(attention_bias=False, o_bias=False, mlp_bias=False)
+        windows = [_window_value(d, None)] * n
+    elif mt == "qwen3_moe":  # Qwen3's attention; with use_sliding_window, every layer slides
+        opts.update(attention_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True)
+        slide = d.get("use_sliding_window", False) is True
+        windows = [_window_value(d, 4096) if slide else None] * n
+    elif mt == "gpt_oss":  # biases on q/k/v/o, a sink per head, windows by layer_types
+        opts.update(attention_bias=bias, o_bias=bias, mlp_bias=False, attention_sinks=True)
+        w = _window_value(d, 128)
+        default = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+        windows = [w if t == "sliding_attention" else None for t in _layer_types(d, n, default)]
     elif mt in ("qwen2", "qwen3"):
         if mt == "qwen2":  # q/k/v always biased, o never
             opts.update(attention_bias=True, o_bias=False, mlp_bias=False)

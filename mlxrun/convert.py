@@ -104,9 +104,9 @@ def _quantize(path: str, t: Tensor, spec) -> Iterator[tuple[str, Tensor]]:
 
 def _check_packed(path: str, w: Tensor, s: Tensor | None, b: Tensor | None, spec) -> None:
     """The stored tensors of `path` have the shapes `spec` implies for its weight."""
-    rows, words = w.shape if w.data.ndim == 2 else (0, 0)
+    *lead, rows, words = w.shape if w.data.ndim >= 2 else (0, 0)
     inp = words * 32 // spec.bits
-    groups = (rows, inp // spec.group_size)
+    groups = (*lead, rows, inp // spec.group_size)
     for k, x, want in (("scales", s, groups), ("biases", b, groups if spec.has_biases else None)):
         if want is None:
             continue
@@ -126,7 +126,9 @@ class _Plan:
     def __init__(self, ckpt: Checkpoint, spec, dense: bool, group_asked: bool):
         from mlxrun.quant.formats import from_config, to_config  # noqa: PLC0415
 
-        self.t, self.dense = ckpt.tensors, dense
+        self.t, self.dense = dict(ckpt.tensors), dense
+        self.cfg = ckpt.config
+        self.moe_sources = self._moe_sources(ckpt.config)
         self.qconfig = ckpt.config.quantization
         if self.qconfig is not None:
             from_config(self.qconfig)  # an unknown mode fails before anything is written
@@ -143,22 +145,67 @@ class _Plan:
         return len(self.t)
 
     def __iter__(self) -> Iterator[tuple[str, Tensor]]:
-        for name, t in self.t.items():
-            path, _, leaf = name.rpartition(".")
-            if f"{path}.scales" in self.t and leaf != "bias":  # a linear's bias stays as is
-                if leaf == "weight":  # scales/biases travel with their weight
-                    yield from self._stored(path)
-            elif (
-                self.spec is not None and leaf == "weight" and is_matrix(path) and t.data.ndim == 2
-            ):
-                yield from self._dense(path, t)
-            else:
-                yield name, t
+        done: set[int] = set()
+        for name in list(self.t):
+            layer = self.moe_sources.get(name)
+            if layer is None:
+                yield from self._one(name, self.t[name])
+            elif layer not in done:  # the layer's experts, stacked as mlx-lm stores them
+                done.add(layer)
+                made = self._stack(layer)
+                for n in made:
+                    yield from self._one(n, self.t[n])
+                for n in made:  # written: the stacked copies go
+                    del self.t[n]
+
+    def _moe_sources(self, cfg) -> dict[str, int]:
+        """Tensors stored per expert or fused (transformers' layouts) -> their layer."""
+        if cfg.moe is None:
+            return {}
+        from .moe import expert_names  # noqa: PLC0415
+
+        out = {}
+        for i in range(cfg.num_hidden_layers):
+            n = expert_names(cfg.model_type, f"model.layers.{i}")
+            for name in self.t:
+                if name.startswith(f"{n.per_expert}.") and name[len(n.per_expert) + 1].isdigit():
+                    out[name] = i
+                elif name.startswith(f"{n.stacked}.gate_up_proj") or name.startswith(
+                    f"{n.stacked}.down_proj_"
+                ) or name == f"{n.stacked}.down_proj":  # fmt: skip
+                    out[name] = i
+        return out
+
+    def _stack(self, layer: int) -> list[str]:
+        from .moe import expert_names, fused_experts, stack_per_expert  # noqa: PLC0415
+
+        c = self.cfg
+        n = expert_names(c.model_type, f"model.layers.{layer}")
+        before = set(self.t)
+        used = stack_per_expert(self.t, n, c.moe.num_experts) + fused_experts(self.t, n)
+        for name in used:
+            del self.t[name]
+        return sorted(set(self.t) - before)
+
+    def _one(self, name: str, t: Tensor) -> Iterator[tuple[str, Tensor]]:
+        path, _, leaf = name.rpartition(".")
+        if f"{path}.scales" in self.t and leaf != "bias":  # a linear's bias stays as is
+            if leaf == "weight":  # scales/biases travel with their weight
+                yield from self._stored(path)
+        elif (
+            self.spec is not None
+            and leaf == "weight"
+            and is_matrix(path)
+            and t.data.ndim in (2, 3)  # a matrix, or stacked experts (E, out, in)
+        ):
+            yield from self._dense(path, t)
+        else:
+            yield name, t
 
     def _dense(self, path: str, t: Tensor):
-        if t.shape[1] % self.spec.group_size:
+        if t.shape[-1] % self.spec.group_size:
             self.notes.append(
-                f"{path} stays unquantized: its input size {t.shape[1]} is not a "
+                f"{path} stays unquantized: its input size {t.shape[-1]} is not a "
                 f"multiple of the group size {self.spec.group_size}"
             )
             self.block[path] = False
@@ -344,6 +391,9 @@ def convert(
     try:
         _write_shards(tmp, plan, shard_bytes, progress)
         config = dict(ckpt.raw_config)  # no --quant: the checkpoint's own block, as is
+        if plan.block is None and "quant_method" in (config.get("quantization_config") or {}):
+            # a transformers format read as one of MLX's (gpt-oss's mxfp4): written as MLX's
+            config["quantization"] = config["quantization_config"] = ckpt.config.quantization
         if plan.block is not None or dense:
             config.pop("quantization", None)
             config.pop("quantization_config", None)

@@ -288,7 +288,9 @@ def matrix_bytes_per_weight(transformer) -> float:
 
     mats = [transformer.embed]
     for L in transformer.layers:
-        mats += [L.q_proj, L.k_proj, L.v_proj, L.o_proj, L.gate_proj, L.up_proj, L.down_proj]
+        mats += [L.q_proj, L.k_proj, L.v_proj, L.o_proj]
+        mlp = (L.gate_proj, L.up_proj, L.down_proj)
+        mats += list(mlp) if L.moe is None else [L.moe.gate, L.moe.up, L.moe.down]
     if transformer.head is not transformer.embed:
         mats.append(transformer.head)
     total = elems = 0
@@ -301,10 +303,9 @@ def matrix_bytes_per_weight(transformer) -> float:
         total += sum(int(x.nbytes) for x in held)
         total += int(getattr(m.kernel, "nbytes", 0))
         if m.weight is not None:
-            out, inp = m.shape
+            elems += int(np.prod(m.shape))
         else:  # only the kernel's repack is held: QLinear knows its logical [n, k]
-            out, inp = m.kernel.n, m.kernel.k
-        elems += int(out) * int(inp)
+            elems += int(m.kernel.n) * int(m.kernel.k)
     return total / elems
 
 

@@ -404,18 +404,26 @@ def config_shapes(config: ModelConfig, dtype: str = "BF16") -> Shapes:
     out: Shapes = {"model.embed_tokens.weight": ((c.vocab_size, h), dtype)}
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
+        moe = c.moe is not None and c.moe.is_moe(i)
+        mlp = [
+            ("mlp.gate_proj.weight", (c.intermediate_size, h)),
+            ("mlp.up_proj.weight", (c.intermediate_size, h)),
+            ("mlp.down_proj.weight", (h, c.intermediate_size)),
+        ]
         for n, shape in [
             ("self_attn.q_proj.weight", (q, h)),
             ("self_attn.k_proj.weight", (kv, h)),
             ("self_attn.v_proj.weight", (kv, h)),
             ("self_attn.o_proj.weight", (h, q)),
-            ("mlp.gate_proj.weight", (c.intermediate_size, h)),
-            ("mlp.up_proj.weight", (c.intermediate_size, h)),
-            ("mlp.down_proj.weight", (h, c.intermediate_size)),
+            *([] if moe else mlp),
             ("input_layernorm.weight", (h,)),
             ("post_attention_layernorm.weight", (h,)),
         ]:
             out[p + n] = (shape, dtype)
+        if moe:  # every expert is held: the planner counts them all
+            from .moe import layer_shapes  # noqa: PLC0415
+
+            out.update(layer_shapes(c, p, dtype))
         if c.attention_bias:
             for n, width in (("q", q), ("k", kv), ("v", kv)):
                 out[f"{p}self_attn.{n}_proj.bias"] = ((width,), dtype)
@@ -561,6 +569,14 @@ def footprint(
     weight = dense = int4 = n_params = largest = stored = requant = 0
     for name, (shape, sdt) in shapes.items():
         stored += _numel(shape) * STORED_BYTES.get(sdt, db)
+        if config.moe is not None and name.endswith(("_blocks", "_scales")):
+            # OpenAI's MXFP4 experts (gpt-oss): held as stored, two values a block byte
+            weight += _numel(shape)
+            if name.endswith("_blocks"):
+                n_params += 2 * _numel(shape)
+                dense += 2 * _numel(shape) * db
+            int4 += _numel(shape)
+            continue
         prefix, _, leaf = name.rpartition(".")
         is_q = prefix in quantized and leaf in ("weight", "scales", "biases")
         if is_q:
@@ -569,15 +585,19 @@ def footprint(
                 weight += _numel(shape) * (db if cast else STORED_BYTES[sdt])
             if leaf != "weight":
                 continue
-            # uint32 [out, in*bits/32] -> the logical [out, in]
-            shape = (shape[0], shape[1] * 32 // _layer_bits(config, prefix))
+            # uint32 [..., out, in*bits/32] -> the logical [..., out, in]
+            shape = (*shape[:-1], shape[-1] * 32 // _layer_bits(config, prefix))
         n = _numel(shape)
         n_params += n
         dense += n * db
-        matrix = len(shape) == 2 and leaf == "weight"
+        # a matrix, or a stack of them (MoE experts (E, out, in)); a MoE router stays as
+        # stored (build._Builder.stored_or_dense)
+        router = config.moe is not None and prefix.endswith((".gate", ".router"))
+        matrix = leaf == "weight" and len(shape) in (2, 3) and not router
+        stack = _numel(shape[:-2]) if matrix else 1
         int4 += (
-            packed_bytes(*shape, "affine", 4, INT4_GROUP_SIZE, db)
-            if matrix and shape[1] % INT4_GROUP_SIZE == 0
+            stack * packed_bytes(*shape[-2:], "affine", 4, INT4_GROUP_SIZE, db)
+            if matrix and shape[-1] % INT4_GROUP_SIZE == 0
             else n * db
         )
         if is_q and prefix in kept:
@@ -585,9 +605,9 @@ def footprint(
             continue
         # a stored layer is re-quantized in the checkpoint's group size when none was asked
         q = _requant_spec(config, quant, group_asked) if is_q else quant
-        if q is not None and matrix and shape[1] % q.group_size == 0:
+        if q is not None and matrix and shape[-1] % q.group_size == 0:
             largest, requant = max(largest, n), max(requant, n)
-            weight += packed_bytes(*shape, q.mode, q.bits, q.group_size, db)
+            weight += stack * packed_bytes(*shape[-2:], q.mode, q.bits, q.group_size, db)
         else:
             weight += n * db
     if quant is not None:

@@ -1,8 +1,9 @@
 """The Llama-family forward pass, written once against the backend interface.
 
-Covers Llama 1-3.2, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm); the differences
-are switches in ModelConfig (biases on any projection, the gate activation, a sliding
-attention window per layer), not separate classes.
+Covers Llama 1-3.2, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), and the
+mixture-of-experts Qwen3-MoE and Mixtral; the differences are switches in ModelConfig
+(biases on any projection, the gate activation, a sliding attention window per layer,
+experts in place of the MLP), not separate classes.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from .config import ModelConfig
+from .moe import Experts
 
 Array = Any
 
@@ -25,9 +27,9 @@ class Layer:
     k_proj: Array
     v_proj: Array
     o_proj: Array
-    gate_proj: Array
-    up_proj: Array
-    down_proj: Array
+    gate_proj: Array | None  # the dense MLP; None in a layer of experts
+    up_proj: Array | None
+    down_proj: Array | None
     q_bias: Array | None = None
     k_bias: Array | None = None
     v_bias: Array | None = None
@@ -37,6 +39,7 @@ class Layer:
     down_bias: Array | None = None
     q_norm: Array | None = None
     k_norm: Array | None = None
+    moe: Experts | None = None  # experts in place of the MLP (mlxrun/moe.py)
     sinks: Array | None = None  # (num_heads,) a learned logit per head in the softmax
 
 
@@ -75,7 +78,8 @@ class Transformer:
             add(a)
         for L in self.layers:
             for a in vars(L).values():
-                add(a)
+                for part in a.arrays() if isinstance(a, Experts) else (a,):
+                    add(part)
         return total
 
     def kv_bytes(self, batch: int, tokens: int, chunk: int | None = None) -> int:
@@ -120,6 +124,11 @@ class Transformer:
         # their biases are added once, after the sum
         o = be.linear_sum(o.swapaxes(1, 2).reshape(B, T, nh * hd), L.o_proj, L.o_bias)
         h, x = be.add_rms_norm(h, o, L.post_attention_layernorm, c.rms_norm_eps)
+        if L.moe is not None:
+            e = L.moe
+            y = be.moe(x, be.linear(x, e.router, e.router_bias), e, c.moe)  # (B, T, hidden)
+            h, x = be.add_rms_norm(h, y, nxt, c.rms_norm_eps)
+            return h, x
         mlp_b = None if L.gate_bias is None else (L.gate_bias, L.up_bias)
         y = be.gated_mlp(x, L.gate_proj, L.up_proj, c.hidden_act, mlp_b)
         y = be.linear_sum(y, L.down_proj, L.down_bias)

@@ -96,6 +96,11 @@ def check(cfg: ModelConfig, tp: int, groups: set[int]) -> None:
     """Raise MlxrunError, naming the counts that work, when `tp` ranks cannot split `cfg`."""
     if tp < 1:
         raise MlxrunError(f"--tp must be at least 1, got {tp}")
+    if tp > 1 and cfg.moe is not None:
+        raise MlxrunError(
+            f"cannot split a mixture-of-experts model ({cfg.model_type}) over ranks yet; "
+            "run it on one device (--tp 1)"
+        )
     why = problems(cfg, tp, groups)
     if why:
         ok = ", ".join(

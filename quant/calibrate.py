@@ -412,6 +412,11 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
             "--calibrate does not run sliding-window models yet; convert without it "
             "(round to nearest)"
         )
+    if cfg.moe is not None:
+        raise MlxrunError(
+            "--calibrate does not run mixture-of-experts models yet; convert without it "
+            "(round to nearest)"
+        )
     if cfg.hidden_size % spec.group_size or cfg.intermediate_size % spec.group_size:
         raise MlxrunError(
             f"calibration needs the hidden size {cfg.hidden_size} and intermediate size "

@@ -1,0 +1,117 @@
+"""The mixture-of-experts primitive in plain PyTorch (cpu, mps, cuda): routing, then the
+selected experts' gated MLPs, weighted and summed.
+
+Two ways to run the experts, the same arithmetic:
+- gather (a few tokens, e.g. decode): the k experts of each token are gathered by index,
+  (N*k, out, in), and applied with a batched product. No host sync; only the selected
+  experts' bytes are read (packed ones expanded after the gather).
+- grouped (prefill, large batches): token slots sorted by expert, then one matmul per
+  expert that was hit over its tokens (one host sync for the counts).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mlxrun.backends.base import QuantizedWeight
+from mlxrun.moe import Experts, MoEOptions
+
+# Token slots (tokens x k) up to which the gathered path runs: each gathered expert is a
+# full (out, in) matrix, so past this the grouped path reads less.
+GATHER_MAX_SLOTS = 16
+# With the Triton kernels (CUDA): slots up to which they run (decode batches); past it
+# (prefill) the grouped path reads each expert's weights once for all its tokens.
+KERNEL_MAX_SLOTS = 1024
+
+
+def route(logits: torch.Tensor, o: MoEOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits (N, E) -> (weights (N, k) float32, expert ids (N, k) int64), as
+    transformers' routers compute them (softmax in float32)."""
+    if o.routing == "softmax_topk":
+        w, ids = torch.topk(torch.softmax(logits.float(), dim=-1), o.top_k, dim=-1)
+        if o.norm_topk:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return w, ids
+    top, ids = torch.topk(logits, o.top_k, dim=-1)
+    return torch.softmax(top.float(), dim=-1), ids
+
+
+def expert_act(g: torch.Tensor, u: torch.Tensor, o: MoEOptions) -> torch.Tensor:
+    if o.act == "silu":
+        return F.silu(g) * u
+    # gpt-oss: gate clamped from above, up on both sides, and up shifted by one
+    g = g.clamp(max=o.swiglu_limit)
+    u = u.clamp(min=-o.swiglu_limit, max=o.swiglu_limit)
+    return (u + 1) * (g * torch.sigmoid(g * o.swiglu_alpha))
+
+
+def _take(w, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Experts `ids` (n,) of a stacked weight -> dense (n, out, in) in `dtype`."""
+    if not isinstance(w, QuantizedWeight):
+        return w[ids]
+    from mlxrun.quant.torch_dequant import dequantize  # noqa: PLC0415
+
+    def rows(t):  # CUDA has no indexing kernel for uint32: gather the same bits as int32
+        return t.view(torch.int32)[ids].view(torch.uint32) if t.dtype == torch.uint32 else t[ids]
+
+    b = None if w.biases is None else rows(w.biases)
+    return dequantize(rows(w.weight), rows(w.scales), b, w.mode, w.bits, w.group_size, dtype)
+
+
+def _gathered(x, ids, e: Experts, o: MoEOptions):
+    """x (N, H), ids (N, k) -> expert outputs (N, k, H)."""
+    N, k = ids.shape
+    flat = ids.reshape(-1)
+    xs = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # (N*k, H, 1)
+
+    def apply(w, b, inp):
+        y = torch.bmm(_take(w, flat, x.dtype), inp).squeeze(-1)
+        return y if b is None else y + b[flat]
+
+    h = expert_act(apply(e.gate, e.gate_bias, xs), apply(e.up, e.up_bias, xs), o)
+    return apply(e.down, e.down_bias, h.unsqueeze(-1)).view(N, k, -1)
+
+
+def _one(w, b, sel, inp):
+    """inp (n, in) @ expert sel's (1,) weight^T (+ its bias) -> (n, out)."""
+    y = inp @ _take(w, sel, inp.dtype)[0].T
+    return y if b is None else y + b[sel]
+
+
+def _grouped(x, ids, e: Experts, o: MoEOptions):
+    N, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=o.num_experts).tolist()  # the one host sync
+    xs = x[order // k]  # (N*k, H), grouped by expert
+    out = torch.empty_like(xs)
+    start = 0
+    for j, c in enumerate(counts):
+        if not c:
+            continue
+        sl, sel = slice(start, start + c), torch.tensor([j], device=x.device)
+        start += c
+        g, u = (_one(w, b, sel, xs[sl]) for w, b in ((e.gate, e.gate_bias), (e.up, e.up_bias)))
+        out[sl] = _one(e.down, e.down_bias, sel, expert_act(g, u, o))
+    y = torch.empty_like(out)
+    y[order] = out
+    return y.view(N, k, -1)
+
+
+def moe(
+    x: torch.Tensor, logits: torch.Tensor, e: Experts, o: MoEOptions, kernel: bool = False
+) -> torch.Tensor:
+    """x (B, T, H), router logits (B, T, E) -> the weighted sum of the top-k experts'
+    outputs (B, T, H). kernel: run the Triton kernels (backends/cuda_moe.py) for up to
+    KERNEL_MAX_SLOTS token slots."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    w, ids = route(logits.reshape(-1, logits.shape[-1]), o)
+    if kernel and ids.numel() <= KERNEL_MAX_SLOTS:
+        from .cuda_moe import moe_experts  # noqa: PLC0415
+
+        return moe_experts(x2, ids, w, e, o).view(shape)
+    run = _gathered if ids.numel() <= GATHER_MAX_SLOTS else _grouped
+    y = run(x2, ids, e, o)  # (N, k, H)
+    return (y * w.to(y.dtype).unsqueeze(-1)).sum(dim=1).view(shape)
