@@ -333,7 +333,7 @@ BACKENDS = ["mlx", "cpu"] if "mlx" in DEVICES else ["cpu"]
         (dict(json_schema="{not json"), "not valid JSON"),
         (dict(regex="(a"), "regular expression cannot be used"),
         (dict(grammar="root ::= foo"), "does not parse as GBNF"),
-        (dict(grammar='root ::= "a" | '), "grammar"),
+        (dict(grammar='root ::= "a'), "grammar"),
         (dict(json_schema={}, regex="a"), "not several"),
     ],
 )
