@@ -434,3 +434,45 @@ def _run_all(eng, reqs):
         while not evs or evs[-1].finish_reason is None:
             evs.append(q.get(timeout=600))
         yield evs
+
+
+# --- the CLI ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--json-schema", "missing.json"], "--json-schema missing.json: no such file"),
+        (["--json-schema", "{not json"], "not valid JSON"),
+        (["--grammar", "missing.gbnf"], "--grammar missing.gbnf: no such file"),
+        (["--json-schema", "{}", "--grammar", "g.gbnf"], "not both"),
+    ],
+)
+def test_cli_refuses_bad_constraints_before_loading(capsys, args, needle):
+    from .test_cli_errors import assert_one_line_error, run_cli
+
+    code, err = run_cli(capsys, "generate", "-m", "/nonexistent", "-p", "Hi", *args)
+    assert_one_line_error(code, err, needle)
+
+
+def test_cli_json_schema_and_grammar(tmp_path):
+    """--json-schema as a file and inline, --grammar as a GBNF file: the printed answer
+    follows each."""
+    from click.testing import CliRunner
+
+    from mlxrun.cli import cli
+
+    schema = {"enum": ["yes", "no"]}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    (tmp_path / "g.gbnf").write_text('root ::= "Paris" | "Lyon"\n')
+    base = ["generate", "-m", "smollm2", "-b", BACKENDS[0], "--max-tokens", "6", "--quiet"]
+    for extra in (
+        ["--json-schema", str(tmp_path / "s.json")],
+        ["--json-schema", json.dumps(schema)],
+    ):
+        r = CliRunner().invoke(cli, base + ["-p", "Is the sky blue?", *extra])
+        assert r.exit_code == 0, (r.output, r.exception)
+        assert json.loads(r.stdout.strip()) in ("yes", "no")
+    r = CliRunner().invoke(cli, base + ["-p", "The capital of France?", "--grammar",
+                                        str(tmp_path / "g.gbnf")])  # fmt: skip
+    assert r.exit_code == 0 and r.stdout.strip() in ("Paris", "Lyon"), r.output
