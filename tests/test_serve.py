@@ -286,6 +286,7 @@ CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
     "required": ["tz"], "additionalProperties": False}}}  # fmt: skip
 
 
+@pytest.mark.slow
 def test_response_formats_and_grammar_validate(server):
     """json_schema (strict, greedy and seeded) on chat, json_object, and a GBNF `grammar`
     on completions: every answer that stops parses and validates."""
@@ -320,6 +321,7 @@ def test_response_formats_and_grammar_validate(server):
     assert r.choices[0].text in (" yes", " no") and r.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "extra,words",
     [
@@ -359,6 +361,7 @@ def _stream_calls(c, **kw):
     return [calls[i] for i in sorted(calls)], finish
 
 
+@pytest.mark.slow
 def test_tool_calls_round_trip(server):
     """A named tool_choice and `required` give tool_calls whose arguments validate against
     the tool's parameters (finish_reason "tool_calls"); the streamed deltas reassemble to

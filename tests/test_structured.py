@@ -326,6 +326,7 @@ def smol():
 BACKENDS = ["mlx", "cpu"] if "mlx" in DEVICES else ["cpu"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kw,match",
     [
@@ -361,6 +362,7 @@ def _answer(m, schema, max_tokens=40, **kw):
 QUICK = ["person", "nested", "enum", "anyof", "ref"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_api_answers_validate(smol, backend):
     """A representative subset of the schemas, greedy (and one sampled), through
@@ -377,6 +379,7 @@ def test_api_answers_validate(smol, backend):
     _check("person sampled", PERSON, text, finish)
 
 
+@pytest.mark.slow
 def test_batch_grammar_and_regex(smol):
     """generate_many with a schema (each row its own matcher), a GBNF grammar, a regex, and
     max_tokens inside a structure ending with "length"."""
@@ -456,6 +459,7 @@ def test_cli_refuses_bad_constraints_before_loading(capsys, args, needle):
     assert_one_line_error(code, err, needle)
 
 
+@pytest.mark.slow
 def test_cli_json_schema_and_grammar(tmp_path):
     """--json-schema as a file and inline, --grammar as a GBNF file: the printed answer
     follows each."""
