@@ -40,16 +40,26 @@ class MLXSampler:
         t["window"] = t["window"].astype(mx.int32)
         t["context"] = t["context"].astype(mx.int32)
         t["top_k"] = t["top_k"].astype(mx.int32)
+        if "mask" in t:
+            t["mask"] = t["mask"].view(mx.uint32)
         self.t = t
+
+    def set_mask(self, mask: np.ndarray) -> None:
+        """The rows' token bitmasks ((B, words) int32) for the next call."""
+        self.t["mask"] = mx.array(mask).view(mx.uint32)
 
     def logprobs(self):
         return self._last
 
     def __call__(self, logits):
         p, t = self.plan, self.t
-        raw = logits.astype(mx.float32)
+        raw = logits.astype(mx.float32)  # log-probabilities stay the model's, unmasked
         z = raw
         B, V = raw.shape
+        if p.masked:  # token i's bit: word i >> 5, bit i & 31
+            ids = mx.arange(V, dtype=mx.uint32)
+            bits = mx.take(t["mask"], ids >> 5, axis=1) >> (ids & 31)
+            z = mx.where((bits & 1).astype(mx.bool_), z, -mx.inf)
         if p.window:
             W = p.window
             win = t["window"]
@@ -58,7 +68,7 @@ class MLXSampler:
             seen = mx.put_along_axis(seen, mx.where(valid, win, V), mx.array(True), axis=1)
             seen = seen[:, :V]
             pen = t["penalty"][:, None]
-            z = mx.where(seen, mx.where(z > 0, z / pen, z * pen), z)
+            z = mx.where(seen, mx.where(z > 0, z / pen, z * pen), z)  # -inf stays -inf
         tok = mx.argmax(z, axis=-1).astype(mx.int32)
         if p.sampled:
             tok = mx.where(t["temperature"] > 0, self._draw(z), tok)

@@ -48,6 +48,9 @@ class TorchSampler:
         self._cdf = torch.float32 if torch.device(device).type == "mps" else torch.float64
         self._rank = torch.arange(max(plan.candidates, 1), device=device)
         self._wpos = torch.arange(plan.window, device=device)
+        if plan.masked:  # token i's bit in the (B, ceil(V/32)) bitmask: word i >> 5, bit i & 31
+            ids = torch.arange(plan.vocab, device=device)
+            self._word, self._bit = ids >> 5, (ids & 31).to(torch.int32)
         self._last = None  # log-probabilities of the last call (new tensors each eager
         # call; in a captured graph, the graph's own outputs, rewritten at each replay)
 
@@ -60,6 +63,11 @@ class TorchSampler:
         """`other`'s options and state (same plan), copied into this sampler's tensors."""
         for k, v in other.t.items():
             self.t[k].copy_(v)
+
+    def set_mask(self, mask: np.ndarray) -> None:
+        """The rows' token bitmasks for the next call ((B, words) int32), written into the
+        buffer a captured graph reads."""
+        self.t["mask"].copy_(torch.from_numpy(mask), non_blocking=True)
 
     def save(self) -> tuple:
         return self.t["counter"].clone(), self.t["window"].clone()
@@ -79,8 +87,13 @@ class TorchSampler:
     def __call__(self, logits):
         p, t = self.plan, self.t
         kernels = self._kernels is not None
+        # log-probabilities stay the model's: taken before the mask
+        lsm = logits.float().log_softmax(-1) if p.logprobs is not None else None
+        if p.masked:  # a grammar's disallowed tokens can never be chosen, greedy or drawn
+            allowed = ((t["mask"][:, self._word] >> self._bit) & 1).bool()
+            logits = logits.masked_fill(~allowed, float("-inf"))
         # the kernels read bf16 logits as they are; float32 only where something needs it
-        raw = logits.float() if not kernels or p.window or p.logprobs is not None else None
+        raw = logits.float() if not kernels or p.window else None
         z = logits if kernels else raw
         if p.window:
             W, V = p.window, raw.shape[-1]
@@ -100,7 +113,6 @@ class TorchSampler:
         if p.window:
             win.copy_(torch.cat([win[:, 1:], tok[:, None]], dim=1))
         if p.logprobs is not None:
-            lsm = raw.log_softmax(-1)
             top = lsm.topk(p.logprobs, dim=-1) if p.logprobs else (None, None)
             self._last = (lsm.gather(1, tok[:, None])[:, 0], *top)
         return tok

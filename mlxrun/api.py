@@ -16,6 +16,7 @@ from .errors import MlxrunError
 from .generate import BatchResult, GenerationResponse, generate, stream
 from .memory import Plan
 from .sampling import SamplingParams
+from .structured import constraint_of
 
 Prompt = str | Sequence[int] | Sequence[dict]  # text, token ids or chat messages
 
@@ -170,14 +171,20 @@ class Model:
         system: str | None = None,
         chat: bool | None = None,
         stop: list[str] | None = None,
+        json_schema: dict | str | None = None,
+        grammar: str | None = None,
+        regex: str | None = None,
         **sampling: Any,
     ) -> Iterator[GenerationResponse]:
         """Yield GenerationResponse pieces (text, token, running stats, finish_reason).
 
         prompt: text, token ids, or chat messages [{"role", "content"}] (as mlx-lm takes).
         sampling: temperature (or temp), top_p, top_k, min_p, repetition_penalty, seed.
+        json_schema (a dict or JSON text), grammar (GBNF or Lark) or regex: the answer
+        follows it (constrained decoding, `mlxrun.structured`; needs mlxrun[structured]).
         """
         _check_max_tokens(max_tokens)
+        constraint = constraint_of(json_schema, grammar, regex)
         ids = self._ids(prompt, system, chat)
         yield from stream(
             self.transformer,
@@ -186,6 +193,7 @@ class Model:
             _sampling(sampling),
             max_tokens=max_tokens,
             stop=stop,
+            constraint=constraint,
         )
 
     @_api_names
@@ -198,16 +206,21 @@ class Model:
         chat: bool | None = None,
         stop: list[str] | None = None,
         batch_size: int | str = "auto",
+        json_schema: dict | str | None = None,
+        grammar: str | None = None,
+        regex: str | None = None,
         **sampling: Any,
     ) -> str | list[str]:
         """The whole answer as a string (same options as `stream`). A list of prompts (texts,
         or lists of token ids or of messages) runs as batches (`generate_many`, batch_size
         "auto" from the memory plan) and returns the answers in input order."""
         _check_max_tokens(max_tokens)
+        constraint = constraint_of(json_schema, grammar, regex)
         if _is_batch(prompt):
             results, _ = self.generate_many(
                 list(prompt), max_tokens, system=system, chat=chat, stop=stop,
-                batch_size=batch_size, **sampling,
+                batch_size=batch_size, json_schema=json_schema, grammar=grammar, regex=regex,
+                **sampling,
             )  # fmt: skip
             return [r.text for r in results]
         ids = self._ids(prompt, system, chat)
@@ -218,6 +231,7 @@ class Model:
             params=_sampling(sampling),
             max_tokens=max_tokens,
             stop=stop,
+            constraint=constraint,
         )
         return text
 
@@ -249,6 +263,9 @@ class Model:
         stop: list[str] | None = None,
         batch_size: int | str = "auto",
         params: SamplingParams | None = None,
+        json_schema: dict | str | None = None,
+        grammar: str | None = None,
+        regex: str | None = None,
         **sampling: Any,
     ) -> tuple[list[BatchResult], dict]:
         """Run many prompts as batches: ([BatchResult] in input order, stats dict with
@@ -263,6 +280,7 @@ class Model:
         if not prompts:
             raise MlxrunError("no prompts given")
         _check_max_tokens(max_tokens)
+        constraint = constraint_of(json_schema, grammar, regex)
         ids = [self._ids(p, system, chat) for p in prompts]
         longest = max(len(i) for i in ids)
         context = longest + max_tokens
@@ -292,6 +310,7 @@ class Model:
             max_tokens=max_tokens,
             stop=stop,
             batch_size=bs,
+            constraint=constraint,
         )
         stats = {
             "batch_size": bs,

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from .engine import Engine, Request
 from .sampling import SamplingParams
+from .structured import Constraint
 
 HELP = "Commands: /reset (forget the conversation), /system TEXT, /quit. Ctrl-C stops an answer."
 
@@ -22,9 +23,10 @@ def chat_loop(
     system: str | None = None,
     read: Callable[[str], str] = input,
     write: Callable[[str], None] = lambda s: (sys.stdout.write(s), sys.stdout.flush()),
+    constraint: Constraint | None = None,
 ) -> list[dict]:
-    """Read user lines until /quit or end of input; stream each answer. Returns the
-    conversation (for tests)."""
+    """Read user lines until /quit or end of input; stream each answer (each following
+    `constraint`'s schema or grammar, when given). Returns the conversation (for tests)."""
     tok = engine.tokenizer
     history: list[dict] = []
     write(HELP + "\n")
@@ -64,7 +66,7 @@ def chat_loop(
         if budget < 1:
             write("(the conversation fills the context; /reset to start over)\n")
             continue
-        req = Request(ids, params, min(max_tokens, budget))
+        req = Request(ids, params, min(max_tokens, budget), constraint=constraint)
         answer = []
         events = engine.stream(req)
         try:

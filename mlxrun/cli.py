@@ -21,6 +21,7 @@ from .cli_io import (
     stdin_text,
     write_jsonl,
 )
+from .cli_structured import constraint_from, constraint_options, tool_parser_option
 from .errors import MlxrunError
 
 BACKEND_CHOICES = ["auto", "mlx", "cuda", "mps", "cpu"]
@@ -184,6 +185,7 @@ def cli():
     show_default=True,
     help="Refuse weights that hold NaN or inf (one pass over their bytes while loading).",
 )
+@constraint_options
 @verbosity_options
 def generate(
     model,
@@ -207,6 +209,8 @@ def generate(
     group_size,
     bits,
     check_weights,
+    json_schema,
+    grammar,
     quiet,
     verbose,
 ):
@@ -232,6 +236,7 @@ def generate(
     if any(not p.strip() for p in prompts):
         raise MlxrunError("the prompt is empty; pass some text with --prompt")
     sampling = SamplingParams(temp, top_p, top_k, min_p, repetition_penalty, seed=seed)
+    constraint = constraint_from(json_schema, grammar)
     m = load(
         model,
         backend=backend,
@@ -247,7 +252,8 @@ def generate(
     if verbose:
         click.echo(f"Loaded {m.source} in {m.load_time:.2f} s", err=True)
     if len(prompts) == 1 and output is None:
-        _stream_one(m, prompts[0], max_tokens, system, chat, list(stop), sampling, quiet)
+        _stream_one(m, prompts[0], max_tokens, system, chat, list(stop), sampling, quiet,
+                    constraint)  # fmt: skip
         return
     results, stats = m.generate_many(
         prompts,
@@ -257,6 +263,7 @@ def generate(
         stop=list(stop),
         batch_size=batch_size,
         params=sampling,
+        **_constraint_kw(constraint),
     )
     if output:
         write_jsonl(output, rows, results)
@@ -287,8 +294,16 @@ def _notes(notes: list[str], quiet: bool) -> None:
             click.echo(f"note: {note}", err=True)
 
 
-def _stream_one(m, prompt, max_tokens, system, chat, stop, sampling, quiet=False) -> None:
+def _constraint_kw(c) -> dict:
+    """A Constraint as the API's keyword (json_schema, grammar or regex)."""
+    if c is None:
+        return {}
+    if c.kind == "json_schema":
+        return {"json_schema": c.source}
+    return {"regex" if c.kind == "regex" else "grammar": c.source}
 
+
+def _stream_one(m, prompt, max_tokens, system, chat, stop, sampling, quiet=False, c=None):
     last = None
     for r in m.stream(
         prompt,
@@ -296,6 +311,7 @@ def _stream_one(m, prompt, max_tokens, system, chat, stop, sampling, quiet=False
         system=system,
         chat=chat,
         stop=stop,
+        **_constraint_kw(c),
         **dataclasses.asdict(sampling),
     ):
         click.echo(r.text, nl=False)
@@ -709,8 +725,9 @@ def _engine(model, backend, dtype, quant, max_batch, context, no_prefix_cache, m
     show_default=True,
     help="Requests that may wait for a slot; more are answered 429 at once.",
 )
+@tool_parser_option
 def serve(model, backend, dtype, quant, max_batch, context, no_prefix_cache, host, port,
-          api_key, max_queue):  # fmt: skip
+          api_key, max_queue, tool_parser):  # fmt: skip
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health)
     with continuous batching."""
     from .server import Server, run_server, serve_app  # noqa: PLC0415
@@ -727,7 +744,7 @@ def serve(model, backend, dtype, quant, max_batch, context, no_prefix_cache, hos
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         eng.wait()
         os._exit(0)
-    server = Server(eng, model, api_key or None)
+    server = Server(eng, model, api_key or None, tool_parser)
     serve_app(server)  # the missing-extra error before we say we are listening
     click.echo(f"mlxrun: serving '{model}' on http://{host}:{port}/v1", err=True)
     run_server(server, host, port)
@@ -747,8 +764,9 @@ def serve(model, backend, dtype, quant, max_batch, context, no_prefix_cache, hos
 @click.option("--temp", type=float, default=0.0, show_default=True, help="Sampling temperature.")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass.")
 @click.option("--seed", type=int, default=None, help="Seed for reproducible sampling.")
+@constraint_options
 def chat(model, backend, dtype, quant, max_batch, context, no_prefix_cache, system,
-         max_tokens, temp, top_p, seed):  # fmt: skip
+         max_tokens, temp, top_p, seed, json_schema, grammar):  # fmt: skip
     """Chat in the terminal; the conversation's cache is kept between turns."""
     from .chat import chat_loop  # noqa: PLC0415
     from .sampling import SamplingParams  # noqa: PLC0415
@@ -756,12 +774,15 @@ def chat(model, backend, dtype, quant, max_batch, context, no_prefix_cache, syst
     if max_tokens < 1:
         raise MlxrunError(f"--max-tokens must be at least 1, got {max_tokens}")
     params = SamplingParams(temp, top_p, seed=seed)
+    constraint = constraint_from(json_schema, grammar)
     _, eng = _engine(
         model, backend, dtype, quant, "1" if max_batch == "auto" else max_batch, context,
         no_prefix_cache,
     )  # fmt: skip
     try:
-        chat_loop(eng, params, max_tokens, system)
+        if constraint is not None:
+            eng.grammars().compile(constraint)  # a bad schema fails before the first turn
+        chat_loop(eng, params, max_tokens, system, constraint=constraint)
     finally:
         eng.close()
 

@@ -27,7 +27,8 @@ from .errors import MlxrunError
 from .generate import _stop_hold
 from .memory import prefill_chunk_for
 from .model import Transformer
-from .sampling import SamplingParams, pack, plan_for, row_seed
+from .sampling import SamplingParams, mask_words, pack, plan_for, row_seed
+from .structured import Constraint, fill_masks, grammars_for
 from .tokenizer import Tokenizer
 
 
@@ -77,6 +78,7 @@ class Request:
     max_tokens: int = 256
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # None: off; k: the chosen token's and the top k
+    constraint: Constraint | None = None  # a JSON schema, regex or grammar to follow
     on_event: Callable[[Event], None] | None = None
     id: int = field(default_factory=lambda: next(_ids))
     cancelled: bool = False  # as the engine sees it
@@ -93,8 +95,9 @@ class Request:
 class _Seq:
     """A request in a slot: prefilling while done < len(prompt), then decoding."""
 
-    def __init__(self, req: Request, slot: int, cached: int, tokenizer: Tokenizer):
+    def __init__(self, req: Request, slot: int, cached: int, tokenizer: Tokenizer, matcher=None):
         self.req, self.slot, self.cached = req, slot, cached
+        self.matcher = matcher  # the request's grammar state (`mlxrun.structured`), or None
         self.done = cached  # prompt tokens whose k, v are in the slot
         self.history = list(req.prompt)  # for the repetition penalty
         self.seed = row_seed(req.params)  # one per request: its draws ignore batch-mates
@@ -116,10 +119,16 @@ def sample_rows(be, logits, seqs: list[_Seq]) -> tuple[np.ndarray, list[TokenLog
     rows = [s.req.params for s in seqs]
     wants = [s.req.logprobs for s in seqs]
     n = max((w for w in wants if w is not None), default=None)
-    if n is None and all(p.greedy for p in rows):
+    masked = any(s.matcher is not None for s in seqs)
+    if n is None and all(p.greedy for p in rows) and not masked:
         return be.to_numpy(be.argmax(logits)).astype(np.int64).reshape(-1), [None] * len(seqs)
-    plan = plan_for(rows, int(logits.shape[-1]), n)
-    state = pack(rows, [s.history for s in seqs], plan, [s.seed for s in seqs], [s.n for s in seqs])
+    V = int(logits.shape[-1])
+    plan = plan_for(rows, V, n, masked)
+    # the masks are computed here, after the forward pass was queued (CUDA, MLX)
+    mask = fill_masks([s.matcher for s in seqs], mask_words(V)) if masked else None
+    state = pack(
+        rows, [s.history for s in seqs], plan, [s.seed for s in seqs], [s.n for s in seqs], mask
+    )
     sampler = be.sampler(plan, state)
     toks = be.to_numpy(sampler(logits)).astype(np.int64).reshape(-1)
     if n is None:
@@ -244,6 +253,8 @@ class Engine:
             raise MlxrunError("the prompt encodes to no tokens; give some text")
         if req.max_tokens < 1:
             raise MlxrunError(f"max_tokens must be at least 1, got {req.max_tokens}")
+        if req.constraint is not None:  # compiled once and cached: the engine's copy is free
+            self.grammars().compile(req.constraint)
         if len(req.prompt) + req.max_tokens > self.context:
             raise MlxrunError(
                 f"the prompt ({len(req.prompt)} tokens) plus max_tokens ({req.max_tokens}) "
@@ -282,6 +293,10 @@ class Engine:
             req.cancel()
             with self._cond:
                 self._cond.notify()
+
+    def grammars(self):
+        """The tokenizer's compiled-grammar cache (`mlxrun.structured.Grammars`)."""
+        return grammars_for(self.tokenizer, self.model.config.vocab_size)
 
     def health(self) -> dict:
         with self._cond:
@@ -391,8 +406,16 @@ class Engine:
             if req.cancelled:
                 self.stats["cancelled"] += 1
                 continue
+            try:
+                matcher = (
+                    None if req.constraint is None else self.grammars().matcher(req.constraint)
+                )
+            except MlxrunError as e:
+                if req.on_event is not None:
+                    req.on_event(Event("", None, None, "error", len(req.prompt), 0, 0, str(e)))
+                continue
             slot, cached = self._place(req.prompt, free)
-            self.seqs[slot] = _Seq(req, slot, cached, self.tokenizer)
+            self.seqs[slot] = _Seq(req, slot, cached, self.tokenizer, matcher)
             self.stats["prompt_tokens"] += len(req.prompt)
             if cached:
                 self.stats["prefix_hits"] += 1
@@ -439,8 +462,15 @@ class Engine:
         self._emit(s, int(toks[0]), lps[0], bool(ok[0]))
 
     def _decode(self, seqs: list[_Seq]) -> None:
-        if self.graphs is not None:
+        if self.graphs is not None and all(s.matcher is None for s in seqs):
             return self._decode_fixed(seqs)
+        if self._flight is not None:  # a fixed step in flight: its tokens first
+            fl, self._flight = self._flight, None
+            self._land(fl, chained=False)
+            seqs = [s for s in seqs if self.seqs[s.slot] is s]
+            if not seqs:
+                return
+        # grammar masks are applied here, in sample_rows (the fixed steps take none yet)
         be = self.be
         self.cache.select([s.slot for s in seqs])
         ids = np.asarray([[s.last] for s in seqs])
@@ -527,12 +557,21 @@ class Engine:
         s.history.append(token)
         self.stats["generated_tokens"] += 1
         finish = None
+        m = s.matcher
+        if m is not None and not m.done and not m.advance(token):
+            self._send(s, Event("", token, lp, "error", len(s.req.prompt), s.n, s.cached,
+                                f"the grammar rejected a token: {m.error}"))  # fmt: skip
+            self._retire(s, keep=False)
+            return
         if token in self.tokenizer.eos_token_ids:
             finish = "stop"
             s.detok.flush()
         else:
             s.detok.add(token)
-            if s.n == s.req.max_tokens:
+            if m is not None and m.done:  # the structure is complete: only the end may follow
+                finish = "stop"
+                s.detok.flush()
+            elif s.n == s.req.max_tokens:
                 finish = "length"
                 s.detok.flush()
         text = s.detok.text

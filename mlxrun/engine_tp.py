@@ -19,6 +19,7 @@ from dataclasses import asdict
 import numpy as np
 
 from .sampling import SamplingParams, row_seed
+from .structured import Constraint
 
 IDLE_BEAT_S = 1.0
 
@@ -32,6 +33,7 @@ def to_wire(req) -> dict:
         "max_tokens": req.max_tokens,
         "stop": req.stop,
         "logprobs": req.logprobs,
+        "constraint": None if req.constraint is None else asdict(req.constraint),
     }
 
 
@@ -43,6 +45,7 @@ def from_wire(d: dict, make):
         max_tokens=d["max_tokens"],
         stop=d["stop"],
         logprobs=d["logprobs"],
+        constraint=None if d["constraint"] is None else Constraint(**d["constraint"]),
         id=d["id"],
     )
 

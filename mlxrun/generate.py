@@ -15,7 +15,8 @@ import numpy as np
 from .errors import MlxrunError
 from .memory import prefill_chunk_for
 from .model import Transformer
-from .sampling import SamplingParams, pack, plan_for
+from .sampling import SamplingParams, mask_words, pack, plan_for
+from .structured import Constraint, fill_masks, grammars_for
 from .tokenizer import Tokenizer
 
 
@@ -62,6 +63,7 @@ def generate_step(
     max_tokens: int,
     prefill_chunk: int | None = None,
     logprobs: int | None = None,
+    matchers: list | None = None,
 ) -> Iterator[np.ndarray | Step]:
     """Yield the next token of every sequence (B,) int64, `max_tokens` times at most.
 
@@ -69,7 +71,10 @@ def generate_step(
     the device (greedy or sampled) and only they come back to the host. With `logprobs`
     (0 for the chosen token's alone, n for the n best beside it) each step is a `Step`.
     The step after the one being yielded is already queued on the device, so the host's
-    detokenizing and stop checks overlap the device's work.
+    detokenizing and stop checks overlap the device's work. `matchers` (one per sequence,
+    None where free; `mlxrun.structured`) restrict each row to its grammar's tokens: the
+    next step then waits for the chosen token, and its mask is computed on the host while
+    the device runs the forward pass.
     """
     if any(len(p) == 0 for p in prompts):
         raise MlxrunError("a prompt encodes to no tokens; give some text")
@@ -79,6 +84,8 @@ def generate_step(
     rows = list(params) if isinstance(params, list | tuple) else [params] * B
     if len(rows) != B:
         raise MlxrunError(f"{len(rows)} sampling settings for {B} prompts; give one or one each")
+    if matchers is not None and len(matchers) != B:
+        raise MlxrunError(f"{len(matchers)} constraints for {B} prompts; give one each")
     limit = model.config.context_length
     if L + max_tokens > limit:
         raise MlxrunError(
@@ -88,7 +95,9 @@ def generate_step(
     if prefill_chunk is None:  # the planner's choice, so its workspace is what runs
         prefill_chunk = prefill_chunk_for(be.name, be.memory_kind, B)
     with be.wired(model.weight_bytes() + model.kv_bytes(B, L + max_tokens, prefill_chunk)):
-        yield from _steps(model, ids, pads, rows, max_tokens, prefill_chunk, prompts, logprobs)
+        yield from _steps(
+            model, ids, pads, rows, max_tokens, prefill_chunk, prompts, logprobs, matchers
+        )
 
 
 def _not_finite(step: int, ok: np.ndarray) -> MlxrunError:
@@ -100,7 +109,15 @@ def _not_finite(step: int, ok: np.ndarray) -> MlxrunError:
     )
 
 
-def _steps(model, ids, pads, rows, max_tokens, prefill_chunk, prompts, logprobs):
+def _advance(matchers: list, toks: np.ndarray) -> None:
+    """Move each live matcher on by its row's token (a rejected token leaves the matcher
+    in its error state: the row draws freely from then on, as an ended row does)."""
+    for m, t in zip(matchers, toks.tolist()):
+        if m is not None and not m.done and m.error is None:
+            m.advance(t)
+
+
+def _steps(model, ids, pads, rows, max_tokens, prefill_chunk, prompts, logprobs, matchers):
     be = model.be
     B, L = ids.shape
     cache = model.make_cache(B, L + max_tokens, chunk=prefill_chunk)
@@ -116,7 +133,8 @@ def _steps(model, ids, pads, rows, max_tokens, prefill_chunk, prompts, logprobs)
             p if p.seed is not None else dataclasses.replace(p, seed=(shared + b) & 0xFFFFFFFF)
             for b, p in enumerate(rows)
         ]
-    plain = logprobs is None and all(p.greedy for p in rows)
+    masked = matchers is not None and any(m is not None for m in matchers)
+    plain = logprobs is None and all(p.greedy for p in rows) and not masked
     sampler = None
 
     def sample(logits):
@@ -124,9 +142,13 @@ def _steps(model, ids, pads, rows, max_tokens, prefill_chunk, prompts, logprobs)
         nonlocal sampler
         if plain:
             return be.argmax(logits), be.finite_rows(logits)
-        if sampler is None:  # the vocabulary is the head's, known from the first logits
-            plan = plan_for(rows, int(logits.shape[-1]), logprobs)
-            sampler = be.sampler(plan, pack(rows, prompts, plan))
+        V = int(logits.shape[-1])  # the head's vocabulary, known from the first logits
+        mask = fill_masks(matchers, mask_words(V)) if masked else None
+        if sampler is None:
+            plan = plan_for(rows, V, logprobs, masked)
+            sampler = be.sampler(plan, pack(rows, prompts, plan, mask=mask))
+        elif masked:
+            sampler.set_mask(mask)
         return sampler(logits), be.finite_rows(logits)
 
     def started(y, ok, smp):
@@ -150,7 +172,7 @@ def _steps(model, ids, pads, rows, max_tokens, prefill_chunk, prompts, logprobs)
     smp = graph.sampler if graph is not None and sampler is not None else sampler
     try:
         for n in range(max_tokens):
-            if n + 1 < max_tokens:
+            if n + 1 < max_tokens and not masked:
                 if graph is not None:
                     nxt = started(graph(cur[0]), graph.finite, smp)
                 else:
@@ -162,11 +184,20 @@ def _steps(model, ids, pads, rows, max_tokens, prefill_chunk, prompts, logprobs)
             ok = be.to_numpy(cur[1]).astype(bool).reshape(B)
             if not ok.all():
                 raise _not_finite(n, ok)
+            if masked:  # before the caller sees the token: it may ask whether the row is done
+                _advance(matchers, toks)
             if cur[2] is None:
                 yield toks
             else:
                 lp, top, top_ids = (host(x) for x in cur[2])
                 yield Step(toks, lp, top, None if top_ids is None else top_ids.astype(np.int64))
+            if n + 1 < max_tokens and masked:  # the next mask needs this step's tokens
+                if graph is not None:
+                    smp.set_mask(fill_masks(matchers, mask_words(smp.plan.vocab)))
+                    nxt = started(graph(cur[0]), graph.finite, smp)
+                else:  # queued first: the masks are computed while the forward pass runs
+                    logits = model(cur[0].reshape(B, 1), cache, pads, True)
+                    nxt = started(*sample(logits), smp)
             if n + 1 < max_tokens:
                 cur = nxt
     finally:  # also when the caller stops early (a stop string, a closed stream)
@@ -194,10 +225,12 @@ def stream(
     stop: list[str] | None = None,
     prefill_chunk: int | None = None,
     logprobs: int | None = None,
+    constraint: Constraint | None = None,
 ) -> Iterator[GenerationResponse]:
     """Generate for one prompt, yielding text pieces as they become final. With `logprobs`
     (0, or n for the n most likely beside it) each response carries its token's
-    log-probability under the model."""
+    log-probability under the model. With `constraint` the answer follows its JSON schema,
+    regular expression or grammar (`mlxrun.structured`)."""
     params = params or SamplingParams()
     if max_tokens < 1:
         raise MlxrunError(f"--max-tokens must be at least 1, got {max_tokens}")
@@ -214,7 +247,10 @@ def stream(
     finish = None
     token = None
     lp = top = None
-    for step in generate_step(model, [prompt_ids], params, max_tokens, prefill_chunk, logprobs):
+    matchers = _matchers(model, tokenizer, constraint, 1)
+    for step in generate_step(
+        model, [prompt_ids], params, max_tokens, prefill_chunk, logprobs, matchers
+    ):
         if logprobs is None:
             token = int(step[0])
         else:
@@ -230,7 +266,10 @@ def stream(
             detok.flush()
         else:
             detok.add(token)
-            if n == max_tokens:
+            if matchers is not None and matchers[0].done:  # nothing but the end may follow
+                finish = "stop"
+                detok.flush()
+            elif n == max_tokens:
                 finish = "length"
                 detok.flush()
         text = detok.text
@@ -255,6 +294,14 @@ def stream(
         )
         if finish:
             return
+
+
+def _matchers(model, tokenizer, constraint, n: int) -> list | None:
+    """n fresh matchers of `constraint` (compiled once), or None without one."""
+    if constraint is None:
+        return None
+    g = grammars_for(tokenizer, model.config.vocab_size)
+    return [g.matcher(constraint) for _ in range(n)]
 
 
 def generate(
@@ -293,6 +340,7 @@ def generate_batch(
     stop: list[str] | None = None,
     batch_size: int = 8,
     prefill_chunk: int | None = None,
+    constraint: Constraint | None = None,
 ) -> list[BatchResult]:
     """Generate for many prompts, `batch_size` at a time, each stopping on its own.
 
@@ -313,8 +361,9 @@ def generate_batch(
         toks: list[list[int]] = [[] for _ in idx]
         reason: list[str | None] = [None] * len(idx)
         ended = [0] * len(idx)  # 1 where the sequence ended on an end-of-sequence token
+        matchers = _matchers(model, tokenizer, constraint, len(idx))
         for step in generate_step(
-            model, [prompts[i] for i in idx], params, max_tokens, prefill_chunk
+            model, [prompts[i] for i in idx], params, max_tokens, prefill_chunk, None, matchers
         ):
             for b, t in enumerate(step.tolist()):
                 if reason[b]:
@@ -325,6 +374,8 @@ def generate_batch(
                     continue
                 toks[b].append(t)
                 if stops and _finish(tokenizer, toks[b], stops)[1]:
+                    reason[b] = "stop"
+                if matchers is not None and matchers[b].done:
                     reason[b] = "stop"
             if all(reason):
                 break

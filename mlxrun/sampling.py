@@ -134,10 +134,16 @@ class SamplerPlan:
     window: int
     logprobs: int | None = None
     sampled: bool = True  # False: every row greedy (the penalty may still apply)
+    # True: state["mask"] (B, ceil(V/32)) int32 bitmasks restrict each row's tokens
+    # (`mlxrun.structured`); False: no mask op is traced or captured at all
+    masked: bool = False
 
 
-def plan_for(params: list[SamplingParams], vocab: int, logprobs: int | None = None) -> SamplerPlan:
-    """The smallest plan that serves every row of `params` (one per sequence)."""
+def plan_for(
+    params: list[SamplingParams], vocab: int, logprobs: int | None = None, masked: bool = False
+) -> SamplerPlan:
+    """The smallest plan that serves every row of `params` (one per sequence); `masked`
+    when some row's tokens are constrained by a grammar."""
     sampled = [p for p in params if p.temperature > 0]
     cands = 0
     if any(p.top_p < 1 and not p.top_k for p in sampled):
@@ -145,7 +151,21 @@ def plan_for(params: list[SamplingParams], vocab: int, logprobs: int | None = No
     elif any(p.top_k for p in sampled):
         cands = min(vocab, max(p.top_k for p in sampled))
     pen = [p.repetition_context for p in params if p.repetition_penalty != 1.0]
-    return SamplerPlan(len(params), vocab, cands, max(pen, default=0), logprobs, bool(sampled))
+    return SamplerPlan(
+        len(params), vocab, cands, max(pen, default=0), logprobs, bool(sampled), masked
+    )
+
+
+def mask_words(vocab: int) -> int:
+    """32-bit words of a token bitmask over `vocab` tokens."""
+    return (vocab + 31) // 32
+
+
+def allowed_np(mask: np.ndarray, vocab: int) -> np.ndarray:
+    """(B, words) int32 bitmasks -> (B, vocab) bool: bit i % 32 of word i // 32 (the
+    tests' oracle for the device samplers' unpacking)."""
+    ids = np.arange(vocab)
+    return ((mask.view(np.uint32)[:, ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).astype(bool)
 
 
 def row_seed(p: SamplingParams) -> int:
@@ -159,13 +179,15 @@ def pack(
     plan: SamplerPlan,
     seeds: list[int] | None = None,
     steps: list[int] | None = None,
+    mask: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """Per-row options and state as the device samplers hold them (numpy, one row each).
 
     A row without a seed gets a fresh random one, unless `seeds` gives each row's (a server
     keeps one per request across steps); `steps` is how many tokens each row has drawn
     already (0 for all by default). `window` holds the last `plan.window` tokens of each
-    history, right-aligned, -1 where there are fewer.
+    history, right-aligned, -1 where there are fewer. A masked plan carries `mask`, the
+    rows' token bitmasks (all tokens allowed where not given).
     """
     B, W = plan.batch, plan.window
     win = np.full((B, W), -1, dtype=np.int64)
@@ -174,7 +196,11 @@ def pack(
         if tail:
             win[b, W - len(tail) :] = tail
     f32 = np.float32
+    extra = {}
+    if plan.masked:
+        extra["mask"] = np.full((B, mask_words(plan.vocab)), -1, np.int32) if mask is None else mask
     return {
+        **extra,
         "temperature": np.array([p.temperature for p in params], f32),
         "top_k": np.array([p.top_k for p in params], np.int64),
         "top_p": np.array([p.top_p for p in params], f32),

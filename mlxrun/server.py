@@ -16,6 +16,9 @@ import uuid
 from .engine import Engine, Event, QueueFull, Request
 from .errors import MlxrunError
 from .sampling import SamplingParams
+from .structured import Constraint
+from .tools import check_choice, check_tools, parser_name, template_messages
+from .tools_stream import ToolReply
 
 try:
     from fastapi import FastAPI
@@ -25,6 +28,7 @@ except ImportError:  # reported by `serve_app` with the extra to install
     FastAPI = None
 
 MAX_BODY = 4 << 20  # bytes; a longer body is refused before it is read
+COMPILE_SECONDS = 10.0  # a schema or grammar that takes longer to compile is refused
 
 
 class BadRequest(Exception):
@@ -85,13 +89,70 @@ def _messages(body: dict) -> list[dict]:
             "user",
             "assistant",
             "developer",
+            "tool",
         ):
             raise BadRequest(
-                f"messages[{i}] must have a role of system, user or assistant", param="messages"
+                f"messages[{i}] must have a role of system, user, assistant or tool",
+                param="messages",
             )
         role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": _content(m.get("content"), f"messages[{i}]")})
+        calls = m.get("tool_calls") if role == "assistant" else None
+        if calls is not None and not (
+            isinstance(calls, list)
+            and all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)
+        ):
+            raise BadRequest(f"messages[{i}].tool_calls must be a list of calls", param="messages")
+        content = m.get("content")
+        msg = {"role": role, "content": "" if content is None and calls else
+               _content(content, f"messages[{i}]")}  # fmt: skip
+        if calls:
+            msg["tool_calls"] = calls
+        for k in ("tool_call_id", "name"):
+            if role == "tool" and isinstance(m.get(k), str):
+                msg[k] = m[k]
+        out.append(msg)
     return out
+
+
+def _constraint(body: dict) -> Constraint | None:
+    """`response_format` (json_object, json_schema), `json_schema` or `grammar` (GBNF, as
+    llama.cpp's server takes them) -> a Constraint, or None for free text."""
+    given = [k for k in ("response_format", "json_schema", "grammar") if body.get(k) is not None]
+    rf = body.get("response_format")
+    if rf is not None and (not isinstance(rf, dict) or rf.get("type") == "text"):
+        if not (isinstance(rf, dict) and rf.get("type") == "text"):
+            raise BadRequest("'response_format' must be an object with a 'type'",
+                             param="response_format")  # fmt: skip
+        given.remove("response_format")
+    if len(given) > 1:
+        raise BadRequest(f"give one of {', '.join(given)}, not several", param=given[1])
+    if not given:
+        return None
+    try:
+        if given[0] == "grammar":
+            g = body["grammar"]
+            if not isinstance(g, str) or not g.strip():
+                raise BadRequest("'grammar' must be a non-empty GBNF grammar", param="grammar")
+            return Constraint("grammar", g)
+        if given[0] == "json_schema":
+            return Constraint.json_schema(body["json_schema"])
+        kind = rf.get("type")
+        if kind == "json_object":
+            return Constraint("json_object")
+        if kind != "json_schema":
+            raise BadRequest(
+                f"response_format type {kind!r} is not supported: text, json_object or "
+                "json_schema", param="response_format",
+            )  # fmt: skip
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict | bool):
+            raise BadRequest(
+                'response_format json_schema must be {"name": ..., "schema": {...}}',
+                param="response_format",
+            )
+        return Constraint.json_schema(js.get("schema", {}))
+    except MlxrunError as e:
+        raise BadRequest(str(e), param=given[0]) from None
 
 
 def _sampling(body: dict) -> tuple[SamplingParams, int | None, list[str], int | None]:
@@ -128,15 +189,44 @@ def _sampling(body: dict) -> tuple[SamplingParams, int | None, list[str], int | 
 
 
 class Server:
-    """The app's state: one engine, the model's name, the API key."""
+    """The app's state: one engine, the model's name, the API key, the tool-call parser."""
 
-    def __init__(self, engine: Engine, model_name: str, api_key: str | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        model_name: str,
+        api_key: str | None = None,
+        tool_parser: str | None = None,
+    ):
         self.engine, self.name, self.api_key = engine, model_name, api_key
         self.tok = engine.tokenizer
         self.created = int(time.time())
+        mt = engine.model.config.model_type
+        self.tool_parser = parser_name(self.tok.chat_template, mt, tool_parser)
 
-    def request(self, body: dict, chat: bool) -> tuple[Request, bool, bool]:
-        """A JSON body -> (engine Request, stream?, include_usage in the stream?)."""
+    def tools(self, body: dict, constraint: Constraint | None):
+        """(tools for the template or None, ToolReply or None, the answer's constraint)."""
+        tools = body.get("tools")
+        if tools is None and body.get("tool_choice") is None:
+            return None, None, constraint
+        try:
+            tools = check_tools(tools if tools is not None else [])
+            choice = check_choice(body.get("tool_choice"), tools)
+        except MlxrunError as e:
+            raise BadRequest(str(e), param="tools") from None
+        parallel = _get(body, "parallel_tool_calls", bool, True)
+        if choice == "none" or not tools:
+            return tools or None, None, constraint
+        reply = ToolReply(choice, self.tool_parser, tools, parallel)
+        if reply.constraint is not None and constraint is not None:
+            raise BadRequest("a required or named tool_choice cannot be combined with "
+                             "response_format or grammar", param="tool_choice")  # fmt: skip
+        return tools, reply, reply.constraint or constraint
+
+    def request(self, body: dict, chat: bool) -> tuple[Request, bool, bool, ToolReply | None]:
+        """A JSON body -> (engine Request, stream?, include_usage in the stream?, how to
+        read tool calls from the answer or None). The request's constraint is compiled by
+        the caller (`compile`), off the event loop."""
         model = body.get("model")
         if model is not None and (
             not isinstance(model, str) or model not in (self.name, "default")
@@ -148,10 +238,16 @@ class Server:
                 "model",
             )
         params, max_tokens, stop, _ = _sampling(body)
+        constraint, reply = _constraint(body), None
         if chat:
             msgs = _messages(body)
+            tools, reply, constraint = self.tools(body, constraint)
             try:
-                text = self.tok.apply_chat_template(msgs) if self.tok.chat_template else None
+                text = (
+                    self.tok.apply_chat_template(template_messages(msgs), tools=tools)
+                    if self.tok.chat_template
+                    else None
+                )
             except Exception as e:  # the template's own raise_exception (e.g. role order)
                 raise BadRequest(f"the chat template refused these messages: {e}") from None
             if text is None:  # no template: the messages' text, one per line
@@ -163,6 +259,8 @@ class Server:
             top = _get(body, "top_logprobs", int, 0, lambda v: 0 <= v <= 20, "in [0, 20]")
             logprobs = top if lp else None
         else:
+            if body.get("tools") is not None:
+                raise BadRequest("'tools' are for /v1/chat/completions", param="tools")
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1:
                 prompt = prompt[0]
@@ -192,7 +290,23 @@ class Server:
             self.engine.check(req)
         except MlxrunError as e:
             raise BadRequest(str(e), code="context_length_exceeded") from None
-        return req, stream, usage
+        req.constraint = constraint
+        return req, stream, usage, reply
+
+    async def compile(self, c: Constraint) -> None:
+        """Compile `c` on a worker thread (cached by the engine's Grammars), refusing it
+        past COMPILE_SECONDS: the event loop and the engine go on meanwhile."""
+        loop = asyncio.get_running_loop()
+        job = loop.run_in_executor(None, self.engine.grammars().compile, c)
+        try:
+            await asyncio.wait_for(job, COMPILE_SECONDS)
+        except MlxrunError as e:
+            raise BadRequest(str(e), param=_param_of(c), code="invalid_" + c.kind) from None
+        except asyncio.TimeoutError:
+            raise BadRequest(
+                f"the {c.kind.replace('_', ' ')} took over {COMPILE_SECONDS:.0f} s to compile; "
+                "simplify it", param=_param_of(c), code="compile_timeout",
+            ) from None  # fmt: skip
 
     def _token_text(self, t: int) -> str:
         return self.tok.decode([t], skip_special_tokens=False)
@@ -233,6 +347,10 @@ class Server:
             offs.append(offset)
             offset += len(ev.text)
         return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+
+
+def _param_of(c: Constraint) -> str:
+    return "grammar" if c.kind in ("grammar", "lark", "regex") else "response_format"
 
 
 def _usage(ev: Event) -> dict:
@@ -314,7 +432,9 @@ def serve_app(server: Server):
         return await run(await body_of(request), chat=False, http=request)
 
     async def run(body: dict, chat: bool, http: HttpRequest):
-        req, stream, include_usage = server.request(body, chat)
+        req, stream, include_usage, reply = server.request(body, chat)
+        if req.constraint is not None:
+            await server.compile(req.constraint)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         req.on_event = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
@@ -327,14 +447,14 @@ def serve_app(server: Server):
         obj = "chat.completion" if chat else "text_completion"
         head = {"id": rid, "object": obj, "created": created, "model": server.name}
         if not stream:
-            return await collect(req, events, head, chat, http)
+            return await collect(req, events, head, chat, http, reply)
         return StreamingResponse(
-            sse(req, events, head, chat, include_usage),
+            sse(req, events, head, chat, include_usage, reply),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
 
-    async def collect(req, events, head, chat, http):
+    async def collect(req, events, head, chat, http, reply):
         got: list[Event] = []
         try:
             while True:
@@ -357,6 +477,12 @@ def serve_app(server: Server):
         choice: dict = {"index": 0, "finish_reason": _finish(last)}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if reply is not None:
+                content, calls = reply.final(text, last.finish_reason)
+                if calls:
+                    choice["message"] = {"role": "assistant", "content": content or None,
+                                         "tool_calls": [c.openai() for c in calls]}  # fmt: skip
+                    choice["finish_reason"] = "tool_calls"
             choice["logprobs"] = server.chat_logprobs(got) if req.logprobs is not None else None
         else:
             choice["text"] = text
@@ -365,7 +491,7 @@ def serve_app(server: Server):
             )
         return {**head, "choices": [choice], "usage": _usage(last)}
 
-    async def sse(req, events, head, chat, include_usage):
+    async def sse(req, events, head, chat, include_usage, reply):
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(delta_text: str | None, evs: list[Event], finish: str | None, first=False):
@@ -386,6 +512,20 @@ def serve_app(server: Server):
                 out["usage"] = None
             return f"data: {json.dumps(out)}\n\n"
 
+        def call_chunks(calls) -> list[str]:
+            """OpenAI's tool-call deltas: per call its id and name, then its arguments."""
+            out = []
+            for i, c in enumerate(calls):
+                head_ = {"index": i, "id": c.openai()["id"], "type": "function",
+                         "function": {"name": c.name, "arguments": ""}}  # fmt: skip
+                args = {"index": i, "function": {"arguments": c.arguments}}
+                for d in (head_, args):
+                    ch = {"index": 0, "finish_reason": None, "logprobs": None,
+                          "delta": {"tool_calls": [d]}}  # fmt: skip
+                    out.append(f"data: {json.dumps({**head, 'object': obj, 'choices': [ch]})}\n\n")
+            return out
+
+        tools = reply.streamer() if chat and reply is not None else None
         try:
             if chat:
                 yield chunk(None, [], None, first=True)
@@ -396,7 +536,22 @@ def serve_app(server: Server):
                                      "type": "server_error", "code": ev.finish_reason}}  # fmt: skip
                     yield f"data: {json.dumps(err)}\n\n"
                     break
-                if ev.text or ev.finish_reason or ev.logprob is not None:
+                if tools is not None:  # text that may be a call is held until it is known
+                    text = tools.feed(ev.text)
+                    finish = _finish(ev) if ev.finish_reason else None
+                    if finish:
+                        rest, calls = tools.finish(ev.finish_reason)
+                        text += rest
+                        if calls:
+                            if text:
+                                yield chunk(text, [ev], None)
+                                text = ""
+                            for c in call_chunks(calls):
+                                yield c
+                            finish = "tool_calls"
+                    if text or finish or ev.logprob is not None:
+                        yield chunk(text, [ev], finish)
+                elif ev.text or ev.finish_reason or ev.logprob is not None:
                     yield chunk(ev.text, [ev], _finish(ev) if ev.finish_reason else None)
                 if ev.finish_reason is not None:
                     if include_usage:

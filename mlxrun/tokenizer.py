@@ -103,8 +103,12 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render messages [{"role", "content"}] with the model's jinja2 template."""
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None
+    ) -> str:
+        """Render messages [{"role", "content"}] with the model's jinja2 template; `tools`
+        (OpenAI's [{"type": "function", "function": {...}}]) reach it as `tools`, as
+        transformers passes them (a template that does not use them ignores them)."""
         if not self.chat_template:
             raise MlxrunError("this model has no chat template; use --no-chat")
         import jinja2.ext  # noqa: PLC0415
@@ -126,6 +130,7 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
+                **({"tools": tools} if tools else {}),
             )
         except MlxrunError:
             raise

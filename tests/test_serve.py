@@ -315,3 +315,127 @@ def test_cli_refuses_bad_options():
                        capture_output=True, text=True, timeout=300)  # fmt: skip
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "--max-batch must be a positive integer" in r.stderr
+
+
+# --- structured outputs and tool calls through the same server -----------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}  # fmt: skip
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"tz": {"type": "string", "maxLength": 8}},
+    "required": ["tz"], "additionalProperties": False}}}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_response_formats_and_grammar_validate(server):
+    """json_schema (strict, greedy and seeded) on chat, json_object, and a GBNF `grammar`
+    on completions: every answer that stops parses and validates."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from .structured_cases import CASES, prompt
+
+    c = client(server)
+    runs = [(n, d, s, t) for n, d, s in CASES if n in ("person", "nested", "enum", "ref")
+            for t in (0.0,)] + [(n, d, s, 1.0) for n, d, s in CASES if n == "array_bounds"]  # fmt: skip
+    stopped = 0
+    for name, desc, schema, temp in runs:
+        fmt = {
+            "type": "json_schema",
+            "json_schema": {"name": name, "schema": schema, "strict": True},
+        }
+        r = c.chat.completions.create(model=MODEL, max_tokens=40, temperature=temp, seed=7,
+                                      messages=[{"role": "user", "content": prompt(desc)}],
+                                      response_format=fmt)  # fmt: skip
+        ch = r.choices[0]
+        assert ch.finish_reason in ("stop", "length")
+        if ch.finish_reason == "stop":
+            jsonschema.validate(json.loads(ch.message.content), schema)
+            stopped += 1
+    assert stopped >= 3
+    r = c.chat.completions.create(model=MODEL, max_tokens=30, temperature=0,
+                                  response_format={"type": "json_object"},
+                                  messages=[{"role": "user", "content": "A cat as JSON."}])  # fmt: skip
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    r = c.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=4,
+                             temperature=0, extra_body={"grammar": 'root ::= " yes" | " no"'})  # fmt: skip
+    assert r.choices[0].text in (" yes", " no") and r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra,words",
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "frob"}}}},
+         "JSON schema cannot be used"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {
+            "type": "integer", "minimum": 3, "maximum": 1}}}}, "Unsatisfiable"),
+        ({"response_format": {"type": "yaml"}}, "not supported"),
+        ({"grammar": "root ::= undefined-rule"}, "does not parse as GBNF"),
+        ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "name must be"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "string"}}}]}, "type object"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "not in 'tools'"),
+    ],
+)  # fmt: skip
+def test_bad_structured_input_is_400_and_the_server_goes_on(server, extra, words):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    r = httpx.post(server + "/v1/chat/completions", json={**body, **extra}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert words in err["message"] and err["type"] == "invalid_request_error"
+    assert httpx.get(server + "/health", timeout=10).status_code == 200
+
+
+def _stream_calls(c, **kw):
+    """(tool calls reassembled from the deltas, finish_reason) of a streamed request."""
+    calls, finish = {}, None
+    for ch in c.chat.completions.create(**kw, stream=True):
+        if not ch.choices:
+            continue
+        finish = ch.choices[0].finish_reason or finish
+        for d in ch.choices[0].delta.tool_calls or []:
+            cur = calls.setdefault(d.index, {"name": "", "arguments": ""})
+            cur["name"] += (d.function.name or "") if d.function else ""
+            cur["arguments"] += (d.function.arguments or "") if d.function else ""
+    return [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.slow
+def test_tool_calls_round_trip(server):
+    """A named tool_choice and `required` give tool_calls whose arguments validate against
+    the tool's parameters (finish_reason "tool_calls"); the streamed deltas reassemble to
+    the same call; the assistant's call and the tool's result are accepted and answered."""
+    jsonschema = pytest.importorskip("jsonschema")
+    c = client(server)
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    kw = dict(model=MODEL, messages=msgs, tools=[WEATHER, CLOCK], temperature=0, max_tokens=40)
+    r = c.chat.completions.create(**kw, tool_choice=named)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None
+    (call,) = ch.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    streamed, finish = _stream_calls(c, **kw, tool_choice=named)
+    assert finish == "tool_calls"
+    assert streamed == [{"name": "get_weather", "arguments": call.function.arguments}]
+
+    r = c.chat.completions.create(**kw, tool_choice="required", parallel_tool_calls=False)
+    assert r.choices[0].finish_reason == "tool_calls"
+    (req,) = r.choices[0].message.tool_calls
+    tool = {"get_weather": WEATHER, "get_time": CLOCK}[req.function.name]
+    jsonschema.validate(json.loads(req.function.arguments), tool["function"]["parameters"])
+
+    follow = msgs + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"},
+    ]
+    r = c.chat.completions.create(model=MODEL, messages=follow, tools=[WEATHER], max_tokens=8,
+                                  temperature=0)  # fmt: skip
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert r.choices[0].message.content or r.choices[0].message.tool_calls
