@@ -385,7 +385,7 @@ def _load(
 
     where = "mlx" if be.name == "mlx" else be.device
     tp = 1 if group is None else group.size
-    ckpt = open_checkpoint(model, None if tp == 1 else (tp, group.rank))
+    ckpt = open_checkpoint(model, None if tp == 1 else (tp, group.rank), be.gguf_blocks)
     cfg, tensors = ckpt.config, ckpt.tensors  # the tensors: this rank's slices
     rank_cfg = shard_config(cfg, tp)  # this rank's heads, KV heads and MLP rows
     shapes = {n: (t.shape, t.dtype) for n, t in tensors.items()}

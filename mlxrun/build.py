@@ -66,6 +66,18 @@ def target_spec(quant, qconfig: dict | None, group_asked: bool):
     return quant
 
 
+def widened(be, spec) -> bool:
+    """Whether backend `be` runs stored affine layers of `spec` widened to 8-bit codes: the
+    CUDA kernels read 4- and 8-bit codes only, and a 2, 3, 5 or 6-bit code (GGUF Q5_0/Q5_1
+    and mlx-lm's mixed recipes) fits an 8-bit one exactly, with the same scales and biases."""
+    return (
+        be.name == "torch"
+        and be.triton_kernels
+        and spec.mode == "affine"
+        and spec.bits in (2, 3, 5, 6)
+    )
+
+
 def check_runnable(be, spec, path: str) -> None:
     """Raise MlxrunError, naming what would work, when backend `be` has no kernel for a
     stored format. MLX and PyTorch on cpu/mps run every mode (fused or per-layer dequant);
@@ -133,6 +145,7 @@ class _Builder:
         self.kept: list[str] = []
         self.requantized: dict[str, list[str]] = {}
         self.expanded: list[str] = []
+        self.widened: dict = {}  # stored QuantSpec -> its layers run with 8-bit codes
 
     def _get(self, name: str, shape: tuple[int, ...]) -> Tensor:
         t = self.t.get(name)
@@ -197,6 +210,13 @@ class _Builder:
         if not self.dense_only and (q is None or (same and (q == spec or not self.group_asked))):
             if q is not None:
                 self.kept.append(path)
+            if widened(self.be, spec):
+                from mlxrun.quant.formats import QuantSpec  # noqa: PLC0415
+                from mlxrun.quant.reference import pack, unpack  # noqa: PLC0415
+
+                self.widened.setdefault(spec, []).append(path)
+                w = Tensor("U32", pack(unpack(w.data, spec.bits), 8))
+                spec = QuantSpec("affine", 8, spec.group_size)
             check_runnable(self.be, spec, path)
             return self.be.quantized(
                 w, s, b, spec.mode, spec.bits, spec.group_size, embedding=_is_embedding(path)
@@ -219,6 +239,9 @@ class _Builder:
         quantized here when asked, else dense."""
         if f"{path}.scales" in self.t:
             return self._stored(path, out, inp)
+        t = self.t.get(f"{path}.weight")
+        if t is not None and t.block is not None:
+            return self._blocks(path, t.block, out, inp)
         w = self.dense(f"{path}.weight", (out, inp))
         q = self.quant
         if q is None:
@@ -230,6 +253,27 @@ class _Builder:
             )
             return w
         return self._quantize(w, q, path)
+
+    def _blocks(self, path: str, kind: str, out: int, inp: int):
+        """A GGUF K-quant layer kept as its raw blocks (the backend's `gguf_blocks`): read
+        as stored, or expanded (--quant none) or re-quantized (--quant FORMAT) as any
+        stored layer."""
+        from mlxrun.quant import gguf_blocks as gb  # noqa: PLC0415
+
+        nbytes, per = gb.BLOCKS[kind]
+        if inp % per:
+            raise MlxrunError(f"{path}: input size {inp} is not a whole number of {kind} blocks")
+        t = self._get(f"{path}.weight", (out, inp // per * nbytes))
+        if self.quant is None and not self.dense_only:
+            return self.be.kquant(t)
+        x = self.be.array(gb.dequantize(np.asarray(t.data), kind))
+        if self.dense_only:
+            self.expanded.append(path)
+            return x
+        self.requantized.setdefault(kind, []).append(path)
+        if inp % self.quant.group_size:
+            return x
+        return self._quantize(x, self.quant, path)
 
     def _quantize(self, w, q, path: str):
         out = self.be.quantize(w, q.mode, q.bits, q.group_size, embedding=_is_embedding(path))
@@ -253,6 +297,12 @@ class _Builder:
                 f"({', '.join(sorted(self.requantized))}) to {q.label} g{q.group_size}: the "
                 "rounding errors add up; quantize the full-precision checkpoint for the best "
                 "quality"
+            )
+        for s, paths in self.widened.items():
+            out.append(
+                f"{len(paths)} layer(s) stored as {s.label} g{s.group_size} run with 8-bit "
+                f"codes on {self.be.device} (its kernels read 4 and 8 bits; exact, "
+                f"{8 / s.bits:.2f}x the code bytes)"
             )
         if self.expanded:
             out.append(

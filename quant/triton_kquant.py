@@ -177,6 +177,12 @@ def dequantize_kquant(w: KQLinear, dtype=None) -> torch.Tensor:
     return out if dtype is None else out.to(dtype)
 
 
+def rows(w: KQLinear, ids: torch.Tensor) -> KQLinear:
+    """The KQLinear of rows `ids` of w (an embedding's lookups)."""
+    take = [t.index_select(0, ids) for t in (w.weight, w.scales, w.biases)]
+    return KQLinear(*take, w.kind, int(ids.shape[0]), w.k)
+
+
 def concat(parts: list[KQLinear]) -> KQLinear | None:
     """KQLinears of one kind that read the same x (q, k, v; gate, up) -> one of all their
     rows (the parts become views of it), or None where the kinds or widths differ."""
