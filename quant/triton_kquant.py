@@ -320,12 +320,21 @@ if triton is not None:
             p = tl.zeros([BLOCK_N, NS, WPS], dtype=tl.float32)
             xsum = tl.zeros([1, NS, WPS], dtype=tl.float32)
             for i in tl.static_range(8):  # weights i*WPS + w: WPS consecutive inputs
-                x = tl.load(xm + xo + i * WPS, mask=xmask, other=0.0).to(tl.float32)
-                x = x * 1.2676506002282294e30  # 2^100: products q * x * 2^-49 stay normal
-                p += _kq_pos(lo, hi3, i, KIND) * x
-                xsum += x
+                xr = tl.load(xm + xo + i * WPS, mask=xmask, other=0.0).to(tl.float32)
+                if KIND == 0 and i < 6:
+                    # Q4_K: the nibble masked in place (bits 4i..4i+3 < 24) is the float
+                    # q * 2^(4i-149): one LOP3 a weight, no shift; x carries 2^(100-4i)
+                    x = xr * (1.2676506002282294e30 / (1 << (4 * i)))
+                    f = (lo.to(tl.uint32, bitcast=True) & (15 << (4 * i))).to(
+                        tl.float32, bitcast=True
+                    )
+                else:  # 2^100: products q * x * 2^-49 stay normal
+                    x = xr * 1.2676506002282294e30
+                    f = _kq_pos(lo, hi3, i, KIND)
+                p += f * x
+                xsum += xr
             dot = tl.sum(p, axis=2) * 562949953421312.0  # [BN, NS] * 2^49: sum of q * x
-            xs = tl.sum(xsum, axis=2) * 7.888609052210118e-31  # [1, NS] * 2^-100: sum of x
+            xs = tl.sum(xsum, axis=2)  # [1, NS]: sum of x
             scale, bias = _kq_scales(s_ptr, b_ptr, rn, n_mask, kb, KB, KIND, NS)
             if KIND == 2:  # codes q - 32
                 acc += scale * (dot - 32.0 * xs)
