@@ -168,6 +168,13 @@ class _Builder:
     def dense(self, name: str, shape: tuple[int, ...]):
         return self.be.array(self._get(name, shape))
 
+    def norm(self, name: str, n: int):
+        """An RMSNorm weight; with the config's norm_offset (Gemma's 1 + w) added in fp32."""
+        t = self._get(name, (n,))
+        if not self.cfg.norm_offset:
+            return self.be.array(t)
+        return self.be.array(t.float32() + np.float32(self.cfg.norm_offset))
+
     def _stored(self, path: str, out: int, inp: int):
         """A layer stored packed: kept, re-quantized to `quant`, or expanded (--quant none)."""
         from mlxrun.quant.formats import layer_spec  # noqa: PLC0415
@@ -339,6 +346,10 @@ def build_model(
     q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     tied = c.tie_word_embeddings
     per_layer = 9 + 3 * c.attention_bias + c.o_bias + 3 * c.mlp_bias + 2 * c.qk_norm
+    per_layer += 2 * c.sandwich_norms
+    # Gemma's names: its pre_feedforward_layernorm is the norm before the MLP (Llama's
+    # post_attention_layernorm); its post_attention / post_feedforward norms sandwich
+    pre_mlp = "pre_feedforward_layernorm" if c.sandwich_norms else "post_attention_layernorm"
     bar = _progress(2 + c.num_hidden_layers * per_layer + (0 if tied else 1), progress)
     b = _Builder(cfg, tensors, be, quant, bar, dense, group_asked, check_weights)
     try:
@@ -347,8 +358,8 @@ def build_model(
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}"
             L = Layer(
-                input_layernorm=b.dense(f"{p}.input_layernorm.weight", (H,)),
-                post_attention_layernorm=b.dense(f"{p}.post_attention_layernorm.weight", (H,)),
+                input_layernorm=b.norm(f"{p}.input_layernorm.weight", H),
+                post_attention_layernorm=b.norm(f"{p}.{pre_mlp}.weight", H),
                 q_proj=b.matrix(f"{p}.self_attn.q_proj", q_out, H),
                 k_proj=b.matrix(f"{p}.self_attn.k_proj", kv_out, H),
                 v_proj=b.matrix(f"{p}.self_attn.v_proj", kv_out, H),
@@ -368,10 +379,13 @@ def build_model(
                 L.up_bias = b.dense(f"{p}.mlp.up_proj.bias", (I,))
                 L.down_bias = b.dense(f"{p}.mlp.down_proj.bias", (H,))
             if c.qk_norm:
-                L.q_norm = b.dense(f"{p}.self_attn.q_norm.weight", (c.head_dim,))
-                L.k_norm = b.dense(f"{p}.self_attn.k_norm.weight", (c.head_dim,))
+                L.q_norm = b.norm(f"{p}.self_attn.q_norm.weight", c.head_dim)
+                L.k_norm = b.norm(f"{p}.self_attn.k_norm.weight", c.head_dim)
+            if c.sandwich_norms:
+                L.attn_out_norm = b.norm(f"{p}.post_attention_layernorm.weight", H)
+                L.mlp_out_norm = b.norm(f"{p}.post_feedforward_layernorm.weight", H)
             layers.append(L)
-        norm = b.dense("model.norm.weight", (H,))
+        norm = b.norm("model.norm.weight", H)
         head = embed if tied else b.matrix("lm_head", V, H)
     finally:
         bar.close()

@@ -37,6 +37,8 @@ class Layer:
     down_bias: Array | None = None
     q_norm: Array | None = None
     k_norm: Array | None = None
+    attn_out_norm: Array | None = None  # sandwich norms (Gemma): on the attention output
+    mlp_out_norm: Array | None = None  # and the MLP output, before each residual add
 
 
 class Transformer:
@@ -50,7 +52,13 @@ class Transformer:
         self.norm = norm
         self.head = head  # the embedding again when tied
         self.rope = backend.rope_table(config.rope_freqs())
-        self.scale = config.head_dim**-0.5
+        # sliding layers with a base of their own (Gemma 3) rotate by their own table
+        local = config.local_rope_theta is not None and config.layer_windows
+        self.rope_local = backend.rope_table(config.rope_freqs(local=True)) if local else None
+        self.scale = config.attn_scale or config.head_dim**-0.5
+        # Gemma scales the embedding output by sqrt(hidden), in the compute dtype as HF does
+        es = config.embed_scale
+        self.embed_scale = None if es == 1.0 else backend.array(np.array(es, np.float32))
 
     def weight_bytes(self) -> int:
         """Bytes of every weight array on the device (packed parts included, tied head once)."""
@@ -106,17 +114,22 @@ class Transformer:
             q = be.rms_norm(q, L.q_norm, c.rms_norm_eps)
             k = be.rms_norm(k, L.k_norm, c.rms_norm_eps)
         # q (B, nh, T, hd) rotated; k, v (B, nkv, offset+T, hd) from the cache
-        q, k, v = be.rope_and_cache(q, k, v, pos, self.rope, cache, i)
+        table = self.rope if self.rope_local is None or c.window(i) is None else self.rope_local
+        q, k, v = be.rope_and_cache(q, k, v, pos, table, cache, i)
         o = be.attention(q, k, v, self.scale, mask)  # (B, nh, T, hd)
         # o and down see this rank's heads / MLP rows only: partial sums of the output, and
         # their biases are added once, after the sum
         o = be.all_sum(be.linear(o.swapaxes(1, 2).reshape(B, T, nh * hd), L.o_proj))
         o = o if L.o_bias is None else o + L.o_bias
+        if L.attn_out_norm is not None:
+            o = be.rms_norm(o, L.attn_out_norm, c.rms_norm_eps)
         h, x = be.add_rms_norm(h, o, L.post_attention_layernorm, c.rms_norm_eps)
         mlp_b = None if L.gate_bias is None else (L.gate_bias, L.up_bias)
         y = be.gated_mlp(x, L.gate_proj, L.up_proj, c.hidden_act, mlp_b)
         y = be.all_sum(be.linear(y, L.down_proj))
         y = y if L.down_bias is None else y + L.down_bias
+        if L.mlp_out_norm is not None:
+            y = be.rms_norm(y, L.mlp_out_norm, c.rms_norm_eps)
         h, x = be.add_rms_norm(h, y, nxt, c.rms_norm_eps)
         return h, x
 
@@ -135,6 +148,8 @@ class Transformer:
         masks = {w: cache.mask(T, pads, w) for w in set(windows)}
         pos = cache.positions(T, pads)
         h = be.embedding(ids, self.embed)  # (B, T, hidden)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         # Each residual add is done with the norm that follows it (one fused kernel on CUDA).
         h, x = be.add_rms_norm(h, None, self.layers[0].input_layernorm, c.rms_norm_eps)
         for i, L in enumerate(self.layers):

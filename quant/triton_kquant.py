@@ -414,11 +414,12 @@ class KQConfig:
 
 def choose_kq_config(m: int, w: KQLinear, device) -> KQConfig:
     """Launch parameters for x [m, K] @ W^T. Not timed on a GPU yet; chosen by the SASS of
-    the GEMV's loop for sm_90 (offline, 4096x4096, 4 warps), instructions per weight for
-    Q4_K / Q5_K / Q6_K: 16 rows and 1 super-block a step 6.45 / 8.89 / 7.84, 16 rows and 2
-    6.44 / 8.91 / 7.86, 32 rows and 2 5.03 / 7.22 / 6.81 (each input converted once for 4
-    rows a thread instead of 2; 95 / 127 / 165 registers, no spills). Split K until ~4
-    programs a SM run (more splits cost their partials)."""
+    the GEMV's loop for sm_90 (benchmarks/sass_kquant.py: 4096x4096, 4 warps), instructions
+    per weight for Q4_K / Q5_K / Q6_K: 16 rows and 2 super-blocks a step 6.44 / 8.91 / 7.86
+    (before Q4_K's in-place masks), 32 rows and 2 4.40 / 7.19 / 6.81 (each input converted
+    once for 4 rows a thread; 96 / 127 / 165 registers, no spills), 64 rows and 2 3.82 /
+    6.61 / 6.33 but 240-251 registers (2 programs a SM). Split K until ~4 programs a SM run
+    (more splits cost their partials)."""
     sms = tk._num_sms(device)
     nb = w.k // QK
     if m <= tk.GEMV_MAX_M:

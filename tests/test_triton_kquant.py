@@ -261,3 +261,35 @@ def test_bench_q4_k_m_shape_model():
     shape = _Source("shape:x", True, cfg, "", None)
     assert "cuda" in _mix_skip(shape, cpu, KQuantMix("q4_k_m"))
     assert "shape:" in _mix_skip(_Source("a.gguf", False, cfg, "", None), be, KQuantMix("q6_k"))
+
+
+def test_planner_counts_kept_blocks_as_held(tmp_path):
+    """The memory planner counts a K-quant matrix kept as stored at the kernels' bytes
+    (4.625 / 5.625 / 6.5625 bits a weight), not as the affine or dense copy the other
+    backends hold."""
+    from mlxrun.api import _planned
+    from mlxrun.loader import open_checkpoint
+    from mlxrun.planning import plan_shapes
+
+    path = tmp_path / "q4km.gguf"
+    _write_kquant_llama(path, np.random.default_rng(0))
+    plain, kept = (open_checkpoint(str(path), keep=k) for k in ((), tuple(kq.KINDS)))
+    blocks = {n: t for n, t in kept.tensors.items() if t.block is not None}
+    assert len(blocks) == 8  # embedding, head, six of the seven matrices (o is Q5_0)
+
+    def weights(ckpt):
+        shapes = {n: _planned(t) for n, t in ckpt.tensors.items()}
+        return plan_shapes(ckpt.config, shapes, None, "cpu", "float32", 64, 1).footprint
+
+    held = sum(int(_planned(t)[0][0] * _planned(t)[0][1] * bits / 8) for t, bits in (
+        (t, {"Q4_K": 4.625, "Q5_K": 5.625, "Q6_K": 6.5625}[t.block]) for t in blocks.values()
+    ))  # fmt: skip
+    other = 0  # what the dequantizing path holds for the same matrices
+    for name in blocks:
+        module = name.rsplit(".", 1)[0]
+        parts = [plain.tensors[f"{module}.{p}"] for p in ("weight", "scales", "biases")
+                 if f"{module}.{p}" in plain.tensors]  # fmt: skip
+        other += sum(p.nbytes for p in parts)  # F32 dense (Q6_K) or U32 + F32 scales/biases
+    got, base = weights(kept), weights(plain)
+    assert got.weight_bytes == base.weight_bytes - other + held
+    assert got.n_params == base.n_params
