@@ -126,6 +126,9 @@ def convert(
             data = np.asarray(t.data)
             if kind == "BF16":
                 data = data.view(np.uint16)  # the reader maps BF16 as raw bytes [rows, 2*cols]
+            if arch.norm_shift and hf.endswith("norm.weight"):  # stored as 1 + w (Gemma)
+                f32 = Tensor(kind, data).float32() if kind != "F32" else data
+                data, kind = f32.astype(np.float32) - np.float32(arch.norm_shift), "F32"
         data = data.reshape(shape)
         if not picked:
             data, perm = _pick(hf, data, perm, shard, 1)
