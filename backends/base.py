@@ -65,6 +65,7 @@ class KVCache(Protocol):
 
 class Backend(Protocol):
     name: str  # "mlx" or "torch"
+    gguf_blocks: tuple[str, ...]  # GGUF block types whose linears it reads as stored
     device: str  # "gpu"/"cpu" for mlx; "cuda"/"mps"/"cpu" for torch
     dtype: str  # "float32", "bfloat16" or "float16"
 

@@ -154,6 +154,7 @@ class MLXCache:
 
 class MLXBackend:
     name = "mlx"
+    gguf_blocks: tuple[str, ...] = ()  # K-quants arrive as exact affine layers instead
 
     def __init__(self, dtype: str | None = None, device: str | None = None):
         if mx is None:

@@ -357,6 +357,17 @@ def _rows(t, ids):
     return t[ids]
 
 
+def _qmatmul(x, kernel):
+    """x @ W^T through the Triton kernel of W's prepared form (QLinear or KQLinear)."""
+    from mlxrun.quant.triton_kquant import KQLinear, kqmatmul  # noqa: PLC0415
+
+    if isinstance(kernel, KQLinear):
+        return kqmatmul(x, kernel)
+    from mlxrun.quant.triton_kernels import qmatmul  # noqa: PLC0415
+
+    return qmatmul(x, kernel)
+
+
 class TorchBackend:
     name = "torch"
 
@@ -388,6 +399,8 @@ class TorchBackend:
         # Fused Triton kernels (packed-weight matmuls, norms, rope, SiLU): CUDA only in use; a
         # test may turn them on for the CPU under TRITON_INTERPRET to run the CUDA code path.
         self.triton_kernels = device == "cuda"
+        # GGUF K-quant linears read as stored by quant/triton_kquant.py (CUDA only)
+        self.gguf_blocks = ("Q4_K", "Q5_K", "Q6_K") if self.triton_kernels else ()
         # The last graph-decode session, kept for the next generation of the same shape: a
         # capture costs three decode passes, which would otherwise land in every TTFT.
         self._session: GraphDecoder | None = None
@@ -437,6 +450,16 @@ class TorchBackend:
         kern = prepare(w, s, b, mode, bits, group_size)
         return QuantizedWeight(None, None, None, mode, bits, group_size, kern)
 
+    def kquant(self, kq) -> QuantizedWeight:
+        """A GGUF K-quant weight for the Triton kernels: `kq` is a triton_kquant.KQLinear
+        already on the device, or GGUF rows (uint8 [out, row bytes]) as a Tensor whose
+        `block` names the type."""
+        from mlxrun.quant.triton_kquant import KQLinear, prepare_kquant  # noqa: PLC0415
+
+        if not isinstance(kq, KQLinear):
+            kq = prepare_kquant(np.asarray(kq.data), kq.block, self._dev)
+        return QuantizedWeight(None, None, None, kq.mode, kq.bits, kq.group_size, kq)
+
     def quantize(self, w, mode, bits, group_size, embedding=False):
         from mlxrun.quant.formats import QuantSpec  # noqa: PLC0415
         from mlxrun.quant.reference import quantize  # noqa: PLC0415 (numpy, only when asked)
@@ -473,9 +496,7 @@ class TorchBackend:
         if isinstance(w, QuantizedWeight):
             kernel = self._kernel(w)
             if kernel is not None:
-                from mlxrun.quant.triton_kernels import qmatmul  # noqa: PLC0415
-
-                y = qmatmul(x, kernel)
+                y = _qmatmul(x, kernel)
                 return y if bias is None else y + bias
             # No fused kernel on this device: expand a few MB of rows at a time, so even the
             # (often tied) vocabulary head never exists in full precision.
@@ -515,9 +536,7 @@ class TorchBackend:
         if isinstance(fused, torch.Tensor):
             y, sizes = self.linear(x, fused), [w.shape[0] for w in ws]
         else:
-            from mlxrun.quant.triton_kernels import qmatmul  # noqa: PLC0415
-
-            y, sizes = qmatmul(x, fused), [w.kernel.n for w in ws]
+            y, sizes = _qmatmul(x, fused), [w.kernel.n for w in ws]
         return [o if b is None else o + b for o, b in zip(y.split(sizes, dim=-1), biases)]
 
     def _kernel(self, w: QuantizedWeight):
@@ -545,11 +564,18 @@ class TorchBackend:
         """One weight for linears of the same input (q, k, v; gate, up), made on first use:
         one launch instead of two or three, and the small k/v products alone cannot keep the
         GPU streaming. The parts become views of it (no second copy)."""
-        from mlxrun.quant.triton_kernels import concat, join_rows  # noqa: PLC0415
+        from mlxrun.quant.triton_kernels import QLinear, concat, join_rows  # noqa: PLC0415
+        from mlxrun.quant.triton_kquant import KQLinear  # noqa: PLC0415
+        from mlxrun.quant.triton_kquant import concat as kq_concat  # noqa: PLC0415
 
         def make():
             if all(isinstance(w, QuantizedWeight) and w.kernel is not None for w in ws):
-                return concat([w.kernel for w in ws])
+                kernels = [w.kernel for w in ws]
+                if all(isinstance(k, QLinear) for k in kernels):
+                    return concat(kernels)
+                if all(isinstance(k, KQLinear) for k in kernels):
+                    return kq_concat(kernels)
+                return None
             if all(isinstance(w, torch.Tensor) and w.dtype == ws[0].dtype for w in ws):
                 return join_rows(list(ws))
             return None
@@ -563,6 +589,12 @@ class TorchBackend:
         self._derived.clear()
 
     def embedding(self, ids, w):
+        if isinstance(w, QuantizedWeight) and w.weight is None:  # a K-quant: its rows, expanded
+            from mlxrun.quant.triton_kquant import dequantize_kquant, rows  # noqa: PLC0415
+
+            return dequantize_kquant(rows(w.kernel, ids.reshape(-1)), self._dt).reshape(
+                *ids.shape, -1
+            )
         if isinstance(w, QuantizedWeight):
             # one kernel on CUDA; CPU runs of the CUDA code path keep the torch version (the
             # kernel's test checks the two against each other under the interpreter)
@@ -672,9 +704,9 @@ class TorchBackend:
 
             return dense_gemv(x, joint, silu=True)
         if joint is not None and not isinstance(joint, torch.Tensor):
-            from mlxrun.quant.triton_kernels import qmatmul, silu_fusable  # noqa: PLC0415
+            from mlxrun.quant.triton_kernels import QLinear, qmatmul, silu_fusable  # noqa: PLC0415
 
-            if silu_fusable(x, joint) and _SILU_IN_GEMV:
+            if isinstance(joint, QLinear) and silu_fusable(x, joint) and _SILU_IN_GEMV:
                 return qmatmul(x, joint, silu=True)
         return self.silu_mul(*self.linears(x, (gate, up)))
 

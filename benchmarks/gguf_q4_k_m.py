@@ -23,28 +23,16 @@ import numpy as np
 
 from mlxrun.loader import bundled_model_path
 from mlxrun.quant import gguf_blocks as gb
-from mlxrun.quant.gguf_encode import ENCODERS
+from mlxrun.quant.gguf_encode import ENCODERS, kquant_type
 
 Q = gguf.GGMLQuantizationType
 FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
 
 
-def use_more_bits(i: int, n: int) -> bool:
-    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
-
-
 def target_type(name: str, n_layers: int, tied: bool, cols: int) -> str | None:
     """The Q4_K_M type of tensor `name` with `cols` inputs, or None to keep it as stored."""
-    parts = name.split(".")
-    if name == "output.weight" or (tied and name == "token_embd.weight"):
-        kind = "Q6_K"
-    elif parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down"):
-        kind = "Q6_K" if use_more_bits(int(parts[1]), n_layers) else "Q4_K"
-    elif parts[-1] == "weight" and (parts[0] == "blk" or name == "token_embd.weight"):
-        kind = "Q4_K"
-        if parts[0] == "blk" and parts[2].endswith("norm"):
-            return None
-    else:
+    kind = kquant_type("q4_k_m", name, n_layers, tied)
+    if kind is None:
         return None
     return kind if cols % gb.QK == 0 else FALLBACK[kind]
 

@@ -404,10 +404,10 @@ def _load(
 
     where = "mlx" if be.name == "mlx" else be.device
     tp = 1 if group is None else group.size
-    ckpt = open_checkpoint(model, None if tp == 1 else (tp, group.rank))
+    ckpt = open_checkpoint(model, None if tp == 1 else (tp, group.rank), be.gguf_blocks)
     cfg, tensors = ckpt.config, ckpt.tensors  # the tensors: this rank's slices
     rank_cfg = shard_config(cfg, tp)  # this rank's heads, KV heads and MLP rows
-    shapes = {n: (t.shape, t.dtype) for n, t in tensors.items()}
+    shapes = {n: _planned(t) for n, t in tensors.items()}
     ctx = min(cfg.max_position_embeddings, 2048)
     packed = any(n.endswith(".scales") for n in shapes)
 
@@ -472,6 +472,17 @@ def _load(
     )
     m.expanded = packed and key == "none"
     return m
+
+
+def _planned(t) -> tuple[tuple[int, ...], str]:
+    """(shape, dtype) of a tensor for the memory planner: GGUF blocks kept as stored count
+    as their block type over the logical [out, in] (memory.GGUF_HELD)."""
+    if t.block is None:
+        return t.shape, t.dtype
+    from mlxrun.quant.gguf_blocks import BLOCKS  # noqa: PLC0415
+
+    nbytes, per = BLOCKS[t.block]
+    return (t.shape[0], t.shape[1] // nbytes * per), t.block
 
 
 # (mode, bits) of a stored format -> its --quant name

@@ -112,6 +112,23 @@ SHAPES: dict[str, dict] = {
 SHAPE_PREFIX = "shape:"
 WEIGHT_STD = 0.02  # random dense weights ~ N(0, 0.02), the usual init
 
+
+@dataclass(frozen=True)
+class KQuantMix:
+    """A GGUF K-quant file's layout for the random weights of a `shape:` model (`--quant
+    q4_k_m` / `q6_k`): each matrix in the block type llama.cpp's quantizer gives it
+    (quant/gguf_encode.kquant_type), read by the CUDA K-quant kernels as stored."""
+
+    name: str
+    group_size: int = 256  # a super-block: what a tensor-parallel split keeps whole
+
+    @property
+    def label(self) -> str:
+        return self.name.upper()
+
+
+KQUANT_MIXES = ("q4_k_m", "q6_k")
+
 # Bytes per copy-bandwidth trial: well past every cache; smaller on CPUs, whose copies are slow.
 COPY_BYTES = {"cpu": 256 << 20, "gpu": 1 << 30}
 COPY_TRIALS = 7  # timed, after 2 untimed
@@ -234,11 +251,23 @@ class _RandomWeights:
         # Norm weights: ones (a (n,) host array is a few KB).
         return self.be.array(np.ones((n,), np.float32))
 
-    def matrix(self, out: int, inp: int, embedding: bool = False, lead: tuple[int, ...] = ()):
+    def matrix(
+        self,
+        out: int,
+        inp: int,
+        embedding: bool = False,
+        lead: tuple[int, ...] = (),
+        kind: str | None = None,
+    ):
         """(out, inp) weight, or a stack (*lead, out, inp) of them (experts): dense
         N(0, WEIGHT_STD), or random packed codes with small scales in the asked format
-        (layers whose input does not divide by the group stay dense)."""
+        (layers whose input does not divide by the group stay dense); under a KQuantMix,
+        random blocks of GGUF type `kind` (the mix's type of this one)."""
         be, q = self.be, self.spec
+        if isinstance(q, KQuantMix):
+            from mlxrun.quant.triton_kquant import random_kquant  # noqa: PLC0415
+
+            return be.kquant(random_kquant(kind, out, inp, be.device, self._next()))
         if q is None or inp % q.group_size:
             return be.random_normal((*lead, out, inp), WEIGHT_STD, self._next())
         groups = inp // q.group_size
@@ -283,21 +312,38 @@ def build_random(cfg: ModelConfig, be, spec=None, seed: int = 0) -> Transformer:
     c = cfg
     H, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
     q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    embed = r.matrix(V, H, embedding=True)  # rows are gathered from it (and tied: the head)
+    n, tied = c.num_hidden_layers, c.tie_word_embeddings
+    if isinstance(spec, KQuantMix):
+        from mlxrun.quant.gguf_encode import kquant_type  # noqa: PLC0415
+
+        def kind(name, cols):
+            if cols % 256:  # llama.cpp falls back to Q5_0 / Q8_0 there; not laid out here
+                raise MlxrunError(f"{spec.label} needs inputs of whole 256-weight blocks")
+            return kquant_type(spec.name, name, n, tied)
+    else:
+
+        def kind(name, cols):
+            return None
+
+    embed = r.matrix(V, H, True, kind("token_embd.weight", H))  # rows gathered (tied: head)
     be.eval(*_arrays(embed))
     layers = []
-    for i in range(c.num_hidden_layers):
+    for i in range(n):
         moe = c.moe is not None and c.moe.is_moe(i)
+
+        def mat(out, inp, role, i=i):
+            return r.matrix(out, inp, kind=kind(f"blk.{i}.{role}.weight", inp))
+
         L = Layer(
             input_layernorm=r.vector(H),
             post_attention_layernorm=r.vector(H),
-            q_proj=r.matrix(q_out, H),
-            k_proj=r.matrix(kv_out, H),
-            v_proj=r.matrix(kv_out, H),
-            o_proj=r.matrix(H, q_out),
-            gate_proj=None if moe else r.matrix(I, H),
-            up_proj=None if moe else r.matrix(I, H),
-            down_proj=None if moe else r.matrix(H, I),
+            q_proj=mat(q_out, H, "attn_q"),
+            k_proj=mat(kv_out, H, "attn_k"),
+            v_proj=mat(kv_out, H, "attn_v"),
+            o_proj=mat(H, q_out, "attn_output"),
+            gate_proj=None if moe else mat(I, H, "ffn_gate"),
+            up_proj=None if moe else mat(I, H, "ffn_up"),
+            down_proj=None if moe else mat(H, I, "ffn_down"),
             moe=r.experts(c) if moe else None,
         )
         if c.attention_bias:
@@ -308,7 +354,7 @@ def build_random(cfg: ModelConfig, be, spec=None, seed: int = 0) -> Transformer:
             L.sinks = r.vector(c.num_attention_heads)
         be.eval(*_arrays(*_layer_arrays(L)))  # one layer at a time bounds MLX's lazy graph
         layers.append(L)
-    head = embed if c.tie_word_embeddings else r.matrix(V, H)
+    head = embed if tied else r.matrix(V, H, kind=kind("output.weight", H))
     norm = r.vector(H)
     be.eval(*_arrays(head, norm))
     return Transformer(cfg, be, embed, layers, norm, head)
@@ -385,7 +431,7 @@ def weight_bytes(model: Transformer, batch: int = 1) -> tuple[int, int]:
                 read -= round(unread * sum(_read_bytes(w) for w in stacked))
     if model.embed is not model.head:
         held += _held_bytes(model.embed)
-        read += batch * (_canonical_bytes(model.embed) // model.config.vocab_size)
+        read += batch * (_read_bytes(model.embed) // model.config.vocab_size)
     return held, read
 
 
@@ -956,6 +1002,9 @@ def _quant_specs(quants: list[str]) -> dict:
         key = q.strip().lower()
         if key == "auto":
             raise MlxrunError("--quant auto is not measurable: list formats, e.g. none,int4,fp8")
+        if key in KQUANT_MIXES:
+            specs[key] = KQuantMix(key)
+            continue
         specs[key] = None if key == "none" else resolve(key)
     return specs
 
@@ -1036,7 +1085,8 @@ def run_bench(
                 memory=_device_key(be), median_Bps=statistics.median(trials), trials_Bps=trials
             )
         for qname, spec in specs.items():
-            why = _stored_skip(src, spec)
+            why = _mix_skip(src, be, spec) if isinstance(spec, KQuantMix) else None
+            why = why or _stored_skip(src, spec)
             if why is not None:
                 skipped.append(Skipped(name, qname, why))
                 continue
@@ -1093,6 +1143,19 @@ def run_bench(
     if plot_path is not None:
         plot_report(report, plot_path)
     return report
+
+
+def _mix_skip(src: _Source, be, spec: KQuantMix) -> str | None:
+    """Why a K-quant mix cannot run here: it lays out a shape: model's random weights, for
+    a backend with the K-quant kernels."""
+    if not src.shape:
+        return (
+            f"{spec.name} lays out the random weights of a shape: model; a .gguf file runs "
+            "its own types as stored (--quant none)"
+        )
+    if "Q4_K" not in be.gguf_blocks:
+        return f"{spec.name} runs on the K-quant kernels of --backends cuda"
+    return None
 
 
 def _stored_skip(src: _Source, spec) -> str | None:

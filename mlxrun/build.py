@@ -67,6 +67,18 @@ def target_spec(quant, qconfig: dict | None, group_asked: bool):
     return quant
 
 
+def widened(be, spec) -> bool:
+    """Whether backend `be` runs stored affine layers of `spec` widened to 8-bit codes: the
+    CUDA kernels read 4- and 8-bit codes only, and a 2, 3, 5 or 6-bit code (GGUF Q5_0/Q5_1
+    and mlx-lm's mixed recipes) fits an 8-bit one exactly, with the same scales and biases."""
+    return (
+        be.name == "torch"
+        and be.triton_kernels
+        and spec.mode == "affine"
+        and spec.bits in (2, 3, 5, 6)
+    )
+
+
 def check_runnable(be, spec, path: str) -> None:
     """Raise MlxrunError, naming what would work, when backend `be` has no kernel for a
     stored format. MLX and PyTorch on cpu/mps run every mode (fused or per-layer dequant);
@@ -135,6 +147,7 @@ class _Builder:
         self.kept: list[str] = []
         self.requantized: dict[str, list[str]] = {}
         self.expanded: list[str] = []
+        self.widened: dict = {}  # stored QuantSpec -> its layers run with 8-bit codes
 
     def _get(self, name: str, shape: tuple[int, ...]) -> Tensor:
         t = self.t.get(name)
@@ -156,6 +169,13 @@ class _Builder:
 
     def dense(self, name: str, shape: tuple[int, ...]):
         return self.be.array(self._get(name, shape))
+
+    def norm(self, name: str, n: int):
+        """An RMSNorm weight; with the config's norm_offset (Gemma's 1 + w) added in fp32."""
+        t = self._get(name, (n,))
+        if not self.cfg.norm_offset:
+            return self.be.array(t)
+        return self.be.array(t.float32() + np.float32(self.cfg.norm_offset))
 
     def _stored(self, path: str, out: int, inp: int, lead: tuple[int, ...] = ()):
         """A layer stored packed: kept, re-quantized to `quant`, or expanded (--quant none).
@@ -200,6 +220,13 @@ class _Builder:
         if not self.dense_only and (q is None or (same and (q == spec or not self.group_asked))):
             if q is not None:
                 self.kept.append(path)
+            if widened(self.be, spec):
+                from mlxrun.quant.formats import QuantSpec  # noqa: PLC0415
+                from mlxrun.quant.reference import pack, unpack  # noqa: PLC0415
+
+                self.widened.setdefault(spec, []).append(path)
+                w = Tensor("U32", pack(unpack(w.data, spec.bits), 8))
+                spec = QuantSpec("affine", 8, spec.group_size)
             check_runnable(self.be, spec, path)
             return self.be.quantized(
                 w, s, b, spec.mode, spec.bits, spec.group_size, embedding=_gathered(path, lead)
@@ -222,6 +249,9 @@ class _Builder:
         packed when the checkpoint is quantized, quantized here when asked, else dense."""
         if f"{path}.scales" in self.t:
             return self._stored(path, out, inp, lead)
+        t = self.t.get(f"{path}.weight")
+        if t is not None and t.block is not None and not lead:
+            return self._blocks(path, t.block, out, inp)
         w = self.dense(f"{path}.weight", (*lead, out, inp))
         q = self.quant
         if q is None:
@@ -264,6 +294,27 @@ class _Builder:
             del self.t[k]
         return e
 
+    def _blocks(self, path: str, kind: str, out: int, inp: int):
+        """A GGUF K-quant layer kept as its raw blocks (the backend's `gguf_blocks`): read
+        as stored, or expanded (--quant none) or re-quantized (--quant FORMAT) as any
+        stored layer."""
+        from mlxrun.quant import gguf_blocks as gb  # noqa: PLC0415
+
+        nbytes, per = gb.BLOCKS[kind]
+        if inp % per:
+            raise MlxrunError(f"{path}: input size {inp} is not a whole number of {kind} blocks")
+        t = self._get(f"{path}.weight", (out, inp // per * nbytes))
+        if self.quant is None and not self.dense_only:
+            return self.be.kquant(t)
+        x = self.be.array(gb.dequantize(np.asarray(t.data), kind))
+        if self.dense_only:
+            self.expanded.append(path)
+            return x
+        self.requantized.setdefault(kind, []).append(path)
+        if inp % self.quant.group_size:
+            return x
+        return self._quantize(x, self.quant, path)
+
     def _quantize(self, w, q, path: str, lead: tuple[int, ...] = ()):
         out = self.be.quantize(w, q.mode, q.bits, q.group_size, embedding=_gathered(path, lead))
         # MLX is lazy: evaluated here, the full-precision source is freed now, one matrix at a
@@ -286,6 +337,12 @@ class _Builder:
                 f"({', '.join(sorted(self.requantized))}) to {q.label} g{q.group_size}: the "
                 "rounding errors add up; quantize the full-precision checkpoint for the best "
                 "quality"
+            )
+        for s, paths in self.widened.items():
+            out.append(
+                f"{len(paths)} layer(s) stored as {s.label} g{s.group_size} run with 8-bit "
+                f"codes on {self.be.device} (its kernels read 4 and 8 bits; exact, "
+                f"{8 / s.bits:.2f}x the code bytes)"
             )
         if self.expanded:
             out.append(
@@ -323,6 +380,10 @@ def build_model(
     tied = c.tie_word_embeddings
     per_layer = 9 + 3 * c.attention_bias + c.o_bias + 3 * c.mlp_bias + 2 * c.qk_norm
     per_layer += c.attention_sinks
+    per_layer += 2 * c.sandwich_norms
+    # Gemma's names: its pre_feedforward_layernorm is the norm before the MLP (Llama's
+    # post_attention_layernorm); its post_attention / post_feedforward norms sandwich
+    pre_mlp = "pre_feedforward_layernorm" if c.sandwich_norms else "post_attention_layernorm"
     bar = _progress(2 + c.num_hidden_layers * per_layer + (0 if tied else 1), progress)
     b = _Builder(cfg, tensors, be, quant, bar, dense, group_asked, check_weights)
     try:
@@ -332,8 +393,8 @@ def build_model(
             p = f"model.layers.{i}"
             moe = c.moe is not None and c.moe.is_moe(i)
             L = Layer(
-                input_layernorm=b.dense(f"{p}.input_layernorm.weight", (H,)),
-                post_attention_layernorm=b.dense(f"{p}.post_attention_layernorm.weight", (H,)),
+                input_layernorm=b.norm(f"{p}.input_layernorm.weight", H),
+                post_attention_layernorm=b.norm(f"{p}.{pre_mlp}.weight", H),
                 q_proj=b.matrix(f"{p}.self_attn.q_proj", q_out, H),
                 k_proj=b.matrix(f"{p}.self_attn.k_proj", kv_out, H),
                 v_proj=b.matrix(f"{p}.self_attn.v_proj", kv_out, H),
@@ -354,12 +415,15 @@ def build_model(
                 L.up_bias = b.dense(f"{p}.mlp.up_proj.bias", (I,))
                 L.down_bias = b.dense(f"{p}.mlp.down_proj.bias", (H,))
             if c.qk_norm:
-                L.q_norm = b.dense(f"{p}.self_attn.q_norm.weight", (c.head_dim,))
-                L.k_norm = b.dense(f"{p}.self_attn.k_norm.weight", (c.head_dim,))
+                L.q_norm = b.norm(f"{p}.self_attn.q_norm.weight", c.head_dim)
+                L.k_norm = b.norm(f"{p}.self_attn.k_norm.weight", c.head_dim)
             if c.attention_sinks:
                 L.sinks = b.dense(f"{p}.self_attn.sinks", (c.num_attention_heads,))
+            if c.sandwich_norms:
+                L.attn_out_norm = b.norm(f"{p}.post_attention_layernorm.weight", H)
+                L.mlp_out_norm = b.norm(f"{p}.post_feedforward_layernorm.weight", H)
             layers.append(L)
-        norm = b.dense("model.norm.weight", (H,))
+        norm = b.norm("model.norm.weight", H)
         head = embed if tied else b.matrix("lm_head", V, H)
     finally:
         bar.close()

@@ -587,7 +587,8 @@ def _csv(value: str) -> list[str]:
     "--quant",
     default="none,int4",
     show_default=True,
-    help="Comma list of weight formats: none, int4, int8, fp8, fp4, nvfp4.",
+    help="Comma list of weight formats: none, int4, int8, fp8, fp4, nvfp4; for shape: "
+    "models on cuda also q4_k_m, q6_k (GGUF K-quant layouts).",
 )
 @click.option("--prompt-tokens", type=int, default=512, show_default=True)
 @click.option(

@@ -21,6 +21,7 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_moe",
     "mixtral",
     "gpt_oss",
+    "gemma3_text",
 )
 
 # hidden_act values the model runs, under transformers' names; gelu_new is the same tanh
@@ -87,6 +88,15 @@ class ModelConfig:
     # or None for full causal attention. Empty means no layer slides.
     layer_windows: tuple[int | None, ...] = ()
     moe: MoEOptions | None = None  # mixture-of-experts layers (mlxrun/moe.py); None: dense
+    # Gemma: norms scale by (1 + weight) (folded into the weights at load), the embedding
+    # output is scaled, attention scores use query_pre_attn_scalar^-0.5, the attention and
+    # MLP outputs are normalised before their residual adds (sandwich_norms), and sliding
+    # layers rotate with their own unscaled base (local_rope_theta)
+    norm_offset: float = 0.0
+    embed_scale: float = 1.0
+    attn_scale: float | None = None  # None: head_dim^-0.5
+    sandwich_norms: bool = False
+    local_rope_theta: float | None = None
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     quantization: dict | None = None
@@ -161,9 +171,14 @@ class ModelConfig:
         """Query heads per KV head (grouped-query attention)."""
         return self.num_attention_heads // self.num_key_value_heads
 
-    def rope_freqs(self, seq_len: int | None = None) -> np.ndarray:
+    def rope_freqs(self, seq_len: int | None = None, *, local: bool = False) -> np.ndarray:
         """Inverse frequencies (head_dim/2,) float32 with the rope scaling applied; for
-        "dynamic" (NTK) rope, those of a forward pass whose largest position is seq_len - 1."""
+        "dynamic" (NTK) rope, those of a forward pass whose largest position is seq_len - 1;
+        `local`: those of Gemma's sliding layers (their own base, local_rope_theta, unscaled)."""
+        if local:
+            return rope.inv_freq(
+                self.local_rope_theta, self.head_dim, None, self.max_position_embeddings, None
+            )
         return rope.inv_freq(
             self.rope_theta, self.head_dim, self.rope_scaling, self.max_position_embeddings, seq_len
         )
@@ -209,18 +224,54 @@ def _layer_types(d: dict, n: int, default: list[str]) -> list[str]:
     return lt
 
 
+def _gemma3(d: dict[str, Any], n: int) -> dict[str, Any]:
+    """Gemma 3 (text) options, as transformers' Gemma3TextModel reads its config: layer
+    types from `layer_types` (or every `sliding_window_pattern`-th layer global), rope from
+    the per-type `rope_parameters` (transformers >= 5) or rope_theta / rope_scaling (global)
+    and rope_local_base_freq (sliding)."""
+    if d.get("attention_bias", False):
+        raise _refuse("attention_bias", True, "mlxrun's gemma3_text has no attention biases")
+    pattern = d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6))
+    default = [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)
+    ]
+    w = _window_value(d, 4096)
+    types = _layer_types(d, n, default)
+    rp = d.get("rope_parameters")
+    if isinstance(rp, dict) and "full_attention" in rp:
+        full, local = rp["full_attention"], rp.get("sliding_attention", {})
+        theta, local_theta = full.get("rope_theta", 1e6), local.get("rope_theta", 1e4)
+        scaling = full if full.get("rope_type", "default") != "default" else None
+        if local.get("rope_type", "default") != "default":
+            raise _refuse("rope_parameters.sliding_attention", local, "it must be unscaled")
+    else:
+        theta = d.get("rope_theta", 1e6)
+        local_theta = d.get("rope_local_base_freq", 1e4)
+        scaling = d.get("rope_scaling")
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) != "linear":
+        raise _refuse("rope_scaling", scaling, "mlxrun's gemma3_text scales rope linearly")
+    return dict(
+        attention_bias=False, o_bias=False, mlp_bias=False, qk_norm=True, norm_offset=1.0,
+        embed_scale=float(d["hidden_size"]) ** 0.5, sandwich_norms=True,
+        attn_scale=float(d.get("query_pre_attn_scalar", 256)) ** -0.5,
+        rope_theta=float(theta), rope_scaling=scaling, local_rope_theta=float(local_theta),
+        windows=[w if t == "sliding_attention" else None for t in types],
+    )  # fmt: skip
+
+
 def _arch_options(mt: str, d: dict[str, Any], n: int) -> dict[str, Any]:
     """The options of `model_type` mt that change the arithmetic, read as transformers'
     modeling code for that family reads them; anything else that would change it is refused
     with one line naming the option and its value."""
     moe = moe_options(mt, d, n)
+    own = ("query_pre_attn_scalar", "hidden_activation") if mt == "gemma3_text" else ()
     for key, neutral in _FOREIGN.items():
         if moe is not None and key in MOE_KEYS:
             continue
         v = d.get(key)
-        if v not in neutral:
+        if v not in neutral and key not in own:
             raise _refuse(key, v, f"mlxrun's {mt} model has no such option")
-    act = d.get("hidden_act", "silu")
+    act = d.get("hidden_activation" if mt == "gemma3_text" else "hidden_act", "silu")
     if act not in ACTIVATIONS:
         raise _refuse("hidden_act", act, f"mlxrun runs {', '.join(ACTIVATIONS)}")
     opts: dict[str, Any] = {"hidden_act": "silu" if act == "swish" else act, "moe": moe}
@@ -259,6 +310,9 @@ def _arch_options(mt: str, d: dict[str, Any], n: int) -> dict[str, Any]:
             for i in range(n)
         ]
         windows = [w if t == "sliding_attention" else None for t in _layer_types(d, n, default)]
+    elif mt == "gemma3_text":
+        opts.update(_gemma3(d, n))
+        windows = list(opts.pop("windows"))
     else:  # pragma: no cover (from_dict checked the type)
         raise AssertionError(mt)
     rs = d.get("rope_scaling") or d.get("rope_parameters") or {}

@@ -94,12 +94,15 @@ def _download(repo_id: str) -> Path:
         ) from None
 
 
-def open_checkpoint(model: str, shard: tuple[int, int] | None = None) -> Checkpoint:
+def open_checkpoint(
+    model: str, shard: tuple[int, int] | None = None, keep: tuple[str, ...] = ()
+) -> Checkpoint:
     """Read config, tokenizer and memory-mapped tensors from any supported source.
 
     shard: (ranks, rank): the tensors are that rank's slices (mlxrun.shard; MlxrunError
     naming the rank counts that work when the model does not split), read from the files
-    alone; the config stays the whole model's."""
+    alone; the config stays the whole model's. keep: GGUF block types to keep as raw blocks
+    (the loading backend's `gguf_blocks`)."""
     path = resolve_source(model)
     if path.is_file():
         if path.suffix != ".gguf":
@@ -107,7 +110,7 @@ def open_checkpoint(model: str, shard: tuple[int, int] | None = None) -> Checkpo
                 f"{path}: not a model (expected a directory with config.json "
                 "and *.safetensors, or a .gguf file)"
             )
-        return _open_gguf(path, shard)
+        return _open_gguf(path, shard, keep)
     ckpt = _open_dir(path)
     if shard is not None:
         from .shard import check, shard_tensors, stored_groups  # noqa: PLC0415
@@ -117,10 +120,12 @@ def open_checkpoint(model: str, shard: tuple[int, int] | None = None) -> Checkpo
     return ckpt
 
 
-def _open_gguf(path: Path, shard: tuple[int, int] | None = None) -> Checkpoint:
+def _open_gguf(
+    path: Path, shard: tuple[int, int] | None = None, keep: tuple[str, ...] = ()
+) -> Checkpoint:
     from .gguf import read_gguf  # noqa: PLC0415
 
-    g = read_gguf(path, shard)
+    g = read_gguf(path, shard, keep)
     config = ModelConfig.from_dict(g.config)
     eos = set(config.eos_token_id)
     tok = Tokenizer.from_json(g.tokenizer_json, g.tokenizer_config, eos)

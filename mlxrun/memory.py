@@ -144,6 +144,11 @@ STORED_BYTES = {
     "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
 }  # fmt: skip
 
+# Bytes per weight of GGUF K-quant matrices kept as their blocks (Tensor.block; their
+# "dtype" in a shapes map is the block type and their shape the logical [out, in]), as the
+# CUDA kernels hold them (quant/triton_kquant.py)
+GGUF_HELD = {"Q4_K": 4.625 / 8, "Q5_K": 5.625 / 8, "Q6_K": 6.5625 / 8}
+
 Shapes = dict[str, tuple[tuple[int, ...], str]]
 
 
@@ -568,6 +573,15 @@ def footprint(
     kept = {p for p in quantized if _keeps_stored(config, p, quant, group_asked)}
     weight = dense = int4 = n_params = largest = stored = requant = 0
     for name, (shape, sdt) in shapes.items():
+        if sdt in GGUF_HELD:  # kept as stored whatever is asked (a re-quantization is
+            n = _numel(shape)  # one layer at a time, no larger than its dense copy)
+            stored += int(n * GGUF_HELD[sdt])
+            weight += int(n * GGUF_HELD[sdt])
+            n_params += n
+            dense += n * db
+            int4 += packed_bytes(*shape, "affine", 4, INT4_GROUP_SIZE, db)
+            largest = max(largest, n)
+            continue
         stored += _numel(shape) * STORED_BYTES.get(sdt, db)
         if config.moe is not None and name.endswith(("_blocks", "_scales")):
             # OpenAI's MXFP4 experts (gpt-oss): held as stored, two values a block byte

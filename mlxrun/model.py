@@ -41,6 +41,8 @@ class Layer:
     k_norm: Array | None = None
     moe: Experts | None = None  # experts in place of the MLP (mlxrun/moe.py)
     sinks: Array | None = None  # (num_heads,) a learned logit per head in the softmax
+    attn_out_norm: Array | None = None  # sandwich norms (Gemma): on the attention output
+    mlp_out_norm: Array | None = None  # and the MLP output, before each residual add
 
 
 class Transformer:
@@ -54,7 +56,14 @@ class Transformer:
         self.norm = norm
         self.head = head  # the embedding again when tied
         self.rope = backend.rope_table(config.rope_freqs())
-        self.scale = config.attention_scale
+        # sliding layers with a base of their own (Gemma 3) rotate by their own table
+        local = config.local_rope_theta is not None and config.layer_windows
+        self.rope_local = backend.rope_table(config.rope_freqs(local=True)) if local else None
+        # Gemma's query_pre_attn_scalar^-0.5, else head_dim^-0.5 (with YaRN's factor)
+        self.scale = config.attn_scale or config.attention_scale
+        # Gemma scales the embedding output by sqrt(hidden), in the compute dtype as HF does
+        es = config.embed_scale
+        self.embed_scale = None if es == 1.0 else backend.array(np.array(es, np.float32))
 
     def weight_bytes(self) -> int:
         """Bytes of every weight array on the device (packed parts included, tied head once)."""
@@ -118,11 +127,15 @@ class Transformer:
             k = be.rms_norm(k, L.k_norm, c.rms_norm_eps)
         # q (B, nh, T, hd) rotated; k, v (B, nkv, offset+T, hd) from the cache
         rope = self.rope if rope is None else rope
+        if self.rope_local is not None and c.window(i) is not None:
+            rope = self.rope_local  # sliding layers with a base of their own (Gemma 3)
         q, k, v = be.rope_and_cache(q, k, v, pos, rope, cache, i)
         o = be.attention(q, k, v, self.scale, mask, sinks=L.sinks)  # (B, nh, T, hd)
         # o and down see this rank's heads / MLP rows only: partial sums of the output, and
         # their biases are added once, after the sum
         o = be.linear_sum(o.swapaxes(1, 2).reshape(B, T, nh * hd), L.o_proj, L.o_bias)
+        if L.attn_out_norm is not None:
+            o = be.rms_norm(o, L.attn_out_norm, c.rms_norm_eps)
         h, x = be.add_rms_norm(h, o, L.post_attention_layernorm, c.rms_norm_eps)
         if L.moe is not None:
             e = L.moe
@@ -132,6 +145,8 @@ class Transformer:
         mlp_b = None if L.gate_bias is None else (L.gate_bias, L.up_bias)
         y = be.gated_mlp(x, L.gate_proj, L.up_proj, c.hidden_act, mlp_b)
         y = be.linear_sum(y, L.down_proj, L.down_bias)
+        if L.mlp_out_norm is not None:
+            y = be.rms_norm(y, L.mlp_out_norm, c.rms_norm_eps)
         h, x = be.add_rms_norm(h, y, nxt, c.rms_norm_eps)
         return h, x
 
@@ -153,6 +168,8 @@ class Transformer:
         if c.rope_dynamic:  # NTK: frequencies of this pass's length, as transformers runs it
             rope = be.rope_table(c.rope_freqs(cache.offset + T))
         h = be.embedding(ids, self.embed)  # (B, T, hidden)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         # Each residual add is done with the norm that follows it (one fused kernel on CUDA).
         h, x = be.add_rms_norm(h, None, self.layers[0].input_layernorm, c.rms_norm_eps)
         for i, L in enumerate(self.layers):

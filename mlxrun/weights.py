@@ -57,6 +57,9 @@ class Tensor:
 
     dtype: str  # safetensors name: F32, F16, BF16, U32, ...
     data: np.ndarray
+    # A GGUF block type ("Q4_K") when `data` is that type's raw blocks (uint8 [out, row
+    # bytes]), kept for a backend that reads them as stored (Backend.gguf_blocks)
+    block: str | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:

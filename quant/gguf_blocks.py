@@ -261,3 +261,58 @@ def to_affine(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.nd
     else:
         w = pack(q, bits)
     return w, np.ascontiguousarray(scales), np.ascontiguousarray(biases)
+
+
+# K-quant types whose blocks the CUDA kernels read (quant/triton_kquant.py): type ->
+# (code bits, weights per sub-block)
+KQUANTS: dict[str, tuple[int, int]] = {"Q4_K": (4, 32), "Q5_K": (5, 32), "Q6_K": (6, 16)}
+
+
+@dataclass
+class KFields:
+    """The integer fields of K-quant rows, each weight `d * sc * q - dmin * m` (Q4_K, Q5_K) or
+    `d * sc * (q - 32)` (Q6_K) in float32, as `dequantize` computes it.
+
+    codes uint8 [rows, n] (unsigned q); sc [rows, n/S] (uint8 6-bit, or int8 for Q6_K);
+    mins uint8 [rows, n/S] or None; d, dmin float16 [rows, n/256] (dmin None for Q6_K)."""
+
+    codes: np.ndarray
+    sc: np.ndarray
+    mins: np.ndarray | None
+    d: np.ndarray
+    dmin: np.ndarray | None
+
+
+def k_fields(raw: np.ndarray, kind: str) -> KFields:
+    """GGUF rows (uint8 [rows, nblocks * block_bytes]) of a `KQUANTS` type -> `KFields`."""
+    if kind not in KQUANTS:
+        raise MlxrunError(f"{kind} is not one of {', '.join(KQUANTS)}")
+    nbytes = BLOCKS[kind][0]
+    raw = np.asarray(raw, dtype=np.uint8)
+    rows = raw.shape[0]
+    if raw.ndim != 2 or raw.shape[1] % nbytes:
+        raise MlxrunError(f"{kind} rows must be whole {nbytes}-byte blocks, got {raw.shape}")
+    blk = raw.reshape(rows, -1, nbytes)
+    nb = blk.shape[1]
+
+    def f16(b):
+        return np.ascontiguousarray(b).view(np.float16)[..., 0]
+
+    if kind == "Q6_K":
+        ql, qh = blk[..., 0:128], blk[..., 128:192]
+        low = _nibbles(ql.reshape(rows, nb, 2, 64)).reshape(rows, nb, QK)
+        high = _bits(qh.reshape(rows, nb, 2, 32), 2).reshape(rows, nb, QK)
+        sc = np.ascontiguousarray(blk[..., 192:208]).view(np.int8)
+        return KFields(
+            (low | (high << 4)).reshape(rows, -1), sc.reshape(rows, -1), None,
+            f16(blk[..., 208:210]), None,
+        )  # fmt: skip
+    sc, mn = _k_scales(blk[..., 4:16])
+    qs = blk[..., 48:176] if kind == "Q5_K" else blk[..., 16:144]
+    q = _nibbles(qs.reshape(rows, nb, 4, 32))
+    if kind == "Q5_K":
+        q = q | (_bits(blk[..., 16:48], 1).reshape(rows, nb, 4, 64) << 4)
+    return KFields(
+        q.reshape(rows, -1), sc.reshape(rows, -1), mn.reshape(rows, -1),
+        f16(blk[..., 0:2]), f16(blk[..., 2:4]),
+    )  # fmt: skip

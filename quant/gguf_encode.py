@@ -63,3 +63,29 @@ def q6_k(w: np.ndarray) -> np.ndarray:
 
 
 ENCODERS = {"Q4_K": q4_k, "Q6_K": q6_k}
+
+
+def use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp's choice of the layers (of n) whose attn_v / ffn_down get more bits."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def kquant_type(mix: str, name: str, n_layers: int, tied: bool) -> str | None:
+    """The block type llama.cpp's quantizer (src/llama-quant.cpp) gives matrix `name`
+    (GGUF names: token_embd.weight, blk.3.attn_v.weight, output.weight) of a model of
+    `n_layers` layers quantized to `mix` ("q4_k_m" or "q6_k"), rows a multiple of 256; None
+    for a tensor it keeps as it is (norms). q4_k_m: Q6_K for the head (the tied embedding)
+    and for attn_v / ffn_down where use_more_bits holds, Q4_K for the other matrices."""
+    parts = name.split(".")
+    matrix = name in ("token_embd.weight", "output.weight") or (
+        parts[0] == "blk" and parts[-1] == "weight" and not parts[2].endswith("norm")
+    )
+    if not matrix:
+        return None
+    if mix == "q6_k":
+        return "Q6_K"
+    if name == "output.weight" or (tied and name == "token_embd.weight"):
+        return "Q6_K"
+    if parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down"):
+        return "Q6_K" if use_more_bits(int(parts[1]), n_layers) else "Q4_K"
+    return "Q4_K"

@@ -39,7 +39,9 @@ class GGUFModel:
     notes: list[str] = field(default_factory=list)  # what the import changed, for the user
 
 
-def read_gguf(path: str | os.PathLike, shard: tuple[int, int] | None = None) -> GGUFModel:
+def read_gguf(
+    path: str | os.PathLike, shard: tuple[int, int] | None = None, keep: tuple[str, ...] = ()
+) -> GGUFModel:
     """Read a GGUF: HF config, tensors (memory-mapped where dense), tokenizer.
 
     Quantized linears `p` come back as `p.weight` uint32 [out, in*bits/32], `p.scales` and
@@ -49,6 +51,8 @@ def read_gguf(path: str | os.PathLike, shard: tuple[int, int] | None = None) -> 
 
     shard: (ranks, rank): only that rank's slice of each split tensor (mlxrun.shard) is
     read and unpacked; the config stays the whole model's.
+    keep: block types the caller's backend reads as stored (Backend.gguf_blocks): their
+    matrices stay raw blocks (`Tensor.block`), see `tensors.convert`.
     """
     path = Path(path)
     reader = open_reader(path)
@@ -68,7 +72,7 @@ def read_gguf(path: str | os.PathLike, shard: tuple[int, int] | None = None) -> 
         from ..shard import check  # noqa: PLC0415
 
         check(ModelConfig.from_dict(cfg), shard[0], {32})
-    tensors, bits, notes = convert(path, raw, cfg, arch, shard)
+    tensors, bits, notes = convert(path, raw, cfg, arch, shard, keep)
     quant = quant_block(bits)
     if quant:
         cfg["quantization"] = quant

@@ -129,12 +129,15 @@ _NEUTRAL_KEYS = {
 
 def check_keys(path: Path, meta: Meta, arch: str) -> None:
     """Refuse a file whose metadata asks for arithmetic the import would not carry over."""
+    from .names import ARCHS  # noqa: PLC0415
+
+    reads = ARCHS[arch].reads if arch in ARCHS else ()
     for key in meta.fields:
         if not key.startswith(arch + "."):
             continue  # general.*, tokenizer.*, quantize.*, split.*: no effect on the math
         sub = key[len(arch) + 1 :]
         v = meta.get(key)
-        if sub in _READ_KEYS or v in _NEUTRAL_KEYS.get(sub, ()):
+        if sub in _READ_KEYS or sub in reads or v in _NEUTRAL_KEYS.get(sub, ()):
             continue
         if sub == "attention.value_length" and v == _key_length(meta, arch):
             continue  # values as wide as keys: what the model assumes
@@ -213,11 +216,36 @@ def config(path: Path, meta: Meta, raw: dict, arch: str, hf: tuple[str, str]) ->
     eos = eos_ids(meta)
     if len(eos) > 1:
         cfg["eos_token_id"] = eos
+    if hf[0] == "gemma3_text":
+        cfg.update(_gemma3(meta, arch, cfg))
     dense = [t.tensor_type.name for t in raw.values() if len(t.shape) == 2]
     cfg["torch_dtype"] = {"F32": "float32", "BF16": "bfloat16"}.get(
         Counter(dense).most_common(1)[0][0] if dense else "F16", "float16"
     )
     return cfg
+
+
+def _gemma3(meta: Meta, arch: str, cfg: dict) -> dict:
+    """Gemma 3's config keys that GGUF does not store, as llama.cpp (src/llama-model.cpp)
+    fixes them: every 6th layer global, the rest sliding with rope base 10000; attention
+    scaled by head_dim^-0.5, except the 62-layer 27B model's (hidden / heads)^-0.5."""
+    n = cfg["num_hidden_layers"]
+    window = int(meta.get(f"{arch}.attention.sliding_window", 0) or 0)
+    big = n == 62
+    out = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": window or None,
+        "layer_types": [
+            "sliding_attention" if window and (i + 1) % 6 else "full_attention" for i in range(n)
+        ],
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"]
+        if big
+        else cfg["head_dim"],
+    }
+    cfg.pop("hidden_act")
+    cfg.pop("mlp_bias")
+    return out
 
 
 def eos_ids(meta: Meta) -> list[int]:

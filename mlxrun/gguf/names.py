@@ -39,7 +39,19 @@ class Arch:
     permute_qk: bool
     layer: dict[str, str]
     with_bias: tuple[str, ...] = ()  # GGUF layer tensors that also store a `.bias`
+    # llama.cpp stores Gemma's norm weights as 1 + w; the HF weight is the stored one - 1
+    norm_shift: float = 0.0
+    reads: tuple[str, ...] = ()  # `{arch}.*` keys beyond meta._READ_KEYS that it reads
 
+
+_GEMMA3 = {
+    **_LAYER,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 
 ARCHS = {
     "llama": Arch("llama", "LlamaForCausalLM", True, _LAYER),
@@ -52,6 +64,14 @@ ARCHS = {
         False,
         {**_LAYER, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
     ),
+    "gemma3": Arch(
+        "gemma3_text",
+        "Gemma3ForCausalLM",
+        False,
+        _GEMMA3,
+        norm_shift=1.0,
+        reads=("attention.sliding_window",),
+    ),
 }
 
 
@@ -60,7 +80,7 @@ def arch_of(path: Path, name: str | None) -> Arch:
     if name not in ARCHS:
         raise MlxrunError(
             f"{path}: GGUF architecture {name!r} is not supported: mlxrun reads "
-            f"{', '.join(ARCHS)} GGUFs (Mistral's are llama)"
+            f"{', '.join(ARCHS)} GGUFs (Mistral's are llama; gemma3 is Gemma 3's text model)"
         )
     return ARCHS[name]
 

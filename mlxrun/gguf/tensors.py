@@ -63,12 +63,20 @@ def _block_bytes(t) -> int:
 
 
 def convert(
-    path: Path, raw: dict, cfg: dict, arch: Arch, shard: tuple[int, int] | None = None
+    path: Path,
+    raw: dict,
+    cfg: dict,
+    arch: Arch,
+    shard: tuple[int, int] | None = None,
+    keep: tuple[str, ...] = (),
 ) -> tuple[dict[str, Tensor], dict, list[str]]:
     """(HF tensors, {quantized module: bits or None when dense}, notes for the user).
 
     shard: (ranks, rank): only that rank's slice of each split tensor (mlxrun.shard), taken
-    from the file's blocks before they are unpacked."""
+    from the file's blocks before they are unpacked.
+    keep: block types a backend reads as stored (its `gguf_blocks`): a 2-D tensor of one
+    comes back as its raw blocks, `Tensor("U8", rows, block=type)` [out, row bytes], rows
+    un-permuted where llama's q/k are (unsharded only)."""
     out: dict[str, Tensor] = {}
     bits: dict[str, int | None] = {}
     relaid: Counter = Counter()  # K-quants kept packed with fp32 scales: (stored, held) bytes
@@ -84,6 +92,12 @@ def convert(
             n = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
             perm = unpermute_index(shape[0], n)
         module = hf.rsplit(".", 1)[0]
+        if kind in keep and shard is None and len(t.shape) == 2:
+            data = np.asarray(t.data).reshape(shape[0], -1)
+            out[hf] = Tensor("U8", data if perm is None else data[perm], block=kind)
+            bits[module] = None
+            relaid[kind, "kept"] += int(t.n_bytes)
+            continue
         if kind in gb.AFFINE:
             data = np.asarray(t.data).reshape(-1, t.data.shape[-1])
             data, perm = _pick(hf, data, perm, shard, _block_bytes(t))
@@ -112,6 +126,9 @@ def convert(
             data = np.asarray(t.data)
             if kind == "BF16":
                 data = data.view(np.uint16)  # the reader maps BF16 as raw bytes [rows, 2*cols]
+            if arch.norm_shift and hf.endswith("norm.weight"):  # stored as 1 + w (Gemma)
+                f32 = Tensor(kind, data).float32() if kind != "F32" else data
+                data, kind = f32.astype(np.float32) - np.float32(arch.norm_shift), "F32"
         data = data.reshape(shape)
         if not picked:
             data, perm = _pick(hf, data, perm, shard, 1)
@@ -125,7 +142,13 @@ def convert(
 
 def _notes(relaid: Counter, expanded: dict[str, list[int]]) -> list[str]:
     notes = []
-    kinds = sorted({k for k, _ in relaid})
+    kept = sorted({k for k, w in relaid if w == "kept"})
+    if kept:
+        notes.append(
+            f"GGUF {'/'.join(kept)} layers are read as stored by the K-quant kernels "
+            f"({_mib(sum(relaid[k, 'kept'] for k in kept))} in the file)"
+        )
+    kinds = sorted({k for k, w in relaid if w != "kept"})
     if kinds:
         file, held = (sum(relaid[k, w] for k in kinds) for w in ("file", "held"))
         notes.append(

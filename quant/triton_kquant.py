@@ -1,0 +1,480 @@
+"""Triton GEMV and GEMM for GGUF K-quant weights (Q4_K, Q5_K, Q6_K) on CUDA, kept packed.
+
+A K-quant weight is `d * sc * q - dmin * m` (Q4_K, Q5_K: 4- or 5-bit q, sub-blocks of 32 with
+6-bit sc and m) or `d * sc * (q - 32)` (Q6_K: 6-bit q, sub-blocks of 16 with int8 sc), d and
+dmin fp16 per super-block of 256 (quant/gguf_blocks.py). `prepare_kquant` re-lays the file's
+blocks out once at load, the same fields in planes the kernels load as whole tiles, per row
+of K = 256 * nb weights:
+
+- weight int32 [N, K/8 + K*HB/32]: the low 4 bits of every code (word w: weights 8w..8w+7 at
+  nibbles 0..7), then the HB high bits (Q5_K 1, Q6_K 2; word v: weights (32/HB)*v + i at
+  bits HB*i);
+- scales uint8 [N, K/16]: (sc, m) of each sub-block of 32 (Q4_K, Q5_K), or int8 sc of each
+  sub-block of 16 (Q6_K);
+- biases float16 [N, 2*nb]: (d, dmin) of each super-block, or [N, nb]: d (Q6_K).
+
+Bits per weight held, against the file: Q4_K 4.625 (4.5), Q5_K 5.625 (5.5), Q6_K 6.5625
+(6.5625): the 6-bit sc/m pairs take a byte each instead of 12 bytes for 8 pairs. The scales
+are exact in fp32 (d * sc: an 11-bit significand times a 6- or 8-bit integer), so a kernel's
+result differs from the dequantized fp32 product only by the order of its fp32 sums.
+
+`kqmatmul(x, w)`: up to GEMV_MAX_M rows of x run the CUDA-core GEMV (per sub-block the dot
+of codes and x, then scale * dot + bias * sum(x): one scale multiply per 16 or 32 weights),
+split along K where the row blocks alone leave SMs idle (the partials summed by the last
+program, triton_kernels._split_sum); more rows run a tensor-core GEMM that decodes each
+weight tile in registers to x's dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from mlxrun.errors import MlxrunError
+from mlxrun.quant import gguf_blocks as gb
+from mlxrun.quant import triton_kernels as tk
+
+torch = tk.torch
+triton = tk.triton
+tl = tk.tl
+tlc = tk.tlc
+
+KINDS = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}
+HIGH_BITS = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}  # bits of each code above the low nibble
+QK = gb.QK
+
+
+@dataclasses.dataclass(frozen=True)
+class KQLinear:
+    """A K-quant weight W [N, K] laid out for the kernels (see the module docstring). Its
+    fields are named as QLinear's, so byte accounting reads both alike."""
+
+    weight: torch.Tensor  # int32 [N, K/8 + K*HB/32]
+    scales: torch.Tensor  # uint8 [N, K/16] (sc, m pairs) or int8 [N, K/16] (Q6_K)
+    biases: torch.Tensor  # float16 [N, 2*K/256] (d, dmin) or [N, K/256] (Q6_K)
+    kind: str
+    n: int
+    k: int
+
+    @property
+    def mode(self) -> str:
+        return self.kind.lower()
+
+    @property
+    def bits(self) -> int:
+        return gb.KQUANTS[self.kind][0]
+
+    @property
+    def group_size(self) -> int:
+        return QK
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the kernels read for the weight: codes, sub-block scales, super-block d."""
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.scales, self.biases))
+
+
+def _shapes(kind: str, n: int, k: int) -> dict[str, tuple[int, int]]:
+    hb = HIGH_BITS[kind]
+    nb = k // QK
+    return {
+        "weight": (n, k // 8 + k * hb // 32),
+        "scales": (n, k // 16),
+        "biases": (n, nb if kind == "Q6_K" else 2 * nb),
+    }
+
+
+def _planes(codes: np.ndarray, kind: str) -> np.ndarray:
+    """uint8 codes [rows, K] -> int32 words [rows, K/8 + K*HB/32] (the module docstring's
+    order: in each sub-block of S weights, weight i*WPS + w at nibble i of word w and at
+    bit field 8w + i of the high word)."""
+    rows, k = codes.shape
+    sub = gb.KQUANTS[kind][1]
+    wps = sub // 8
+    c = codes.reshape(rows, k // sub, 8, wps).transpose(0, 1, 3, 2).astype(np.uint32)
+    lo = np.bitwise_or.reduce((c & 15) << (np.arange(8, dtype=np.uint32) * 4), axis=-1)
+    parts = [lo.reshape(rows, -1)]
+    hb = HIGH_BITS[kind]
+    if hb:
+        h = (c >> 4).reshape(rows, k // sub, sub)  # field 8w + i
+        parts.append(np.bitwise_or.reduce(h << (np.arange(sub, dtype=np.uint32) * hb), axis=-1))
+    return np.concatenate(parts, axis=1).view(np.int32)
+
+
+def layout(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GGUF rows (uint8 [N, K/256 * block bytes]) of `kind` -> (weight, scales, biases) numpy
+    arrays in the kernels' layout (module docstring)."""
+    f = gb.k_fields(raw, kind)
+    weight = _planes(f.codes, kind)
+    if kind == "Q6_K":
+        scales, biases = f.sc, f.d
+    else:
+        rows = f.sc.shape[0]
+        scales = np.stack([f.sc, f.mins], axis=-1).reshape(rows, -1)
+        biases = np.stack([f.d, f.dmin], axis=-1).reshape(rows, -1)
+    return np.ascontiguousarray(weight), np.ascontiguousarray(scales), biases
+
+
+def prepare_kquant(raw, kind: str, device=None) -> KQLinear:
+    """GGUF rows (uint8 [N, K/256 * block bytes], numpy) of Q4_K, Q5_K or Q6_K -> KQLinear
+    on `device`. Rows are laid out a few MB at a time (the numpy temporaries stay small)."""
+    tk._need_torch()
+    if kind not in KINDS:
+        raise MlxrunError(f"{kind} has no K-quant kernel: the kernels read {', '.join(KINDS)}")
+    raw = np.asarray(raw, dtype=np.uint8)
+    n = raw.shape[0]
+    k = raw.shape[1] // gb.BLOCKS[kind][0] * QK
+    step = max(1, (1 << 22) // max(k, 1))
+    chunks = [layout(raw[i : i + step], kind) for i in range(0, n, step)]
+    w, s, b = (torch.from_numpy(np.concatenate(p)).to(device) for p in zip(*chunks))
+    return KQLinear(w, s, b, kind, n, k)
+
+
+def random_kquant(kind: str, n: int, k: int, device, seed: int = 0) -> KQLinear:
+    """Random codes and small scales in the layout, made on `device` (for speed runs of a
+    K-quant model's shapes): weights of about +-0.03."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    shapes = _shapes(kind, n, k)
+    w = torch.randint(-(2**31), 2**31, shapes["weight"], generator=g, device=device,
+                      dtype=torch.int64).to(torch.int32)  # fmt: skip
+    if kind == "Q6_K":
+        s = torch.randint(-64, 64, shapes["scales"], generator=g, device=device)
+        s, d = s.to(torch.int8), torch.full(shapes["biases"], 2e-5, device=device)
+    else:
+        s = torch.randint(0, 64, shapes["scales"], generator=g, device=device).to(torch.uint8)
+        d = torch.full(shapes["biases"], 6e-5, device=device)
+    return KQLinear(w, s, d.to(torch.float16), kind, n, k)
+
+
+def dequantize_kquant(w: KQLinear, dtype=None) -> torch.Tensor:
+    """Plain-PyTorch dequantization: KQLinear -> dense W [N, K] (float32 unless dtype),
+    computed as gguf_blocks.dequantize does (so equal to it bit for bit in float32)."""
+    hb = HIGH_BITS[w.kind]
+    sub = gb.KQUANTS[w.kind][1]
+    ns, wps = w.k // sub, sub // 8
+    words = w.weight.to(torch.int64)
+    sh = torch.arange(8, device=words.device) * 4
+    q = (words[:, : w.k // 8, None] >> sh) & 15  # [N, K/8, 8]: word w, nibble i
+    if hb:
+        shh = torch.arange(sub, device=words.device) * hb
+        q = q | (((words[:, w.k // 8 :, None] >> shh) & ((1 << hb) - 1)).reshape(q.shape) << 4)
+    q = q.reshape(w.n, ns, wps, 8).transpose(2, 3)  # weight i*WPS + w of each sub-block
+    q = q.to(torch.float32).reshape(w.n, ns, sub)
+    per_sb = QK // sub
+    if w.kind == "Q6_K":
+        d = w.biases.to(torch.float32).repeat_interleave(per_sb, 1)
+        out = (d * w.scales.to(torch.float32))[..., None] * (q - 32)
+    else:
+        db = w.biases.to(torch.float32).view(w.n, -1, 2)
+        d = db[..., 0].repeat_interleave(per_sb, 1)
+        dmin = db[..., 1].repeat_interleave(per_sb, 1)
+        sm = w.scales.view(w.n, ns, 2).to(torch.float32)
+        out = (d * sm[..., 0])[..., None] * q + (-(dmin * sm[..., 1]))[..., None]
+    out = out.reshape(w.n, w.k)
+    return out if dtype is None else out.to(dtype)
+
+
+def rows(w: KQLinear, ids: torch.Tensor) -> KQLinear:
+    """The KQLinear of rows `ids` of w (an embedding's lookups)."""
+    take = [t.index_select(0, ids) for t in (w.weight, w.scales, w.biases)]
+    return KQLinear(*take, w.kind, int(ids.shape[0]), w.k)
+
+
+def concat(parts: list[KQLinear]) -> KQLinear | None:
+    """KQLinears of one kind that read the same x (q, k, v; gate, up) -> one of all their
+    rows (the parts become views of it), or None where the kinds or widths differ."""
+    p0 = parts[0]
+    if any(not isinstance(p, KQLinear) or (p.kind, p.k) != (p0.kind, p0.k) for p in parts):
+        return None
+    joint = [tk.join_rows([getattr(p, f) for p in parts]) for f in ("weight", "scales", "biases")]
+    return KQLinear(*joint, p0.kind, sum(p.n for p in parts), p0.k)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _kq_load(w_ptr, rn, n_mask, kb, stride_w, KW, KB, KIND: tl.constexpr, NS: tl.constexpr):
+        """Words of k-step kb (NS sub-blocks) of rows rn: low nibbles [BN, NS, WPS] (WPS words
+        a sub-block) and high bits [BN, NS] (one word a sub-block; lo again for Q4_K, unused).
+        KW: low-nibble words a row; KB: super-blocks a row."""
+        S: tl.constexpr = 16 if KIND == 2 else 32
+        WPS: tl.constexpr = S // 8
+        rs = kb * NS + tl.arange(0, NS)  # sub-blocks of the row
+        smask = n_mask[:, None] & (rs < KB * (256 // S))[None, :]
+        base = w_ptr + rn[:, None] * stride_w + rs[None, :] * WPS
+        rw = tl.arange(0, WPS)[None, None, :]
+        lo = tl.load(base[:, :, None] + rw, mask=smask[:, :, None], other=0)
+        if KIND == 0:
+            hi = lo
+        else:
+            hi = tl.load(w_ptr + rn[:, None] * stride_w + KW + rs[None, :], mask=smask, other=0)
+        return lo, hi
+
+    @triton.jit
+    def _kq_codes(lo, hi, KIND: tl.constexpr):
+        """Words from _kq_load -> codes as fp32 [BN, NS, WPS, 8] (Q6_K: q - 32), weight
+        8w + i of each sub-block at [.., w, i]. The integer code goes into the mantissa of
+        2^23 (an OR and a subtract, no int->float conversion, a quarter-rate instruction).
+        Every index past the row block stays in one thread's registers: the sums over a
+        sub-block need no shuffles."""
+        S: tl.constexpr = 16 if KIND == 2 else 32
+        WPS: tl.constexpr = S // 8
+        lo = lo.to(tl.uint32, bitcast=True)
+        c = (lo[:, :, :, None] >> (tl.arange(0, 8) * 4)[None, None, None, :]) & 15
+        if KIND != 0:
+            hi = hi.to(tl.uint32, bitcast=True)
+            pos = tl.arange(0, WPS)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [WPS, 8]
+            h = (hi[:, :, None, None] >> (pos * KIND)[None, None, :, :]) & ((1 << KIND) - 1)
+            c = c | (h << 4)
+        OFF: tl.constexpr = 8388640.0 if KIND == 2 else 8388608.0  # 2^23 (+ 32 for Q6_K)
+        return (c | 0x4B000000).to(tl.float32, bitcast=True) - OFF
+
+    @triton.jit
+    def _kq_pos(lo, hi, I: tl.constexpr, KIND: tl.constexpr):
+        """Code q of nibble position I of the words lo [BN, NS, WPS] (hi [BN, NS, 1]: the
+        high words) as the fp32 q * 2^-149: an integer below 2^23 read as a float is that
+        denormal, so the code needs no conversion (no int->float, a quarter-rate
+        instruction, and no subtract); x comes pre-multiplied by 2^100. Weight I*WPS + w of
+        each sub-block. A static position keeps every word's codes in its thread."""
+        WPS: tl.constexpr = 2 if KIND == 2 else 4
+        c = (lo.to(tl.uint32, bitcast=True) >> (4 * I)) & 15
+        if KIND != 0:
+            sh = (tl.arange(0, WPS) * 8 + I) * KIND  # bit field 8w + I of the high word
+            h = (hi.to(tl.uint32, bitcast=True) >> sh[None, None, :]) & ((1 << KIND) - 1)
+            c = c | (h << 4)
+        return c.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _kq_x(x_ptr, kb, KB, KIND: tl.constexpr, NS: tl.constexpr):
+        """x of k-step kb as fp32 [NS, WPS, 8], the codes' order."""
+        S: tl.constexpr = 16 if KIND == 2 else 32
+        WPS: tl.constexpr = S // 8
+        rs = kb * NS + tl.arange(0, NS)
+        off = (rs[:, None] * S + tl.arange(0, WPS)[None, :] * 8)[:, :, None] + tl.arange(0, 8)
+        mask = (rs < KB * (256 // S))[:, None, None]
+        return tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _kq_scales(s_ptr, b_ptr, rn, n_mask, kb, KB, KIND: tl.constexpr, NS: tl.constexpr):
+        """Per sub-block fp32 scale d*sc and bias -dmin*m [BN, NS] of k-step kb (bias 0 for
+        Q6_K); KB: super-blocks a row. Both products are exact in fp32."""
+        SPB: tl.constexpr = 16 if KIND == 2 else 8  # sub-blocks per super-block
+        rs = kb * NS + tl.arange(0, NS)
+        smask = n_mask[:, None] & (rs < KB * SPB)[None, :]
+        sb = rs // SPB  # each sub-block loads its super-block's d (a cached line)
+        if KIND == 2:
+            sc = tl.load(s_ptr + rn[:, None] * (KB * 16) + rs[None, :], mask=smask, other=0)
+            d = tl.load(b_ptr + rn[:, None] * KB + sb[None, :], mask=smask, other=0.0)
+            scale = d.to(tl.float32) * sc.to(tl.float32)
+            bias = scale  # unused
+        else:
+            sp = s_ptr + rn[:, None] * (KB * 16) + rs[None, :] * 2
+            sc = tl.load(sp, mask=smask, other=0).to(tl.float32)
+            mn = tl.load(sp + 1, mask=smask, other=0).to(tl.float32)
+            bp = b_ptr + rn[:, None] * (KB * 2) + sb[None, :] * 2
+            d = tl.load(bp, mask=smask, other=0.0).to(tl.float32)
+            dmin = tl.load(bp + 1, mask=smask, other=0.0).to(tl.float32)
+            scale = d * sc
+            bias = -(dmin * mn)
+        return scale, bias
+
+    @triton.jit
+    def _kq_gemv_kernel(
+        x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, N, KW, KB, stride_xm, stride_ym,
+        stride_w, KIND: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
+        SPLIT_K: tl.constexpr, KB_PER_SPLIT: tl.constexpr, PDL: tl.constexpr = False,
+    ):  # fmt: skip
+        """y[m, rows] = x[m] @ W[rows]^T for one row m of x (program axis 0), BLOCK_N rows
+        (axis 1) and one split of K (axis 2), SB super-blocks a k-step. Each k-step's words
+        are loaded one step ahead (their loads overlap the previous step's arithmetic); per
+        sub-block: scale * dot(codes, x) + bias * sum(x), summed over K at the end."""
+        NS: tl.constexpr = SB * (16 if KIND == 2 else 8)
+        m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = rn < N
+        kb0 = pid_k * KB_PER_SPLIT
+        lo, hi = _kq_load(w_ptr, rn, n_mask, kb0, stride_w, KW, KB, KIND, NS)
+        if PDL:  # the weights do not depend on the previous kernel; x does
+            tlc.gdc_wait()
+            tlc.gdc_launch_dependents()
+        acc = tl.zeros([BLOCK_N, NS], dtype=tl.float32)
+        xm = x_ptr + m * stride_xm
+        for j in range(0, KB_PER_SPLIT):
+            kb = kb0 + j
+            # the last step reloads itself (a cache hit), not the next split's first step
+            nxt = tl.minimum(kb + 1, kb0 + KB_PER_SPLIT - 1)
+            lo_n, hi_n = _kq_load(w_ptr, rn, n_mask, nxt, stride_w, KW, KB, KIND, NS)
+            S: tl.constexpr = 16 if KIND == 2 else 32
+            WPS: tl.constexpr = S // 8
+            rs = kb * NS + tl.arange(0, NS)
+            xo = (rs[:, None] * S + tl.arange(0, WPS)[None, :])[None, :, :]  # [1, NS, WPS]
+            xmask = (rs < KB * (256 // S))[None, :, None]
+            hi3 = hi[:, :, None]
+            p = tl.zeros([BLOCK_N, NS, WPS], dtype=tl.float32)
+            xsum = tl.zeros([1, NS, WPS], dtype=tl.float32)
+            for i in tl.static_range(8):  # weights i*WPS + w: WPS consecutive inputs
+                xr = tl.load(xm + xo + i * WPS, mask=xmask, other=0.0).to(tl.float32)
+                if KIND == 0 and i < 6:
+                    # Q4_K: the nibble masked in place (bits 4i..4i+3 < 24) is the float
+                    # q * 2^(4i-149): one LOP3 a weight, no shift; x carries 2^(100-4i)
+                    x = xr * (1.2676506002282294e30 / (1 << (4 * i)))
+                    f = (lo.to(tl.uint32, bitcast=True) & (15 << (4 * i))).to(
+                        tl.float32, bitcast=True
+                    )
+                else:  # 2^100: products q * x * 2^-49 stay normal
+                    x = xr * 1.2676506002282294e30
+                    f = _kq_pos(lo, hi3, i, KIND)
+                p += f * x
+                xsum += xr
+            dot = tl.sum(p, axis=2) * 562949953421312.0  # [BN, NS] * 2^49: sum of q * x
+            xs = tl.sum(xsum, axis=2)  # [1, NS]: sum of x
+            scale, bias = _kq_scales(s_ptr, b_ptr, rn, n_mask, kb, KB, KIND, NS)
+            if KIND == 2:  # codes q - 32
+                acc += scale * (dot - 32.0 * xs)
+            else:
+                acc += dot * scale + bias * xs
+            lo, hi = lo_n, hi_n
+        out = tl.sum(acc, axis=1)
+        y_ptrs = y_ptr + m * stride_ym + rn
+        if SPLIT_K == 1:
+            tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=n_mask)
+        else:
+            p_ptrs = part_ptr + m * N + rn
+            tile = m * tl.num_programs(1) + pid_n
+            last, total = tk._split_sum(out, p_ptrs, n_mask, cnt_ptr, tile, pid_k,
+                                        tl.num_programs(0) * N, SPLIT_K)  # fmt: skip
+            if last:
+                tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+    @triton.jit
+    def _kq_gemm_kernel(
+        x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, KW, KB, stride_xm,
+        stride_ym, stride_w, KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        SPLIT_K: tl.constexpr, KB_PER_SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+    ):  # fmt: skip
+        """y[M, N] = x @ W^T on tensor cores, one super-block a k-step: each W tile is
+        decoded in registers (q * scale + bias in fp32, then x's dtype)."""
+        NS: tl.constexpr = 16 if KIND == 2 else 8  # sub-blocks of one super-block
+        S: tl.constexpr = 256 // NS
+        pid = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        num_n = tl.cdiv(N, BLOCK_N)
+        pid_m = pid // num_n
+        pid_n = pid % num_n
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask = rm < M
+        n_mask = rn < N
+        K = KB * 256
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for j in range(0, KB_PER_SPLIT):
+            kb = pid_k * KB_PER_SPLIT + j
+            lo, hi = _kq_load(w_ptr, rn, n_mask, kb, stride_w, KW, KB, KIND, NS)
+            q = _kq_codes(lo, hi, KIND)  # [BN, NS, WPS, 8]
+            scale, bias = _kq_scales(s_ptr, b_ptr, rn, n_mask, kb, KB, KIND, NS)
+            if KIND == 2:
+                w = q * scale[:, :, None, None]
+            else:
+                w = q * scale[:, :, None, None] + bias[:, :, None, None]
+            # column t of the W tile (sub-block s, word w, nibble i) is weight s*S + i*WPS + w
+            t = tl.arange(0, 256)
+            rk = kb * 256 + (t // S) * S + (t % 8) * (S // 8) + (t % S) // 8
+            xt = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
+                         mask=m_mask[:, None] & (rk < K)[None, :], other=0.0)  # fmt: skip
+            wt = tl.reshape(w, [BLOCK_N, 256])
+            if UPCAST:  # the interpreter multiplies bf16 tiles as raw uint16: go through fp32
+                acc = tl.dot(xt.to(tl.float32), tl.trans(wt), acc)
+            elif xt.dtype == tl.float32:
+                acc = tl.dot(xt, tl.trans(wt), acc, input_precision="tf32x3")
+            else:
+                acc = tl.dot(xt, tl.trans(wt.to(xt.dtype)), acc)
+        tk._splitk_epilogue(acc, y_ptr, part_ptr, cnt_ptr, rm, rn, M, N, stride_ym, M * N, pid,
+                            pid_k, SPLIT_K)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class KQConfig:
+    """Launch parameters: kernel "gemv" (block_n rows, sb super-blocks a k-step) or "gemm"
+    (block_m x block_n tiles, one super-block a k-step); split_k programs along K."""
+
+    kernel: str
+    block_m: int
+    block_n: int
+    sb: int
+    split_k: int
+    num_warps: int
+
+
+def choose_kq_config(m: int, w: KQLinear, device) -> KQConfig:
+    """Launch parameters for x [m, K] @ W^T. Not timed on a GPU yet; chosen by the SASS of
+    the GEMV's loop for sm_90 (benchmarks/sass_kquant.py: 4096x4096, 4 warps), instructions
+    per weight for Q4_K / Q5_K / Q6_K: 16 rows and 2 super-blocks a step 6.44 / 8.91 / 7.86
+    (before Q4_K's in-place masks), 32 rows and 2 4.40 / 7.19 / 6.81 (each input converted
+    once for 4 rows a thread; 96 / 127 / 165 registers, no spills), 64 rows and 2 3.82 /
+    6.61 / 6.33 but 240-251 registers (2 programs a SM). Split K until ~4 programs a SM run
+    (more splits cost their partials)."""
+    sms = tk._num_sms(device)
+    nb = w.k // QK
+    if m <= tk.GEMV_MAX_M:
+        bn, sb = 32, 2 if nb % 2 == 0 else 1
+        tiles = m * math.ceil(w.n / bn)
+        sk = tk._split(tiles, math.ceil(nb / sb), sms, 4.0)
+        return KQConfig("gemv", 1, bn, sb, sk, 4)
+    if device.type == "cpu":  # interpreter: small tiles keep the CPU tests fast
+        bm, bn, warps = 16, 32, 4
+    else:
+        bm, bn, warps = (32 if m <= 32 else 64), 64, 8
+    tiles = math.ceil(m / bm) * math.ceil(w.n / bn)
+    sk = tk._split(tiles, nb, sms, 1.0) if tiles < sms else 1
+    return KQConfig("gemm", bm, bn, 1, sk, warps)
+
+
+def kqmatmul(x: torch.Tensor, w: KQLinear, config: KQConfig | None = None) -> torch.Tensor:
+    """x [..., K] (bf16/fp16/fp32) @ W^T -> [..., N] in x's dtype, W a K-quant (KQLinear)."""
+    tk._need_torch()
+    tk._check_runtime(x)
+    if x.shape[-1] != w.k:
+        raise MlxrunError(f"input has {x.shape[-1]} features but the weight expects {w.k}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, w.k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty((m, w.n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.reshape(*lead, w.n)
+    cfg = config or choose_kq_config(m, w, x.device)
+    nb = w.k // QK
+    kw = w.k // 8
+    ksteps = math.ceil(nb / cfg.sb)
+    per = math.ceil(ksteps / cfg.split_k)
+    split = math.ceil(ksteps / per)  # no empty splits
+    if cfg.kernel == "gemv":
+        tiles = math.ceil(w.n / cfg.block_n)
+        grid = (m, tiles, split)
+    else:
+        tiles = math.ceil(m / cfg.block_m) * math.ceil(w.n / cfg.block_n)
+        grid = (tiles, split)
+    part = torch.empty((split, m, w.n), dtype=torch.float32, device=x.device) if split > 1 else y
+    cnt = tk._counters(x.device, m * tiles if cfg.kernel == "gemv" else tiles) if split > 1 else y
+    args = (x2, w.weight, w.scales, w.biases, y, part, cnt)
+    if cfg.kernel == "gemv":
+        _kq_gemv_kernel[grid](
+            *args, w.n, kw, nb, x2.stride(0), y.stride(0), w.weight.stride(0),
+            KIND=KINDS[w.kind], BLOCK_N=cfg.block_n, SB=cfg.sb, SPLIT_K=split,
+            KB_PER_SPLIT=per, num_warps=cfg.num_warps, **tk.pdl_args(x.device),
+        )  # fmt: skip
+    else:
+        _kq_gemm_kernel[grid](
+            *args, m, w.n, kw, nb, x2.stride(0), y.stride(0), w.weight.stride(0),
+            KIND=KINDS[w.kind], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=split,
+            KB_PER_SPLIT=per, UPCAST=x.device.type != "cuda", num_warps=cfg.num_warps,
+        )  # fmt: skip
+    return y.reshape(*lead, w.n)
