@@ -325,7 +325,7 @@ def build_random(cfg: ModelConfig, be, spec=None, seed: int = 0) -> Transformer:
         def kind(name, cols):
             return None
 
-    embed = r.matrix(V, H, True, kind("token_embd.weight", H))  # rows gathered (tied: head)
+    embed = r.matrix(V, H, True, kind=kind("token_embd.weight", H))  # gathered (tied: head)
     be.eval(*_arrays(embed))
     layers = []
     for i in range(n):
