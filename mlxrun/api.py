@@ -136,6 +136,7 @@ class Model:
         self.notes = notes
         self.load_time = load_time
         self.expanded = False  # a packed checkpoint dequantized on load
+        self._drafts: dict = {}  # draft models loaded by name, for speculative decoding
 
     def __repr__(self) -> str:
         return f"<mlxrun.Model {self.source} on {self.backend.describe()}>"
@@ -170,12 +171,19 @@ class Model:
         system: str | None = None,
         chat: bool | None = None,
         stop: list[str] | None = None,
+        draft: Any = None,
+        draft_model: Any = None,
+        num_draft: int | None = None,
         **sampling: Any,
     ) -> Iterator[GenerationResponse]:
         """Yield GenerationResponse pieces (text, token, running stats, finish_reason).
 
         prompt: text, token ids, or chat messages [{"role", "content"}] (as mlx-lm takes).
         sampling: temperature (or temp), top_p, top_k, min_p, repetition_penalty, seed.
+        Speculative decoding: draft_model (a Model, or what `load` takes, with this model's
+        tokenizer) or draft="ngram" (prompt lookup), num_draft tokens per verify pass;
+        `draft` may also be a `mlxrun.speculative` draft object, whose `stats` then count
+        the drafted and accepted tokens. Greedy output is the same as without a draft.
         """
         _check_max_tokens(max_tokens)
         ids = self._ids(prompt, system, chat)
@@ -186,7 +194,57 @@ class Model:
             _sampling(sampling),
             max_tokens=max_tokens,
             stop=stop,
+            draft=self.drafter(draft, draft_model, num_draft),
         )
+
+    def drafter(self, draft: Any = None, draft_model: Any = None, num_draft: int | None = None):
+        """The draft source for speculative decoding (`mlxrun.speculative`), or None.
+
+        draft: None, "ngram", or a draft object (returned as it is); draft_model: a Model or
+        what `load` takes (loaded once on this model's backend and dtype, then kept)."""
+        from .speculative import ModelDraft, NgramDraft  # noqa: PLC0415
+
+        if isinstance(draft, NgramDraft | ModelDraft):
+            return draft
+        if draft_model is not None:
+            if draft not in (None, "model"):
+                raise MlxrunError("give --draft-model or --draft ngram, not both")
+            return ModelDraft(self._draft_model(draft_model).transformer, num_draft)
+        if draft is None:
+            if num_draft is not None:
+                raise MlxrunError("--num-draft needs --draft-model or --draft ngram")
+            return None
+        if draft != "ngram":
+            raise MlxrunError(f"--draft takes ngram (or use --draft-model), got {draft!r}")
+        return NgramDraft(num_draft)
+
+    def _draft_model(self, source: Any) -> Model:
+        if isinstance(source, Model):
+            d = source
+        else:
+            kept = self._drafts
+            if source not in kept:
+                be = self.backend
+                kept[source] = load(
+                    source,
+                    backend="mlx" if be.name == "mlx" else be.device,
+                    dtype=be.dtype,
+                    progress=False,
+                    fastest=True,
+                )
+            d = kept[source]
+        if d.backend.name != self.backend.name or d.backend.device != self.backend.device:
+            raise MlxrunError(
+                f"the draft model runs on {d.backend.describe()} and the target on "
+                f"{self.backend.describe()}; load both on one backend"
+            )
+        if d.tokenizer.vocab() != self.tokenizer.vocab():
+            raise MlxrunError(
+                f"the draft model {d.source} has another tokenizer than {self.source} "
+                f"({d.tokenizer.vocab_size} vs {self.tokenizer.vocab_size} tokens); "
+                "draft with a model of the same tokenizer"
+            )
+        return d
 
     @_api_names
     def generate(
@@ -198,13 +256,22 @@ class Model:
         chat: bool | None = None,
         stop: list[str] | None = None,
         batch_size: int | str = "auto",
+        draft: Any = None,
+        draft_model: Any = None,
+        num_draft: int | None = None,
         **sampling: Any,
     ) -> str | list[str]:
         """The whole answer as a string (same options as `stream`). A list of prompts (texts,
         or lists of token ids or of messages) runs as batches (`generate_many`, batch_size
         "auto" from the memory plan) and returns the answers in input order."""
         _check_max_tokens(max_tokens)
+        drafter = self.drafter(draft, draft_model, num_draft)
         if _is_batch(prompt):
+            if drafter is not None:
+                raise MlxrunError(
+                    "speculative decoding runs one prompt at a time; "
+                    "drop --draft-model / --draft for batches"
+                )
             results, _ = self.generate_many(
                 list(prompt), max_tokens, system=system, chat=chat, stop=stop,
                 batch_size=batch_size, **sampling,
@@ -218,6 +285,7 @@ class Model:
             params=_sampling(sampling),
             max_tokens=max_tokens,
             stop=stop,
+            draft=drafter,
         )
         return text
 

@@ -183,6 +183,25 @@ def cli():
     show_default=True,
     help="Refuse weights that hold NaN or inf (one pass over their bytes while loading).",
 )
+@click.option(
+    "--draft-model",
+    default=None,
+    help="Speculative decoding with this small model (same tokenizer) drafting tokens "
+    "that the model checks in one pass; greedy output is unchanged.",
+)
+@click.option(
+    "--draft",
+    type=click.Choice(["ngram"]),
+    default=None,
+    help="Speculative decoding with prompt lookup: draft the tokens that followed the "
+    "latest earlier occurrence of the last few tokens.",
+)
+@click.option(
+    "--num-draft",
+    type=int,
+    default=None,
+    help="Tokens drafted per verify pass [default: 4 with --draft-model, 8 with --draft ngram].",
+)
 @verbosity_options
 def generate(
     model,
@@ -206,6 +225,9 @@ def generate(
     group_size,
     bits,
     check_weights,
+    draft_model,
+    draft,
+    num_draft,
     quiet,
     verbose,
 ):
@@ -231,6 +253,16 @@ def generate(
     if any(not p.strip() for p in prompts):
         raise MlxrunError("the prompt is empty; pass some text with --prompt")
     sampling = SamplingParams(temp, top_p, top_k, min_p, repetition_penalty, seed=seed)
+    speculative = draft_model is not None or draft is not None
+    if speculative and (len(prompts) > 1 or output is not None):
+        raise MlxrunError(
+            "speculative decoding (--draft-model / --draft) runs one prompt streamed to the "
+            "terminal; drop it for batches and --output"
+        )
+    if draft_model is not None and draft is not None:
+        raise MlxrunError("give --draft-model or --draft ngram, not both")
+    if num_draft is not None and not speculative:
+        raise MlxrunError("--num-draft needs --draft-model or --draft ngram")
     m = load(
         model,
         backend=backend,
@@ -245,8 +277,9 @@ def generate(
     _notes(m.notes, quiet)
     if verbose:
         click.echo(f"Loaded {m.source} in {m.load_time:.2f} s", err=True)
+    drafter = m.drafter(draft, draft_model, num_draft) if speculative else None
     if len(prompts) == 1 and output is None:
-        _stream_one(m, prompts[0], max_tokens, system, chat, list(stop), sampling, quiet)
+        _stream_one(m, prompts[0], max_tokens, system, chat, list(stop), sampling, quiet, drafter)
         return
     results, stats = m.generate_many(
         prompts,
@@ -286,8 +319,9 @@ def _notes(notes: list[str], quiet: bool) -> None:
             click.echo(f"note: {note}", err=True)
 
 
-def _stream_one(m, prompt, max_tokens, system, chat, stop, sampling, quiet=False) -> None:
-
+def _stream_one(
+    m, prompt, max_tokens, system, chat, stop, sampling, quiet=False, drafter=None
+) -> None:
     last = None
     for r in m.stream(
         prompt,
@@ -295,6 +329,7 @@ def _stream_one(m, prompt, max_tokens, system, chat, stop, sampling, quiet=False
         system=system,
         chat=chat,
         stop=stop,
+        draft=drafter,
         **dataclasses.asdict(sampling),
     ):
         click.echo(r.text, nl=False)
@@ -311,6 +346,13 @@ def _stream_one(m, prompt, max_tokens, system, chat, stop, sampling, quiet=False
         f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec",
         err=True,
     )
+    if drafter is not None:
+        st = drafter.stats
+        click.echo(
+            f"Draft: {drafter.kind}, {drafter.k} a pass; {st.accepted} of {st.drafted} drafted "
+            f"tokens accepted ({100 * st.acceptance:.1f}%) in {st.passes} verify passes",
+            err=True,
+        )
     click.echo(f"Peak memory: {last.peak_memory:.3f} GB", err=True)
     click.echo(_weights_line(m), err=True)
     click.echo(f"Finish: {last.finish_reason}", err=True)

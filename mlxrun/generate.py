@@ -194,10 +194,12 @@ def stream(
     stop: list[str] | None = None,
     prefill_chunk: int | None = None,
     logprobs: int | None = None,
+    draft=None,
 ) -> Iterator[GenerationResponse]:
     """Generate for one prompt, yielding text pieces as they become final. With `logprobs`
     (0, or n for the n most likely beside it) each response carries its token's
-    log-probability under the model."""
+    log-probability under the model. With `draft` (`mlxrun.speculative.NgramDraft` or
+    `ModelDraft`) the tokens come from speculative decoding; its `stats` count them."""
     params = params or SamplingParams()
     if max_tokens < 1:
         raise MlxrunError(f"--max-tokens must be at least 1, got {max_tokens}")
@@ -214,7 +216,15 @@ def stream(
     finish = None
     token = None
     lp = top = None
-    for step in generate_step(model, [prompt_ids], params, max_tokens, prefill_chunk, logprobs):
+    if draft is None:
+        steps = generate_step(model, [prompt_ids], params, max_tokens, prefill_chunk, logprobs)
+    else:
+        from .speculative import check_options  # noqa: PLC0415
+        from .speculative import generate_step as speculative_step  # noqa: PLC0415
+
+        check_options(params, logprobs, 1)
+        steps = speculative_step(model, prompt_ids, params, max_tokens, draft, prefill_chunk)
+    for step in steps:
         if logprobs is None:
             token = int(step[0])
         else:
