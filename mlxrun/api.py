@@ -197,7 +197,9 @@ class Model:
             draft=self.drafter(draft, draft_model, num_draft),
         )
 
-    def drafter(self, draft: Any = None, draft_model: Any = None, num_draft: int | None = None):
+    def drafter(
+        self, draft: Any = None, draft_model: Any = None, num_draft: int | None = None
+    ) -> Any:
         """The draft source for speculative decoding (`mlxrun.speculative`), or None.
 
         draft: None, "ngram", or a draft object (returned as it is); draft_model: a Model or
