@@ -650,14 +650,38 @@ def _csv(value: str) -> list[str]:
     default=None,
     help="Compute dtype [default: float32 on CPU, bfloat16 on GPUs, float16 on MPS].",
 )
+@click.option(
+    "--draft-model",
+    default=None,
+    help="Speculative decoding with this draft (shape:NAME with a shape: model): "
+    "acceptance and effective tok/s against plain decode (random weights: the verify "
+    "pass's cost instead).",
+)
+@click.option("--draft", type=click.Choice(["ngram"]), default=None, help="Prompt lookup drafts.")
+@click.option("--num-draft", type=int, default=None, help="Tokens drafted per verify pass.")
 def bench(
     model, backends, quant, prompt_tokens, gen_tokens, batch, reps, compare, temp, top_p,
-    top_k, min_p, seed, json_path, plot_path, dtype,
+    top_k, min_p, seed, json_path, plot_path, dtype, draft_model, draft, num_draft,
 ):  # fmt: skip
     """Measure load time, TTFT, prefill and decode speed, peak memory and the fraction of
     the memory-bandwidth roofline, per backend and weight format, in one table."""
     from .bench import format_report, run_bench  # noqa: PLC0415
     from .sampling import SamplingParams  # noqa: PLC0415
+
+    if draft_model is not None or draft is not None:
+        from .bench_spec import format_spec, run_spec_bench  # noqa: PLC0415
+
+        if batch != 1 or compare or temp or plot_path:
+            raise MlxrunError(
+                "bench with a draft measures greedy batch-1 decode; drop --batch-size, "
+                "--compare, --temp and --plot"
+            )
+        rows = run_spec_bench(
+            model, _csv(backends), _csv(quant), draft, draft_model, num_draft,
+            prompt_tokens, gen_tokens, reps, dtype, json_path,
+        )  # fmt: skip
+        click.echo(format_spec(rows))
+        return
 
     sampling = SamplingParams(temp, top_p, top_k, min_p, seed=seed)
     report = run_bench(

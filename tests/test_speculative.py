@@ -154,3 +154,17 @@ def test_cli_speculative_prints_the_same_text(capsys, tiny_dir):
     assert (
         code == 1 and err.strip() == "mlxrun: error: give --draft-model or --draft ngram, not both"
     )
+
+
+def test_bench_rows(tiny_dir):
+    from mlxrun.bench_spec import format_spec, run_spec_bench
+
+    d, _ = tiny_dir("llama_gqa_tied")
+    (real,) = run_spec_bench(str(d), ["cpu"], ["stored"], "ngram", None, 3, 24, 8, 1)
+    assert real.same_tokens and 0 <= real.acceptance <= 1 and real.k == 3
+    assert 1 <= real.tokens_per_pass <= 4 and real.spec_tps > 0 and real.plain_tps > 0
+    (shape,) = run_spec_bench("shape:tiny", ["cpu"], ["none"], None, "shape:tiny", 2, 16, 4, 1)
+    assert shape.draft == "model" and shape.verify_ms > 0 and shape.draft_step_ms > 0
+    cost = (shape.verify_ms + 2 * shape.draft_step_ms) / 1e3
+    assert shape.projected_tps["0.5"] == pytest.approx((1 + 0.5 + 0.25) / cost)
+    assert "same tokens: yes" in format_spec([real])
