@@ -137,6 +137,7 @@ class Model:
         self.notes = notes
         self.load_time = load_time
         self.expanded = False  # a packed checkpoint dequantized on load
+        self._drafts: dict = {}  # draft models loaded by name, for speculative decoding
 
     def __repr__(self) -> str:
         return f"<mlxrun.Model {self.source} on {self.backend.describe()}>"
@@ -174,6 +175,9 @@ class Model:
         json_schema: dict | str | None = None,
         grammar: str | None = None,
         regex: str | None = None,
+        draft: Any = None,
+        draft_model: Any = None,
+        num_draft: int | None = None,
         **sampling: Any,
     ) -> Iterator[GenerationResponse]:
         """Yield GenerationResponse pieces (text, token, running stats, finish_reason).
@@ -182,6 +186,10 @@ class Model:
         sampling: temperature (or temp), top_p, top_k, min_p, repetition_penalty, seed.
         json_schema (a dict or JSON text), grammar (GBNF or Lark) or regex: the answer
         follows it (constrained decoding, `mlxrun.structured`; needs mlxrun[structured]).
+        Speculative decoding: draft_model (a Model, or what `load` takes, with this model's
+        tokenizer) or draft="ngram" (prompt lookup), num_draft tokens per verify pass;
+        `draft` may also be a `mlxrun.speculative` draft object, whose `stats` then count
+        the drafted and accepted tokens. Greedy output is the same as without a draft.
         """
         _check_max_tokens(max_tokens)
         constraint = constraint_of(json_schema, grammar, regex)
@@ -194,7 +202,59 @@ class Model:
             max_tokens=max_tokens,
             stop=stop,
             constraint=constraint,
+            draft=self.drafter(draft, draft_model, num_draft),
         )
+
+    def drafter(
+        self, draft: Any = None, draft_model: Any = None, num_draft: int | None = None
+    ) -> Any:
+        """The draft source for speculative decoding (`mlxrun.speculative`), or None.
+
+        draft: None, "ngram", or a draft object (returned as it is); draft_model: a Model or
+        what `load` takes (loaded once on this model's backend and dtype, then kept)."""
+        from .speculative import ModelDraft, NgramDraft  # noqa: PLC0415
+
+        if isinstance(draft, NgramDraft | ModelDraft):
+            return draft
+        if draft_model is not None:
+            if draft not in (None, "model"):
+                raise MlxrunError("give --draft-model or --draft ngram, not both")
+            return ModelDraft(self._draft_model(draft_model).transformer, num_draft)
+        if draft is None:
+            if num_draft is not None:
+                raise MlxrunError("--num-draft needs --draft-model or --draft ngram")
+            return None
+        if draft != "ngram":
+            raise MlxrunError(f"--draft takes ngram (or use --draft-model), got {draft!r}")
+        return NgramDraft(num_draft)
+
+    def _draft_model(self, source: Any) -> Model:
+        if isinstance(source, Model):
+            d = source
+        else:
+            kept = self._drafts
+            if source not in kept:
+                be = self.backend
+                kept[source] = load(
+                    source,
+                    backend="mlx" if be.name == "mlx" else be.device,
+                    dtype=be.dtype,
+                    progress=False,
+                    fastest=True,
+                )
+            d = kept[source]
+        if d.backend.name != self.backend.name or d.backend.device != self.backend.device:
+            raise MlxrunError(
+                f"the draft model runs on {d.backend.describe()} and the target on "
+                f"{self.backend.describe()}; load both on one backend"
+            )
+        if d.tokenizer.vocab() != self.tokenizer.vocab():
+            raise MlxrunError(
+                f"the draft model {d.source} has another tokenizer than {self.source} "
+                f"({d.tokenizer.vocab_size} vs {self.tokenizer.vocab_size} tokens); "
+                "draft with a model of the same tokenizer"
+            )
+        return d
 
     @_api_names
     def generate(
@@ -209,6 +269,9 @@ class Model:
         json_schema: dict | str | None = None,
         grammar: str | None = None,
         regex: str | None = None,
+        draft: Any = None,
+        draft_model: Any = None,
+        num_draft: int | None = None,
         **sampling: Any,
     ) -> str | list[str]:
         """The whole answer as a string (same options as `stream`). A list of prompts (texts,
@@ -216,7 +279,13 @@ class Model:
         "auto" from the memory plan) and returns the answers in input order."""
         _check_max_tokens(max_tokens)
         constraint = constraint_of(json_schema, grammar, regex)
+        drafter = self.drafter(draft, draft_model, num_draft)
         if _is_batch(prompt):
+            if drafter is not None:
+                raise MlxrunError(
+                    "speculative decoding runs one prompt at a time; "
+                    "drop --draft-model / --draft for batches"
+                )
             results, _ = self.generate_many(
                 list(prompt), max_tokens, system=system, chat=chat, stop=stop,
                 batch_size=batch_size, json_schema=json_schema, grammar=grammar, regex=regex,
@@ -232,6 +301,7 @@ class Model:
             max_tokens=max_tokens,
             stop=stop,
             constraint=constraint,
+            draft=drafter,
         )
         return text
 

@@ -186,6 +186,25 @@ def cli():
     help="Refuse weights that hold NaN or inf (one pass over their bytes while loading).",
 )
 @constraint_options
+@click.option(
+    "--draft-model",
+    default=None,
+    help="Speculative decoding with this small model (same tokenizer) drafting tokens "
+    "that the model checks in one pass; greedy output is unchanged.",
+)
+@click.option(
+    "--draft",
+    type=click.Choice(["ngram"]),
+    default=None,
+    help="Speculative decoding with prompt lookup: draft the tokens that followed the "
+    "latest earlier occurrence of the last few tokens.",
+)
+@click.option(
+    "--num-draft",
+    type=int,
+    default=None,
+    help="Tokens drafted per verify pass [default: 4 with --draft-model, 8 with --draft ngram].",
+)
 @verbosity_options
 def generate(
     model,
@@ -211,6 +230,9 @@ def generate(
     check_weights,
     json_schema,
     grammar,
+    draft_model,
+    draft,
+    num_draft,
     quiet,
     verbose,
 ):
@@ -237,6 +259,16 @@ def generate(
         raise MlxrunError("the prompt is empty; pass some text with --prompt")
     sampling = SamplingParams(temp, top_p, top_k, min_p, repetition_penalty, seed=seed)
     constraint = constraint_from(json_schema, grammar)
+    speculative = draft_model is not None or draft is not None
+    if speculative and (len(prompts) > 1 or output is not None):
+        raise MlxrunError(
+            "speculative decoding (--draft-model / --draft) runs one prompt streamed to the "
+            "terminal; drop it for batches and --output"
+        )
+    if draft_model is not None and draft is not None:
+        raise MlxrunError("give --draft-model or --draft ngram, not both")
+    if num_draft is not None and not speculative:
+        raise MlxrunError("--num-draft needs --draft-model or --draft ngram")
     m = load(
         model,
         backend=backend,
@@ -251,9 +283,10 @@ def generate(
     _notes(m.notes, quiet)
     if verbose:
         click.echo(f"Loaded {m.source} in {m.load_time:.2f} s", err=True)
+    drafter = m.drafter(draft, draft_model, num_draft) if speculative else None
     if len(prompts) == 1 and output is None:
         _stream_one(m, prompts[0], max_tokens, system, chat, list(stop), sampling, quiet,
-                    constraint)  # fmt: skip
+                    constraint, drafter)  # fmt: skip
         return
     results, stats = m.generate_many(
         prompts,
@@ -303,7 +336,9 @@ def _constraint_kw(c) -> dict:
     return {"regex" if c.kind == "regex" else "grammar": c.source}
 
 
-def _stream_one(m, prompt, max_tokens, system, chat, stop, sampling, quiet=False, c=None):
+def _stream_one(
+    m, prompt, max_tokens, system, chat, stop, sampling, quiet=False, c=None, drafter=None
+) -> None:
     last = None
     for r in m.stream(
         prompt,
@@ -312,6 +347,7 @@ def _stream_one(m, prompt, max_tokens, system, chat, stop, sampling, quiet=False
         chat=chat,
         stop=stop,
         **_constraint_kw(c),
+        draft=drafter,
         **dataclasses.asdict(sampling),
     ):
         click.echo(r.text, nl=False)
@@ -328,6 +364,13 @@ def _stream_one(m, prompt, max_tokens, system, chat, stop, sampling, quiet=False
         f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec",
         err=True,
     )
+    if drafter is not None:
+        st = drafter.stats
+        click.echo(
+            f"Draft: {drafter.kind}, {drafter.k} a pass; {st.accepted} of {st.drafted} drafted "
+            f"tokens accepted ({100 * st.acceptance:.1f}%) in {st.passes} verify passes",
+            err=True,
+        )
     click.echo(f"Peak memory: {last.peak_memory:.3f} GB", err=True)
     click.echo(_weights_line(m), err=True)
     click.echo(f"Finish: {last.finish_reason}", err=True)
@@ -626,14 +669,38 @@ def _csv(value: str) -> list[str]:
     default=None,
     help="Compute dtype [default: float32 on CPU, bfloat16 on GPUs, float16 on MPS].",
 )
+@click.option(
+    "--draft-model",
+    default=None,
+    help="Speculative decoding with this draft (shape:NAME with a shape: model): "
+    "acceptance and effective tok/s against plain decode (random weights: the verify "
+    "pass's cost instead).",
+)
+@click.option("--draft", type=click.Choice(["ngram"]), default=None, help="Prompt lookup drafts.")
+@click.option("--num-draft", type=int, default=None, help="Tokens drafted per verify pass.")
 def bench(
     model, backends, quant, prompt_tokens, gen_tokens, batch, reps, compare, temp, top_p,
-    top_k, min_p, seed, json_path, plot_path, dtype,
+    top_k, min_p, seed, json_path, plot_path, dtype, draft_model, draft, num_draft,
 ):  # fmt: skip
     """Measure load time, TTFT, prefill and decode speed, peak memory and the fraction of
     the memory-bandwidth roofline, per backend and weight format, in one table."""
     from .bench import format_report, run_bench  # noqa: PLC0415
     from .sampling import SamplingParams  # noqa: PLC0415
+
+    if draft_model is not None or draft is not None:
+        from .bench_spec import format_spec, run_spec_bench  # noqa: PLC0415
+
+        if batch != 1 or compare or temp or plot_path:
+            raise MlxrunError(
+                "bench with a draft measures greedy batch-1 decode; drop --batch-size, "
+                "--compare, --temp and --plot"
+            )
+        rows = run_spec_bench(
+            model, _csv(backends), _csv(quant), draft, draft_model, num_draft,
+            prompt_tokens, gen_tokens, reps, dtype, json_path,
+        )  # fmt: skip
+        click.echo(format_spec(rows))
+        return
 
     sampling = SamplingParams(temp, top_p, top_k, min_p, seed=seed)
     report = run_bench(

@@ -226,11 +226,14 @@ def stream(
     prefill_chunk: int | None = None,
     logprobs: int | None = None,
     constraint: Constraint | None = None,
+    draft=None,
 ) -> Iterator[GenerationResponse]:
     """Generate for one prompt, yielding text pieces as they become final. With `logprobs`
     (0, or n for the n most likely beside it) each response carries its token's
     log-probability under the model. With `constraint` the answer follows its JSON schema,
-    regular expression or grammar (`mlxrun.structured`)."""
+    regular expression or grammar (`mlxrun.structured`). With `draft`
+    (`mlxrun.speculative.NgramDraft` or `ModelDraft`) the tokens come from speculative
+    decoding; its `stats` count them."""
     params = params or SamplingParams()
     if max_tokens < 1:
         raise MlxrunError(f"--max-tokens must be at least 1, got {max_tokens}")
@@ -247,10 +250,23 @@ def stream(
     finish = None
     token = None
     lp = top = None
-    matchers = _matchers(model, tokenizer, constraint, 1)
-    for step in generate_step(
-        model, [prompt_ids], params, max_tokens, prefill_chunk, logprobs, matchers
-    ):
+    if draft is None:
+        matchers = _matchers(model, tokenizer, constraint, 1)
+        steps = generate_step(
+            model, [prompt_ids], params, max_tokens, prefill_chunk, logprobs, matchers
+        )
+    else:
+        from .speculative import check_options  # noqa: PLC0415
+        from .speculative import generate_step as speculative_step  # noqa: PLC0415
+
+        if constraint is not None:
+            raise MlxrunError(
+                "speculative decoding does not follow a schema or grammar yet; drop the "
+                "draft or the constraint"
+            )
+        check_options(params, logprobs, 1)
+        steps = speculative_step(model, prompt_ids, params, max_tokens, draft, prefill_chunk)
+    for step in steps:
         if logprobs is None:
             token = int(step[0])
         else:

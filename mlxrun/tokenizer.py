@@ -95,6 +95,10 @@ class Tokenizer:
 
         return cls(HFTokenizer.from_str(tokenizer_json), config, eos_ids)
 
+    def vocab(self) -> dict[str, int]:
+        """Token text -> id, every token (special ones too)."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """str -> token ids; `add_special_tokens` lets tokenizer.json's post-processor add
         BOS (the chat template writes its own, so chat prompts pass False)."""
