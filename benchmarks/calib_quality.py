@@ -2,13 +2,15 @@
 the same dense weights, calibration windows and evaluation text, in one run.
 
     python benchmarks/calib_quality.py [--model GGUF_OR_DIR] [--backend cpu|cuda|mlx]
-        [--methods rtn,awq,gptq,mlx-lm-awq,mlx-lm-gptq] [--samples 16] [--seq-len 320]
-        [--grid 20] [--max-tokens 3584] [--json OUT.json] [--keep DIR]
+        [--methods rtn,awq,gptq,awq-mixed,mlx-lm-awq,mlx-lm-gptq] [--samples 16]
+        [--seq-len 320] [--grid 20] [--target-bpw X] [--max-tokens 3584] [--json OUT.json]
+        [--keep DIR]
 
 The dense reference is `--model` (default: the bundled SmolLM2 GGUF) dequantized to
 float32. Rows: RTN int4 g64 (mlxrun's quantize-on-load, the bytes of `mlx_lm.convert -q`),
 each `mlxrun convert --calibrate` method (int4 g64, embedding g32, layers run on
-`--backend`), and mlx-lm's `awq_quantize` (embedding 4-bit g32) and `gptq_quantize`
+`--backend`; awq-mixed: awq with `--target-bpw`, by default the bits per weight of the
+uniform awq file, i.e. mlx-lm AWQ's bytes), and mlx-lm's `awq_quantize` (embedding 4-bit g32) and `gptq_quantize`
 (embedding 4-bit g32 fallback) fed the same token windows of the same calibration text.
 mlx-lm's quantizers run on MLX's default device (the GPU on a Mac or with mlx-cuda, else the
 CPU, where its AWQ takes hours for SmolLM2). All rows are scored in one `evaluate_many`
@@ -35,7 +37,7 @@ from mlxrun.evaluate import QuantChoice, evaluate_many, format_table, save_dense
 from mlxrun.loader import open_checkpoint
 from mlxrun.quant.calibrate import CalibOptions, calib_text, calib_windows
 
-METHODS = ("rtn", "awq", "gptq", "mlx-lm-awq", "mlx-lm-gptq")
+METHODS = ("rtn", "awq", "gptq", "awq-mixed", "mlx-lm-awq", "mlx-lm-gptq")
 
 
 def _mlx_lm(method: str, dense: Path, out: Path, wins: np.ndarray, grid: int) -> float:
@@ -65,6 +67,26 @@ def _mlx_lm(method: str, dense: Path, out: Path, wins: np.ndarray, grid: int) ->
     return secs
 
 
+def file_bpw(ck, opts: CalibOptions) -> float:
+    """Bits per weight of a uniform calibrated int4 g64 file of checkpoint `ck` (the
+    embedding and head at opts.embed_group_size, float32 scales): mlx-lm AWQ's size."""
+    from mlxrun.quant.formats import QuantSpec
+    from mlxrun.quant.mixed_bits import matrix_bytes
+
+    c = ck.config
+    lin = QuantSpec("affine", 4, 64)
+    emb = QuantSpec("affine", 4, opts.embed_group_size or 64)
+    d, f = c.hidden_size, c.intermediate_size
+    qd = c.num_attention_heads * c.head_dim
+    kv = c.num_key_value_heads * c.head_dim
+    shapes = [(qd, d), (kv, d), (kv, d), (d, qd), (f, d), (f, d), (d, f)]
+    heads = 1 if c.tie_word_embeddings else 2
+    n = c.num_hidden_layers * sum(o * i for o, i in shapes) + heads * c.vocab_size * d
+    nbytes = c.num_hidden_layers * sum(matrix_bytes(s, lin, "float32") for s in shapes)
+    nbytes += heads * matrix_bytes((c.vocab_size, d), emb, "float32")
+    return 8 * nbytes / n
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2", help="dense or quantized checkpoint / GGUF")
@@ -73,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=16, help="calibration windows")
     ap.add_argument("--seq-len", type=int, default=320, help="tokens per calibration window")
     ap.add_argument("--grid", type=int, default=20, help="scale search points (both AWQs)")
+    ap.add_argument(
+        "--target-bpw", type=float, default=None, help="awq-mixed's size (default: awq's)"
+    )
     ap.add_argument("--calib-data", default=None, help="calibration text (default: bundled)")
     ap.add_argument("--text", default=None, help="evaluation text (default: bundled)")
     ap.add_argument("--max-tokens", type=int, default=3584, help="evaluation tokens")
@@ -109,7 +134,10 @@ def main(argv: list[str] | None = None) -> int:
             if m.startswith("mlx-lm-"):
                 times[m] = _mlx_lm(m.removeprefix("mlx-lm-"), dense, out, wins, args.grid)
             else:
-                cal = dataclasses.replace(opts, method=m)
+                cal = dataclasses.replace(opts, method=m.removesuffix("-mixed"))
+                if m.endswith("-mixed"):
+                    target = args.target_bpw or file_bpw(ck, opts)
+                    cal = dataclasses.replace(cal, target_bpw=target)
                 convert(str(dense), str(out), "int4", 64, calibrate=cal, backend=args.backend)
                 times[m] = time.perf_counter() - t
             dirs.append((m, out))
