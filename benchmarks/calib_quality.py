@@ -4,7 +4,7 @@ the same dense weights, calibration windows and evaluation text, in one run.
     python benchmarks/calib_quality.py [--model GGUF_OR_DIR] [--backend cpu|cuda|mlx]
         [--methods rtn,awq,gptq,awq-mixed,mlx-lm-awq,mlx-lm-gptq] [--samples 16]
         [--seq-len 320] [--grid 20] [--target-bpw X] [--max-tokens 3584] [--json OUT.json]
-        [--keep DIR]
+        [--keep DIR [--calibrate-only]]
 
 The dense reference is `--model` (default: the bundled SmolLM2 GGUF) dequantized to
 float32. Rows: RTN int4 g64 (mlxrun's quantize-on-load, the bytes of `mlx_lm.convert -q`),
@@ -16,6 +16,9 @@ mlx-lm's quantizers run on MLX's default device (the GPU on a Mac or with mlx-cu
 CPU, where its AWQ takes hours for SmolLM2). All rows are scored in one `evaluate_many`
 run on `--backend` over the first `--max-tokens` tokens of the evaluation text. Prints the
 table, the calibration wall time of each method and, with --json, writes every number.
+With --keep DIR the dense and quantized directories stay there and a later run reuses
+them (and their recorded calibration times): to fit a limit per command, run each method
+with --calibrate-only, then all of them once more to score.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -103,12 +107,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=3584, help="evaluation tokens")
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--json", default=None, help="write the results here")
-    ap.add_argument("--keep", default=None, help="keep the dense and quantized dirs here")
+    ap.add_argument("--keep", default=None, help="keep (and reuse) the model dirs here")
+    ap.add_argument("--calibrate-only", action="store_true", help="with --keep: no scoring")
     args = ap.parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
     bad = sorted(set(methods) - set(METHODS))
     if bad:
         ap.error(f"unknown methods {bad}; choose from {', '.join(METHODS)}")
+    if args.calibrate_only and not args.keep:
+        ap.error("--calibrate-only needs --keep DIR (where the next run finds the models)")
     times: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.keep or tmp)
@@ -127,8 +134,12 @@ def main(argv: list[str] | None = None) -> int:
             if m in ("rtn",):
                 continue
             out = root / m
-            if out.exists():
-                raise SystemExit(f"{out} exists; give a fresh --keep directory")
+            recorded = root / f"{m}.seconds"
+            if out.exists() and recorded.exists():  # made by an earlier run with --keep
+                times[m] = float(recorded.read_text())
+                dirs.append((m, out))
+                continue
+            shutil.rmtree(out, ignore_errors=True)  # a run killed before it finished
             print(f"== {m}", file=sys.stderr, flush=True)
             t = time.perf_counter()
             if m.startswith("mlx-lm-"):
@@ -140,7 +151,11 @@ def main(argv: list[str] | None = None) -> int:
                     cal = dataclasses.replace(cal, target_bpw=target)
                 convert(str(dense), str(out), "int4", 64, calibrate=cal, backend=args.backend)
                 times[m] = time.perf_counter() - t
+            recorded.write_text(f"{times[m]:.3f}")
             dirs.append((m, out))
+        if args.calibrate_only:
+            print({m: round(times[m], 1) for m, _ in dirs})
+            return 0
         extra = against_candidates(ck, [str(d) for _, d in dirs], args.backend, "float32")
         extra = [dataclasses.replace(c, label=m) for c, (m, _) in zip(extra, dirs, strict=True)]
         choices = [QuantChoice(None)] + ([QuantChoice("int4", 64)] if "rtn" in methods else [])
