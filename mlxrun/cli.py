@@ -477,6 +477,13 @@ def plan(model, backend, dtype, quant, context, batch, prompt_tokens, tp, json_o
 @click.option("--calib-seq-len", type=int, default=320, show_default=True, help="Tokens a window.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Picks the windows.")
 @click.option(
+    "--target-bpw",
+    type=float,
+    default=None,
+    help="With --calibrate: bits per weight of the file (scales included); each linear "
+    "gets 3-8 bits by its measured sensitivity, written as per-layer overrides.",
+)
+@click.option(
     "--backend",
     default="cpu",
     show_default=True,
@@ -494,6 +501,7 @@ def convert(
     calib_samples,
     calib_seq_len,
     seed,
+    target_bpw,
     backend,
     quiet,
     verbose,
@@ -503,10 +511,17 @@ def convert(
     from .convert import convert as run_convert  # noqa: PLC0415
 
     opts = None
+    if target_bpw is not None and calibrate is None:
+        raise MlxrunError(
+            "--target-bpw needs --calibrate (awq or gptq): it measures each layer on the "
+            "calibration text"
+        )
     if calibrate is not None:
         from mlxrun.quant.calibrate import CalibOptions  # noqa: PLC0415
 
-        opts = CalibOptions(calibrate, calib_data, calib_samples, calib_seq_len, seed).check()
+        opts = CalibOptions(
+            calibrate, calib_data, calib_samples, calib_seq_len, seed, target_bpw=target_bpw
+        ).check()
     notes = run_convert(
         model,
         out_dir,

@@ -51,7 +51,9 @@ NO_CLIP = ("q_proj", "k_proj")
 class CalibOptions:
     """How to calibrate: `method` (awq | gptq), `samples` windows of `seq_len` tokens of
     `data` (a file, or None for the bundled text), chosen by `seed`; `grid` points for the
-    scale search; the embedding (and a tied head) at `embed_group_size` (None: the spec's)."""
+    scale search; the embedding (and a tied head) at `embed_group_size` (None: the spec's);
+    `target_bpw`: per-linear widths chosen from measured sensitivity to meet that many bits
+    per weight in the file (None: every linear at the spec's width)."""
 
     method: str = "awq"
     data: str | None = None
@@ -60,6 +62,7 @@ class CalibOptions:
     seed: int = 0
     grid: int = 20
     embed_group_size: int | None = 32
+    target_bpw: float | None = None
 
     def check(self) -> CalibOptions:
         if self.method not in METHODS:
@@ -70,6 +73,10 @@ class CalibOptions:
             raise MlxrunError(
                 f"--calib-samples ({self.samples}) must be at least 1 and --calib-seq-len "
                 f"({self.seq_len}) at least 2"
+            )
+        if self.target_bpw is not None and not 0 < self.target_bpw <= 16:
+            raise MlxrunError(
+                f"--target-bpw {self.target_bpw} is not a size: give bits per weight such as 4.5"
             )
         return self
 
@@ -227,18 +234,19 @@ def sample_error(e: np.ndarray, x: np.ndarray) -> float:
     return float(((x @ e.T) ** 2).sum() / len(x))
 
 
-def search_scales(ws: list[np.ndarray], x: np.ndarray, xmean: np.ndarray, spec, dtype, grid):
+def search_scales(ws: list[np.ndarray], x: np.ndarray, xmean: np.ndarray, specs, dtype, grid):
     """Per input channel scales s [in] for the matrices `ws` (one shared input): the
     s = xmean^a (a in [0, 1), `grid` steps, normalised to geometric mean ~1) whose rounded
     W*s, divided back by s, gives the least total output error on the input rows x
     [n, in]. a = 0 (s = 1) is plain rounding, so the result is never worse than that on
-    these inputs."""
+    these inputs. specs: one QuantSpec per matrix of `ws` (or one for all)."""
+    specs = specs if isinstance(specs, list | tuple) else [specs] * len(ws)
     best, best_s = None, np.ones_like(xmean)
     for k in range(grid):
         s = np.maximum(xmean ** (k / grid), 1e-4).astype(np.float32)
         s = s / np.sqrt(s.max() * s.min())
         err = 0.0
-        for w in ws:
+        for w, spec in zip(ws, specs, strict=True):
             err += sample_error(fake_quant(w * s, spec, dtype) / s - w, x)
         if best is None or err < best:
             best, best_s = err, s
@@ -393,6 +401,43 @@ def _names(i: int) -> dict[str, str]:
     return out
 
 
+def _mixed_specs(load, shell, hs, chunk, cfg, spec, espec, dtype, opts, progress):
+    """Per-linear specs {path: QuantSpec} (only those off `spec`'s width) meeting
+    `opts.target_bpw`. A linear's sensitivity at b bits is the error its rounding alone
+    causes in its layer's output, mean((h' - h)^2) / mean(h^2), on the first `chunk`
+    calibration windows carried through the dense model: the residual stream is where
+    every linear's error lands, so errors of q (through the softmax), gate (through the
+    activation) and down compare on one scale."""
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    from mlxrun.quant.mixed_bits import BITS, allocate, matrix_bytes  # noqa: PLC0415
+
+    if spec.mode != "affine":
+        raise MlxrunError(
+            f"--target-bpw mixes affine widths; {spec.label} has one width: use --quant int4"
+        )
+    be = shell.be
+    errs, shapes = {}, {}
+    sub = hs[:chunk]
+    for i in tqdm(range(cfg.num_hidden_layers), "measuring sensitivity", disable=not progress):
+        names, _, w, ln_in, ln_post, extra = load(i)
+        base, _ = _run(shell, _layer(be, w, ln_in, ln_post, extra), sub, chunk, None)
+        energy = max(float(np.mean(base.astype(np.float64) ** 2)), 1e-30)
+        for k, n in names.items():
+            errs[n], shapes[n] = {}, w[k].shape
+            for b in BITS:
+                wq = dict(w)
+                wq[k] = fake_quant(w[k], QuantSpec(spec.mode, b, spec.group_size), dtype)
+                got, _ = _run(shell, _layer(be, wq, ln_in, ln_post, extra), sub, chunk, None)
+                errs[n][b] = float(np.mean((got - base).astype(np.float64) ** 2)) / energy
+        sub = base
+    vocab = cfg.vocab_size * cfg.hidden_size
+    heads = 1 if cfg.tie_word_embeddings else 2
+    fixed = heads * matrix_bytes((cfg.vocab_size, cfg.hidden_size), espec, dtype)
+    bits = allocate(errs, shapes, spec, dtype, opts.target_bpw, fixed, heads * vocab)
+    return {n: QuantSpec(spec.mode, b, spec.group_size) for n, b in bits.items() if b != spec.bits}
+
+
 def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", progress=True):
     """Quantize the dense checkpoint `ckpt` (its matrices float32-able) to `spec` with
     calibration `opts`, running the layers on `backend`. Returns (tensors, block, notes):
@@ -472,13 +517,9 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
     chunk = max(1, 4096 // opts.seq_len)  # windows per forward: ~4096 tokens of activations
     hs = emb[wins]  # residual stream [samples, T, hidden], float32 on the host
     notes = []
-    bar = tqdm(
-        range(cfg.num_hidden_layers),
-        desc=f"calibrating ({opts.method})",
-        unit="layer",
-        disable=not progress,
-    )
-    for i in bar:
+
+    def load(i: int):
+        """Layer i's names, float32 matrices, norms and the Layer's extra arguments."""
         names = _names(i)
         p = f"model.layers.{i}"
         w = {k: f32(f"{n}.weight") for k, n in names.items()}
@@ -493,7 +534,30 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
         for k in ("q_norm", "k_norm"):
             if f"{p}.self_attn.{k}.weight" in t:
                 extra[k] = be.array(f32(f"{p}.self_attn.{k}.weight"))
+        return names, p, w, ln_in, ln_post, extra
 
+    specs: dict[str, QuantSpec] = {}  # per-linear widths other than the spec's
+    if opts.target_bpw is not None:
+        specs = _mixed_specs(load, shell, hs, chunk, cfg, spec, espec, dtype, opts, progress)
+        for name, sp in specs.items():
+            block[name] = to_config(sp)
+        notes.append(
+            f"--target-bpw {opts.target_bpw}: "
+            + ", ".join(
+                f"{sum(sp.bits == b for sp in specs.values())} linears at {b} bits"
+                for b in sorted({sp.bits for sp in specs.values()})
+            )
+            + f" (the rest at {spec.bits})"
+        )
+    bar = tqdm(
+        range(cfg.num_hidden_layers),
+        desc=f"calibrating ({opts.method})",
+        unit="layer",
+        disable=not progress,
+    )
+    for i in bar:
+        names, p, w, ln_in, ln_post, extra = load(i)
+        sp = {k: specs.get(n, spec) for k, n in names.items()}
         L = _layer(be, w, ln_in, ln_post, extra)
         _, stats = _run(shell_rec, L, hs, chunk, rec)
         h_qkv, m_qkv, x_qkv = stats[id(L.q_proj)].result()
@@ -503,10 +567,11 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
         del stats
         # scales: q/k/v (folded into the input norm), down (into up's rows), gate/up
         qkv = [w["q_proj"], w["k_proj"], w["v_proj"]]
-        s1 = search_scales(qkv, x_qkv, m_qkv, spec, dtype, opts.grid)
-        s2 = search_scales([w["down_proj"]], x_d, m_d, spec, dtype, opts.grid)
+        s1 = search_scales(qkv, x_qkv, m_qkv, [sp[k] for k in LINEARS[:3]], dtype, opts.grid)
+        s2 = search_scales([w["down_proj"]], x_d, m_d, sp["down_proj"], dtype, opts.grid)
         w["up_proj"] = w["up_proj"] / s2[:, None]
-        s3 = search_scales([w["gate_proj"], w["up_proj"]], x_gu, m_gu, spec, dtype, opts.grid)
+        gu = [w["gate_proj"], w["up_proj"]]
+        s3 = search_scales(gu, x_gu, m_gu, [sp["gate_proj"], sp["up_proj"]], dtype, opts.grid)
         ln_in, ln_post = ln_in / s1, ln_post / s3
         scaled = {
             "q_proj": s1,
@@ -531,7 +596,7 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
             s = scaled[k]
             ws = w[k] if s is None else w[k] * s
             hk = hh[k] if s is None else hh[k] / np.outer(s, s)
-            wq[k] = quantize(names[k], ws, hk, spec, clip=k not in NO_CLIP)
+            wq[k] = quantize(names[k], ws, hk, sp[k], clip=k not in NO_CLIP)
         out[f"{p}.input_layernorm.weight"] = stored("", ln_in)
         out[f"{p}.post_attention_layernorm.weight"] = stored("", ln_post)
         hs, _ = _run(shell, _layer(be, wq, ln_in, ln_post, extra), hs, chunk, None)
