@@ -115,6 +115,7 @@ class Backend(Protocol):
     # MoEOptions -> (B, T, H): each token's top-k experts, weighted by the routing, summed
     def argmax(self, logits: Array) -> Array: ...
     def finite_rows(self, logits: Array) -> Array: ...  # (B, V) -> (B,) bool: no NaN or inf
+    def thread_binder(self) -> Any: ...  # () -> None: gives a new thread this one's device
     def make_cache(
         self,
         num_layers: int,

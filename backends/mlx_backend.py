@@ -293,6 +293,9 @@ class MLXBackend:
             return x
         return mx.distributed.all_sum(x, group=self.group.handle)
 
+    def thread_binder(self):
+        return lambda: None  # MLX's default device and stream are not per thread
+
     def linear_sum(self, x, w, bias=None):
         # mx.distributed sums the products in the model's dtype: on the CPU (float32) that
         # is exact enough; half-precision ranks round each partial once more than one

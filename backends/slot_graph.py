@@ -158,7 +158,7 @@ class SlotDecoder:
     def __init__(self, model, cache, max_batch: int, capture: bool):
         self.model, self.cache, self.capture = model, cache, capture
         self.buckets = buckets(max_batch)
-        self.vocab = int(model.head.shape[0])
+        self.vocab = model.config.vocab_size  # (a CUDA-ready packed head keeps no .weight)
         self.steps: dict[tuple[int, SamplerPlan | None], SlotStep] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self._loaded: tuple | None = None  # (step, batch key) whose buffers are on the device

@@ -780,6 +780,15 @@ class TorchBackend:
             num_layers, slots, kv_heads, head_dim, max_len, self._dt, self._dev, windows, chunk
         )
 
+    def thread_binder(self):
+        """A function that gives another thread the calling thread's current CUDA device:
+        CUDA's current device is per thread and a new thread starts on GPU 0, while a
+        tensor-parallel rank's work belongs on its own GPU."""
+        if self.device != "cuda":
+            return lambda: None
+        index = torch.cuda.current_device()
+        return lambda: torch.cuda.set_device(index)
+
     def slot_decoder(self, model, cache, max_batch: int):
         """The engine's decode steps over `cache`'s rows with fixed shapes (slot_graph.py):
         captured per batch-size bucket on CUDA; run as they are where the Triton kernels are

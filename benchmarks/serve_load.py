@@ -237,8 +237,13 @@ def main(argv=None) -> None:
         report["bench_batch1"] = bench_round(model, tok, prompts[:1], args.gen_tokens)
         print(json.dumps({"bench_batch1": report["bench_batch1"]}), flush=True)
     if args.prefix_tokens:
-        head = np.random.default_rng(7).integers(3, vocab, args.prefix_tokens).tolist()
-        a, b = (make_prompts(tok, vocab, 1, 8, s, prefix=head)[0] for s in (8, 9))
+        # a first pair with another prefix compiles and tunes the shapes this path runs (a
+        # short chunk after a long cached prefix), so the timed pair measures the reuse alone
+        for seed in (6, 7):
+            head = np.random.default_rng(seed).integers(3, vocab, args.prefix_tokens).tolist()
+            a, b = (make_prompts(tok, vocab, 1, 8, s, prefix=head)[0] for s in (8, 9))
+            if seed == 6:
+                serve_round(url, name, [a], 4), serve_round(url, name, [b], 4)
         first = serve_round(url, name, [a], 4)["ttft_p50_ms"]
         second = serve_round(url, name, [b], 4)["ttft_p50_ms"]
         report["prefix"] = {"prefix_tokens": args.prefix_tokens, "first_ttft_ms": first,

