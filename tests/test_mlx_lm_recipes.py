@@ -84,3 +84,37 @@ def test_layer_missing_from_the_map_takes_its_stored_format(tmp_path):
     ours = mlxrun.load(str(out), backend="cpu", dtype="float32", progress=False)
     assert ours.transformer.layers[1].down_proj.bits == 6
     assert rel_err(ours.logits(ids), want) < 1e-4
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_mlx_lm_calibrated_files_match_mlx_lm(tmp_path, method):
+    """What mlx-lm's AWQ (its per-channel scales folded into the weights, a 4-bit g32
+    embedding) and GPTQ write for a tiny llama: loads on torch-cpu and MLX with mlx-lm's own
+    logits."""
+    from mlx_lm.quant import gptq
+    from mlx_lm.quant.awq import AWQ_MODEL_CONFIGS, awq_quantize, update_config
+    from mlx_lm.utils import load, save
+
+    dims = dict(hidden_size=64, intermediate_size=128, head_dim=16)
+    src, _ = _make(tmp_path, "src", "llama", dims)
+    model, tok, config = load(str(src), return_config=True)
+    mx.random.seed(0)
+    data = mx.array(np.random.default_rng(1).integers(3, VOCAB, size=(4, 32)))
+    if method == "awq":
+        awq_quantize(model, data, AWQ_MODEL_CONFIGS["llama"], bits=4, group_size=64,
+                     embed_bits=4, embed_group_size=32, n_grid=4)  # fmt: skip
+        config = update_config(model, config)
+    else:
+        model, q = gptq.gptq_quantize(model, data, 4, 64, 4, 32)
+        config["quantization"] = config["quantization_config"] = q
+    mx.eval(model.parameters())
+    out = tmp_path / method
+    save(str(out), str(src), model, tok, config)
+
+    ids = np.random.default_rng(2).integers(3, VOCAB, size=12)
+    theirs, _ = mlx_lm.load(str(out))
+    want = np.array(theirs(mx.array(ids[None])).astype(mx.float32))[0]
+    for backend in ("cpu", "mlx"):
+        ours = mlxrun.load(str(out), backend=backend, dtype="float32", progress=False)
+        assert isinstance(ours.transformer.layers[0].down_proj, QuantizedWeight)
+        assert rel_err(ours.logits(ids), want) < 1e-4, backend
