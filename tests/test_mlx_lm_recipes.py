@@ -118,3 +118,69 @@ def test_mlx_lm_calibrated_files_match_mlx_lm(tmp_path, method):
         ours = mlxrun.load(str(out), backend=backend, dtype="float32", progress=False)
         assert isinstance(ours.transformer.layers[0].down_proj, QuantizedWeight)
         assert rel_err(ours.logits(ids), want) < 1e-4, backend
+
+
+def test_mlx_lm_dynamic_quant_file_matches_mlx_lm(tmp_path):
+    """mlx-lm's dynamic quantization (per-layer bits from measured sensitivities, as
+    `mlx_lm.dynamic_quant` chooses them): the file loads on torch-cpu and MLX with mlx-lm's
+    logits, each layer at the bits mlx-lm gave it."""
+    from mlx_lm.quant.dynamic_quant import estimate_sensitivities, estimate_threshold
+    from mlx_lm.utils import load, quantize_model, save
+
+    dims = dict(hidden_size=64, intermediate_size=128, head_dim=16)
+    src, _ = _make(tmp_path, "src", "llama", dims)
+    model, tok, config = load(str(src), return_config=True)
+    mx.random.seed(0)
+    data = mx.array(np.random.default_rng(1).integers(3, VOCAB, size=(4, 32)))
+    sens = dict(estimate_sensitivities(model, data, 4, 64, 8, 64, batch_size=2))
+    cut = estimate_threshold(model, sens, target_bpw=5.0, low_bits=4, low_group_size=64,
+                             high_bits=8, high_group_size=64)  # fmt: skip
+
+    def predicate(p, m):
+        if not hasattr(m, "to_quantized"):
+            return False
+        return {"bits": 8, "group_size": 64} if sens.get(p, 0) > cut else True
+
+    model, config = quantize_model(model, config, 64, 4, quant_predicate=predicate)
+    out = tmp_path / "dynamic"
+    save(str(out), str(src), model, tok, config)
+    bits = {e["bits"] for e in config["quantization"].values() if isinstance(e, dict)}
+    assert bits == {8}  # some layers took the high bits, the rest the default 4
+
+    ids = np.random.default_rng(2).integers(3, VOCAB, size=12)
+    theirs, _ = mlx_lm.load(str(out))
+    want = np.array(theirs(mx.array(ids[None])).astype(mx.float32))[0]
+    for backend in ("cpu", "mlx"):
+        ours = mlxrun.load(str(out), backend=backend, dtype="float32", progress=False)
+        assert rel_err(ours.logits(ids), want) < 1e-4, backend
+
+
+def test_mlx_lm_dwq_file_matches_mlx_lm(tmp_path):
+    """mlx-lm's DWQ (scales and biases trained against the dense model's outputs): its file
+    loads on torch-cpu and MLX with mlx-lm's logits."""
+    import copy
+
+    import mlx.optimizers as optim
+    from mlx_lm.quant.dwq import dwq_quantize
+    from mlx_lm.utils import load, quantize_model, save
+
+    dims = dict(hidden_size=64, intermediate_size=128, head_dim=16)
+    src, _ = _make(tmp_path, "src", "llama", dims)
+    model, tok, config = load(str(src), return_config=True)
+    q = copy.deepcopy(model)
+    _, config = quantize_model(q, config, group_size=64, bits=4)
+    before = np.array(q.layers[0].mlp.down_proj.scales)
+    rng = np.random.default_rng(1)
+    data = [(rng.integers(3, VOCAB, size=33).tolist(), 0) for _ in range(4)]
+    dwq_quantize(q, lambda b, i, split: model(b), optim.Adam(learning_rate=1e-3), data,
+                 data[:2], batch_size=2, max_seq_length=33, seed=0, dtype=mx.float32)  # fmt: skip
+    assert not np.array_equal(np.array(q.layers[0].mlp.down_proj.scales), before)  # trained
+    out = tmp_path / "dwq"
+    save(str(out), str(src), q, tok, config)
+
+    ids = np.random.default_rng(2).integers(3, VOCAB, size=12)
+    theirs, _ = mlx_lm.load(str(out))
+    want = np.array(theirs(mx.array(ids[None])).astype(mx.float32))[0]
+    for backend in ("cpu", "mlx"):
+        ours = mlxrun.load(str(out), backend=backend, dtype="float32", progress=False)
+        assert rel_err(ours.logits(ids), want) < 1e-4, backend
