@@ -250,6 +250,7 @@ def stream(
     finish = None
     token = None
     lp = top = None
+    matchers = None
     if draft is None:
         matchers = _matchers(model, tokenizer, constraint, 1)
         steps = generate_step(

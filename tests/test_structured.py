@@ -363,7 +363,9 @@ QUICK = ["person", "nested", "enum", "anyof", "ref"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "backend", [pytest.param(b, marks=pytest.mark.long) if b == "mlx" else b for b in BACKENDS]
+)  # MLX on CPU takes ~50 s here: the server tests run it by default
 def test_api_answers_validate(smol, backend):
     """A representative subset of the schemas, greedy (and one sampled), through
     Model.stream: every answer that stops parses and validates; most do stop."""
@@ -380,6 +382,7 @@ def test_api_answers_validate(smol, backend):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_batch_grammar_and_regex(smol):
     """generate_many with a schema (each row its own matcher), a GBNF grammar, a regex, and
     max_tokens inside a structure ending with "length"."""
@@ -460,6 +463,7 @@ def test_cli_refuses_bad_constraints_before_loading(capsys, args, needle):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_cli_json_schema_and_grammar(tmp_path):
     """--json-schema as a file and inline, --grammar as a GBNF file: the printed answer
     follows each."""
