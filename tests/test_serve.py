@@ -37,6 +37,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(proc, url: str, seconds: float = 300) -> None:
+    """Until the server process `proc` answers /health at `url` (fails the test if it exits
+    or does not answer within `seconds`)."""
+    deadline = time.time() + seconds
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"server did not start:\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def server():
     """`mlxrun serve` in a child process; yields its base URL; SIGTERM must end it cleanly."""
@@ -45,17 +61,7 @@ def server():
            str(port), "--context", "512", "--max-batch", "3"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            pytest.fail(f"server did not start:\n{proc.stdout.read()}")
-        time.sleep(0.5)
+    wait_ready(proc, url)
     yield url
     proc.send_signal(signal.SIGTERM)
     try:

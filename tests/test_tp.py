@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -282,7 +281,7 @@ def test_serve_over_two_ranks_answers_as_one_process(tiny_dir):
     it without a hang (the follower waits for rank 0's stop)."""
     openai = pytest.importorskip("openai")
     httpx = pytest.importorskip("httpx")
-    from tests.test_serve import free_port  # noqa: PLC0415
+    from tests.test_serve import free_port, wait_ready  # noqa: PLC0415
 
     d = str(tiny_dir("llama_gqa_tied")[0])
     m = mlxrun.load(d, backend="cpu", dtype="float32", progress=False)
@@ -296,15 +295,7 @@ def test_serve_over_two_ranks_answers_as_one_process(tiny_dir):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 300
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
-            time.sleep(0.5)
+        wait_ready(proc, url)
         c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
 
         def ask(p):
