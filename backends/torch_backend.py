@@ -357,15 +357,16 @@ def _rows(t, ids):
     return t[ids]
 
 
-def _qmatmul(x, kernel):
+def _qmatmul(x, kernel, out_dtype=None):
     """x @ W^T through the Triton kernel of W's prepared form (QLinear or KQLinear)."""
     from mlxrun.quant.triton_kquant import KQLinear, kqmatmul  # noqa: PLC0415
 
-    if isinstance(kernel, KQLinear):
-        return kqmatmul(x, kernel)
+    if isinstance(kernel, KQLinear):  # (tensor-parallel ranks hold K-quants as affine)
+        y = kqmatmul(x, kernel)
+        return y if out_dtype is None else y.to(out_dtype)
     from mlxrun.quant.triton_kernels import qmatmul  # noqa: PLC0415
 
-    return qmatmul(x, kernel)
+    return qmatmul(x, kernel, out_dtype=out_dtype)
 
 
 class TorchBackend:
@@ -492,26 +493,34 @@ class TorchBackend:
                 return host.float().numpy()
         return x.detach().float().cpu().numpy()
 
-    def linear(self, x, w, bias=None):
+    def linear(self, x, w, bias=None, out_dtype=None):
+        """x @ w^T + bias. out_dtype float32: the product's fp32 sums, not rounded to the
+        model's dtype first (tensor-parallel partial sums, torch_tp)."""
         if isinstance(w, QuantizedWeight):
             kernel = self._kernel(w)
             if kernel is not None:
-                y = _qmatmul(x, kernel)
+                y = _qmatmul(x, kernel, out_dtype)
                 return y if bias is None else y + bias
             # No fused kernel on this device: expand a few MB of rows at a time, so even the
             # (often tied) vocabulary head never exists in full precision.
             from mlxrun.quant.torch_linear import packed_linear  # noqa: PLC0415
 
-            y = packed_linear(
-                x, w.weight, w.scales, w.biases, w.mode, w.bits, w.group_size, self._dt
-            )
+            dt, xs = (self._dt, x) if out_dtype is None else (out_dtype, x.to(out_dtype))
+            y = packed_linear(xs, w.weight, w.scales, w.biases, w.mode, w.bits, w.group_size, dt)
             return y if bias is None else y + bias
         if self._dense_gemv(x, w):
             from .cuda_ops import dense_gemv  # noqa: PLC0415
 
-            y = dense_gemv(x, w)
+            y = dense_gemv(x, w, out_dtype=out_dtype)
             return y if bias is None else y + bias
-        return F.linear(x, w, bias)
+        if out_dtype is None or out_dtype == x.dtype:
+            return F.linear(x, w, bias)
+        if x.is_cuda:  # cuBLAS sums in fp32 anyway; this keeps its result unrounded
+            y = torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=out_dtype)
+            y = y.reshape(*x.shape[:-1], y.shape[-1])
+        else:
+            y = F.linear(x.to(out_dtype), w.to(out_dtype))
+        return y if bias is None else y + bias
 
     def _dense_gemv(self, x, w) -> bool:
         """Whether x @ w^T (w a dense matrix) runs cuda_ops.dense_gemv: a few rows of x (decode)
@@ -725,9 +734,7 @@ class TorchBackend:
     def linear_sum(self, x, w, bias=None):
         if self.group is None or self.group.size == 1:
             return self.linear(x, w, bias)
-        from .torch_tp import product32  # noqa: PLC0415
-
-        y = self.all_sum(product32(self, x, w))
+        y = self.all_sum(self.linear(x, w, out_dtype=torch.float32))
         return y if bias is None else y.to(self._dt) + bias
 
     def gated_mlp(self, x, gate, up, act, biases=None):

@@ -1,10 +1,10 @@
-"""The torch backend's tensor-parallel sum: fp32 partial products, and the all-reduce.
+"""The torch backend's tensor-parallel all-reduce (linear_sum gives it fp32 partial products).
 
 Each rank's o_proj and down_proj product is a partial sum of the whole product. Rounding
 each partial to bf16 before the sum (as a plain `all_reduce(linear(x, w))` does) rounds
 every output element twice where one device rounds it once, and greedy decoding drifts
 from the one-device tokens within a few dozen steps. The partials here stay fp32 through
-the sum; the residual add rounds the sum once (add_rms_norm rounds y to the residual's
+the sum (`TorchBackend.linear(..., out_dtype=float32)`); the residual add rounds the sum once (add_rms_norm rounds y to the residual's
 dtype), so the split model differs from one device only in the order of fp32 additions.
 
 The all-reduce of a decode step is a few KB, where NCCL's latency (about 19 us on two
@@ -20,38 +20,11 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-
-from mlxrun.backends.base import QuantizedWeight
 
 # one-shot all-reduce up to this many bytes (a batch-32 decode step of a 4096-wide model
 # in fp32 is 512 KiB); MLXRUN_ONE_SHOT=0 turns it off (for A/B timing)
 ONE_SHOT_BYTES = 1 << 20
 _ONE_SHOT = os.environ.get("MLXRUN_ONE_SHOT", "1") != "0"
-
-
-def product32(be, x, w):
-    """x @ w^T with fp32 output, without rounding to the model's dtype first."""
-    if isinstance(w, QuantizedWeight):
-        kernel = be._kernel(w)
-        if kernel is not None:
-            from mlxrun.quant.triton_kernels import qmatmul  # noqa: PLC0415
-
-            return qmatmul(x, kernel, out_dtype=torch.float32)
-        from mlxrun.quant.torch_linear import packed_linear  # noqa: PLC0415
-
-        return packed_linear(
-            x.float(), w.weight, w.scales, w.biases, w.mode, w.bits, w.group_size, torch.float32
-        )
-    if be._dense_gemv(x, w):
-        from .cuda_ops import dense_gemv  # noqa: PLC0415
-
-        return dense_gemv(x, w, out_dtype=torch.float32)
-    if x.is_cuda and x.dtype != torch.float32:
-        # cuBLAS accumulates in fp32 anyway; this keeps its result unrounded
-        y = torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
-    return F.linear(x.float(), w.float())
 
 
 class AllSum:
