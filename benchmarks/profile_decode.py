@@ -250,8 +250,7 @@ def main() -> None:
     ap.add_argument("--steps", action="store_true", help="profile whole decode steps")
     a = ap.parse_args()
     from mlxrun.backends.torch_backend import TorchBackend
-    from mlxrun.bench import build_random, shape_config
-    from mlxrun.quant.formats import resolve
+    from mlxrun.bench import _quant_specs, build_random, shape_config
 
     cfg = shape_config(a.model)
     batches = [int(b) for b in a.batch.split(",")]
@@ -266,8 +265,8 @@ def main() -> None:
         linears(cfg, sorted({1, *batches}), a.formats.split(","), a.all, warps, pf)
     if a.steps:
         be = TorchBackend("cuda", "bfloat16")
-        for qn in a.quant.split(","):
-            model = build_random(cfg, be, None if qn == "none" else resolve(qn))
+        for qn, spec in _quant_specs(a.quant.split(",")).items():  # q4_k_m: llama.cpp's mix
+            model = build_random(cfg, be, spec)
             print(f"decode step, {qn}:")
             for b in batches:
                 profile_steps(model, b, a.context)
