@@ -234,7 +234,8 @@ def test_bench_q4_k_m_shape_model():
     4 layers here), held in the kernels' layout at their bits a weight; other backends and
     checkpoints are skipped with the reason."""
     from mlxrun.backends.torch_backend import TorchBackend
-    from mlxrun.bench import KQuantMix, _mix_skip, _Source, build_random, weight_bytes
+    from mlxrun.bench import KQuantMix, _mix_skip, build_random, weight_bytes
+    from mlxrun.bench_models import _Source
     from mlxrun.config import ModelConfig
 
     cfg = ModelConfig.from_dict(
