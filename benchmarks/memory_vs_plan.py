@@ -18,7 +18,7 @@ sequences); the batches run are powers of two up to that maximum, and the maximu
         --quant none,int4 --prompt-tokens 1920 --gen-tokens 128
 
 Models: anything `mlxrun.load` takes, or `shape:NAME` (random weights of a real model's
-shapes, made on the device; see mlxrun.bench.SHAPES).
+shapes, made on the device; see mlxrun.bench_models.SHAPES).
 """
 
 from __future__ import annotations

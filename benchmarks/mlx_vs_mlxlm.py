@@ -46,7 +46,8 @@ def main() -> None:
     from mlxrun import bench_mlxlm
     from mlxrun.api import load
     from mlxrun.backends import get_backend
-    from mlxrun.bench import SHAPE_PREFIX, _dequantized, build_random, shape_config
+    from mlxrun.bench import SHAPE_PREFIX, build_random, shape_config
+    from mlxrun.bench_models import _dequantized
     from mlxrun.quant.formats import resolve
 
     results = []
@@ -83,7 +84,8 @@ def measure(a, q: str, m, names: list[str]) -> list[dict]:
     from mlxrun import bench_mlxlm
     from mlxrun.backends import mlx_backend as mb
     from mlxrun.backends.base import causal_mask_np
-    from mlxrun.bench import _run_once, _weights_label
+    from mlxrun.bench_models import _weights_label
+    from mlxrun.bench_timing import _run_once
     from mlxrun.sampling import SamplingParams
 
     fused, causal = mb._swiglu_fused, mb.MLXCache.mask

@@ -171,7 +171,7 @@ def serve_round(url, name, prompts, gen) -> dict:
 
 def bench_round(model, tok, prompts, gen) -> dict:
     """The same prompts through generate_step at batch len(prompts): `mlxrun bench`'s loop."""
-    from mlxrun.bench import _run_once  # noqa: PLC0415
+    from mlxrun.bench_timing import _run_once  # noqa: PLC0415
     from mlxrun.sampling import SamplingParams  # noqa: PLC0415
 
     ids = [tok.encode(p) for p in prompts]

@@ -23,7 +23,8 @@ import statistics
 import numpy as np
 
 from mlxrun.backends import get_backend
-from mlxrun.bench import _run_once, build_random, measure_bandwidth, shape_config, weight_bytes
+from mlxrun.bench import build_random, measure_bandwidth, shape_config, weight_bytes
+from mlxrun.bench_timing import _run_once
 from mlxrun.distributed import join
 from mlxrun.quant.formats import resolve
 from mlxrun.sampling import SamplingParams

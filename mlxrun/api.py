@@ -546,7 +546,7 @@ def _load(
 
 def _planned(t) -> tuple[tuple[int, ...], str]:
     """(shape, dtype) of a tensor for the memory planner: GGUF blocks kept as stored count
-    as their block type over the logical [out, in] (memory.GGUF_HELD)."""
+    as their block type over the logical [out, in] (model_footprint.GGUF_HELD)."""
     if t.block is None:
         return t.shape, t.dtype
     from mlxrun.quant.gguf_blocks import BLOCKS  # noqa: PLC0415

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .bench import BenchReport, BenchRow
+    from .bench_report import BenchReport, BenchRow
 
 # engine label -> colour; the legend lists those present, in this order
 COLOURS = {
@@ -92,7 +92,7 @@ def plot_report(report: BenchReport, path: str | os.PathLike) -> None:
     """Write the PNG (atomically)."""
     import numpy as np  # noqa: PLC0415
 
-    from .bench import _atomic_write, _matplotlib  # noqa: PLC0415
+    from .bench_report import _atomic_write, _matplotlib  # noqa: PLC0415
 
     Figure = _matplotlib()
     bs = bars(report)

@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .bench import SHAPE_PREFIX, _atomic_write, _quant_specs, build_random, shape_config
+from .bench import SHAPE_PREFIX, _quant_specs, build_random, shape_config
+from .bench_report import _atomic_write
 from .errors import MlxrunError
 from .generate import generate_step
 from .sampling import SamplingParams

@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, field
 
+from mlxrun.device_memory import DeviceMemory, _fmt, probe_device
 from mlxrun.errors import MlxrunError
-from mlxrun.memory import DeviceMemory, _fmt, probe_device
 from mlxrun.quant.formats import USER_FORMATS
 from mlxrun.quant.profiles import DeviceProfile, apple_chip, match_profile, resolve_auto
 

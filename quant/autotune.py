@@ -127,7 +127,7 @@ def device_key_for(backend: str, device: str) -> str:
         p = torch.cuda.get_device_properties(idx)
         return f"{p.name} sm_{p.major}{p.minor} {p.multi_processor_count}SM"
     if device == "cpu":
-        from mlxrun.memory import _cpu_name  # noqa: PLC0415
+        from mlxrun.device_memory import _cpu_name  # noqa: PLC0415
 
         return f"cpu-{_cpu_name()}"
     if backend == "torch" and device == "mps":

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from mlxrun import bench
+from mlxrun import bench, bench_models, bench_timing
 from mlxrun.bench import build_random, format_report, run_bench, shape_config
 from mlxrun.errors import MlxrunError
 from mlxrun.quant.formats import resolve
@@ -36,7 +36,7 @@ def _cuda_error() -> str | None:
 def report(tmp_path_factory):
     d = tmp_path_factory.mktemp("bench")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(bench.COPY_BYTES, "cpu", 32 << 20)  # a smaller copy keeps the test fast
+        mp.setitem(bench_timing.COPY_BYTES, "cpu", 32 << 20)  # a smaller copy keeps the test fast
         r = run_bench(
             "shape:tiny",
             ["cpu", "mlx", "cuda"],
@@ -213,7 +213,7 @@ def test_stored_quantized_source_skips_other_formats():
     """A checkpoint stored Q4_1 (the bundled GGUF's block, written here to skip the slow
     GGUF open): none and int4 run, fp8 would round the weights twice and says what runs."""
     stored = {"group_size": 32, "bits": 4, "mode": "affine"}
-    src = bench._Source("smollm2", False, shape_config("smollm2"), "x.gguf", stored)
+    src = bench_models._Source("smollm2", False, shape_config("smollm2"), "x.gguf", stored)
     assert bench._stored_skip(src, None) is None
     assert bench._stored_skip(src, resolve("int4")) is None  # runs as stored, g32 kept
     assert bench._stored_skip(src, resolve("fp8")) == (
@@ -234,9 +234,9 @@ def test_stored_quantized_source_as_stored_and_dequantized():
     from mlxrun.api import load
 
     stored = load("smollm2", backend="mlx", progress=False).transformer
-    dense = bench._dequantized(stored)
-    assert bench._weights_label(stored, "stored") == "int4 g32, head int8 g32 (stored)"
-    assert bench._weights_label(dense) == "float32"
+    dense = bench_models._dequantized(stored)
+    assert bench_models._weights_label(stored, "stored") == "int4 g32, head int8 g32 (stored)"
+    assert bench_models._weights_label(dense) == "float32"
     assert dense.head is dense.embed  # tied: one array, read once
     # per layer 576x576 (q, o), 192x576 (k, v), 1536x576 (gate, up), 576x1536 (down)
     layer_params = 2 * 576 * 576 + 2 * 192 * 576 + 3 * 576 * 1536

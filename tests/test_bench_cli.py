@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mlxrun import bench
+from mlxrun import bench_timing
 from mlxrun.cli import main
 from tests.test_bench import _cuda_error, _tiny_bytes_per_token
 
@@ -18,7 +18,7 @@ FAST = ["--prompt-tokens", "16", "--gen-tokens", "8", "--reps", "2"]
 
 @pytest.fixture(autouse=True)
 def small_copy(monkeypatch):
-    monkeypatch.setitem(bench.COPY_BYTES, "cpu", 8 << 20)  # keeps each run near a second
+    monkeypatch.setitem(bench_timing.COPY_BYTES, "cpu", 8 << 20)  # keeps each run near a second
 
 
 def run_cli(capsys, *args):

@@ -9,7 +9,7 @@ import importlib
 import numpy as np
 import pytest
 
-from mlxrun import bench, bench_mlxlm
+from mlxrun import bench, bench_mlxlm, bench_timing
 from mlxrun.bench import build_random, run_bench, shape_config
 from mlxrun.generate import generate_step
 from mlxrun.quant.formats import resolve
@@ -57,7 +57,7 @@ def test_mlx_lm_model_on_our_arrays_matches_ours(which):
 
 def test_bench_compare_mlx_lm_rows():
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(bench.COPY_BYTES, "cpu", 32 << 20)  # a smaller copy keeps the test fast
+        mp.setitem(bench_timing.COPY_BYTES, "cpu", 32 << 20)  # a smaller copy keeps the test fast
         r = run_bench(
             "shape:tiny",
             ["mlx"],
@@ -93,7 +93,7 @@ def test_bench_compare_mlx_lm_rows():
 )
 def test_bench_compare_mlx_lm_skips(backends, batch, why):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(bench.COPY_BYTES, "cpu", 32 << 20)
+        mp.setitem(bench_timing.COPY_BYTES, "cpu", 32 << 20)
         r = run_bench(
             "shape:tiny",
             backends,

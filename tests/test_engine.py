@@ -36,10 +36,14 @@ def _interpreted_kernels() -> bool:
     try:
         import mlxrun.backends.cuda_ops as ops
         import mlxrun.backends.cuda_sampling as smp
+        import mlxrun.quant.triton_gemm as gemm
+        import mlxrun.quant.triton_gemv as gemv
         import mlxrun.quant.triton_kernels as tk
     except ImportError:  # no triton
         return False
-    for mod, fn in ((tk, "_gemv_kernel"), (ops, "_rope_qkv_kernel"), (smp, "_draw_kernel")):
+    # the kernel modules before triton_kernels, which re-binds their kernels
+    kernels = ((gemv, "_gemv_kernel"), (gemm, "_gemm_kernel"), (tk, "_gemv_kernel"))
+    for mod, fn in (*kernels, (ops, "_rope_qkv_kernel"), (smp, "_draw_kernel")):
         if type(getattr(mod, fn)).__name__ != "InterpretedFunction":
             importlib.reload(mod)  # imported earlier without the interpreter
     return True

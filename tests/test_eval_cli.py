@@ -154,7 +154,7 @@ def test_eval_text_errors(capsys, tiny_dir, tmp_path):
 
 
 def _mem_total_line() -> str:
-    from mlxrun.memory import _fmt
+    from mlxrun.device_memory import _fmt
 
     kb = next(
         int(line.split()[1])

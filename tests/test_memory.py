@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from mlxrun.config import ModelConfig
+from mlxrun.device_memory import estimate_apple_working_set
 from mlxrun.errors import MlxrunError
 from mlxrun.memory import (
     DeviceMemory,
@@ -19,7 +20,6 @@ from mlxrun.memory import (
     MiB,
     check_fits,
     config_shapes,
-    estimate_apple_working_set,
     footprint,
     format_plan,
     header_shapes,

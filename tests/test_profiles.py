@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mlxrun.device_memory import DeviceMemory, GiB, _fmt, probe_device
 from mlxrun.errors import MlxrunError
-from mlxrun.memory import DeviceMemory, GiB, _fmt, probe_device
 from mlxrun.quant import autotune
 from mlxrun.quant.autotune import Autotuner, default_cache_path, device_key_for, wall_timer
 from mlxrun.quant.formats import USER_FORMATS, bytes_per_weight

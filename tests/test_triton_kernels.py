@@ -27,7 +27,11 @@ import mlxrun.quant.triton_kernels as tk  # noqa: E402
 from mlxrun.errors import MlxrunError  # noqa: E402
 
 if not HAS_CUDA and type(tk._gemv_kernel).__name__ != "InterpretedFunction":
-    tk = importlib.reload(tk)  # imported earlier without the interpreter: decorate again
+    # imported earlier without the interpreter: decorate the kernels again (the GEMV module
+    # first: the GEMM imports its helpers), then rebind them where qmatmul launches them
+    for part in ("triton_gemv", "triton_gemm"):
+        importlib.reload(importlib.import_module(f"mlxrun.quant.{part}"))
+    tk = importlib.reload(tk)
 
 try:
     import mlx.core as mx

@@ -25,7 +25,10 @@ from mlxrun.quant import gguf_blocks as gb  # noqa: E402
 from tests.test_gguf_blocks import random_rows  # noqa: E402
 
 if not HAS_CUDA and type(kq._kq_gemv_kernel).__name__ != "InterpretedFunction":
-    tk = importlib.reload(tk)  # imported earlier without the interpreter: decorate again
+    # imported earlier without the interpreter: decorate again (the kernels tk re-exports first)
+    for part in ("triton_gemv", "triton_gemm"):
+        importlib.reload(importlib.import_module(f"mlxrun.quant.{part}"))
+    tk = importlib.reload(tk)
     kq = importlib.reload(kq)
 
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -234,7 +237,8 @@ def test_bench_q4_k_m_shape_model():
     4 layers here), held in the kernels' layout at their bits a weight; other backends and
     checkpoints are skipped with the reason."""
     from mlxrun.backends.torch_backend import TorchBackend
-    from mlxrun.bench import KQuantMix, _mix_skip, _Source, build_random, weight_bytes
+    from mlxrun.bench import KQuantMix, _mix_skip, build_random, weight_bytes
+    from mlxrun.bench_models import _Source
     from mlxrun.config import ModelConfig
 
     cfg = ModelConfig.from_dict(

@@ -1,0 +1,568 @@
+"""The CUDA-core GEMV for x [M <= GEMV_MAX_M, K] @ W^T over a QLinear (triton_layout.py), and
+the decode and split-K epilogue helpers it shares with the GEMM (triton_gemm.py), the K-quant
+kernels (triton_kquant.py) and backends/cuda_ops.py. The decoding tricks are described in
+triton_kernels.py's docstring; qmatmul there launches the kernel.
+
+Imported only where Triton loads (triton_kernels.py checks).
+"""
+
+from __future__ import annotations
+
+from .triton_launch import tl, tlc, triton
+
+
+@triton.jit
+def _scale_code(e, MODE: tl.constexpr):
+    """An 8-bit scale code (uint32) as its fp32 value."""
+    if MODE == 2:  # E4M3 code -> its value times 2^-120 as float bits, then exact
+        bits = ((e & 0x7F) << 20) | ((e & 0x80) << 24)
+        s = bits.to(tl.float32, bitcast=True) * 1.329227995784916e36
+    else:  # E8M0 code e -> 2^(e-127); e == 0 is the denormal 2^-127
+        bits = tl.where(e == 0, 0x00400000, e << 23)
+        s = bits.to(tl.float32, bitcast=True)
+    return s
+
+
+@triton.jit
+def _group_scale(s_ptr, b_ptr, offs, mask, MODE: tl.constexpr):
+    """Per-group scale and bias as fp32 [.., ..] (bias only in affine mode)."""
+    if MODE == 0:
+        s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        e = tl.load(s_ptr + offs, mask=mask, other=0).to(tl.uint32)
+        s = _scale_code(e, MODE)
+        b = s  # unused outside affine mode
+    return s, b
+
+
+@triton.jit
+def _decode_pos(w, I: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr):
+    """Position I of the packed words w (uint32) -> fp32 f = value * 2^(SH-149) (affine),
+    value * 2^-120 (E4M3) or value * 2^-126 (E2M1); SH = _pos_shift(I, MODE, BITS).
+
+    Affine: a float bit pattern below 2^24 reads as pattern * 2^-149 (denormals and the
+    exponent-1 binade are linear), so a code masked in place at bits SH..SH+BITS-1 <= 23
+    *is* q * 2^(SH-149): one LOP3. A code that reaches bit 24 is read by a shift alone:
+    w >> BITS*I (SH = 0) leaves the code plus the codes above it times 2^BITS: for the top
+    position nothing is above; for 4-bit position 6 (w >> 24 = q6 + 16*q7) the kernel
+    gives position 7 the input x7 - 16*x6, which cancels the 16*q7 term.
+    """
+    if MODE == 0:
+        if BITS * I + BITS <= 24:
+            f = (w & (((1 << BITS) - 1) << (BITS * I))).to(tl.float32, bitcast=True)
+        else:
+            f = (w >> (BITS * I)).to(tl.float32, bitcast=True)
+    elif MODE == 3:  # E4M3: magnitude bits -> 20..26, sign -> 31: value * 2^-120
+        t = w >> (8 * I)
+        f = (((t << 20) & 0x07F00000) | ((t << 24) & 0x80000000)).to(tl.float32, bitcast=True)
+    else:  # E2M1 in prepare's layout (_E2M1_BITS): magnitude -> 22..24, sign -> 31
+        if I == 3:  # m, e0 at 13, 14, e1 at 10, sign at 11: one multiply adds three
+            # copies of the isolated bits (shifted by 9, 14, 20; no carries between them)
+            v = (w & 0x6C00) * ((1 << 9) + (1 << 14) + (1 << 20))
+        elif I == 7:  # the same 16 bits higher, moved down to 19, 20, 22, 23 first
+            v = ((w >> 7) & 0x00D80000) * (1 + (1 << 5) + (1 << 11))
+        elif I == 6:  # m, e0, e1 at 22..24, sign at 31: in place
+            v = w
+        else:  # positions 0-2 at 3*I, 4-5 at 16 + 3*(I-4): m, e0, e1 then sign 9 above
+            v = w << (22 - 3 * I if I < 3 else 6 - 3 * (I - 4))
+        f = (v & 0x81C00000).to(tl.float32, bitcast=True)
+    return f
+
+
+@triton.jit
+def _gemv_x4(x_ptr, offs, mask, I: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr,
+             EVEN: tl.constexpr):  # fmt: skip
+    """Inputs of position I for a lane's 4 words: offs [32, 2] are the offsets, in pairs
+    of inputs, of the lane's two word pairs. Returns x0..x3 [32] fp32, each x * 2^(100-SH)
+    (the power of two that keeps x * decoded code normal; SH as in _decode_pos).
+
+    bf16 inputs are loaded as uint32 pairs; bf16 -> fp32 * 2^(100-SH) is then one integer
+    op per input: (v << 16) + E (one LEA) and (v & 0xFFFF0000) + E, E = (100-SH) << 23
+    added to the exponent field (x == 0 becomes 2^(-27-SH): its products underflow to 0).
+    """
+    if MODE == 0 and BITS * I + BITS <= 24:
+        SH: tl.constexpr = BITS * I
+    else:
+        SH: tl.constexpr = 0
+    if x_ptr.dtype.element_ty == tl.bfloat16:
+        p32 = x_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+        if EVEN:
+            v = tl.load(p32 + offs)
+        else:
+            v = tl.load(p32 + offs, mask=mask, other=0)
+        va, vb = tl.split(v)
+        E: tl.constexpr = 0 if MODE == 3 else (100 - SH) << 23
+        x0 = ((va << 16) + E).to(tl.float32, bitcast=True)
+        x1 = ((va & 0xFFFF0000) + E).to(tl.float32, bitcast=True)
+        x2 = ((vb << 16) + E).to(tl.float32, bitcast=True)
+        x3 = ((vb & 0xFFFF0000) + E).to(tl.float32, bitcast=True)
+    else:
+        eo = offs[:, :, None] * 2 + tl.arange(0, 2)[None, None, :]  # [32, 2, 2] inputs
+        if EVEN:
+            xv = tl.load(x_ptr + eo)
+        else:
+            xv = tl.load(x_ptr + eo, mask=mask[:, :, None], other=0.0)
+        if MODE != 3:
+            xv = xv.to(tl.float32) * (1.2676506002282294e30 / (1 << SH))
+        else:
+            xv = xv.to(tl.float32)
+        lo, hi = tl.split(xv)  # [32, 2]: first / second input of each pair
+        x0, x2 = tl.split(lo)
+        x1, x3 = tl.split(hi)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _gemv_xsum(x0, x1, x2, x3, I: tl.constexpr, BITS: tl.constexpr):
+    """sum of 4 affine inputs of position I from _gemv_x4, times 2^-49 (undoes 2^(100-SH))."""
+    if BITS * I + BITS <= 24:
+        C: tl.constexpr = 1.401298464324817e-45 * (1 << (BITS * I))
+    else:
+        C: tl.constexpr = 1.401298464324817e-45
+    return (x0 + x1 + x2 + x3) * C
+
+
+@triton.jit
+def _gemv_scale(s_ptr, b_ptr, offs, mask, MODE: tl.constexpr, EVEN: tl.constexpr):
+    """Per-group scale and bias [8, 32] as fp32 (bias only in affine mode); GEMV copy of
+    _group_scale without masks when EVEN (one vector of a scale tile's 8 rows a lane)."""
+    if MODE == 0:
+        if EVEN:
+            s = tl.load(s_ptr + offs)
+            b = tl.load(b_ptr + offs)
+        else:
+            s = tl.load(s_ptr + offs, mask=mask, other=0.0)
+            b = tl.load(b_ptr + offs, mask=mask, other=0.0)
+        if s_ptr.dtype.element_ty == tl.bfloat16:  # one shift or mask per value
+            s = (s.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            b = (b.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            s = s.to(tl.float32)
+            b = b.to(tl.float32)
+    else:
+        if EVEN:
+            e = tl.load(s_ptr + offs).to(tl.uint32)
+        else:
+            e = tl.load(s_ptr + offs, mask=mask, other=0).to(tl.uint32)
+        s = _scale_code(e, MODE)
+        b = s  # unused outside affine mode
+    return s, b
+
+
+@triton.jit
+def _split_sum(acc, p_ptrs, mask, cnt_ptr, tile_id, pid_k, stride_split,
+               SPLIT_K: tl.constexpr):  # fmt: skip
+    """Split-K through the partials buffer: store this split's acc at p_ptrs (split s at
+    + s*stride_split) and take the tile's atomic ticket. Returns (last, total): the last
+    program of the tile gets the sum of every split's partial and resets the ticket to 0
+    for the next launch (one launch, no memset); the others get (False, zeros)."""
+    tl.store(p_ptrs + pid_k * stride_split, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial is issued before the ticket is taken
+    ticket = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+    last = ticket == SPLIT_K - 1
+    total = tl.zeros_like(acc)
+    if last:
+        for s in range(SPLIT_K):
+            total += tl.load(p_ptrs + s * stride_split, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")
+    return last, total
+
+
+@triton.jit
+def _splitk_epilogue(
+    acc,
+    y_ptr,
+    part_ptr,
+    cnt_ptr,
+    rm,
+    rn,
+    M,
+    N,
+    stride_ym,
+    stride_split,
+    tile_id,
+    pid_k,
+    SPLIT_K: tl.constexpr,
+):
+    """Write acc [BM, BN] to y, or, with split-K, through the partials buffer [S, M, N]
+    (split s at part_ptr + s*stride_split), the last program of a tile writing the sum
+    (_split_sum)."""
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        p_ptrs = part_ptr + rm[:, None] * N + rn[None, :]
+        last, total = _split_sum(acc, p_ptrs, mask, cnt_ptr, tile_id, pid_k, stride_split,
+                                 SPLIT_K)  # fmt: skip
+        if last:
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_store(g, u, y_ptrs, mask=None):
+    """y = silu(g) * u, each product rounded to y's dtype first (as the GEMV's output is,
+    and as F.silu rounds before the multiply)."""
+    dt = y_ptrs.dtype.element_ty
+    g = g.to(dt).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    tl.store(y_ptrs, (silu * u.to(dt).to(tl.float32)).to(dt), mask=mask)
+
+
+@triton.jit
+def _silu_epilogue(g, u, y_ptr, part_ptr, cnt_ptr, rn, rn_h, N, stride_split, tile_id,
+                   pid_k, SPLIT_K: tl.constexpr):  # fmt: skip
+    """_splitk_epilogue for SILU: gate rows rn and up rows rn_h of the partials; y's
+    columns are the gate rows."""
+    if SPLIT_K == 1:
+        _silu_store(g, u, y_ptr + rn)
+    else:
+        rows = tl.join(rn, rn_h)  # [8 or 4, 2]
+        last, total = _split_sum(tl.join(g, u), part_ptr + rows, rows < N, cnt_ptr,
+                                 tile_id, pid_k, stride_split, SPLIT_K)  # fmt: skip
+        if last:
+            gt, ut = tl.split(total)
+            _silu_store(gt, ut, y_ptr + rn)
+
+
+@triton.jit
+def _load_step(w_ptr, rn, n_mask, rkw, kb, stride_wn, EVEN: tl.constexpr, MODE: tl.constexpr,
+               LANES: tl.constexpr):  # fmt: skip
+    """Words [8, 4*LANES] of k-step kb of rows rn (stride_wn = words/row); E4M3 (MODE 3):
+    the same bytes as [8, 16*LANES] uint8 (converted by the hardware).
+    EVEN: no row/K masks (stride_wn is then a constexpr: rows at immediate offsets)."""
+    if MODE == 3:
+        kw = kb * (16 * LANES) + tl.arange(0, 16 * LANES)  # bytes
+        base = w_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
+        row = stride_wn * 4
+    else:
+        kw = kb * (4 * LANES) + rkw
+        base = w_ptr
+        row = stride_wn
+    ptrs = base + rn[:, None] * row + kw[None, :]
+    if EVEN:
+        w = tl.load(ptrs)
+    else:
+        w = tl.load(ptrs, mask=n_mask[:, None] & (kw < row)[None, :], other=0)
+    return w
+
+
+@triton.jit
+def _gemv_words(w2, LANES: tl.constexpr):
+    """[8, 4*LANES] words -> 4 x [8, LANES] (word 4l+j of each row in lane l, j = 0..3)."""
+    w4 = tl.reshape(w2.to(tl.uint32, bitcast=True), [8, LANES, 2, 2])
+    w_even, w_odd = tl.split(w4)  # words 4l+2c / 4l+2c+1, [8, LANES, 2]
+    w0, w2_ = tl.split(w_even)
+    w1, w3 = tl.split(w_odd)
+    return w0, w1, w2_, w3
+
+
+@triton.jit
+def _split22(t):
+    """t [.., 2, 2] -> t[.., 0, 0], t[.., 0, 1], t[.., 1, 0], t[.., 1, 1]."""
+    lo, hi = tl.split(t)  # last index 0 / 1
+    a00, a10 = tl.split(lo)
+    a01, a11 = tl.split(hi)
+    return a00, a01, a10, a11
+
+
+@triton.jit
+def _gemv_fp8(p, wb, x_base, xo, xmask, G: tl.constexpr, BITS: tl.constexpr,
+              EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
+    """p [8, LANES] += E4M3 bytes wb [8, 16*LANES] (word 4l+j, position b at byte
+    16l+4j+b) x x: the bytes become fp32 by the hardware conversion (E4M3 pairs -> f16x2
+    -> f32)."""
+    WPG: tl.constexpr = G // 4
+    v = tl.reshape(wb.to(tl.float8e4nv, bitcast=True).to(tl.float32), [8, LANES, 4, 2, 2])
+    f0, f1, f2, f3 = _split22(v)  # positions b = 0..3: [8, LANES, 4] (word j)
+    for b in tl.static_range(4):
+        if b == 0:
+            fb = f0
+        elif b == 1:
+            fb = f1
+        elif b == 2:
+            fb = f2
+        else:
+            fb = f3
+        g0, g1, g2, g3 = _split22(tl.reshape(fb, [8, LANES, 2, 2]))  # words j = 0..3
+        x0, x1, x2, x3 = _gemv_x4(x_base, xo + b * (WPG // 2), xmask, b, 3, BITS, EVEN)
+        p = p + g0 * x0[None, :] + g1 * x1[None, :] + g2 * x2[None, :] + g3 * x3[None, :]
+    return p
+
+
+@triton.jit
+def _gemv_fma(p, pb, w0, w1, w2, w3, x0, x1, x2, x3, I: tl.constexpr, MODE: tl.constexpr,
+              BITS: tl.constexpr, TWO: tl.constexpr):  # fmt: skip
+    """p (+ pb: words 2, 3 when TWO) += decoded position I of 8 rows x this lane's inputs;
+    p + a + b + ... left to right: one FFMA chain per row."""
+    f0 = _decode_pos(w0, I, MODE, BITS)
+    f1 = _decode_pos(w1, I, MODE, BITS)
+    f2 = _decode_pos(w2, I, MODE, BITS)
+    f3 = _decode_pos(w3, I, MODE, BITS)
+    if TWO:
+        p = p + f0 * x0[None, :] + f1 * x1[None, :]
+        pb = pb + f2 * x2[None, :] + f3 * x3[None, :]
+    else:
+        p = p + f0 * x0[None, :] + f1 * x1[None, :] + f2 * x2[None, :] + f3 * x3[None, :]
+    return p, pb
+
+
+@triton.jit
+def _gemv_apply(acc, p, pb, xsum, s_ptr, b_ptr, s_row, n_mask, g_a, g_b, kb, KG,
+                MODE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+                EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
+    """acc [8, LANES] += p * scale (+ bias * xsum) with the scales of this lane's groups."""
+    EPW: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = G // EPW
+    NG: tl.constexpr = 4 * LANES // WPG  # groups per k-step
+    g_idx = kb * NG + g_a  # [LANES]
+    smask = n_mask[:, None] & (g_idx < KG)[None, :]
+    scale, bias = _gemv_scale(s_ptr, b_ptr, s_row[:, None] + g_idx[None, :] * 8, smask,
+                              MODE, EVEN)  # fmt: skip
+    if MODE == 0:
+        acc = acc + p * scale + bias * xsum[None, :]
+    elif WPG < 4:
+        g_idx2 = kb * NG + g_b
+        smask2 = n_mask[:, None] & (g_idx2 < KG)[None, :]
+        scale2, _ = _gemv_scale(s_ptr, b_ptr, s_row[:, None] + g_idx2[None, :] * 8, smask2,
+                                MODE, EVEN)  # fmt: skip
+        acc = acc + p * scale + pb * scale2
+    else:
+        acc = acc + p * scale
+    return acc
+
+
+@triton.jit
+def _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_row, s_row_h,
+               n_mask, n_mask_h, s_ptr, b_ptr, KG, MODE: tl.constexpr, BITS: tl.constexpr,
+               G: tl.constexpr, HALVES: tl.constexpr, EVEN: tl.constexpr,
+               LANES: tl.constexpr):  # fmt: skip
+    """One k-step of _gemv_kernel for 8 rows (HALVES == 1) or 16 (wa_h, acc_h: rows 8..15,
+    sharing the x inputs): acc [8, LANES] += this lane's 4 words of each row (wa [8,
+    4*LANES]) times x, with the scales (and biases) of their groups."""
+    EPW: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = G // EPW
+    NG: tl.constexpr = 4 * LANES // WPG  # groups per k-step
+    TWO: tl.constexpr = WPG < 4  # nvfp4: a lane's words 0,1 and 2,3 are in two groups
+    TRICK: tl.constexpr = MODE == 0 and BITS == 4  # positions 6, 7 by shifts alone
+    NPOS: tl.constexpr = 0 if MODE == 3 else (EPW - 2 if TRICK else EPW)
+    p = tl.zeros([8, LANES], dtype=tl.float32)
+    pb = tl.zeros([8, LANES], dtype=tl.float32)
+    q = tl.zeros([8, LANES], dtype=tl.float32)
+    qb = tl.zeros([8, LANES], dtype=tl.float32)
+    xo = x_pair0 + kb * (NG * G // 2)
+    xmask = (kb * NG + g_pair) < KG
+    if MODE == 3:  # E4M3 bytes -> fp32 values by cvt (2 an instruction), x unscaled
+        p = _gemv_fp8(p, wa, x_base, xo, xmask, G, BITS, EVEN, LANES)
+        if HALVES == 2:
+            q = _gemv_fp8(q, wa_h, x_base, xo, xmask, G, BITS, EVEN, LANES)
+    else:
+        w0, w1, w2, w3 = _gemv_words(wa, LANES)
+        if HALVES == 2:
+            v0, v1, v2, v3 = _gemv_words(wa_h, LANES)
+    xsum = tl.zeros([LANES], dtype=tl.float32)  # sum of the lane's inputs * 2^-49
+    for i in tl.static_range(NPOS):
+        x0, x1, x2, x3 = _gemv_x4(x_base, xo + i * (WPG // 2), xmask, i, MODE, BITS, EVEN)
+        p, pb = _gemv_fma(p, pb, w0, w1, w2, w3, x0, x1, x2, x3, i, MODE, BITS, TWO)
+        if HALVES == 2:
+            q, qb = _gemv_fma(q, qb, v0, v1, v2, v3, x0, x1, x2, x3, i, MODE, BITS, TWO)
+        if MODE == 0:
+            xsum += _gemv_xsum(x0, x1, x2, x3, i, BITS)
+    if TRICK:  # position 6: w >> 24 = q6 + 16*q7; position 7: w >> 28 = q7, x7 - 16*x6
+        y0, y1, y2, y3 = _gemv_x4(x_base, xo + 6 * (WPG // 2), xmask, 6, MODE, BITS, EVEN)
+        z0, z1, z2, z3 = _gemv_x4(x_base, xo + 7 * (WPG // 2), xmask, 7, MODE, BITS, EVEN)
+        xsum += (y0 + y1 + y2 + y3 + z0 + z1 + z2 + z3) * 1.401298464324817e-45
+        z0 = z0 - 16.0 * y0
+        z1 = z1 - 16.0 * y1
+        z2 = z2 - 16.0 * y2
+        z3 = z3 - 16.0 * y3
+        p, pb = _gemv_fma(p, pb, w0, w1, w2, w3, y0, y1, y2, y3, 6, MODE, BITS, TWO)
+        p, pb = _gemv_fma(p, pb, w0, w1, w2, w3, z0, z1, z2, z3, 7, MODE, BITS, TWO)
+        if HALVES == 2:
+            q, qb = _gemv_fma(q, qb, v0, v1, v2, v3, y0, y1, y2, y3, 6, MODE, BITS, TWO)
+            q, qb = _gemv_fma(q, qb, v0, v1, v2, v3, z0, z1, z2, z3, 7, MODE, BITS, TWO)
+    acc = _gemv_apply(acc, p, pb, xsum, s_ptr, b_ptr, s_row, n_mask, g_a, g_b, kb, KG,
+                      MODE, G, BITS, EVEN, LANES)  # fmt: skip
+    if HALVES == 2:
+        acc_h = _gemv_apply(acc_h, q, qb, xsum, s_ptr, b_ptr, s_row_h, n_mask_h, g_a, g_b,
+                            kb, KG, MODE, G, BITS, EVEN, LANES)  # fmt: skip
+    return acc, acc_h
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    y_ptr,
+    part_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    stride_wn,
+    MODE: tl.constexpr,
+    BITS: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    KB_PER_SPLIT: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    EVEN: tl.constexpr = False,
+    KW: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
+    SILU: tl.constexpr = False,
+    WARPS: tl.constexpr = 1,
+):
+    """y[m, N] = x[m, K] @ W^T for one row m of x: CUDA-core FMA on decoded codes.
+
+    WARPS warps per program (launch with num_warps=WARPS), BLOCK_N = 8 or 16 rows (two
+    halves of 8 sharing each x input). Lane l of the LANES = 32*WARPS loads words
+    4l..4l+3 of each row per k-step of 4*LANES words, split into 4 [8, LANES] tensors (one
+    word per lane and row), so each row's dot product is one FFMA chain per lane over its
+    4 words and all positions, and the x inputs and row-inner scale tiles it needs land in
+    the same lanes (no shared memory, no barrier, no shuffle in the loop). Scale and bias
+    are applied per lane (acc += p*s + b*sum(x)); the lanes are summed once after the
+    loop, across warps through shared memory: WARPS > 1 splits K inside the program,
+    without the partials and ticket round trip of SPLIT_K. With PREFETCH the
+    loop runs two k-steps per iteration, each step's words loaded one step ahead (two
+    register buffers, no copies).
+    Program (m, pid_n, pid_k) covers rows [pid_n*BLOCK_N, +BLOCK_N) and k-steps
+    [pid_k*KB_PER_SPLIT, +KB_PER_SPLIT); m is the fastest grid axis, so the programs of
+    several rows of x read the same weights back to back (from L2).
+    EVEN: N % BLOCK_N == 0 and whole k-steps in every split: no masks; KW: the words per
+    row (stride_wn) as a constant, or 0.
+    PDL (launched with programmatic dependent launch): the first k-step's words are
+    loaded before waiting for the previous kernel (weights depend on no kernel); x, the
+    partials and y only after. The next kernel is let in after the wait, not before: a
+    trigger at entry lets every later kernel of the step launch at once (each one's
+    programs trigger on arrival), and their waiting programs and early loads crowd the
+    SMs (H100: 4096x4096 7.5 -> 7.8 us, 6144x4096 9.5 -> 12.5 us).
+    SILU (W = [gate; up], N/2 a multiple of 8): a tile's rows are gate rows and their up
+    rows, N/2 further on (16 rows: 8 and 8; 8 rows: 4 and 4), and y[m, N/2] =
+    silu(gate) * up, rounded as cuda_ops.silu_mul rounds the two products: no SiLU
+    launch of its own.
+    """
+    tl.static_assert(BLOCK_N == 8 or BLOCK_N == 16)
+    HALVES: tl.constexpr = BLOCK_N // 8
+    LANES: tl.constexpr = 32 * WARPS
+    EPW: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = G // EPW
+    TWO: tl.constexpr = WPG < 4  # nvfp4: a lane's words 0,1 and 2,3 are in two groups
+    m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    KG = K // G
+    if KW > 0:
+        swn = KW
+    else:
+        swn = stride_wn
+    if SILU and HALVES == 2:
+        rn = pid_n * 8 + tl.arange(0, 8)
+        rn_h = rn + N // 2
+    elif SILU:
+        r8 = tl.arange(0, 8)
+        rn = pid_n * 4 + r8 % 4 + (r8 // 4) * (N // 2)
+        rn_h = rn  # unused
+    else:
+        rn = pid_n * BLOCK_N + tl.arange(0, 8)
+        rn_h = rn + 8
+    n_mask = rn < N
+    n_mask_h = rn_h < N
+    rkw = tl.arange(0, 4 * LANES)
+    lane = tl.arange(0, LANES)
+    s_row = (rn // 8) * (KG * 8) + (rn % 8)  # scales are stored [N/8, K/G, 8]
+    s_row_h = (rn_h // 8) * (KG * 8) + (rn_h % 8)
+    # pair c of lane l: words 4l+2c, 4l+2c+1; their inputs at position 0, in input pairs
+    # (uint32 units: 2 inputs): one 8-byte vector per lane unless TWO (then 2 x 4 bytes)
+    if TWO:
+        x_pair0 = (2 * lane[:, None] + tl.arange(0, 2)[None, :]) * (G // 2)
+        g_pair = 2 * lane[:, None] + tl.arange(0, 2)[None, :]
+    else:
+        xl = (lane // (WPG // 4)) * (G // 2) + (2 * lane) % (WPG // 2)
+        x_pair0 = tl.multiple_of(xl, 2)[:, None] + tl.arange(0, 2)[None, :]
+        g_pair = (lane // (WPG // 4))[:, None] + 0 * tl.arange(0, 2)[None, :]
+    g_a = (4 * lane) // WPG  # group (within the k-step) of words 0, 1 of the lane
+    g_b = (4 * lane + 2) // WPG  # of words 2, 3 (== g_a unless TWO)
+    x_base = x_ptr + m * stride_xm
+    acc = tl.zeros([8, LANES], dtype=tl.float32)
+    acc_h = tl.zeros([8, LANES], dtype=tl.float32)
+    kb0 = pid_k * KB_PER_SPLIT
+    if PREFETCH:  # each step's words are in flight while the previous step computes
+        # (with PDL the first step's are issued before the wait, while the previous kernel
+        # still runs; a second step issued there too made ptxas hold it through the loop:
+        # 134 -> 168 registers at 8 rows, 4096x14336 16.4 -> 21.9 us on the H100)
+        wa = _load_step(w_ptr, rn, n_mask, rkw, kb0, swn, EVEN, MODE, LANES)
+        wa_h = wa
+        if HALVES == 2:
+            wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb0, swn, EVEN, MODE, LANES)
+        if PDL:
+            tlc.gdc_wait()
+            tlc.gdc_launch_dependents()
+        kb_last = kb0 + KB_PER_SPLIT - 1
+        for j in range(0, KB_PER_SPLIT // 2):
+            kb = kb0 + 2 * j
+            wb = _load_step(w_ptr, rn, n_mask, rkw, kb + 1, swn, EVEN, MODE, LANES)
+            wb_h = wb
+            if HALVES == 2:
+                wb_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb + 1, swn, EVEN, MODE, LANES)
+            acc, acc_h = _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a,
+                                    g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr, KG,
+                                    MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
+            # past the last step: reload it (in bounds, no predicate, never used; peeling
+            # the last pair instead makes ptxas spill at 16 rows)
+            kn = tl.minimum(kb + 2, kb_last)
+            wa = _load_step(w_ptr, rn, n_mask, rkw, kn, swn, EVEN, MODE, LANES)
+            wa_h = wa
+            if HALVES == 2:
+                wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kn, swn, EVEN, MODE, LANES)
+            acc, acc_h = _gemv_step(acc, acc_h, wb, wb_h, kb + 1, x_base, x_pair0, g_pair,
+                                    g_a, g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr,
+                                    KG, MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
+        if KB_PER_SPLIT % 2 == 1:
+            acc, acc_h = _gemv_step(acc, acc_h, wa, wa_h, kb_last, x_base, x_pair0, g_pair,
+                                    g_a, g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr,
+                                    KG, MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
+    else:
+        if PDL:
+            tlc.gdc_wait()
+            tlc.gdc_launch_dependents()
+        for j in range(0, KB_PER_SPLIT):
+            kb = kb0 + j
+            wa = _load_step(w_ptr, rn, n_mask, rkw, kb, swn, EVEN, MODE, LANES)
+            wa_h = wa
+            if HALVES == 2:
+                wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb, swn, EVEN, MODE, LANES)
+            acc, acc_h = _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a,
+                                    g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr, KG,
+                                    MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
+    # decoded products carry 2^-49 (affine), 2^-20 (fp8) or 2^-26 (fp4)
+    if MODE == 0:
+        C: tl.constexpr = 562949953421312.0
+    elif MODE == 3:
+        C: tl.constexpr = 1.0
+    else:
+        C: tl.constexpr = 67108864.0
+    out = tl.sum(acc, axis=1) * C  # [8]
+    tile = m * tl.num_programs(1) + pid_n
+    if SILU and HALVES == 2:
+        out_h = tl.sum(acc_h, axis=1) * C
+        _silu_epilogue(out, out_h, y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr, rn,
+                       rn_h, N, M * N, tile, pid_k, SPLIT_K)  # fmt: skip
+    elif SILU:
+        g, u = tl.split(tl.trans(tl.reshape(out, [2, 4])))  # rows 0-3 gate, 4-7 up
+        rg = pid_n * 4 + tl.arange(0, 4)
+        _silu_epilogue(g, u, y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr, rg,
+                       rg + N // 2, N, M * N, tile, pid_k, SPLIT_K)  # fmt: skip
+    else:
+        if HALVES == 2:
+            out_h = tl.sum(acc_h, axis=1) * C
+            out = tl.reshape(tl.trans(tl.join(out, out_h)), [16])
+        rn_all = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        _splitk_epilogue(out[None, :], y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr,
+                         tl.arange(0, 1), rn_all, 1, N, 0, M * N, tile, pid_k,
+                         SPLIT_K)  # fmt: skip

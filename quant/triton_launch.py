@@ -1,0 +1,279 @@
+"""How the quantized-linear kernels (triton_gemv.py, triton_gemm.py) are launched: Triton
+itself (or why it could not load), the device's properties, the launch parameters chosen per
+shape and format (`choose_config`, from the H100 sweeps in benchmarks/KERNEL_NOTES.md), the
+constexprs they imply, programmatic dependent launch, and the split-K tickets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+
+from .triton_layout import _MODE_ID, QLinear
+
+try:
+    import torch
+except ImportError:  # an MLX-only install: the module still imports, use raises
+    torch = None
+
+try:
+    import triton
+    import triton.language as tl
+
+    try:
+        from triton.language.extra import cuda as tlc
+    except ImportError:  # no grid dependency control: pdl() is then False
+        tlc = None
+    _TRITON_ERROR = None
+except Exception as e:  # ImportError, or a triton that cannot load its libraries
+    triton = None
+    tl = None
+    tlc = None
+    _TRITON_ERROR = e
+
+GEMV_MAX_M = 4  # above this many rows the tensor-core kernel wins (per-row FMA cost grows)
+# The most warps a GEMV program splits K across; MLXRUN_GEMV_WARPS=1 gives the one-warp
+# configs (for A/B timing)
+GEMV_WARPS = int(os.environ.get("MLXRUN_GEMV_WARPS", "4"))
+_COUNTERS: dict = {}  # device -> zeroed int32 tickets, reset by the kernels themselves
+_OUTGROWN: list = []  # replaced ticket buffers: a captured CUDA graph may still use one
+
+
+def _counters(device, n: int) -> torch.Tensor:
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _OUTGROWN.append(buf)
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+_PROPS: dict = {}  # device index -> its properties (the query costs host time per call)
+
+
+def _props(device):
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _PROPS:
+        _PROPS[key] = torch.cuda.get_device_properties(key)
+    return _PROPS[key]
+
+
+def _num_sms(device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: a small grid keeps the CPU tests fast
+    return _props(device).multi_processor_count
+
+
+def _l2_bytes(device) -> int:
+    return _props(device).L2_cache_size
+
+
+@functools.cache
+def _pdl_api() -> bool:
+    """Whether this Triton has grid dependency control and the launch option (3.3/3.4+)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions  # noqa: PLC0415
+    except Exception:
+        return False
+    fields = {f.name for f in dataclasses.fields(CUDAOptions)}
+    return tlc is not None and hasattr(tlc, "gdc_wait") and "launch_pdl" in fields
+
+
+def pdl(device) -> bool:
+    """Launch the decode kernels with programmatic dependent launch (Hopper and later).
+
+    Each kernel then lets the next one start while it runs: the next one's programs are
+    placed on the SMs, issue their first weight loads (which depend on no earlier kernel) and
+    wait in `gdc_wait` until this one's results are visible. Every kernel triggers the next
+    (gdc_launch_dependents) only once its own wait is over, so at most one kernel waits
+    ahead. Without it every kernel of a decode step pays its launch and its first DRAM round
+    trip after the previous one ends: a few us each, ~300 times a token. MLXRUN_PDL=0 turns
+    it off (for A/B timing)."""
+    if device.type != "cuda" or os.environ.get("MLXRUN_PDL", "1") == "0":
+        return False
+    return _pdl_api() and _props(device).major >= 9
+
+
+def pdl_args(device) -> dict:
+    """The PDL constexpr and launch option of a kernel launched on `device` (see pdl)."""
+    return {"PDL": True, "launch_pdl": True} if pdl(device) else {"PDL": False}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters.
+
+    kernel: "gemv" (num_warps warps per program, splitting each k-step of 128*num_warps
+    words per row) or "gemm" (tl.dot, k-steps of ng groups). split_k: programs along K whose
+    partials the last one sums.
+    """
+
+    kernel: str
+    block_m: int
+    block_n: int
+    split_k: int
+    ng: int = 1
+    num_warps: int = 1
+    num_stages: int = 1
+    group_m: int = 8
+    prefetch: bool = True
+    swap: bool = False
+
+
+def _split(n_tiles: int, ksteps: int, sms: int, waves: float) -> int:
+    """Split K so that about waves*SMs programs run; each split gets whole k-steps."""
+    want = max(1, min(ksteps, math.ceil(waves * sms / max(n_tiles, 1))))
+    per = math.ceil(ksteps / want)
+    return math.ceil(ksteps / per)
+
+
+def _packed_gemm(w: QLinear, x_dtype) -> bool:
+    """The GEMM's packed bf16x2 decode applies: bf16 x and mxfp4, nvfp4, mxfp8, or affine
+    4-bit with bf16 scales and biases (affine 8-bit keeps the per-element path)."""
+    if x_dtype != torch.bfloat16:
+        return False
+    if w.mode == "affine":
+        return w.bits == 4 and w.scales.dtype == torch.bfloat16 and w.biases.dtype == torch.bfloat16
+    return True
+
+
+def _split_even(n_tiles: int, ksteps: int, sms: int, waves: float) -> int:
+    """Like _split, but a divisor of ksteps (every split gets the same whole k-steps, so the
+    GEMM runs without k masks): the smallest one reaching 0.9 of the wanted programs, or
+    _split's count where that divisor would be more than twice too many."""
+    want = waves * sms / max(n_tiles, 1)
+    for d in range(1, ksteps + 1):
+        if ksteps % d == 0 and d >= 0.9 * want:
+            return d if d <= 2 * want + 1 else _split(n_tiles, ksteps, sms, waves)
+    return ksteps
+
+
+def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
+    """Heuristic launch parameters for x [m, K] @ W^T (bench/tuning may override).
+
+    Chosen from the H100 sweep in benchmarks/KERNEL_NOTES.md (run 3).
+    """
+    sms = _num_sms(device)
+    if m <= GEMV_MAX_M:
+        # Up to 4 warps a program, each taking its own part of every k-step (lanes along K,
+        # summed through shared memory once at the end): a split of K inside the program,
+        # with no partials and no ticket round trip. H100 sweep (profile_decode.py --linears
+        # --all --warps 1,2,4: cycled weights, PDL on), int4 us, best with 1 warp -> 4 warps:
+        # 6144x4096 8.3 -> 6.6, 4096x4096 6.8 -> 5.6, 28672x4096 25.9 -> 24.9, 4096x14336
+        # 14.6 -> 14.2, 128256x4096 101.6 -> 96.4; with 4 warps more splits only lost.
+        kw = w.k * w.bits // 32
+        fp4 = w.mode in ("mxfp4", "nvfp4")
+        warps = 1
+        while warps < GEMV_WARPS and 256 * warps <= kw:
+            warps *= 2
+        if fp4 and w.n >= 64 * sms:
+            # fp4 with many row blocks (8 or more a SM): 2 warps, twice the k-steps a warp
+            # (mxfp4 28672x4096 26.2 -> 24.1 us, 128256x4096 97.4 -> 95.1; 4 warps still
+            # win at 6144x4096, 7.5 against 7.7, and 4096x14336, 14.8 against 16.1). In the
+            # decode loop (bench, fp4, same call): 438.4, 434.8 -> 440.3, 440.5 tok/s
+            warps = min(warps, 2)
+        ksteps = math.ceil(kw / (128 * warps))
+        if warps > 1:
+            # 16 rows (two halves sharing each x input) where a warp has at most 2 k-steps:
+            # mxfp8 4096x4096 8.0 -> 7.4 us, but 4096x14336 (7 k-steps) 23.5 -> 84.2;
+            # fp4 is slower at 16 rows everywhere (6144x4096 7.5 -> 8.6 us)
+            bn = 16 if not fp4 and ksteps <= 2 else 8
+        else:
+            # 8 or 16 rows (affine with >= 2 row blocks per SM: 8% fewer instructions,
+            # twice the work per warp; the fp formats spill at 16)
+            bn = 16 if w.mode == "affine" and math.ceil(w.n / 16) >= 4 * sms else 8
+        # split K until ~6 warps per SM are in flight (more splits cost their partials and
+        # the ticket round trip), into a divisor of the k-steps where one is near (no masks)
+        tiles = m * math.ceil(w.n / bn)
+        sk = _split(tiles * warps, ksteps, sms, 6.0)
+        divs = [d for d in range(1, ksteps + 1) if ksteps % d == 0]
+        near = min(divs, key=lambda d: (abs(math.log(d / sk)), -d))
+        if kw % (128 * warps) == 0 and abs(math.log(near / sk)) <= math.log(2):
+            sk = near
+        # One warp a program (rows of fewer than 256 words): from the sweep with PDL on,
+        # int4 6144x4096 10.8 us in 1 split, 8.3 in 2; 4096x4096 6.8 in 2; 16 rows lost at
+        # N = 6144, 10.1 against 9.1 us, and won at N >= 28672.
+        few = warps == 1 and tiles < 8 * sms  # the small shapes (q/k/v, o, down at batch 1)
+        if few and fp4:
+            # fp4 decodes with ~2x the instructions of int4 and wants every warp it can get:
+            # one k-step each (6144x4096 11.0 -> 9.6 us, 4096x4096 9.3 -> 7.9, 4096x14336
+            # 22.2 -> 19.5)
+            sk = ksteps
+        elif few and ksteps / sk > 4:  # long serial chains lose where the rows are few:
+            sk = math.ceil(ksteps / 4)  # 4096x14336 int4 17.8 us in 2 splits, 14.6 in 4
+        # (with many rows one split wins: mxfp8 28672x4096 45.5 us against 48.6 in 2)
+        # E4M3 holds ~155 registers a lane with the next step's words in flight: where a
+        # warp has many k-steps, more resident warps beat the prefetch (mxfp8 4096x14336,
+        # 7 four-warp steps: 23.5 -> 22.6 us without it; 4096x4096, 2 steps: 7.4 -> 9.5)
+        prefetch = not (w.mode == "mxfp8" and warps > 1 and ksteps > 2)
+        return KernelConfig("gemv", 1, bn, sk, num_warps=warps, prefetch=prefetch)
+    g = w.group_size
+    swap = False
+    if device.type == "cpu":  # interpreter: small tiles keep the CPU tests fast
+        bm, bn, ng, warps = 32, 64, max(1, 256 // g), 4
+    elif x_dtype == torch.float32:  # tf32x3 needs 3 MMAs and hi/lo operands: small tiles
+        bm, bn, ng, warps = 16, 64, max(1, 64 // g), 4
+    elif m <= 64:
+        # A few sequences (batched decode): the weight tile is the wgmma's 128-row operand
+        # and x's rows its narrow side, split K to about one wave. Measured at M = 32 on the
+        # 8B shapes (profile_decode.py --linears): 0.6x the time of the 128x128 tiles.
+        # The split divides the k-steps where it can (no k masks in the loop: EVEN_K).
+        bm = 32 if m <= 32 else 64
+        ng = max(2, 128 // g)  # g128: 2 groups a step, so the scale loads are 4 bytes (async)
+        ksteps = math.ceil(w.k / (ng * g))
+        tiles = math.ceil(m / bm) * math.ceil(w.n / 128)
+        sk = _split_even(tiles, ksteps, sms, 1.0)
+        return KernelConfig("gemm", bm, 128, sk, ng, 4, 4, swap=True)
+    elif w.mode == "affine" and w.bits == 4:
+        # measured best for g64 (0.81x the time); with bf16 x the swap puts the packed decode
+        # straight into wgmma's register operand (no shared-memory round trip), any g
+        bm, bn, ng, warps, swap = 128, 128, max(2, 128 // g), 8, True
+    elif w.mode != "affine" and x_dtype == torch.bfloat16:
+        # packed decode (as affine 4-bit): 6.2-6.3 SASS instructions per weight element
+        # against 7.8-8.5 with the 128x256 k64 tiles (sass_gemm.py); not measured on a GPU
+        bm, bn, ng, warps, swap = 128, 128, max(1, 128 // g), 8, True
+    elif w.mode in ("mxfp4", "mxfp8"):  # measured best: 128x256 tiles, k-step 64
+        bm, bn, ng, warps = 128, 256, 2, 8
+    else:
+        bm, bn, ng, warps = 128, 128, max(1, 128 // g), 8
+    ksteps = math.ceil(w.k / (ng * g))
+    tiles = math.ceil(m / bm) * math.ceil(w.n / bn)
+    sk = _split(tiles, ksteps, sms, 2.0) if tiles < sms else 1
+    return KernelConfig("gemm", bm, bn, sk, ng, warps, 3, swap=swap)
+
+
+def _constexprs(w, cfg: KernelConfig, per: int, split: int) -> dict:
+    """The constexprs both kernels take: format, row block and the K split."""
+    return dict(
+        MODE=_MODE_ID[w.mode],
+        BITS=w.bits,
+        G=w.group_size,
+        BLOCK_N=cfg.block_n,
+        SPLIT_K=split,
+        KB_PER_SPLIT=per,
+    )
+
+
+def _gemv_constexprs(w, cfg: KernelConfig, silu: bool = False, dense: bool = True) -> dict:
+    """_gemv_kernel's constexprs for w (a QLinear, or anything with its n, k, bits,
+    group_size and mode) under cfg, as qmatmul launches it; benchmarks/sass_count.py compiles
+    the same. dense: w's rows and scales are contiguous."""
+    kw = w.k * w.bits // 32
+    step = 128 * cfg.num_warps  # words of a row per k-step (the warps split it)
+    ksteps = math.ceil(kw / step)
+    per = math.ceil(ksteps / cfg.split_k)
+    split = math.ceil(ksteps / per)  # no empty splits
+    # whole row blocks, k-steps and splits, contiguous rows: no masks, a constant stride
+    even = dense and w.n % cfg.block_n == 0 and kw == step * per * split
+    # with one k-step per split, PREFETCH still loads it before the loop (before gdc_wait)
+    return dict(
+        _constexprs(w, cfg, per, split),
+        PREFETCH=cfg.prefetch,
+        EVEN=even,
+        KW=kw if even else 0,
+        SILU=silu,
+        WARPS=cfg.num_warps,
+    )
