@@ -305,12 +305,13 @@ class _RandomWeights:
         return e
 
 
-def build_random(cfg: ModelConfig, be, spec=None, seed: int = 0) -> Transformer:
+def build_random(cfg: ModelConfig, be, spec=None, seed: int = 0, vocab=None) -> Transformer:
     """A Transformer of `cfg`'s shapes with random weights made on `be` (QuantSpec `spec`
-    packs every matrix whose input divides by its group, embedding and head included)."""
+    packs every matrix whose input divides by its group, embedding and head included);
+    `vocab` (shard.VocabShard): only this rank's rows of the embedding and head."""
     r = _RandomWeights(be, spec, seed)
     c = cfg
-    H, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
+    H, I, V = c.hidden_size, c.intermediate_size, c.vocab_size if vocab is None else vocab.rows
     q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     n, tied = c.num_hidden_layers, c.tie_word_embeddings
     if isinstance(spec, KQuantMix):
@@ -357,7 +358,7 @@ def build_random(cfg: ModelConfig, be, spec=None, seed: int = 0) -> Transformer:
     head = embed if tied else r.matrix(V, H, kind=kind("output.weight", H))
     norm = r.vector(H)
     be.eval(*_arrays(head, norm))
-    return Transformer(cfg, be, embed, layers, norm, head)
+    return Transformer(cfg, be, embed, layers, norm, head, vocab)
 
 
 # --- bytes read per token ------------------------------------------------------------------
@@ -431,7 +432,8 @@ def weight_bytes(model: Transformer, batch: int = 1) -> tuple[int, int]:
                 read -= round(unread * sum(_read_bytes(w) for w in stacked))
     if model.embed is not model.head:
         held += _held_bytes(model.embed)
-        read += batch * (_read_bytes(model.embed) // model.config.vocab_size)
+        rows = model.config.vocab_size if model.vocab is None else model.vocab.rows
+        read += batch * (_read_bytes(model.embed) // rows)
     return held, read
 
 
@@ -733,12 +735,13 @@ def _bench_mlxrun(
     t0 = time.perf_counter()
     if src.shape:
         from .distributed import join  # noqa: PLC0415
-        from .shard import check, shard_config  # noqa: PLC0415
+        from .shard import check, shard_config, vocab_shard  # noqa: PLC0415
 
         group = join(be)  # under a launcher each rank builds its shard only
-        tp = 1 if group is None else group.size
+        tp, rank = (1, 0) if group is None else (group.size, group.rank)
         check(src.config, tp, set() if spec is None else {spec.group_size})
-        model = build_random(shard_config(src.config, tp), be, spec)
+        vocab = vocab_shard(src.config, tp, rank)
+        model = build_random(shard_config(src.config, tp), be, spec, vocab=vocab)
         be.synchronize()
         load_s = time.perf_counter() - t0
     else:
