@@ -60,8 +60,8 @@ def vocab_shard(cfg: ModelConfig, tp: int, rank: int) -> VocabShard | None:
     The rule: split when the vocabulary is larger than the hidden size. Splitting costs two
     collectives a forward pass (a sum of the (B, T, hidden) lookups and a gather of the
     logits); a table of vocab <= hidden rows is no larger than one hidden x hidden
-    projection, so its split would save little memory for them. Every Llama-family
-    vocabulary (32k-256k) against its hidden size (0.5k-16k) is split."""
+    projection, too little memory to pay for them. Every Llama-family vocabulary
+    (32k-256k, against hidden sizes of 0.5k-16k) is split."""
     if tp == 1 or cfg.vocab_size <= cfg.hidden_size:
         return None
     # Rows are independent in every format (a packed row holds whole groups), so the

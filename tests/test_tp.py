@@ -340,21 +340,22 @@ def test_mlx_ring_two_ranks_equal_one_process(tiny_dir, odd_vocab, tmp_path):
 @pytest.mark.slow
 @pytest.mark.long
 def test_smollm2_three_ranks_equal_one_process(tmp_path):
-    """The bundled GGUF (Q4_1, loaded as affine 4-bit g32) over 3 gloo ranks: 3 heads,
-    1 KV head and 512 MLP rows a rank (2 ranks do not divide its 9 heads). gloo, not the
-    ring: on two cores three ring ranks spent 73 s of CPU (24 s of it system time) where
-    gloo's three spent 47 s."""
-    jobs = [
-        dict(
-            model=SMOLLM2,
-            backend="cpu",
-            ids=[1, 504, 3458, 282, 2241, 314, 4649, 47],
-            prompt="The capital of France is",
-            max_tokens=6,
-        )
-    ]
+    """The bundled GGUF (Q4_1, loaded as affine 4-bit g32), and expanded to float32
+    (--quant none), over 3 gloo ranks: 3 heads, 1 KV head, 512 MLP rows and 16384
+    vocabulary rows a rank (2 ranks do not divide its 9 heads). gloo, not the ring: on two
+    cores three ring ranks spent 73 s of CPU (24 s of it system time) where gloo's three
+    spent 47 s."""
+    job = dict(
+        model=SMOLLM2,
+        backend="cpu",
+        ids=[1, 504, 3458, 282, 2241, 314, 4649, 47],
+        prompt="The capital of France is",
+        max_tokens=6,
+    )
+    jobs = [job, job | {"quant": "none"}]
     _run_split(_torchrun(3), jobs, tmp_path / "out")
-    assert (tmp_path / "out" / "0.txt").read_text().startswith(" Paris")
+    for i in range(len(jobs)):
+        assert (tmp_path / "out" / f"{i}.txt").read_text().startswith(" Paris")
     _compare(jobs, tmp_path / "out")
 
 
