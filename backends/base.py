@@ -102,6 +102,12 @@ class Backend(Protocol):
     ) -> Array: ...  # sinks (NH,) or None: a learned logit per head joining the softmax
     def silu_gated(self, x: Array, gate, up) -> Array: ...  # silu(x @ gate^T) * (x @ up^T)
     def all_sum(self, x: Array) -> Array: ...  # x summed over the ranks (tensor parallel)
+    def all_gather(self, x: Array, width: int) -> Array: ...  # (..., k) from every rank ->
+    # (..., width): the ranks' x side by side in rank order, the first `width` columns kept
+    def embedding_sum(
+        self, ids: Array, w: Array | QuantizedWeight, start: int, rows: int
+    ) -> Array: ...  # w: rows [start, start+rows) of the table; ids outside read zeros,
+    # and the lookups are summed over the ranks (the table split by vocabulary)
     def linear_sum(
         self, x: Array, w: Array | QuantizedWeight, bias: Array | None = None
     ) -> Array: ...  # x @ w^T summed over the ranks (w split by input), then + bias; it may

@@ -293,6 +293,23 @@ class MLXBackend:
             return x
         return mx.distributed.all_sum(x, group=self.group.handle)
 
+    def all_gather(self, x, width):
+        """(..., k) from each rank -> (..., width): rank r's x at [r*k, (r+1)*k), the
+        padding past `width` cut (mx.distributed.all_gather stacks on the first axis)."""
+        n, k = self.group.size, x.shape[-1]
+        y = mx.distributed.all_gather(x[None], group=self.group.handle)  # (n, ..., k)
+        y = mx.moveaxis(y, 0, -2).reshape(*x.shape[:-1], n * k)
+        return y if width == n * k else y[..., :width]
+
+    def embedding_sum(self, ids, w, start, rows):
+        """The rows of `ids` from a table split by vocabulary: this rank's rows [start,
+        start+rows), zeros for the others' ids, summed over the ranks (one nonzero term a
+        token: the sum is exact in any dtype)."""
+        local = ids - start
+        inside = (local >= 0) & (local < rows)
+        e = self.embedding(mx.where(inside, local, 0), w)
+        return self.all_sum(mx.where(inside[..., None], e, mx.zeros((), e.dtype)))
+
     def thread_binder(self):
         return lambda: None  # MLX's default device and stream are not per thread
 

@@ -731,6 +731,23 @@ class TorchBackend:
             self._all_sum = AllSum(self._dev)
         return self._all_sum(x)
 
+    def all_gather(self, x, width):
+        """(..., k) from each rank -> (..., width): rank r's x at [r*k, (r+1)*k), the
+        padding past `width` cut. all_gather_into_tensor (NCCL, gloo) is captured into the
+        decode graph like the sums."""
+        from .torch_tp import all_gather  # noqa: PLC0415
+
+        return all_gather(x, self.group.size, width)
+
+    def embedding_sum(self, ids, w, start, rows):
+        """The rows of `ids` from a table split by vocabulary: this rank's rows [start,
+        start+rows), zeros for the others' ids, summed over the ranks (one nonzero term a
+        token: the sum is exact in any dtype)."""
+        local = ids - start
+        inside = (local >= 0) & (local < rows)
+        e = self.embedding(torch.where(inside, local, 0), w)
+        return self.all_sum(e * inside.unsqueeze(-1).to(e.dtype))
+
     def linear_sum(self, x, w, bias=None):
         if self.group is None or self.group.size == 1:
             return self.linear(x, w, bias)

@@ -1,4 +1,5 @@
-"""The torch backend's tensor-parallel all-reduce (linear_sum gives it fp32 partial products).
+"""The torch backend's tensor-parallel collectives: the all-reduce (linear_sum gives it fp32
+partial products) and the all-gather of the logits (the head split by vocabulary).
 
 Each rank's o_proj and down_proj product is a partial sum of the whole product. Rounding
 each partial to bf16 before the sum (as a plain `all_reduce(linear(x, w))` does) rounds
@@ -66,3 +67,14 @@ class AllSum:
             )
         dist.all_reduce(x)
         return x
+
+
+def all_gather(x, ranks: int, width: int):
+    """x (..., k) from every rank -> (..., width): the ranks' x side by side in rank order,
+    columns past `width` (padding) cut. One all_gather_into_tensor (captured by a CUDA
+    graph with NCCL), then one copy to put the rank axis next to k."""
+    # stacked on the first axis (gloo checks that shape; NCCL only the size)
+    out = torch.empty((ranks * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x.contiguous())
+    out = out.view(ranks, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], ranks * x.shape[-1])
+    return out if width == out.shape[-1] else out[..., :width].contiguous()

@@ -9,9 +9,10 @@ all-reduce of a decode step's activation costs inside a CUDA graph.
     torchrun --nproc-per-node 3 benchmarks/tp_decode.py --shape smollm2 --backend cpu \\
         --prompt-tokens 8 --gen-tokens 8 --reps 1
 
-Each rank builds only its shard (mlxrun.shard's config: its heads, KV heads and MLP rows)
-with random weights; decode runs the backend's captured graph on CUDA, with the two NCCL
-all-reduces a layer inside it. Rank 0 prints one JSON line per format.
+Each rank builds only its shard (mlxrun.shard's config: its heads, KV heads and MLP rows,
+and its vocabulary rows of the embedding and head) with random weights; decode runs the
+backend's captured graph on CUDA, with the two all-reduces a layer, the embedding's sum and
+the logits' all-gather inside it. Rank 0 prints one JSON line per format.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from mlxrun.bench_timing import _run_once
 from mlxrun.distributed import join
 from mlxrun.quant.formats import resolve
 from mlxrun.sampling import SamplingParams
-from mlxrun.shard import check, shard_config
+from mlxrun.shard import check, shard_config, vocab_shard
 
 
 def allreduce_us(be, hidden: int, calls: int = 64, reps: int = 50) -> float:
@@ -105,7 +106,8 @@ def main() -> None:
     for q in a.quant.split(","):
         spec = None if q == "none" else resolve(q)
         check(cfg, tp, {spec.group_size} if spec else set())
-        model = build_random(shard_config(cfg, tp), be, spec, seed=rank)
+        vocab = vocab_shard(cfg, tp, rank)  # this rank's rows of the embedding and head
+        model = build_random(shard_config(cfg, tp), be, spec, seed=rank, vocab=vocab)
         greedy = SamplingParams()
         _run_once(model, prompts, a.gen_tokens, greedy)  # warm-up (and the graph capture)
         runs = [_run_once(model, prompts, a.gen_tokens, greedy) for _ in range(a.reps)]

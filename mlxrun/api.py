@@ -470,7 +470,7 @@ def _load(
     from .loader import open_checkpoint  # noqa: PLC0415
     from .memory import check_fits  # noqa: PLC0415
     from .planning import plan_shapes  # noqa: PLC0415
-    from .shard import check, shard_config  # noqa: PLC0415
+    from .shard import check, shard_config, vocab_shard  # noqa: PLC0415
 
     where = "mlx" if be.name == "mlx" else be.device
     tp = 1 if group is None else group.size
@@ -532,6 +532,7 @@ def _load(
         dense=key == "none",
         group_asked=group_size is not None,
         check_weights=check_weights,
+        vocab=None if tp == 1 else vocab_shard(cfg, tp, group.rank),
     )
     notes = ckpt.notes + auto_note + notes
     if spec is not None:  # a quantized source keeps its group size when none was asked

@@ -96,12 +96,13 @@ def _bench_mlxrun(
     t0 = time.perf_counter()
     if src.shape:
         from .distributed import join  # noqa: PLC0415
-        from .shard import check, shard_config  # noqa: PLC0415
+        from .shard import check, shard_config, vocab_shard  # noqa: PLC0415
 
         group = join(be)  # under a launcher each rank builds its shard only
-        tp = 1 if group is None else group.size
+        tp, rank = (1, 0) if group is None else (group.size, group.rank)
         check(src.config, tp, set() if spec is None else {spec.group_size})
-        model = build_random(shard_config(src.config, tp), be, spec)
+        vocab = vocab_shard(src.config, tp, rank)
+        model = build_random(shard_config(src.config, tp), be, spec, vocab=vocab)
         be.synchronize()
         load_s = time.perf_counter() - t0
     else:

@@ -224,12 +224,13 @@ class _RandomWeights:
         return e
 
 
-def build_random(cfg: ModelConfig, be, spec=None, seed: int = 0) -> Transformer:
+def build_random(cfg: ModelConfig, be, spec=None, seed: int = 0, vocab=None) -> Transformer:
     """A Transformer of `cfg`'s shapes with random weights made on `be` (QuantSpec `spec`
-    packs every matrix whose input divides by its group, embedding and head included)."""
+    packs every matrix whose input divides by its group, embedding and head included);
+    `vocab` (shard.VocabShard): only this rank's rows of the embedding and head."""
     r = _RandomWeights(be, spec, seed)
     c = cfg
-    H, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
+    H, I, V = c.hidden_size, c.intermediate_size, c.vocab_size if vocab is None else vocab.rows
     q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     n, tied = c.num_hidden_layers, c.tie_word_embeddings
     if isinstance(spec, KQuantMix):
@@ -276,7 +277,7 @@ def build_random(cfg: ModelConfig, be, spec=None, seed: int = 0) -> Transformer:
     head = embed if tied else r.matrix(V, H, kind=kind("output.weight", H))
     norm = r.vector(H)
     be.eval(*_arrays(head, norm))
-    return Transformer(cfg, be, embed, layers, norm, head)
+    return Transformer(cfg, be, embed, layers, norm, head, vocab)
 
 
 @dataclass
@@ -410,7 +411,8 @@ def weight_bytes(model: Transformer, batch: int = 1) -> tuple[int, int]:
                 read -= round(unread * sum(_read_bytes(w) for w in stacked))
     if model.embed is not model.head:
         held += _held_bytes(model.embed)
-        read += batch * (_read_bytes(model.embed) // model.config.vocab_size)
+        rows = model.config.vocab_size if model.vocab is None else model.vocab.rows
+        read += batch * (_read_bytes(model.embed) // rows)
     return held, read
 
 

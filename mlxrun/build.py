@@ -361,6 +361,7 @@ def build_model(
     dense: bool = False,
     group_asked: bool = True,
     check_weights: bool = True,
+    vocab=None,
 ) -> tuple[Transformer, list[str]]:
     """Check names and shapes, move weights to `be` (quantizing with `quant`, a QuantSpec,
     if given); returns the model and notes for the user (layers left unquantized, stored
@@ -370,12 +371,14 @@ def build_model(
     group_asked: False when the user gave no group size, so stored layers may keep theirs.
     check_weights: refuse, naming the tensor, a weight that holds NaN or inf (each tensor's
     bytes are checked on the host as they are copied to the device).
+    vocab: this rank's rows of the embedding and head (a shard.VocabShard; `tensors` hold
+    only those rows), None when they are whole.
     """
     if dense and quant is not None:
         raise ValueError("build_model: dense=True and a quant spec exclude each other")
     quant = target_spec(quant, cfg.quantization, group_asked)
     c = cfg
-    H, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
+    H, I, V = c.hidden_size, c.intermediate_size, c.vocab_size if vocab is None else vocab.rows
     q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     tied = c.tie_word_embeddings
     per_layer = 9 + 3 * c.attention_bias + c.o_bias + 3 * c.mlp_bias + 2 * c.qk_norm
@@ -436,4 +439,4 @@ def build_model(
             "missing from config.json, or another architecture); mlxrun refuses rather than "
             "drop them"
         )
-    return Transformer(cfg, be, embed, layers, norm, head), b.summary()
+    return Transformer(cfg, be, embed, layers, norm, head, vocab), b.summary()

@@ -427,10 +427,16 @@ def plan(model, backend, dtype, quant, context, batch, prompt_tokens, tp, json_o
         tp=tp,
     )
     if tp > 1:
+        from .shard import vocab_shard  # noqa: PLC0415
+
+        v = vocab_shard(c, tp, 0)  # the rank's config keeps the whole vocabulary
+        table = "embedding and head on every rank" if v is None else (
+            f"{v.rows} vocabulary rows of the embedding and head"
+        )  # fmt: skip
         click.echo(
             f"tensor parallel over {tp} ranks; each rank below: {c.num_attention_heads} heads, "
-            f"{c.num_key_value_heads} KV heads, {c.intermediate_size} MLP rows (embedding, "
-            "head and norms on every rank)"
+            f"{c.num_key_value_heads} KV heads, {c.intermediate_size} MLP rows, {table} "
+            "(norms on every rank)"
         )
     if prompt_tokens is not None and (p.backend, p.device.kind) in EAGER:
         click.echo(

@@ -113,10 +113,10 @@ def open_checkpoint(
         return _open_gguf(path, shard, keep)
     ckpt = _open_dir(path)
     if shard is not None:
-        from .shard import check, shard_tensors, stored_groups  # noqa: PLC0415
+        from .shard import check, shard_tensors, stored_groups, vocab_shard  # noqa: PLC0415
 
         check(ckpt.config, shard[0], stored_groups(ckpt.config, ckpt.tensors))
-        ckpt.tensors = shard_tensors(ckpt.tensors, *shard)
+        ckpt.tensors = shard_tensors(ckpt.tensors, *shard, vocab_shard(ckpt.config, *shard))
     return ckpt
 
 

@@ -48,13 +48,17 @@ class Layer:
 class Transformer:
     """Parameters on a backend plus the forward pass. Built by `mlxrun.loader.build_model`."""
 
-    def __init__(self, config: ModelConfig, backend, embed, layers: list[Layer], norm, head):
+    def __init__(
+        self, config: ModelConfig, backend, embed, layers: list[Layer], norm, head, vocab=None
+    ):
         self.config = config
         self.be = backend
         self.embed = embed
         self.layers = layers
         self.norm = norm
         self.head = head  # the embedding again when tied
+        # tensor parallel: embed and head hold this rank's vocabulary rows (shard.VocabShard)
+        self.vocab = vocab
         self.rope = backend.rope_table(config.rope_freqs())
         # sliding layers with a base of their own (Gemma 3) rotate by their own table
         local = config.local_rope_theta is not None and config.layer_windows
@@ -167,7 +171,11 @@ class Transformer:
         rope = self.rope
         if c.rope_dynamic:  # NTK: frequencies of this pass's length, as transformers runs it
             rope = be.rope_table(c.rope_freqs(cache.offset + T))
-        h = be.embedding(ids, self.embed)  # (B, T, hidden)
+        v = self.vocab
+        if v is None:
+            h = be.embedding(ids, self.embed)  # (B, T, hidden)
+        else:  # each rank looks up the ids in its rows (zeros elsewhere); summed over ranks
+            h = be.embedding_sum(ids, self.embed, v.start, v.rows)
         if self.embed_scale is not None:
             h = h * self.embed_scale
         # Each residual add is done with the norm that follows it (one fused kernel on CUDA).
@@ -179,4 +187,7 @@ class Transformer:
         cache.advance(T)
         if last_only:
             x = x[:, -1, :]
-        return be.linear(x, self.head)
+        if v is None:
+            return be.linear(x, self.head)
+        # (..., rows) of this rank -> (..., vocab) on every rank, the padding cut
+        return be.all_gather(be.linear(x, self.head), v.vocab)

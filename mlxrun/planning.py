@@ -130,7 +130,7 @@ def plan_config(
         if spec is not None:
             groups.add(target_spec(spec, cfg.quantization, group_asked=True).group_size)
         check(cfg, tp, groups)
-        cfg, shapes = shard_config(cfg, tp), shard_shapes(shapes, tp)
+        cfg, shapes = shard_config(cfg, tp), shard_shapes(shapes, tp, cfg)
     p = plan_shapes(
         cfg, shapes, spec, backend, dtype, context, batch, prefill_chunk, mapped, prompt_tokens
     )

@@ -8,8 +8,11 @@ Megatron's split, as gpt-fast's tp.py and mlx-lm's shard_linear do it:
 - o and down are split by input columns: each rank's product is a partial sum of the
   full output, which the model adds across ranks with the backend's `all_sum` (two a
   layer);
-- the embedding, the head and the norms are replicated (the vocabulary split would need
-  a gather, a second collective).
+- the embedding and the head are split by vocabulary rows (`vocab_shard`): a rank looks
+  up the ids in its rows and the ranks sum the lookups, and it computes its slice of the
+  logits, which the ranks all-gather; a vocabulary that does not divide is padded with
+  zero rows, whose logits are cut after the gather. A vocabulary no larger than the
+  hidden size stays replicated (see `vocab_shard`). The norms are replicated.
 
 A packed (quantized) matrix is split along the same axes: rows are independent, and a
 column split takes whole groups (weight words, scales and biases alike), so a rank's
@@ -21,6 +24,9 @@ Slices are numpy views of the memory-mapped files: a rank reads only its shard's
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+
+import numpy as np
 
 from .config import ModelConfig
 from .errors import MlxrunError
@@ -32,6 +38,52 @@ _ROWS = re.compile(
     r"\.((self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.(weight|scales|biases|bias)|self_attn\.sinks)$"
 )
 _COLS = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.(weight|scales|biases)$")
+# split by vocabulary rows when `vocab_shard` says so (a stored tied lm_head with them)
+_VOCAB = re.compile(r"^(model\.embed_tokens|lm_head)\.(weight|scales|biases)$")
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """One rank's rows of the embedding and the head: [start, start + rows) of the
+    vocabulary padded to rows x ranks; rows past `vocab` are zeros and their logits are
+    cut after the gather (never sampled)."""
+
+    vocab: int  # the whole vocabulary (the logits' width after the gather)
+    rows: int  # rows every rank holds
+    start: int  # this rank's first row
+
+
+def vocab_shard(cfg: ModelConfig, tp: int, rank: int) -> VocabShard | None:
+    """Rank `rank`'s vocabulary rows when `tp` ranks split the embedding and head, None
+    when they are replicated.
+
+    The rule: split when the vocabulary is larger than the hidden size. Splitting costs two
+    collectives a forward pass (a sum of the (B, T, hidden) lookups and a gather of the
+    logits); a table of vocab <= hidden rows is no larger than one hidden x hidden
+    projection, too little memory to pay for them. Every Llama-family vocabulary
+    (32k-256k, against hidden sizes of 0.5k-16k) is split."""
+    if tp == 1 or cfg.vocab_size <= cfg.hidden_size:
+        return None
+    # Rows are independent in every format (a packed row holds whole groups), so the
+    # padding is to a multiple of the ranks only.
+    rows = -(-cfg.vocab_size // tp)
+    return VocabShard(cfg.vocab_size, rows, rank * rows)
+
+
+def vocab_rows(name: str, data: np.ndarray, v: VocabShard) -> np.ndarray:
+    """Rank's rows [v.start, v.start + v.rows) of `data` (the embedding or head, or its
+    packed parts: rows first): a view of the memory map, or, where the rows run past the
+    vocabulary, a copy of the rank's rows with zero rows after them."""
+    if data.shape[0] != v.vocab:
+        raise MlxrunError(
+            f"tensor {name!r} has {data.shape[0]} rows but config.json's vocab_size is "
+            f"{v.vocab}: the config and weights disagree"
+        )
+    part = data[v.start : v.start + v.rows]
+    short = v.rows - part.shape[0]
+    if not short:
+        return part
+    return np.concatenate([part, np.zeros((short, *data.shape[1:]), dtype=data.dtype)])
 
 
 def split_axis(name: str) -> int | None:
@@ -133,14 +185,20 @@ def piece(n: int, tp: int, rank: int, name: str) -> slice:
     return slice(rank * step, (rank + 1) * step)
 
 
-def shard_tensors(tensors: dict[str, Tensor], tp: int, rank: int) -> dict[str, Tensor]:
-    """Rank `rank`'s slices of every tensor (views, nothing read); others shared as is."""
+def shard_tensors(
+    tensors: dict[str, Tensor], tp: int, rank: int, vocab: VocabShard | None = None
+) -> dict[str, Tensor]:
+    """Rank `rank`'s slices of every tensor (views, nothing read; `vocab_rows` copies
+    the last rank's padded rows); others shared as is. `vocab`: the embedding and head's
+    split (`vocab_shard`), None to keep them whole."""
     if tp == 1:
         return tensors
     out = {}
     for name, t in tensors.items():
         axis = split_axis(name)
-        if axis is None:
+        if vocab is not None and _VOCAB.match(name):
+            out[name] = Tensor(t.dtype, vocab_rows(name, t.data, vocab))
+        elif axis is None:
             out[name] = t
         elif axis == 0:
             out[name] = Tensor(t.dtype, t.data[piece(t.shape[0], tp, rank, name)])
@@ -149,12 +207,16 @@ def shard_tensors(tensors: dict[str, Tensor], tp: int, rank: int) -> dict[str, T
     return out
 
 
-def shard_shapes(shapes: dict, tp: int) -> dict:
-    """{name: (shape, dtype)} as one rank holds them (for memory plans)."""
+def shard_shapes(shapes: dict, tp: int, cfg: ModelConfig) -> dict:
+    """{name: (shape, dtype)} as one rank holds them (for memory plans); `cfg`: the whole
+    model's config (whether its embedding and head split by vocabulary)."""
+    vocab = vocab_shard(cfg, tp, 0)
     out = {}
     for name, (shape, dtype) in shapes.items():
         axis = split_axis(name)
-        if axis is not None and tp > 1:
+        if vocab is not None and _VOCAB.match(name):
+            shape = (vocab.rows, *shape[1:])
+        elif axis is not None and tp > 1:
             shape = list(shape)
             shape[axis] //= tp
             shape = tuple(shape)

@@ -20,10 +20,19 @@ import pytest
 import mlxrun
 from mlxrun.config import ModelConfig
 from mlxrun.errors import MlxrunError
-from mlxrun.shard import check, shard_config, shard_tensors, split_axis, working_counts
+from mlxrun.shard import (
+    VocabShard,
+    check,
+    shard_config,
+    shard_shapes,
+    shard_tensors,
+    split_axis,
+    vocab_shard,
+    working_counts,
+)
 from mlxrun.weights import Tensor, load_safetensors
 
-from .conftest import SMOLLM2, rel_err
+from .conftest import SMOLLM2, TINY, rel_err, write_random
 from .tp_worker import load_job
 
 WORKER = Path(__file__).with_name("tp_worker.py")
@@ -120,6 +129,93 @@ def test_shards_are_views_and_quantized_columns_are_whole_groups(tmp_path):
     ]
 
 
+def test_vocab_split_rule_and_padded_rows(tmp_path):
+    """The embedding and head split by vocabulary rows when vocab > hidden (replicated
+    otherwise); a vocabulary that does not divide is padded to a multiple of the ranks with
+    zero rows. Whole rows are views of the memory map; a packed head's rank rows
+    dequantize to exactly those rows of the whole matrix, the padding to zeros."""
+    from mlxrun.quant.formats import QuantSpec
+    from mlxrun.quant.reference import dequantize, quantize
+    from mlxrun.weights import save_safetensors
+
+    def small(vocab):
+        return _cfg(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab)
+
+    assert vocab_shard(small(64), 2, 1) is None  # vocab <= hidden: replicated
+    assert vocab_shard(small(100), 1, 0) is None
+    assert vocab_shard(small(97), 2, 1) == VocabShard(97, 49, 49)
+    assert vocab_shard(small(97), 3, 2) == VocabShard(97, 33, 66)
+    rng = np.random.default_rng(0)
+    spec = QuantSpec("affine", 4, 32)
+    V, H = 97, 64
+    emb = rng.standard_normal((V, H)).astype(np.float32)
+    q = quantize(rng.standard_normal((V, H)).astype(np.float32), spec)
+    save_safetensors(
+        tmp_path / "m.safetensors",
+        {"model.embed_tokens.weight": Tensor.from_numpy(emb)}
+        | {f"lm_head.{k}": Tensor.from_numpy(q[k]) for k in ("weight", "scales", "biases")},
+    )
+    tensors, _ = load_safetensors(tmp_path / "m.safetensors")
+    whole = dequantize(q["weight"], q["scales"], q["biases"], spec)
+    cfg = small(V)
+    for rank, n in ((0, 33), (1, 33), (2, 31)):  # 97 over 3: 33 rows a rank, 2 padding
+        v = vocab_shard(cfg, 3, rank)
+        s = shard_tensors(tensors, 3, rank, v)
+        e = s["model.embed_tokens.weight"].data
+        assert e.shape == (33, H)
+        assert np.array_equal(e[:n], emb[v.start : v.start + n]) and not e[n:].any()
+        if n == 33:
+            assert np.shares_memory(e, tensors["model.embed_tokens.weight"].data)
+        got = dequantize(*(np.ascontiguousarray(s[f"lm_head.{k}"].data) for k in ("weight", "scales", "biases")), spec)  # fmt: skip
+        assert np.array_equal(got[:n], whole[v.start : v.start + n]) and not got[n:].any()
+    # the plan counts a rank's rows: Llama-3-8B's 128256 over 2 is 64128 a rank
+    from mlxrun.planning import model_shapes, plan
+
+    big, shapes = model_shapes("shape:llama3-8b")
+    shapes = shard_shapes(shapes, 2, big)
+    assert shapes["model.embed_tokens.weight"][0] == shapes["lm_head.weight"][0] == (64128, 4096)
+    p = plan("shape:llama3-8b", backend="cpu", dtype="bfloat16", tp=2, context=1024)
+    assert p.footprint.weight_bytes == sum(2 * int(np.prod(s)) for s, _ in shapes.values())
+
+
+def test_gguf_rank_reads_its_vocabulary_rows(tmp_path):
+    """A GGUF's Q4_1 embedding and Q8_0 head (SmolLM2's block types), 97 rows over 2 ranks:
+    each rank's rows, cut from the file's blocks before they are unpacked, dequantize to
+    those rows of the whole table (gguf's dequantize), the last rank's padding to zeros."""
+    import gguf
+
+    from mlxrun.gguf.names import arch_of
+    from mlxrun.gguf.tensors import convert
+    from mlxrun.quant import gguf_blocks as gb
+    from mlxrun.quant.formats import QuantSpec
+    from mlxrun.quant.reference import dequantize
+
+    Q = gguf.GGMLQuantizationType
+    rng = np.random.default_rng(1)
+    path, want = tmp_path / "vocab.gguf", {}
+    w = gguf.GGUFWriter(str(path), "llama")
+    for name, q in (("token_embd.weight", Q.Q4_1), ("output.weight", Q.Q8_0)):
+        blocks = gguf.quants.quantize(rng.standard_normal((97, 64)).astype(np.float32), q)
+        w.add_tensor(name, blocks, raw_dtype=q)
+        want[name] = gguf.quants.dequantize(blocks, q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    raw = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    cfg = _cfg(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=97)
+    for rank, n in ((0, 49), (1, 48)):
+        v = vocab_shard(cfg, 2, rank)
+        part = convert(path, raw, {}, arch_of(path, "llama"), (2, rank), (), v)[0]
+        for hf, name in (("model.embed_tokens", "token_embd.weight"), ("lm_head", "output.weight")):
+            t = {k: part[f"{hf}.{k}"] for k in ("weight", "scales", "biases")}
+            assert t["weight"].shape[0] == 49
+            spec = QuantSpec("affine", gb.AFFINE[raw[name].tensor_type.name][0], 32)
+            got = dequantize(t["weight"].data, t["scales"].float32(), t["biases"].float32(), spec)
+            np.testing.assert_allclose(got[:n], want[name][v.start : v.start + n], rtol=1e-6)
+            assert not got[n:].any()
+
+
 def _torchrun(n: int) -> list[str]:
     # --standalone: a free port of its own, so concurrent runs on one host do not collide
     return [
@@ -159,6 +255,10 @@ def _run_split(launch: list[str], jobs: list[dict], out: Path) -> None:
 def _compare(jobs: list[dict], out: Path) -> None:
     for i, job in enumerate(jobs):
         m = load_job(job)  # the same load, in this one process
+        ranks = sorted(out.glob(f"{i}.rank*.rows"))
+        v = vocab_shard(m.config, len(ranks), 0)
+        want = [m.config.vocab_size if v is None else v.rows] * 2  # embedding, head
+        assert [json.loads(p.read_text()) for p in ranks] == [want] * len(ranks), job
         assert rel_err(np.load(out / f"{i}.npy"), m.logits(job["ids"])) <= 1e-5, job
         texts = {p.read_text() for p in out.glob(f"{i}.rank*.txt")}
         assert texts == {(out / f"{i}.txt").read_text()}, job  # every rank drew the same
@@ -182,8 +282,30 @@ def _jobs(tiny_dir, backend: str, cases) -> list[dict]:
     ]
 
 
-def test_gloo_two_ranks_equal_one_process(tiny_dir, tmp_path):
-    """Dense GQA with a tied head, int4 g32 quantized on load, and q/k/v biases (qwen2)."""
+@pytest.fixture(scope="module")
+def odd_vocab(tmp_path_factory):
+    """tied -> a tiny llama whose vocabulary (97) does not divide by 2 ranks: the last
+    rank's rows end in a zero row whose logit is cut after the gather."""
+    root = tmp_path_factory.mktemp("odd_vocab")
+    out = {}
+    for tied in (True, False):
+        kw = dict(TINY["llama_gqa_tied"], vocab_size=97, tie_word_embeddings=tied)
+        kw.pop("model_type")
+        out[tied] = str(write_random(root / f"tied{tied}", "llama", kw, seed=3)[0])
+    return out
+
+
+def _odd_jobs(odd_vocab, backend: str, cases) -> list[dict]:
+    return [
+        dict(model=odd_vocab[tied], backend=backend, ids=[*IDS, 96], prompt=PROMPT + " w96",
+             max_tokens=8, **quant)
+        for tied, quant in cases
+    ]  # fmt: skip
+
+
+def test_gloo_two_ranks_equal_one_process(tiny_dir, odd_vocab, tmp_path):
+    """Dense GQA with a tied head, int4 g32 quantized on load, and q/k/v biases (qwen2);
+    a vocabulary of 97 (padded to 98) with an untied int4 head."""
     jobs = _jobs(
         tiny_dir,
         "cpu",
@@ -192,14 +314,15 @@ def test_gloo_two_ranks_equal_one_process(tiny_dir, tmp_path):
             ("llama_gqa_tied", {"quant": "int4", "group_size": 32}),
             ("qwen2_bias", {}),
         ],
-    )
+    ) + _odd_jobs(odd_vocab, "cpu", [(False, {"quant": "int4", "group_size": 32})])
     _run_split(_torchrun(2), jobs, tmp_path / "out")
     _compare(jobs, tmp_path / "out")
 
 
-def test_mlx_ring_two_ranks_equal_one_process(tiny_dir, tmp_path):
+def test_mlx_ring_two_ranks_equal_one_process(tiny_dir, odd_vocab, tmp_path):
     """Dense with an untied head and q/k norms (qwen3, head_dim 32), int4 g64, and sampled
-    text (temperature 1, no seed) that all ranks must agree on."""
+    text (temperature 1, no seed) that all ranks must agree on; a vocabulary of 97 (padded
+    to 98) with a tied dense head."""
     pytest.importorskip("mlx.core")
     jobs = _jobs(
         tiny_dir,
@@ -209,7 +332,7 @@ def test_mlx_ring_two_ranks_equal_one_process(tiny_dir, tmp_path):
             ("qwen3_qknorm", {"quant": "int4"}),
             ("qwen3_qknorm", {"temperature": 1.0}),  # no seed given: the ranks share one
         ],
-    )
+    ) + _odd_jobs(odd_vocab, "mlx", [(True, {})])
     _run_split(_mlx_launch(2), jobs, tmp_path / "out")
     _compare(jobs, tmp_path / "out")
 
@@ -217,21 +340,22 @@ def test_mlx_ring_two_ranks_equal_one_process(tiny_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.long
 def test_smollm2_three_ranks_equal_one_process(tmp_path):
-    """The bundled GGUF (Q4_1, loaded as affine 4-bit g32) over 3 gloo ranks: 3 heads,
-    1 KV head and 512 MLP rows a rank (2 ranks do not divide its 9 heads). gloo, not the
-    ring: on two cores three ring ranks spent 73 s of CPU (24 s of it system time) where
-    gloo's three spent 47 s."""
-    jobs = [
-        dict(
-            model=SMOLLM2,
-            backend="cpu",
-            ids=[1, 504, 3458, 282, 2241, 314, 4649, 47],
-            prompt="The capital of France is",
-            max_tokens=6,
-        )
-    ]
+    """The bundled GGUF (Q4_1, loaded as affine 4-bit g32), and expanded to float32
+    (--quant none), over 3 gloo ranks: 3 heads, 1 KV head, 512 MLP rows and 16384
+    vocabulary rows a rank (2 ranks do not divide its 9 heads). gloo, not the ring: on two
+    cores three ring ranks spent 73 s of CPU (24 s of it system time) where gloo's three
+    spent 47 s."""
+    job = dict(
+        model=SMOLLM2,
+        backend="cpu",
+        ids=[1, 504, 3458, 282, 2241, 314, 4649, 47],
+        prompt="The capital of France is",
+        max_tokens=6,
+    )
+    jobs = [job, job | {"quant": "none"}]
     _run_split(_torchrun(3), jobs, tmp_path / "out")
-    assert (tmp_path / "out" / "0.txt").read_text().startswith(" Paris")
+    for i in range(len(jobs)):
+        assert (tmp_path / "out" / f"{i}.txt").read_text().startswith(" Paris")
     _compare(jobs, tmp_path / "out")
 
 

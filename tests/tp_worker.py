@@ -1,6 +1,7 @@
 """Run by tests/test_tp.py under torchrun or mlx.launch: each job loads a model split over
 the launcher's ranks and rank 0 saves its logits and text for the test to compare with the
-one-process run; every rank saves its text (sampled text must agree across ranks).
+one-process run; every rank saves its text (sampled text must agree across ranks) and
+how many vocabulary rows its embedding and head hold.
 
 usage: tp_worker.py JOBS_JSON OUT_DIR
 """
@@ -40,6 +41,9 @@ def main() -> None:
             np.save(out / f"{i}.npy", logits)
             (out / f"{i}.txt").write_text(text)
         (out / f"{i}.rank{env_rank()}.txt").write_text(text)
+        # the vocabulary rows this rank holds (the split, or the whole table)
+        rows = m.transformer.embed.shape[0], m.transformer.head.shape[0]
+        (out / f"{i}.rank{env_rank()}.rows").write_text(json.dumps(rows))
 
 
 if __name__ == "__main__":

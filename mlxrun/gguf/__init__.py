@@ -67,12 +67,14 @@ def read_gguf(
     raw = {t.name: t for t in reader.tensors}
     check_types(path, reader.tensors)
     cfg = config(path, meta, raw, name, (arch.model_type, arch.hf_class))
+    vocab = None
     if shard is not None:  # a rank's columns are whole blocks of 32 (or 256) values
         from ..config import ModelConfig  # noqa: PLC0415
-        from ..shard import check  # noqa: PLC0415
+        from ..shard import check, vocab_shard  # noqa: PLC0415
 
         check(ModelConfig.from_dict(cfg), shard[0], {32})
-    tensors, bits, notes = convert(path, raw, cfg, arch, shard, keep)
+        vocab = vocab_shard(ModelConfig.from_dict(cfg), *shard)
+    tensors, bits, notes = convert(path, raw, cfg, arch, shard, keep, vocab)
     quant = quant_block(bits)
     if quant:
         cfg["quantization"] = quant

@@ -39,12 +39,16 @@ def check_types(path: Path, tensors) -> None:
 
 
 def _pick(
-    name: str, data: np.ndarray, perm: np.ndarray | None, shard, unit: int
+    name: str, data: np.ndarray, perm: np.ndarray | None, shard, unit: int, vocab=None
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """A rank's rows (through the un-permutation `perm`, then consumed) or its columns of
-    `data`, before anything is unpacked; `unit`: columns of `data` per block of values."""
-    from ..shard import piece, split_axis  # noqa: PLC0415
+    `data`, before anything is unpacked; `unit`: columns of `data` per block of values.
+    `vocab` (a shard.VocabShard): the embedding's and head's rows are the rank's vocabulary
+    rows, padded with zero bytes (every block type decodes them to zeros)."""
+    from ..shard import piece, split_axis, vocab_rows  # noqa: PLC0415
 
+    if vocab is not None and name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return vocab_rows(name, data, vocab), perm
     axis = None if shard is None else split_axis(name)
     if axis is None:
         return data, perm
@@ -69,11 +73,13 @@ def convert(
     arch: Arch,
     shard: tuple[int, int] | None = None,
     keep: tuple[str, ...] = (),
+    vocab=None,
 ) -> tuple[dict[str, Tensor], dict, list[str]]:
     """(HF tensors, {quantized module: bits or None when dense}, notes for the user).
 
     shard: (ranks, rank): only that rank's slice of each split tensor (mlxrun.shard), taken
-    from the file's blocks before they are unpacked.
+    from the file's blocks before they are unpacked; `vocab` (a shard.VocabShard): the
+    embedding's and head's rows when they are split by vocabulary.
     keep: block types a backend reads as stored (its `gguf_blocks`): a 2-D tensor of one
     comes back as its raw blocks, `Tensor("U8", rows, block=type)` [out, row bytes], rows
     un-permuted where llama's q/k are (unsharded only)."""
@@ -100,7 +106,7 @@ def convert(
             continue
         if kind in gb.AFFINE:
             data = np.asarray(t.data).reshape(-1, t.data.shape[-1])
-            data, perm = _pick(hf, data, perm, shard, _block_bytes(t))
+            data, perm = _pick(hf, data, perm, shard, _block_bytes(t), vocab)
             w, scales, biases = gb.to_affine(data, kind)
             if perm is not None:
                 w, scales, biases = w[perm], scales[perm], biases[perm]
@@ -116,7 +122,7 @@ def convert(
         picked = kind in gb.BLOCKS
         if picked:
             data = np.asarray(t.data).reshape(-1, t.data.shape[-1])
-            data, perm = _pick(hf, data, perm, shard, _block_bytes(t))
+            data, perm = _pick(hf, data, perm, shard, _block_bytes(t), vocab)
             shape = (data.shape[0], shape[1] * data.shape[1] // t.data.shape[-1])
             data = gb.dequantize(data, kind)
             e = expanded.setdefault(kind, [0, 0, 0])
@@ -131,7 +137,7 @@ def convert(
                 data, kind = f32.astype(np.float32) - np.float32(arch.norm_shift), "F32"
         data = data.reshape(shape)
         if not picked:
-            data, perm = _pick(hf, data, perm, shard, 1)
+            data, perm = _pick(hf, data, perm, shard, 1, vocab)
         if perm is not None:
             data = data[perm]
         out[hf] = Tensor(kind, data)
