@@ -65,6 +65,15 @@ def json_option(f):
     )(f)
 
 
+def kv_quant_option(f):
+    return click.option(
+        "--kv-quant",
+        default=None,
+        help="Keep the KV cache quantized: int8 or fp8 (about half the bytes of a 16-bit "
+        "cache; see docs/long-context.md), or none [default: none].",
+    )(f)
+
+
 def model_options(f):
     f = click.option(
         "--model",
@@ -185,6 +194,7 @@ def cli():
     show_default=True,
     help="Refuse weights that hold NaN or inf (one pass over their bytes while loading).",
 )
+@kv_quant_option
 @constraint_options
 @click.option(
     "--draft-model",
@@ -228,6 +238,7 @@ def generate(
     group_size,
     bits,
     check_weights,
+    kv_quant,
     json_schema,
     grammar,
     draft_model,
@@ -279,6 +290,7 @@ def generate(
         progress=sys.stderr.isatty() and not quiet,
         check_weights=check_weights,
         fastest=True,
+        kv_quant=kv_quant,
     )
     _notes(m.notes, quiet)
     if verbose:
@@ -409,8 +421,9 @@ def _stream_one(
     show_default=True,
     help="Plan one rank of the model split over this many processes (tensor parallel).",
 )
+@kv_quant_option
 @json_option
-def plan(model, backend, dtype, quant, context, batch, prompt_tokens, tp, json_out):
+def plan(model, backend, dtype, quant, context, batch, prompt_tokens, tp, kv_quant, json_out):
     """Show what the model needs in memory and what fits, without loading the weights.
     --model also takes shape:llama3-8b, shape:llama3-1b, shape:smollm2 (bench's shapes)."""
     from .memory import EAGER, format_plan  # noqa: PLC0415
@@ -425,6 +438,7 @@ def plan(model, backend, dtype, quant, context, batch, prompt_tokens, tp, json_o
         dtype=dtype,
         prompt_tokens=prompt_tokens,
         tp=tp,
+        kv_quant=kv_quant,
     )
     if tp > 1:
         click.echo(
@@ -561,10 +575,17 @@ def convert(
     "--max-tokens", type=int, default=4096, show_default=True, help="Most tokens of text scored."
 )
 @click.option("--window", type=int, default=512, show_default=True, help="Tokens per forward pass.")
+@click.option(
+    "--kv-quant",
+    default=None,
+    help="KV-cache formats to run each --quant with, a comma list of none, int8, fp8: "
+    "scored against the unquantized model with an unquantized cache [default: none].",
+)
 @json_option
 def eval_cmd(
-    model, backend, dtype, quant, against, group_size, bits, text, max_tokens, window, json_out
-):
+    model, backend, dtype, quant, against, group_size, bits, text, max_tokens, window, kv_quant,
+    json_out,
+):  # fmt: skip
     """Measure what quantization costs: perplexity, KL divergence from the unquantized
     model and top-1 agreement, per format, over a text."""
     from .evaluate import (  # noqa: PLC0415
@@ -573,9 +594,14 @@ def eval_cmd(
         parse_choices,
         summarize_notes,
     )
+    from .kvquant import parse_kv_list  # noqa: PLC0415
 
-    if quant is None and not against:
-        raise MlxrunError("eval needs --quant (formats to measure) or --against (checkpoints)")
+    if quant is None and not against and kv_quant is None:
+        raise MlxrunError(
+            "eval needs --quant (formats to measure), --kv-quant (cache formats) or --against "
+            "(checkpoints)"
+        )
+    kv_quants = parse_kv_list(kv_quant)
     choices = parse_choices(quant or "none", group_size, bits)
     extra = []
     if against:
@@ -595,6 +621,7 @@ def eval_cmd(
         window=window,
         extra=extra,
         progress=sys.stderr.isatty(),
+        kv_quants=kv_quants,
     )
     if json_out:
         info = {"model": model, "text": text or "bundled eval.txt", **dataclasses.asdict(run)}
@@ -771,14 +798,16 @@ def engine_options(f):
         is_flag=True,
         help="Do not reuse the keys and values of prompts that start alike.",
     )(f)
-    return f
+    return kv_quant_option(f)
 
 
-def _engine(model, backend, dtype, quant, max_batch, context, no_prefix_cache, max_queue=64):
+def _engine(model, backend, dtype, quant, max_batch, context, no_prefix_cache, max_queue=64,
+            kv_quant=None):  # fmt: skip
     from .api import load  # noqa: PLC0415
     from .engine import engine_for  # noqa: PLC0415
 
-    m = load(model, backend=backend, dtype=dtype, quant=quant, progress=sys.stderr.isatty())
+    m = load(model, backend=backend, dtype=dtype, quant=quant, progress=sys.stderr.isatty(),
+             kv_quant=kv_quant)  # fmt: skip
     for note in m.notes:
         click.echo(f"note: {note}", err=True)
     eng = engine_for(m, max_batch, context, max_queue=max_queue, prefix_cache=not no_prefix_cache)
@@ -809,8 +838,8 @@ def _engine(model, backend, dtype, quant, max_batch, context, no_prefix_cache, m
     help="Requests that may wait for a slot; more are answered 429 at once.",
 )
 @tool_parser_option
-def serve(model, backend, dtype, quant, max_batch, context, no_prefix_cache, host, port,
-          api_key, max_queue, tool_parser):  # fmt: skip
+def serve(model, backend, dtype, quant, max_batch, context, no_prefix_cache, kv_quant, host,
+          port, api_key, max_queue, tool_parser):  # fmt: skip
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health)
     with continuous batching."""
     from .server import Server, run_server, serve_app  # noqa: PLC0415
@@ -819,7 +848,8 @@ def serve(model, backend, dtype, quant, max_batch, context, no_prefix_cache, hos
         raise MlxrunError(f"--max-queue must be >= 0, got {max_queue}")
     if not 0 <= port < 65536:
         raise MlxrunError(f"--port must be in 0..65535, got {port}")
-    m, eng = _engine(model, backend, dtype, quant, max_batch, context, no_prefix_cache, max_queue)
+    m, eng = _engine(model, backend, dtype, quant, max_batch, context, no_prefix_cache, max_queue,
+                     kv_quant)  # fmt: skip
     if eng.sync is not None and not eng.sync.leader:
         # A tensor-parallel follower: rank 0 serves, and says when to stop (a signal from
         # the launcher must not end this rank while rank 0 still needs its sums).
@@ -848,7 +878,7 @@ def serve(model, backend, dtype, quant, max_batch, context, no_prefix_cache, hos
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass.")
 @click.option("--seed", type=int, default=None, help="Seed for reproducible sampling.")
 @constraint_options
-def chat(model, backend, dtype, quant, max_batch, context, no_prefix_cache, system,
+def chat(model, backend, dtype, quant, max_batch, context, no_prefix_cache, kv_quant, system,
          max_tokens, temp, top_p, seed, json_schema, grammar):  # fmt: skip
     """Chat in the terminal; the conversation's cache is kept between turns."""
     from .chat import chat_loop  # noqa: PLC0415
@@ -860,7 +890,7 @@ def chat(model, backend, dtype, quant, max_batch, context, no_prefix_cache, syst
     constraint = constraint_from(json_schema, grammar)
     _, eng = _engine(
         model, backend, dtype, quant, "1" if max_batch == "auto" else max_batch, context,
-        no_prefix_cache,
+        no_prefix_cache, kv_quant=kv_quant,
     )  # fmt: skip
     try:
         if constraint is not None:
