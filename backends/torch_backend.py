@@ -28,7 +28,7 @@ except ImportError:  # reported by get_backend with the extra to install
     torch = None
 if torch is not None:
     from mlxrun.backends.slot_graph import RowMask, SlotRows
-    from mlxrun.backends.torch_kv import KVStore
+    from mlxrun.backends.torch_kv import KVStore, dequantize, take_rows
 
 _DTYPES = ("float32", "bfloat16", "float16")
 # MLXRUN_SILU_IN_GEMV=0 runs SiLU-multiply as its own kernel again (for A/B timing)
@@ -195,28 +195,31 @@ class StaticCache:
         captured graph reads it; the modulus wraps a sliding-window layer's ring)."""
         cap = self.caps[layer]
         if self.graph:
-            return self.keys[layer], self.values[layer], self.pos
+            return *self.kv.stored(layer), self.pos
         if cap < self.max_len:
             self._check(length, cap)
             slot = self._ring_slot.get(cap)
             if slot is None:  # one host-to-device copy per ring size and pass
                 slot = self._ring_slot[cap] = torch.tensor([self.offset % cap], device=self.device)
-            return self.keys[layer], self.values[layer], slot
+            return *self.kv.stored(layer), slot
         end = self.offset + length
         if end > self.max_len:
             raise MlxrunError(
                 f"the KV cache holds {self.max_len} positions and generation "
                 f"needs {end}; raise the context / max tokens"
             )
-        o = self.offset
-        return self.keys[layer][:, :, o:], self.values[layer][:, :, o:], self._zero
+        return *self.kv.stored(layer, self.offset), self._zero
 
-    def fetch(self, layer: int, length: int):
+    def fetch(self, layer: int, length: int, stored: bool = False):
         """The keys and values to attend to once `length` new positions are written: the
-        filled prefix, or a whole ring once it has wrapped (its mask says which)."""
-        if self.graph:  # the whole buffer, masked to the filled prefix
-            return self.kv.read(layer, self.caps[layer])
-        return self.kv.read(layer, min(self.offset + length, self.caps[layer]))
+        filled prefix, or a whole ring once it has wrapped (its mask says which). `stored`:
+        as the buffers hold them (a quantized cache's QuantKV), for the decode kernel."""
+        end = self.caps[layer]  # graph mode: the whole buffer, masked to the filled prefix
+        if not self.graph:
+            end = min(self.offset + length, end)
+        if stored:
+            return self.kv.stored(layer, 0, end)
+        return self.kv.read(layer, end)
 
     def advance(self, n: int) -> None:
         if self.graph:  # recorded in the graph; the host offset is kept by the caller
@@ -653,16 +656,14 @@ class TorchBackend:
         return x * cos + rot * sin
 
     def rope_and_cache(self, q, k, v, positions, table, cache, layer):
-        if getattr(cache, "kv_quant", None) is not None:
-            # quantized caches: rope, then the cache quantizes what it stores
-            k, v = cache.update_and_fetch(layer, self.rope(k, positions, table), v)
-            return self.rope(q, positions, table), k, v
         if self.triton_kernels and isinstance(cache, StaticCache):
             from .cuda_ops import rope_qkv  # noqa: PLC0415
 
-            kd, vd, slot = cache.slots(layer, k.shape[2])
+            T = k.shape[2]
+            kd, vd, slot = cache.slots(layer, T)  # a quantized cache: stored quantized
             q = rope_qkv(q, k, v, positions, table, kd, vd, slot)
-            return q, *cache.fetch(layer, k.shape[2])
+            # one new token: decode_attention reads the codes; a prompt: expanded for SDPA
+            return q, *cache.fetch(layer, T, stored=T == 1)
         if self.triton_kernels and isinstance(cache, SlotRows):  # the engine's decode step
             from .cuda_ops import rope_qkv  # noqa: PLC0415
 
@@ -683,7 +684,8 @@ class TorchBackend:
 
             return decode_attention(q, k, v, scale, mask, sinks, rows=rows)
         if rows is not None:
-            k, v = k[rows], v[rows]
+            k, v = take_rows(k, rows), take_rows(v, rows)
+        k, v = dequantize(k, q.dtype), dequantize(v, q.dtype)  # a quantized cache's QuantKV
         if sinks is not None:  # SDPA has no sink logit: the plain path for these layers
             return _sink_attention(q, k, v, scale, mask, sinks)
         return F.scaled_dot_product_attention(
@@ -804,8 +806,8 @@ class TorchBackend:
         """The engine's decode steps over `cache`'s rows with fixed shapes (slot_graph.py):
         captured per batch-size bucket on CUDA; run as they are where the Triton kernels are
         on without graphs (a CPU test under the interpreter). None: the engine runs eagerly."""
-        if not self.triton_kernels or cache.kv_quant is not None:
-            return None  # quantized rows: the eager steps (their fixed steps read plain rows)
+        if not self.triton_kernels:
+            return None
         c = model.config
         if any(c.window(i) is not None for i in range(c.num_hidden_layers)):
             return None  # sliding-window layers keep rings the fixed steps do not index yet

@@ -77,9 +77,27 @@ class KVStore:
             torch_dequantize(vs, v_s, self.kind, self.dtype),
         )
 
-    def quantized(self, layer: int) -> tuple[QuantKV, QuantKV]:
-        """The layer's whole buffers as they are stored (quantized stores only)."""
+    def stored(self, layer: int, start: int = 0, end: int | None = None):
+        """The layer's k, v over slots [start, end) as they are stored, for the CUDA kernels:
+        views of the plain buffers, or QuantKV views of codes and scales."""
+        k, v = self.keys[layer][:, :, start:end], self.values[layer][:, :, start:end]
+        if self.kind is None:
+            return k, v
         return (
-            QuantKV(self.keys[layer], self.kscales[layer], self.kind),
-            QuantKV(self.values[layer], self.vscales[layer], self.kind),
+            QuantKV(k, self.kscales[layer][:, :, start:end], self.kind),
+            QuantKV(v, self.vscales[layer][:, :, start:end], self.kind),
         )
+
+
+def dequantize(x, dtype):
+    """A QuantKV in the compute `dtype` (a plain tensor passes through)."""
+    if isinstance(x, QuantKV):
+        return torch_dequantize(x.codes, x.scales, x.kind, dtype)
+    return x
+
+
+def take_rows(x, rows):
+    """Rows `rows` of a cache buffer, plain or QuantKV."""
+    if isinstance(x, QuantKV):
+        return QuantKV(x.codes[rows], x.scales[rows], x.kind)
+    return x[rows]

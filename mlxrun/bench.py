@@ -168,6 +168,7 @@ class BenchRow:
     description: str = ""  # the backend's full describe()
     notes: list[str] = field(default_factory=list)
     sampling: str = "greedy"  # or the sampled setting, e.g. "temp 0.7 top-p 0.9"
+    kv_quant: str = "none"  # the KV cache's format (mlxrun/kvquant.py); its bytes as stored
 
 
 @dataclass
@@ -450,6 +451,15 @@ def kv_read_bytes(cfg: ModelConfig, dtype: str, ctx: float) -> float:
     )
 
 
+def kv_ratio(model: Transformer) -> float:
+    """Bytes of the model's KV cache format (scales included) over the compute dtype's."""
+    from .kvquant import kv_bytes_per_value  # noqa: PLC0415
+
+    item = DTYPE_BYTES[model.be.dtype]
+    per = kv_bytes_per_value(model.kv_quant, model.config.head_dim, item, model.be.name)
+    return per / item
+
+
 def mean_context(prompt_tokens: int, gen_tokens: int) -> float:
     """Mean number of cached positions a timed decode step attends over.
 
@@ -630,6 +640,7 @@ class _Run:
     reps: int
     progress: bool
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    kv_quants: list = field(default_factory=lambda: [None])  # KV-cache formats, a row each
 
     def say(self, msg: str) -> None:
         if self.progress:
@@ -667,7 +678,7 @@ def _bench_model(
             peer_peak = max(peer_peak, be.peak_memory())
     held, per_step = weight_bytes(model, run.batch)
     ctx = mean_context(run.prompt_tokens, run.gen_tokens)
-    kv = round(run.batch * kv_read_bytes(cfg, be.dtype, ctx))
+    kv = round(run.batch * kv_read_bytes(cfg, be.dtype, ctx) * kv_ratio(model))
     common = dict(
         weight_bytes=int(held),
         weight_bytes_per_step=int(per_step),
@@ -778,11 +789,15 @@ def _bench_mlxrun(
     rows = []
     label = _weights_label(model, how)
     settings = [SamplingParams()] + ([] if run.sampling.greedy else [run.sampling])
-    for params in settings:
+    from .kvquant import kv_label  # noqa: PLC0415
+
+    for params, kv in [(p, kv) for p in settings for kv in run.kv_quants]:
         mode = sampling_label(params)
-        theirs = peer if params.greedy else None  # mlx-lm's row is greedy
+        model.kv_quant = kv
+        theirs = peer if params.greedy and kv is None else None  # mlx-lm's row: greedy, plain
         also = " (and mlx-lm, alternating)" if theirs else ""
-        run.say(f"{be.name}:{be.device} {qname} {mode}: timing {run.reps} x {run.gen_tokens}{also}")
+        what = f"{qname} {mode}" + ("" if kv is None else f" kv-{kv}")
+        run.say(f"{be.name}:{be.device} {what}: timing {run.reps} x {run.gen_tokens}{also}")
         fields, peer_fields = _bench_model(run, model, params, theirs)
         rows.append(
             BenchRow(
@@ -794,6 +809,7 @@ def _bench_mlxrun(
                 load_s=load_s,
                 notes=notes,
                 sampling=mode,
+                kv_quant=kv_label(kv),
                 **fields,
             )
         )
@@ -1024,6 +1040,7 @@ def run_bench(
     dtype: str | None = None,
     progress: bool = True,
     sampling: SamplingParams | None = None,
+    kv_quants: list[str | None] | None = None,
 ) -> BenchReport:
     """Measure `model` on each backend in each weight format; returns the report (and writes
     the JSON / PNG when paths are given).
@@ -1039,6 +1056,8 @@ def run_bench(
     prompt is batch x prompt_tokens random ids; decoding is greedy for gen_tokens tokens,
     after one untimed warm-up generation. A non-greedy `sampling` adds a row of each
     mlxrun backend and format decoding with it (seeded), beside its greedy row.
+    kv_quants: KV-cache formats (None, 'int8', 'fp8'), a row each per backend and format;
+    the roofline counts the KV bytes as the format stores them.
     """
     from mlxrun.backends import get_backend, resolve_backend_name  # noqa: PLC0415
 
@@ -1050,7 +1069,13 @@ def run_bench(
     names = list(dict.fromkeys(resolve_backend_name(b.strip().lower()) for b in backends))
     specs = _quant_specs(quants)
     src = _open_source(model)
-    run = _Run(prompt_tokens, gen_tokens, batch, reps, progress, sampling or SamplingParams())
+    if "mlx" in names:
+        from .kvquant import check_head_dim  # noqa: PLC0415
+
+        for kv in kv_quants or []:
+            check_head_dim(kv, src.config.head_dim, "mlx")
+    run = _Run(prompt_tokens, gen_tokens, batch, reps, progress, sampling or SamplingParams(),
+               list(kv_quants or [None]))  # fmt: skip
     rows: list[BenchRow] = []
     skipped: list[Skipped] = []
     bandwidth: dict[str, dict] = {}
@@ -1253,7 +1278,7 @@ def format_report(report: BenchReport) -> str:
             [
                 r.backend,
                 r.device,
-                r.quant,
+                r.quant + ("" if r.kv_quant == "none" else f" kv-{r.kv_quant}"),
                 r.weights,
                 *([r.sampling] if sampled else []),
                 f"{r.load_s:.2f}",

@@ -720,9 +720,15 @@ def _csv(value: str) -> list[str]:
 )
 @click.option("--draft", type=click.Choice(["ngram"]), default=None, help="Prompt lookup drafts.")
 @click.option("--num-draft", type=int, default=None, help="Tokens drafted per verify pass.")
+@click.option(
+    "--kv-quant",
+    default=None,
+    help="KV-cache formats, a comma list of none, int8, fp8: a row each per backend and "
+    "format; the roofline counts the KV bytes as stored [default: none].",
+)
 def bench(
     model, backends, quant, prompt_tokens, gen_tokens, batch, reps, compare, temp, top_p,
-    top_k, min_p, seed, json_path, plot_path, dtype, draft_model, draft, num_draft,
+    top_k, min_p, seed, json_path, plot_path, dtype, draft_model, draft, num_draft, kv_quant,
 ):  # fmt: skip
     """Measure load time, TTFT, prefill and decode speed, peak memory and the fraction of
     the memory-bandwidth roofline, per backend and weight format, in one table."""
@@ -732,10 +738,10 @@ def bench(
     if draft_model is not None or draft is not None:
         from .bench_spec import format_spec, run_spec_bench  # noqa: PLC0415
 
-        if batch != 1 or compare or temp or plot_path:
+        if batch != 1 or compare or temp or plot_path or kv_quant:
             raise MlxrunError(
                 "bench with a draft measures greedy batch-1 decode; drop --batch-size, "
-                "--compare, --temp and --plot"
+                "--compare, --temp, --plot and --kv-quant"
             )
         rows = run_spec_bench(
             model, _csv(backends), _csv(quant), draft, draft_model, num_draft,
@@ -744,7 +750,10 @@ def bench(
         click.echo(format_spec(rows))
         return
 
+    from .kvquant import parse_kv_list  # noqa: PLC0415
+
     sampling = SamplingParams(temp, top_p, top_k, min_p, seed=seed)
+    kv_quants = parse_kv_list(kv_quant)
     report = run_bench(
         model,
         _csv(backends),
@@ -758,6 +767,7 @@ def bench(
         plot_path=plot_path,
         dtype=dtype,
         sampling=sampling,
+        kv_quants=kv_quants,
     )
     click.echo(format_report(report))
     for path in (json_path, plot_path):
