@@ -381,12 +381,11 @@ class MLXBackend:
         """A cache whose rows hold sequences of their own lengths (the serving engine's)."""
         from .slots import MLXSlotCache  # noqa: PLC0415
 
-        if kv_quant is not None:
-            raise MlxrunError(
-                f"--kv-quant {kv_quant}: the MLX backend's serving engine (serve, chat, "
-                "batched generate) keeps its cache unquantized; use --backend cpu/cuda for a "
-                "quantized cache there, or drop --kv-quant"
-            )
+        if kv_quant is not None:  # rows packed by mx.quantize, as MLXQuantCache
+            from .mlx_kv import MLXQuantSlotCache  # noqa: PLC0415
+
+            return MLXQuantSlotCache(num_layers, slots, kv_heads, head_dim, max_len, self._dt,
+                                     windows, chunk, kv_quant)  # fmt: skip
 
         return MLXSlotCache(
             num_layers, slots, kv_heads, head_dim, max_len, self._dt, windows, chunk

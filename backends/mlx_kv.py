@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from mlxrun.backends.base import ring_slices
 from mlxrun.backends.mlx_backend import MLXCache
+from mlxrun.backends.slots import MLXSlotCache, SlotCache
 from mlxrun.kvquant import MLX_GROUP, MLX_MODE
 
 
@@ -106,3 +107,56 @@ def quantized_attention(q, k: MLXQuantKV, v: MLXQuantKV, scale, mask, sinks=None
         p = mx.softmax(s, axis=-1)
     o = mx.quantized_matmul(p.astype(q.dtype), *vp, transpose=False, **kw)
     return o.reshape(B, NH, T, D)
+
+
+class MLXQuantSlotCache(MLXSlotCache):
+    """The serving engine's slot cache (backends/slots.py) with its rows packed as
+    MLXQuantCache packs them: per layer k, v as mx.quantize parts (slots, kv_heads, cap, *)."""
+
+    def __init__(self, num_layers, slots, kv_heads, head_dim, max_len, dtype, windows=None,
+                 chunk=None, kind="int8"):  # fmt: skip
+        SlotCache.__init__(self, slots, max_len, num_layers, windows, chunk)
+        self._mx = mx
+        self.kv_quant = kind
+        self.group, self.mode = min(MLX_GROUP[kind], head_dim), MLX_MODE[kind]
+
+        def zeros(cap):
+            x = mx.zeros((slots, kv_heads, cap, head_dim), dtype)
+            return tuple(mx.zeros(p.shape, p.dtype) for p in self._quantize(x))
+
+        self.keys = [zeros(c) for c in self.caps]
+        self.values = [zeros(c) for c in self.caps]
+        mx.eval(self.keys, self.values)
+
+    def _quantize(self, x) -> tuple:
+        return tuple(mx.quantize(x, group_size=self.group, bits=8, mode=self.mode))
+
+    def update_and_fetch(self, layer, k, v):
+        T = k.shape[2]
+        L = self._check(T)
+        cap = self.ring(layer) or self.max_len
+        for bufs, x in ((self.keys, k), (self.values, v)):
+            for buf, q in zip(bufs[layer], self._quantize(x)):
+                for b, r in enumerate(self.rows.tolist()):
+                    for s, t, n in ring_slices(int(L[b]), T, cap):  # one run unless it wraps
+                        buf[r, :, s : s + n] = q[b, :, t : t + n]
+        return tuple(
+            MLXQuantKV(tuple(self._take(a, L, T) for a in bufs[layer]), self.group, self.mode)
+            for bufs in (self.keys, self.values)
+        )
+
+    def _parts(self):
+        return [a for bufs in (self.keys, self.values) for kv in bufs for a in kv]
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        for buf in self._parts():
+            m = n if buf.shape[2] == self.max_len else buf.shape[2]  # a ring: whole
+            buf[dst, :, :m] = buf[src, :, :m]
+        mx.eval(self.keys, self.values)
+        self.lengths[dst] = n
+
+    def clear(self, slot: int) -> None:
+        for buf in self._parts():
+            buf[slot] = 0
+        mx.eval(self.keys, self.values)
+        self.lengths[slot] = 0

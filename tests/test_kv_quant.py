@@ -301,3 +301,31 @@ def test_engine_fixed_steps_read_quantized_slots(tiny):
     for p, out in zip(ps, outs):
         want = [int(t[0]) for t in generate_step(plain.transformer, [p], SamplingParams(), 3)]
         assert [e.token for e in out] == want
+
+
+@pytest.mark.parametrize("backend", ["cpu", "mlx"])
+def test_engine_slot_cache_quantized(tiny, backend):
+    """The serving engine's eager steps on a quantized slot cache (rows of their own
+    lengths, a prompt prefix reused from a running row): each request gets the greedy
+    tokens generate_step gives it alone through the same format's cache."""
+    if backend == "mlx":
+        pytest.importorskip("mlx.core")
+    from mlxrun.engine import Engine, Request
+    from mlxrun.generate import generate_step
+    from mlxrun.sampling import SamplingParams
+
+    from .test_engine import run_all
+
+    m = mlxrun.load(str(tiny), backend=backend, progress=False, kv_quant="int8")
+    rng = np.random.default_rng(4)
+    base = [int(t) for t in rng.integers(3, 64, 6)]
+    ps = [base + [5, 9], [int(t) for t in rng.integers(3, 64, 3)], base + [7]]
+    eng = Engine(m.transformer, m.tokenizer, max_batch=2, context=16, prefill_chunk=4)
+    try:
+        assert eng.cache.kv_quant == "int8"
+        outs = run_all(eng, [Request(p, max_tokens=3) for p in ps])
+    finally:
+        eng.close()
+    for p, out in zip(ps, outs):
+        want = [int(t[0]) for t in generate_step(m.transformer, [p], SamplingParams(), 3)]
+        assert [e.token for e in out] == want
