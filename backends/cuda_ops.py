@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mlxrun.backends.torch_kv import QuantKV
 from mlxrun.quant.triton_kernels import (
     _MODE_ID,
     _counters,
@@ -30,6 +31,8 @@ from mlxrun.quant.triton_kernels import (
     pdl_args,
     tlc,
 )
+
+_QUANT_ID = {"int8": 1, "fp8": 2}  # a quantized KV cache's codes (mlxrun/kvquant.py)
 
 # With programmatic dependent launch (triton_kernels.pdl) each kernel below waits for the
 # previous one before it reads anything (the norm weight and decode attention's cache
@@ -122,17 +125,24 @@ def _rope_qkv_kernel(
     soh,
     sot,
     RING,
+    ks_ptr,
+    vs_ptr,
+    ssb,
+    ssh,
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    QUANT: tl.constexpr = 0,
 ):
     if PDL:
         tlc.gdc_wait()
         tlc.gdc_launch_dependents()
     # program (b * T + t, head): heads [0, NH) rotate q into qo (contiguous (B, NH, T, D));
     # [NH, NH + NKV) rotate k and [NH + NKV, NH + 2 NKV) copy v into the caches at slot + t
-    # (with ROWS, into cache row rows[b] at slot[b] + t: each sequence at its own length)
+    # (with ROWS, into cache row rows[b] at slot[b] + t: each sequence at its own length).
+    # QUANT 1 (int8) / 2 (fp8): k and v are stored as codes with a scale each (ks, vs:
+    # (rows, NKV, S) float32), quantized here from the model-dtype values (mlxrun/kvquant.py)
     bt = tl.program_id(0).to(tl.int64)  # offsets pass 2^31 at large batch prefills
     hh = tl.program_id(1)
     t = bt % T
@@ -149,8 +159,13 @@ def _rope_qkv_kernel(
         h = hh - NH - NKV
         src = v_ptr + b * svb + h * svh + t * svt
         dst = vo_ptr + cb * sob + h * soh + slot * sot
-        tl.store(dst + i, tl.load(src + i, mask=m), mask=m)
-        tl.store(dst + HALF + i, tl.load(src + HALF + i, mask=m), mask=m)
+        if QUANT == 0:
+            tl.store(dst + i, tl.load(src + i, mask=m), mask=m)
+            tl.store(dst + HALF + i, tl.load(src + HALF + i, mask=m), mask=m)
+        else:
+            x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
+            x2 = tl.load(src + HALF + i, mask=m, other=0.0).to(tl.float32)
+            _store_codes(dst, vs_ptr + cb * ssb + h * ssh + slot, i, m, x1, x2, HALF, QUANT)
     else:
         if hh < NH:
             src = q_ptr + b * sqb + hh * sqh + t * sqt
@@ -169,8 +184,46 @@ def _rope_qkv_kernel(
         b1 = (-x2 * s).to(dt).to(tl.float32)
         a2 = (x2 * c).to(dt).to(tl.float32)
         b2 = (x1 * s).to(dt).to(tl.float32)
-        tl.store(dst + i, (a1 + b1).to(dt), mask=m)
-        tl.store(dst + HALF + i, (a2 + b2).to(dt), mask=m)
+        if QUANT == 0 or hh < NH:
+            tl.store(dst + i, (a1 + b1).to(dt), mask=m)
+            tl.store(dst + HALF + i, (a2 + b2).to(dt), mask=m)
+        else:  # a rotated key, quantized as the model dtype holds it
+            y1 = (a1 + b1).to(dt).to(tl.float32)
+            y2 = (a2 + b2).to(dt).to(tl.float32)
+            sdst = ks_ptr + cb * ssb + (hh - NH) * ssh + slot
+            _store_codes(dst, sdst, i, m, y1, y2, HALF, QUANT)
+
+
+@triton.jit
+def _store_codes(dst, sdst, i, m, x1, x2, HALF: tl.constexpr, QUANT: tl.constexpr):
+    """One head vector (halves x1, x2, float32) as one-byte codes at dst and its scale at
+    sdst, as kvquant.torch_quantize: s = max|x| / top, code = x * (top / max|x|), int8
+    rounded half to even (what torch.round does), fp8 converted to E4M3 (its byte)."""
+    amax = tl.maximum(
+        tl.max(tl.where(m, tl.abs(x1), 0.0), axis=0), tl.max(tl.where(m, tl.abs(x2), 0.0), axis=0)
+    )
+    if QUANT == 1:
+        top = 127.0
+    else:
+        top = 448.0
+    inv = tl.where(amax > 0, top / tl.maximum(amax, 1e-30), 0.0)
+    tl.store(sdst, amax / top)
+    y1 = x1 * inv
+    y2 = x2 * inv
+    if QUANT == 1:
+        tl.store(dst + i, _rint(y1).to(tl.int8), mask=m)
+        tl.store(dst + HALF + i, _rint(y2).to(tl.int8), mask=m)
+    else:
+        tl.store(dst + i, y1.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=m)
+        tl.store(dst + HALF + i, y2.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=m)
+
+
+@triton.jit
+def _rint(x):
+    """x rounded to the nearest integer, ties to even (|x| <= 127 here, so x + 0.5 is exact;
+    libdevice's rint has no interpreter version)."""
+    r = tl.floor(x + 0.5)
+    return tl.where((r - x == 0.5) & (r % 2 != 0), r - 1, r)
 
 
 def rope_qkv(q, k, v, positions, inv_freq, k_cache, v_cache, slot, rows=None) -> torch.Tensor:
@@ -184,6 +237,11 @@ def rope_qkv(q, k, v, positions, inv_freq, k_cache, v_cache, slot, rows=None) ->
     B, NH, T, D = q.shape
     NKV = k.shape[1]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    quant, ks, vs = 0, q, q  # (the scale pointers are unused unquantized)
+    if isinstance(k_cache, QuantKV):  # codes and scales (backends/torch_kv.py)
+        quant, ks, vs = _QUANT_ID[k_cache.kind], k_cache.scales, v_cache.scales
+        assert ks.stride() == vs.stride() and ks.stride(-1) == 1
+        k_cache, v_cache = k_cache.codes, v_cache.codes
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     pos = positions.reshape(positions.shape[0], T)
     if pos.stride(-1) != 1:
@@ -194,8 +252,9 @@ def rope_qkv(q, k, v, positions, inv_freq, k_cache, v_cache, slot, rows=None) ->
         NH, NKV, T,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         pos.stride(0) if pos.shape[0] > 1 else 0, *k_cache.stride()[:3], k_cache.shape[2],
+        ks, vs, ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2), ROWS=rows is not None, num_warps=1,
-        **pdl_args(q.device),
+        QUANT=quant, **pdl_args(q.device),
     )  # fmt: skip
     return out
 
@@ -236,6 +295,10 @@ def _decode_attn_kernel(
     svh,
     svs,
     smb,
+    ks_ptr,
+    vs_ptr,
+    ssb,
+    ssh,
     NKV: tl.constexpr,
     G: tl.constexpr,
     GP: tl.constexpr,
@@ -247,11 +310,16 @@ def _decode_attn_kernel(
     PDL: tl.constexpr = False,
     LINES: tl.constexpr = 0,
     EPL: tl.constexpr = 64,
+    QUANT: tl.constexpr = 0,
 ):
     # program (b * NKV + kv head, split): the G query heads of one kv head against keys
     # [split * KEYS_PER_SPLIT, +KEYS_PER_SPLIT), an online softmax over blocks of BL keys;
     # writes the unnormalised output and (max, sum) of each query head for the combine.
-    # With ROWS, sequence b's keys and values are row rows[b] of the caches.
+    # With ROWS, sequence b's keys and values are row rows[b] of the caches. With QUANT 1
+    # (int8) / 2 (fp8 bytes) they are one-byte codes, scaled per key row by ks, vs (rows,
+    # NKV, S): the codes convert exactly to the dot's dtype, and the scales apply to the
+    # scores (keys) and to the softmax weights (values), so the cache is read at 1 byte a
+    # value.
     bh = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     b = bh // NKV
@@ -295,21 +363,34 @@ def _decode_attn_kernel(
             ok = ok & (tl.load(mask_ptr + b * smb + keys, mask=keys < S, other=0) != 0)
         if tl.max(ok.to(tl.int32), axis=0) > 0:  # skip blocks with no visible key (unfilled)
             kt = tl.load(k_ptr + kb * skb + kh * skh + keys[:, None] * sks + rd[None, :],
-                         mask=ok[:, None], other=0.0)  # fmt: skip
+                         mask=ok[:, None], other=0)  # fmt: skip
+            if QUANT == 2:
+                kt = kt.to(tl.float8e4nv, bitcast=True)
+            if QUANT > 0:  # int8 and E4M3 values are exact in bf16 / fp16 / fp32
+                kt = kt.to(q.dtype)
             if F32_DOT:
                 sc = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
             else:
                 sc = tl.dot(q, tl.trans(kt))
+            if QUANT > 0:
+                srow = ks_ptr + kb * ssb + kh * ssh + keys
+                sc = sc * tl.load(srow, mask=ok, other=0.0)[None, :]
             sc = tl.where(ok[None, :], sc * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
             p = tl.exp(sc - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             vt = tl.load(v_ptr + kb * svb + kh * svh + keys[:, None] * svs + rd[None, :],
-                         mask=ok[:, None], other=0.0)  # fmt: skip
+                         mask=ok[:, None], other=0)  # fmt: skip
+            pw = p
+            if QUANT == 2:
+                vt = vt.to(tl.float8e4nv, bitcast=True)
+            if QUANT > 0:
+                vt = vt.to(q.dtype)
+                pw = p * tl.load(vs_ptr + kb * ssb + kh * ssh + keys, mask=ok, other=0.0)[None, :]
             if F32_DOT:
-                pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+                pv = tl.dot(pw, vt.to(tl.float32), input_precision="ieee")
             else:
-                pv = tl.dot(p.to(vt.dtype), vt)
+                pv = tl.dot(pw.to(vt.dtype), vt)
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
@@ -359,6 +440,7 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None) -> torc
     """Attention of one new token per sequence: q (B, NH, 1, D) against k, v (B, NKV, S, D)
     (GQA: query head h reads kv head h // (NH / NKV)); mask None or bool (B or 1, 1, 1, S),
     True = may attend; sinks None or (NH,), a logit per head joining the softmax (gpt-oss).
+    k, v may be a quantized cache's torch_kv.QuantKV (codes and scales, read as they are).
     Returns (B, NH, 1, D). With `rows` (B,) int64, k and v are the whole caches of a slot
     cache (any number of rows) and sequence b reads row rows[b], in place.
 
@@ -371,6 +453,11 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None) -> torc
     B, NH, _, D = q.shape
     NKV, S = k.shape[1], k.shape[2]
     G = NH // NKV
+    quant, ks, vs = 0, q, q  # (the scale pointers are unused unquantized)
+    if isinstance(k, QuantKV):  # codes and per-row scales (backends/torch_kv.py)
+        quant, ks, vs = _QUANT_ID[k.kind], k.scales, v.scales
+        assert ks.stride() == vs.stride() and ks.stride(-1) == 1
+        k, v = k.codes, v.codes
     BL = 64
     blocks = triton.cdiv(S, BL)
     want = max(1, min(blocks, triton.cdiv(2 * _num_sms(q.device), B * NKV)))
@@ -397,7 +484,8 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None) -> torc
         S, per, scale,
         q.stride(0), q.stride(1), *k.stride()[:3], *v.stride()[:3],
         mask.stride(0) if mask is not None and mask.shape[0] > 1 else 0,
-        NKV=NKV, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BL=BL,
+        ks, vs, ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
+        NKV=NKV, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BL=BL, QUANT=quant,
         HAS_MASK=mask is not None, ROWS=rows is not None, num_warps=4,
         # float32 models get float32 dots (not TF32); the interpreter's bf16 dot is wrong
         F32_DOT=q.dtype == torch.float32 or q.device.type != "cuda", **pd,

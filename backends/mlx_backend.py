@@ -278,6 +278,10 @@ class MLXBackend:
         return self.rope(q, positions, freqs), k, v
 
     def attention(self, q, k, v, scale, mask, sinks=None):
+        if not isinstance(k, mx.array):  # a quantized cache's packed keys (mlx_kv.MLXQuantKV)
+            from .mlx_kv import quantized_attention  # noqa: PLC0415
+
+            return quantized_attention(q, k, v, scale, mask, sinks)
         # sinks (NH,): one more logit per head in the softmax (gpt-oss), fused by MLX
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
 
@@ -378,14 +382,27 @@ class MLXBackend:
     def decode_step(self, model, cache, batch: int, pads, sampler=None):
         return None  # MLX already overlaps steps through async_eval
 
-    def make_cache(self, num_layers, batch, kv_heads, head_dim, max_len, windows=None, chunk=None):
+    def make_cache(self, num_layers, batch, kv_heads, head_dim, max_len, windows=None, chunk=None,
+                   kv_quant=None):  # fmt: skip
+        if kv_quant is not None:  # packed by mx.quantize, read by mx.quantized_matmul
+            from .mlx_kv import MLXQuantCache  # noqa: PLC0415
+
+            return MLXQuantCache(num_layers, batch, kv_heads, head_dim, self._dt, max_len,
+                                 windows, chunk, kv_quant)  # fmt: skip
         return MLXCache(num_layers, batch, kv_heads, head_dim, self._dt, max_len, windows, chunk)
 
     def make_slot_cache(
-        self, num_layers, slots, kv_heads, head_dim, max_len, windows=None, chunk=None
-    ):
+        self, num_layers, slots, kv_heads, head_dim, max_len, windows=None, chunk=None,
+        kv_quant=None,
+    ):  # fmt: skip
         """A cache whose rows hold sequences of their own lengths (the serving engine's)."""
         from .slots import MLXSlotCache  # noqa: PLC0415
+
+        if kv_quant is not None:  # rows packed by mx.quantize, as MLXQuantCache
+            from .mlx_kv import MLXQuantSlotCache  # noqa: PLC0415
+
+            return MLXQuantSlotCache(num_layers, slots, kv_heads, head_dim, max_len, self._dt,
+                                     windows, chunk, kv_quant)  # fmt: skip
 
         return MLXSlotCache(
             num_layers, slots, kv_heads, head_dim, max_len, self._dt, windows, chunk

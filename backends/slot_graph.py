@@ -62,17 +62,18 @@ class SlotRows:
     def positions(self, length: int, pads) -> torch.Tensor:
         return self.pos.view(-1, 1)  # (b, 1): a row's rope position is its write position
 
-    def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer's whole k, v caches (slots, kv_heads, max_len, D): read through `rows`."""
-        return self.cache.keys[layer], self.cache.values[layer]
+    def buffers(self, layer: int):
+        """Layer's whole k, v caches (slots, kv_heads, max_len, D): read through `rows`
+        (a quantized cache's: torch_kv.QuantKV, codes and scales)."""
+        return self.cache.kv.stored(layer)
 
     def update_and_fetch(self, layer, k, v):
         """Without the Triton kernels: store k, v (b, kv_heads, 1, D) at each row's slot and
         position; the attention gathers the rows (RowMask)."""
-        K, V = self.buffers(layer)
-        K[self.rows, :, self.pos] = k[:, :, 0]
-        V[self.rows, :, self.pos] = v[:, :, 0]
-        return K, V
+        rows, pos = self.rows, self.pos
+        self.cache.kv.write(layer, k, v, lambda buf, x: buf.__setitem__((rows, slice(None), pos),
+                                                                        x[:, :, 0]))  # fmt: skip
+        return self.buffers(layer)
 
     def advance(self, n: int) -> None:
         self.pos.add_(self.live * n)  # the dummies stay on their one position

@@ -110,17 +110,17 @@ class TorchSlotCache(SlotCache):
     """Per layer k, v: (slots, kv_heads, max_len, D) torch tensors."""
 
     def __init__(self, num_layers, slots, kv_heads, head_dim, max_len, dtype, device,
-                 windows=None, chunk=None):  # fmt: skip
+                 windows=None, chunk=None, kv_quant=None):  # fmt: skip
         import torch  # noqa: PLC0415
+
+        from .torch_kv import KVStore  # noqa: PLC0415
 
         super().__init__(slots, max_len, num_layers, windows, chunk)
         self._torch, self.device = torch, device
-
-        def buf(cap):
-            return torch.zeros((slots, kv_heads, cap, head_dim), dtype=dtype, device=device)
-
-        self.keys = [buf(c) for c in self.caps]
-        self.values = [buf(c) for c in self.caps]
+        # plain, or quantized codes and scales (--kv-quant)
+        self.kv = KVStore(self.caps, slots, kv_heads, head_dim, dtype, device, kv_quant)
+        self.keys, self.values = self.kv.keys, self.kv.values
+        self.kv_quant = kv_quant
 
     def mask(self, length, pads, window=None):
         from .torch_backend import CAUSAL  # noqa: PLC0415
@@ -149,21 +149,19 @@ class TorchSlotCache(SlotCache):
             if cap not in self._ring_write:
                 self._ring_write[cap] = (rows, pos % cap)
             rows, pos = self._ring_write[cap]
-        self.keys[layer][rows, :, pos] = k.transpose(1, 2)  # (B, T, kv_heads, D)
-        self.values[layer][rows, :, pos] = v.transpose(1, 2)
-        return self._take(self.keys[layer], L, T), self._take(self.values[layer], L, T)
-
-    def _take(self, buf, L, T):
-        S = min(int(L.max()) + T, buf.shape[2])  # a wrapped ring: all of it
+        # (B, T, kv_heads, D) codes or values, (B, T, kv_heads) scales
+        self.kv.write(layer, k, v, lambda buf, x: buf.__setitem__((rows, slice(None), pos),
+                                                                  x.transpose(1, 2)))  # fmt: skip
+        S = min(int(L.max()) + T, self.keys[layer].shape[2])  # a wrapped ring: all of it
         r0 = self.contiguous()
         if r0 is not None:
-            return buf[r0 : r0 + len(self.rows), :, :S]
-        return buf[self._torch.from_numpy(self.rows).to(self.device), :, :S]
+            return self.kv.read(layer, S, slice(r0, r0 + len(self.rows)))
+        return self.kv.read(layer, S, self._torch.from_numpy(self.rows).to(self.device))
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Row dst's first n positions := row src's (a prefix held by a running sequence);
         a ring is copied whole (`keeps(src, n)` says whether it still holds them)."""
-        for buf in self.keys + self.values:
+        for buf in self.kv.buffers():
             m = n if buf.shape[2] == self.max_len else buf.shape[2]
             buf[dst, :, :m] = buf[src, :, :m]
         self.lengths[dst] = n
@@ -171,7 +169,7 @@ class TorchSlotCache(SlotCache):
     def clear(self, slot: int) -> None:
         """Zero the slot's keys and values (a sequence whose activations went NaN leaves them
         behind: masked-out positions still meet the attention's product, 0 * NaN = NaN)."""
-        for buf in self.keys + self.values:
+        for buf in self.kv.buffers():
             buf[slot].zero_()
         self.lengths[slot] = 0
 

@@ -28,6 +28,7 @@ except ImportError:  # reported by get_backend with the extra to install
     torch = None
 if torch is not None:
     from mlxrun.backends.slot_graph import RowMask, SlotRows
+    from mlxrun.backends.torch_kv import KVStore, dequantize, take_rows
 
 _DTYPES = ("float32", "bfloat16", "float16")
 # MLXRUN_SILU_IN_GEMV=0 runs SiLU-multiply as its own kernel again (for A/B timing)
@@ -65,17 +66,14 @@ class StaticCache:
     """
 
     def __init__(self, num_layers, batch, kv_heads, head_dim, max_len, dtype, device, fused=False,
-                 windows=None, chunk=None):  # fmt: skip
+                 windows=None, chunk=None, kv_quant=None):  # fmt: skip
         windows = windows or [None] * num_layers
         self.caps = [ring_capacity(w, max_len, chunk) for w in windows]
         self._cap_of = {w: c for w, c in zip(windows, self.caps)}
         self.chunk = chunk
-
-        def buf(cap):
-            return torch.zeros((batch, kv_heads, cap, head_dim), dtype=dtype, device=device)
-
-        self.keys = [buf(c) for c in self.caps]
-        self.values = [buf(c) for c in self.caps]
+        self.kv = KVStore(self.caps, batch, kv_heads, head_dim, dtype, device, kv_quant)
+        self.keys, self.values = self.kv.keys, self.kv.values
+        self.kv_quant = kv_quant
         self.max_len = max_len
         self.offset = 0
         self.device = device
@@ -161,21 +159,20 @@ class StaticCache:
         return torch.from_numpy(positions_np(self.offset, length, pads)).to(self.device)
 
     def update_and_fetch(self, layer, k, v):
-        cap = self.caps[layer]
+        cap, T, kv = self.caps[layer], k.shape[2], self.kv
         if self.graph:
             at = self.pos if cap == self.max_len else self._ring(cap)
-            self.keys[layer].index_copy_(2, at, k)
-            self.values[layer].index_copy_(2, at, v)
+            kv.write(layer, k, v, lambda buf, x: buf.index_copy_(2, at, x))
         elif cap < self.max_len:
-            self._check(k.shape[2], cap)
-            for s, t, n in ring_slices(self.offset, k.shape[2], cap):
-                self.keys[layer][:, :, s : s + n] = k[:, :, t : t + n]
-                self.values[layer][:, :, s : s + n] = v[:, :, t : t + n]
+            self._check(T, cap)
+            for s, t, n in ring_slices(self.offset, T, cap):
+                kv.write(layer, k[:, :, t : t + n], v[:, :, t : t + n],
+                         lambda buf, x, s=s, n=n: buf[:, :, s : s + n].copy_(x))  # fmt: skip
         else:
-            kd, vd, _ = self.slots(layer, k.shape[2])
-            kd[:, :, : k.shape[2]] = k
-            vd[:, :, : v.shape[2]] = v
-        return self.fetch(layer, k.shape[2])
+            self.slots(layer, T)  # checks the length
+            o = self.offset
+            kv.write(layer, k, v, lambda buf, x: buf[:, :, o : o + T].copy_(x))
+        return self.fetch(layer, T)
 
     def _ring(self, cap: int) -> torch.Tensor:
         """Graph mode: the device slot pos % cap of a ring (made before the capture)."""
@@ -198,29 +195,31 @@ class StaticCache:
         captured graph reads it; the modulus wraps a sliding-window layer's ring)."""
         cap = self.caps[layer]
         if self.graph:
-            return self.keys[layer], self.values[layer], self.pos
+            return *self.kv.stored(layer), self.pos
         if cap < self.max_len:
             self._check(length, cap)
             slot = self._ring_slot.get(cap)
             if slot is None:  # one host-to-device copy per ring size and pass
                 slot = self._ring_slot[cap] = torch.tensor([self.offset % cap], device=self.device)
-            return self.keys[layer], self.values[layer], slot
+            return *self.kv.stored(layer), slot
         end = self.offset + length
         if end > self.max_len:
             raise MlxrunError(
                 f"the KV cache holds {self.max_len} positions and generation "
                 f"needs {end}; raise the context / max tokens"
             )
-        o = self.offset
-        return self.keys[layer][:, :, o:], self.values[layer][:, :, o:], self._zero
+        return *self.kv.stored(layer, self.offset), self._zero
 
-    def fetch(self, layer: int, length: int):
+    def fetch(self, layer: int, length: int, stored: bool = False):
         """The keys and values to attend to once `length` new positions are written: the
-        filled prefix, or a whole ring once it has wrapped (its mask says which)."""
-        if self.graph:  # the whole buffer, masked to the filled prefix
-            return self.keys[layer], self.values[layer]
-        end = min(self.offset + length, self.caps[layer])
-        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+        filled prefix, or a whole ring once it has wrapped (its mask says which). `stored`:
+        as the buffers hold them (a quantized cache's QuantKV), for the decode kernel."""
+        end = self.caps[layer]  # graph mode: the whole buffer, masked to the filled prefix
+        if not self.graph:
+            end = min(self.offset + length, end)
+        if stored:
+            return self.kv.stored(layer, 0, end)
+        return self.kv.read(layer, end)
 
     def advance(self, n: int) -> None:
         if self.graph:  # recorded in the graph; the host offset is kept by the caller
@@ -660,9 +659,11 @@ class TorchBackend:
         if self.triton_kernels and isinstance(cache, StaticCache):
             from .cuda_ops import rope_qkv  # noqa: PLC0415
 
-            kd, vd, slot = cache.slots(layer, k.shape[2])
+            T = k.shape[2]
+            kd, vd, slot = cache.slots(layer, T)  # a quantized cache: stored quantized
             q = rope_qkv(q, k, v, positions, table, kd, vd, slot)
-            return q, *cache.fetch(layer, k.shape[2])
+            # one new token: decode_attention reads the codes; a prompt: expanded for SDPA
+            return q, *cache.fetch(layer, T, stored=T == 1)
         if self.triton_kernels and isinstance(cache, SlotRows):  # the engine's decode step
             from .cuda_ops import rope_qkv  # noqa: PLC0415
 
@@ -683,7 +684,8 @@ class TorchBackend:
 
             return decode_attention(q, k, v, scale, mask, sinks, rows=rows)
         if rows is not None:
-            k, v = k[rows], v[rows]
+            k, v = take_rows(k, rows), take_rows(v, rows)
+        k, v = dequantize(k, q.dtype), dequantize(v, q.dtype)  # a quantized cache's QuantKV
         if sinks is not None:  # SDPA has no sink logit: the plain path for these layers
             return _sink_attention(q, k, v, scale, mask, sinks)
         return F.scaled_dot_product_attention(
@@ -778,31 +780,35 @@ class TorchBackend:
     def finite_rows(self, logits):
         return torch.isfinite(logits).all(-1)
 
-    def make_cache(self, num_layers, batch, kv_heads, head_dim, max_len, windows=None, chunk=None):
+    def make_cache(self, num_layers, batch, kv_heads, head_dim, max_len, windows=None, chunk=None,
+                   kv_quant=None):  # fmt: skip
         s = self._session
         if s is not None and not s.busy:
             c = s.cache
             caps = [ring_capacity(w, max_len, chunk) for w in windows or [None] * num_layers]
-            shape = (len(c.keys), *c.keys[0].shape[:2], c.keys[0].shape[3], c.max_len)
-            if shape == (num_layers, batch, kv_heads, head_dim, max_len) and c.caps == caps:
+            shape = (len(c.keys), *c.keys[0].shape[:2], c.keys[0].shape[3], c.max_len, c.kv_quant)
+            want = (num_layers, batch, kv_heads, head_dim, max_len, kv_quant)
+            if shape == want and c.caps == caps:
                 c.reset()
                 return c
             self._session = s = c = None  # another shape: free it before allocating the new one
             torch.cuda.empty_cache()
         return StaticCache(
             num_layers, batch, kv_heads, head_dim, max_len, self._dt, self._dev, self.triton_kernels,
-            windows, chunk,
+            windows, chunk, kv_quant,
         )  # fmt: skip
 
     def make_slot_cache(
-        self, num_layers, slots, kv_heads, head_dim, max_len, windows=None, chunk=None
-    ):
+        self, num_layers, slots, kv_heads, head_dim, max_len, windows=None, chunk=None,
+        kv_quant=None,
+    ):  # fmt: skip
         """A cache whose rows hold sequences of their own lengths (the serving engine's)."""
         from .slots import TorchSlotCache  # noqa: PLC0415
 
         return TorchSlotCache(
-            num_layers, slots, kv_heads, head_dim, max_len, self._dt, self._dev, windows, chunk
-        )
+            num_layers, slots, kv_heads, head_dim, max_len, self._dt, self._dev, windows, chunk,
+            kv_quant,
+        )  # fmt: skip
 
     def thread_binder(self):
         """A function that gives another thread the calling thread's current CUDA device:

@@ -320,6 +320,7 @@ class Model:
             context,
             batch,
             prompt_tokens=prompt_tokens,
+            kv_quant=self.transformer.kv_quant,
         )
 
     @_api_names
@@ -430,6 +431,7 @@ def load(
     check_memory: bool = True,
     check_weights: bool = True,
     fastest: bool = False,
+    kv_quant: str | None = None,
 ) -> Model:
     """Load a model: a local directory, a .gguf file, a Hugging Face repo id, or an alias
     ('smollm2' bundled, 'llama'). backend: auto | mlx | cuda | mps | cpu.
@@ -439,16 +441,20 @@ def load(
     holding NaN or inf is refused, naming the tensor (a pass over the weights' bytes on the
     host as they are copied; False skips it). With `fastest` and no `quant`, a packed
     checkpoint is expanded where the device profile says dense runs faster (PyTorch on the
-    CPU: no packed kernel), if it fits; without it the weights load as stored."""
+    CPU: no packed kernel), if it fits; without it the weights load as stored.
+    kv_quant: 'int8' or 'fp8' keeps the KV cache quantized (mlxrun/kvquant.py); None or
+    'none' keeps it in the compute dtype."""
     from mlxrun.backends import get_backend  # noqa: PLC0415
 
     from .distributed import join  # noqa: PLC0415
+    from .kvquant import parse_kv_quant  # noqa: PLC0415
 
     t0 = time.perf_counter()
+    kv = parse_kv_quant(kv_quant)  # a bad name fails before anything is loaded
     be = get_backend(backend, dtype)
     group = join(be)  # under torchrun / mlx.launch: this process loads one shard
     args = (model, be, quant, group_size, bits, progress, check_memory, check_weights, fastest)
-    args += (group, t0)
+    args += (group, t0, kv)
     if group is None:
         return _load(*args)
     try:
@@ -462,11 +468,13 @@ def load(
 
 
 def _load(
-    model, be, quant, group_size, bits, progress, check_memory, check_weights, fastest, group, t0
-) -> Model:
+    model, be, quant, group_size, bits, progress, check_memory, check_weights, fastest, group, t0,
+    kv=None,
+) -> Model:  # fmt: skip
     from mlxrun.quant.formats import resolve  # noqa: PLC0415
 
     from .build import build_model, target_spec  # noqa: PLC0415
+    from .kvquant import check_head_dim  # noqa: PLC0415
     from .loader import open_checkpoint  # noqa: PLC0415
     from .memory import check_fits  # noqa: PLC0415
     from .planning import plan_shapes  # noqa: PLC0415
@@ -476,13 +484,14 @@ def _load(
     tp = 1 if group is None else group.size
     ckpt = open_checkpoint(model, None if tp == 1 else (tp, group.rank), be.gguf_blocks)
     cfg, tensors = ckpt.config, ckpt.tensors  # the tensors: this rank's slices
+    check_head_dim(kv, cfg.head_dim, be.name)
     rank_cfg = shard_config(cfg, tp)  # this rank's heads, KV heads and MLP rows
     shapes = {n: _planned(t) for n, t in tensors.items()}
     ctx = min(cfg.max_position_embeddings, 2048)
     packed = any(n.endswith(".scales") for n in shapes)
 
     def plan_for(s):  # one 2048-token sequence: what loading must leave room for
-        return plan_shapes(rank_cfg, shapes, s, where, be.dtype, ctx, 1)
+        return plan_shapes(rank_cfg, shapes, s, where, be.dtype, ctx, 1, kv_quant=kv)
 
     def dense_fits() -> bool:  # the packed checkpoint expanded to the compute dtype
         p = plan_for(None)
@@ -534,6 +543,7 @@ def _load(
         check_weights=check_weights,
         vocab=None if tp == 1 else vocab_shard(cfg, tp, group.rank),
     )
+    transformer.kv_quant = kv
     notes = ckpt.notes + auto_note + notes
     if spec is not None:  # a quantized source keeps its group size when none was asked
         spec = target_spec(spec, ckpt.config.quantization, group_size is not None)

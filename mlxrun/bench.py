@@ -142,11 +142,15 @@ def _bench_mlxrun(
     rows = []
     label = _weights_label(model, how)
     settings = [SamplingParams()] + ([] if run.sampling.greedy else [run.sampling])
-    for params in settings:
+    from .kvquant import kv_label  # noqa: PLC0415
+
+    for params, kv in [(p, kv) for p in settings for kv in run.kv_quants]:
         mode = sampling_label(params)
-        theirs = peer if params.greedy else None  # mlx-lm's row is greedy
+        model.kv_quant = kv
+        theirs = peer if params.greedy and kv is None else None  # mlx-lm's row: greedy, plain
         also = " (and mlx-lm, alternating)" if theirs else ""
-        run.say(f"{be.name}:{be.device} {qname} {mode}: timing {run.reps} x {run.gen_tokens}{also}")
+        what = f"{qname} {mode}" + ("" if kv is None else f" kv-{kv}")
+        run.say(f"{be.name}:{be.device} {what}: timing {run.reps} x {run.gen_tokens}{also}")
         fields, peer_fields = _bench_model(run, model, params, theirs)
         rows.append(
             BenchRow(
@@ -158,6 +162,7 @@ def _bench_mlxrun(
                 load_s=load_s,
                 notes=notes,
                 sampling=mode,
+                kv_quant=kv_label(kv),
                 **fields,
             )
         )
@@ -231,6 +236,7 @@ def run_bench(
     dtype: str | None = None,
     progress: bool = True,
     sampling: SamplingParams | None = None,
+    kv_quants: list[str | None] | None = None,
 ) -> BenchReport:
     """Measure `model` on each backend in each weight format; returns the report (and writes
     the JSON / PNG when paths are given).
@@ -246,6 +252,8 @@ def run_bench(
     prompt is batch x prompt_tokens random ids; decoding is greedy for gen_tokens tokens,
     after one untimed warm-up generation. A non-greedy `sampling` adds a row of each
     mlxrun backend and format decoding with it (seeded), beside its greedy row.
+    kv_quants: KV-cache formats (None, 'int8', 'fp8'), a row each per backend and format;
+    the roofline counts the KV bytes as the format stores them.
     """
     from mlxrun.backends import get_backend, resolve_backend_name  # noqa: PLC0415
 
@@ -257,7 +265,13 @@ def run_bench(
     names = list(dict.fromkeys(resolve_backend_name(b.strip().lower()) for b in backends))
     specs = _quant_specs(quants)
     src = _open_source(model)
-    run = _Run(prompt_tokens, gen_tokens, batch, reps, progress, sampling or SamplingParams())
+    if "mlx" in names:
+        from .kvquant import check_head_dim  # noqa: PLC0415
+
+        for kv in kv_quants or []:
+            check_head_dim(kv, src.config.head_dim, "mlx")
+    run = _Run(prompt_tokens, gen_tokens, batch, reps, progress, sampling or SamplingParams(),
+               list(kv_quants or [None]))  # fmt: skip
     rows: list[BenchRow] = []
     skipped: list[Skipped] = []
     bandwidth: dict[str, dict] = {}

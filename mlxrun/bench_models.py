@@ -431,6 +431,15 @@ def kv_read_bytes(cfg: ModelConfig, dtype: str, ctx: float) -> float:
     )
 
 
+def kv_ratio(model: Transformer) -> float:
+    """Bytes of the model's KV cache format (scales included) over the compute dtype's."""
+    from .kvquant import kv_bytes_per_value  # noqa: PLC0415
+
+    item = DTYPE_BYTES[model.be.dtype]
+    per = kv_bytes_per_value(model.kv_quant, model.config.head_dim, item, model.be.name)
+    return per / item
+
+
 def mean_context(prompt_tokens: int, gen_tokens: int) -> float:
     """Mean number of cached positions a timed decode step attends over.
 

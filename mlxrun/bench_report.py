@@ -53,6 +53,7 @@ class BenchRow:
     description: str = ""  # the backend's full describe()
     notes: list[str] = field(default_factory=list)
     sampling: str = "greedy"  # or the sampled setting, e.g. "temp 0.7 top-p 0.9"
+    kv_quant: str = "none"  # the KV cache's format (mlxrun/kvquant.py); its bytes as stored
 
 
 @dataclass
@@ -160,7 +161,7 @@ def format_report(report: BenchReport) -> str:
             [
                 r.backend,
                 r.device,
-                r.quant,
+                r.quant + ("" if r.kv_quant == "none" else f" kv-{r.kv_quant}"),
                 r.weights,
                 *([r.sampling] if sampled else []),
                 f"{r.load_s:.2f}",

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .bench_models import kv_read_bytes, mean_context, weight_bytes
+from .bench_models import kv_ratio, kv_read_bytes, mean_context, weight_bytes
 from .generate import generate_step
 from .model import Transformer
 from .sampling import SamplingParams
@@ -149,6 +149,7 @@ class _Run:
     reps: int
     progress: bool
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    kv_quants: list = field(default_factory=lambda: [None])  # KV-cache formats, a row each
 
     def say(self, msg: str) -> None:
         if self.progress:
@@ -186,7 +187,7 @@ def _bench_model(
             peer_peak = max(peer_peak, be.peak_memory())
     held, per_step = weight_bytes(model, run.batch)
     ctx = mean_context(run.prompt_tokens, run.gen_tokens)
-    kv = round(run.batch * kv_read_bytes(cfg, be.dtype, ctx))
+    kv = round(run.batch * kv_read_bytes(cfg, be.dtype, ctx) * kv_ratio(model))
     common = dict(
         weight_bytes=int(held),
         weight_bytes_per_step=int(per_step),

@@ -65,6 +65,15 @@ def json_option(f):
     )(f)
 
 
+def kv_quant_option(f):
+    return click.option(
+        "--kv-quant",
+        default=None,
+        help="Keep the KV cache quantized: int8 or fp8 (about half the bytes of a 16-bit "
+        "cache; see docs/long-context.md), or none [default: none].",
+    )(f)
+
+
 def model_options(f):
     f = click.option(
         "--model",
@@ -185,6 +194,7 @@ def cli():
     show_default=True,
     help="Refuse weights that hold NaN or inf (one pass over their bytes while loading).",
 )
+@kv_quant_option
 @constraint_options
 @click.option(
     "--draft-model",
@@ -228,6 +238,7 @@ def generate(
     group_size,
     bits,
     check_weights,
+    kv_quant,
     json_schema,
     grammar,
     draft_model,
@@ -279,6 +290,7 @@ def generate(
         progress=sys.stderr.isatty() and not quiet,
         check_weights=check_weights,
         fastest=True,
+        kv_quant=kv_quant,
     )
     _notes(m.notes, quiet)
     if verbose:
@@ -409,8 +421,9 @@ def _stream_one(
     show_default=True,
     help="Plan one rank of the model split over this many processes (tensor parallel).",
 )
+@kv_quant_option
 @json_option
-def plan(model, backend, dtype, quant, context, batch, prompt_tokens, tp, json_out):
+def plan(model, backend, dtype, quant, context, batch, prompt_tokens, tp, kv_quant, json_out):
     """Show what the model needs in memory and what fits, without loading the weights.
     --model also takes shape:llama3-8b, shape:llama3-1b, shape:smollm2 (bench's shapes)."""
     from .memory import EAGER, format_plan  # noqa: PLC0415
@@ -425,6 +438,7 @@ def plan(model, backend, dtype, quant, context, batch, prompt_tokens, tp, json_o
         dtype=dtype,
         prompt_tokens=prompt_tokens,
         tp=tp,
+        kv_quant=kv_quant,
     )
     if tp > 1:
         from .shard import vocab_shard  # noqa: PLC0415
@@ -567,10 +581,17 @@ def convert(
     "--max-tokens", type=int, default=4096, show_default=True, help="Most tokens of text scored."
 )
 @click.option("--window", type=int, default=512, show_default=True, help="Tokens per forward pass.")
+@click.option(
+    "--kv-quant",
+    default=None,
+    help="KV-cache formats to run each --quant with, a comma list of none, int8, fp8: "
+    "scored against the unquantized model with an unquantized cache [default: none].",
+)
 @json_option
 def eval_cmd(
-    model, backend, dtype, quant, against, group_size, bits, text, max_tokens, window, json_out
-):
+    model, backend, dtype, quant, against, group_size, bits, text, max_tokens, window, kv_quant,
+    json_out,
+):  # fmt: skip
     """Measure what quantization costs: perplexity, KL divergence from the unquantized
     model and top-1 agreement, per format, over a text."""
     from .evaluate import (  # noqa: PLC0415
@@ -579,9 +600,14 @@ def eval_cmd(
         parse_choices,
         summarize_notes,
     )
+    from .kvquant import parse_kv_list  # noqa: PLC0415
 
-    if quant is None and not against:
-        raise MlxrunError("eval needs --quant (formats to measure) or --against (checkpoints)")
+    if quant is None and not against and kv_quant is None:
+        raise MlxrunError(
+            "eval needs --quant (formats to measure), --kv-quant (cache formats) or --against "
+            "(checkpoints)"
+        )
+    kv_quants = parse_kv_list(kv_quant)
     choices = parse_choices(quant or "none", group_size, bits)
     extra = []
     if against:
@@ -601,6 +627,7 @@ def eval_cmd(
         window=window,
         extra=extra,
         progress=sys.stderr.isatty(),
+        kv_quants=kv_quants,
     )
     if json_out:
         info = {"model": model, "text": text or "bundled eval.txt", **dataclasses.asdict(run)}
@@ -699,9 +726,15 @@ def _csv(value: str) -> list[str]:
 )
 @click.option("--draft", type=click.Choice(["ngram"]), default=None, help="Prompt lookup drafts.")
 @click.option("--num-draft", type=int, default=None, help="Tokens drafted per verify pass.")
+@click.option(
+    "--kv-quant",
+    default=None,
+    help="KV-cache formats, a comma list of none, int8, fp8: a row each per backend and "
+    "format; the roofline counts the KV bytes as stored [default: none].",
+)
 def bench(
     model, backends, quant, prompt_tokens, gen_tokens, batch, reps, compare, temp, top_p,
-    top_k, min_p, seed, json_path, plot_path, dtype, draft_model, draft, num_draft,
+    top_k, min_p, seed, json_path, plot_path, dtype, draft_model, draft, num_draft, kv_quant,
 ):  # fmt: skip
     """Measure load time, TTFT, prefill and decode speed, peak memory and the fraction of
     the memory-bandwidth roofline, per backend and weight format, in one table."""
@@ -711,10 +744,10 @@ def bench(
     if draft_model is not None or draft is not None:
         from .bench_spec import format_spec, run_spec_bench  # noqa: PLC0415
 
-        if batch != 1 or compare or temp or plot_path:
+        if batch != 1 or compare or temp or plot_path or kv_quant:
             raise MlxrunError(
                 "bench with a draft measures greedy batch-1 decode; drop --batch-size, "
-                "--compare, --temp and --plot"
+                "--compare, --temp, --plot and --kv-quant"
             )
         rows = run_spec_bench(
             model, _csv(backends), _csv(quant), draft, draft_model, num_draft,
@@ -723,7 +756,10 @@ def bench(
         click.echo(format_spec(rows))
         return
 
+    from .kvquant import parse_kv_list  # noqa: PLC0415
+
     sampling = SamplingParams(temp, top_p, top_k, min_p, seed=seed)
+    kv_quants = parse_kv_list(kv_quant)
     report = run_bench(
         model,
         _csv(backends),
@@ -737,6 +773,7 @@ def bench(
         plot_path=plot_path,
         dtype=dtype,
         sampling=sampling,
+        kv_quants=kv_quants,
     )
     click.echo(format_report(report))
     for path in (json_path, plot_path):
@@ -777,14 +814,16 @@ def engine_options(f):
         is_flag=True,
         help="Do not reuse the keys and values of prompts that start alike.",
     )(f)
-    return f
+    return kv_quant_option(f)
 
 
-def _engine(model, backend, dtype, quant, max_batch, context, no_prefix_cache, max_queue=64):
+def _engine(model, backend, dtype, quant, max_batch, context, no_prefix_cache, max_queue=64,
+            kv_quant=None):  # fmt: skip
     from .api import load  # noqa: PLC0415
     from .engine import engine_for  # noqa: PLC0415
 
-    m = load(model, backend=backend, dtype=dtype, quant=quant, progress=sys.stderr.isatty())
+    m = load(model, backend=backend, dtype=dtype, quant=quant, progress=sys.stderr.isatty(),
+             kv_quant=kv_quant)  # fmt: skip
     for note in m.notes:
         click.echo(f"note: {note}", err=True)
     eng = engine_for(m, max_batch, context, max_queue=max_queue, prefix_cache=not no_prefix_cache)
@@ -815,8 +854,8 @@ def _engine(model, backend, dtype, quant, max_batch, context, no_prefix_cache, m
     help="Requests that may wait for a slot; more are answered 429 at once.",
 )
 @tool_parser_option
-def serve(model, backend, dtype, quant, max_batch, context, no_prefix_cache, host, port,
-          api_key, max_queue, tool_parser):  # fmt: skip
+def serve(model, backend, dtype, quant, max_batch, context, no_prefix_cache, kv_quant, host,
+          port, api_key, max_queue, tool_parser):  # fmt: skip
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health)
     with continuous batching."""
     from .server import Server, run_server, serve_app  # noqa: PLC0415
@@ -825,7 +864,8 @@ def serve(model, backend, dtype, quant, max_batch, context, no_prefix_cache, hos
         raise MlxrunError(f"--max-queue must be >= 0, got {max_queue}")
     if not 0 <= port < 65536:
         raise MlxrunError(f"--port must be in 0..65535, got {port}")
-    m, eng = _engine(model, backend, dtype, quant, max_batch, context, no_prefix_cache, max_queue)
+    m, eng = _engine(model, backend, dtype, quant, max_batch, context, no_prefix_cache, max_queue,
+                     kv_quant)  # fmt: skip
     if eng.sync is not None and not eng.sync.leader:
         # A tensor-parallel follower: rank 0 serves, and says when to stop (a signal from
         # the launcher must not end this rank while rank 0 still needs its sums).
@@ -854,7 +894,7 @@ def serve(model, backend, dtype, quant, max_batch, context, no_prefix_cache, hos
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass.")
 @click.option("--seed", type=int, default=None, help="Seed for reproducible sampling.")
 @constraint_options
-def chat(model, backend, dtype, quant, max_batch, context, no_prefix_cache, system,
+def chat(model, backend, dtype, quant, max_batch, context, no_prefix_cache, kv_quant, system,
          max_tokens, temp, top_p, seed, json_schema, grammar):  # fmt: skip
     """Chat in the terminal; the conversation's cache is kept between turns."""
     from .chat import chat_loop  # noqa: PLC0415
@@ -866,7 +906,7 @@ def chat(model, backend, dtype, quant, max_batch, context, no_prefix_cache, syst
     constraint = constraint_from(json_schema, grammar)
     _, eng = _engine(
         model, backend, dtype, quant, "1" if max_batch == "auto" else max_batch, context,
-        no_prefix_cache,
+        no_prefix_cache, kv_quant=kv_quant,
     )  # fmt: skip
     try:
         if constraint is not None:

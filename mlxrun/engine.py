@@ -208,7 +208,7 @@ class Engine:
         windows = [c.window(i) for i in range(c.num_hidden_layers)]
         self.cache = self.be.make_slot_cache(
             c.num_hidden_layers, max_batch, c.num_key_value_heads, c.head_dim, self.context,
-            windows, self.prefill_chunk,
+            windows, self.prefill_chunk, **({"kv_quant": model.kv_quant} if model.kv_quant else {}),
         )  # fmt: skip
         _materialize(model)
         # Fixed-shape decode steps over the slots (CUDA: a graph per batch-size bucket, the

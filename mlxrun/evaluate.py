@@ -363,9 +363,13 @@ class _Stats:
         )
 
 
-def window_logits(transformer, ids: np.ndarray) -> np.ndarray:
-    """One window through the model from an empty cache: ids [T] -> float32 logits [T, V]."""
+def window_logits(transformer, ids: np.ndarray, kv_quant: str | None = None) -> np.ndarray:
+    """One window through the model from an empty cache in format `kv_quant` (None: the
+    compute dtype): ids [T] -> float32 logits [T, V]. Every query of the pass reads its keys
+    and values back from the cache, so a quantized cache costs here what it costs a decode
+    that fed the window one token at a time."""
     be = transformer.be
+    transformer.kv_quant = kv_quant
     cache = transformer.make_cache(1, len(ids))
     return be.to_numpy(transformer(be.ids(ids.reshape(1, -1)), cache))[0]
 
@@ -426,13 +430,18 @@ def evaluate_many(
     window: int = 512,
     extra: Sequence[Candidate] = (),
     progress: bool = False,
+    kv_quants: Sequence[str | None] = (None,),
 ) -> EvalRun:
     """Score every choice (and `extra` candidate) against one unquantized reference over
     the same windows; the reference's logits are computed once per window. All models are
     held at once (the dense reference plus one quantized copy each). progress: a line per
-    window on stderr.
+    window on stderr. kv_quants: each choice runs once per KV-cache format listed (None:
+    the compute dtype; 'int8', 'fp8': mlxrun.kvquant), rows in choice-major order; the
+    reference keeps an unquantized cache.
     """
     from mlxrun.backends import get_backend  # noqa: PLC0415
+
+    from .kvquant import check_head_dim  # noqa: PLC0415
 
     if window < 2:
         raise MlxrunError(f"--window must be at least 2 tokens, got {window}")
@@ -446,6 +455,8 @@ def evaluate_many(
     reference = reference_note(src)
     ckpt = dense_checkpoint(src)
     del src
+    for kv in kv_quants:
+        check_head_dim(kv, ckpt.config.head_dim, be.name)
     wins = windows(ckpt.tokenizer.encode(body, add_special_tokens=False), window, max_tokens)
     scored = sum(len(w) - 1 for w in wins)
     if scored < MIN_TOKENS:
@@ -462,10 +473,14 @@ def evaluate_many(
         m, n = _build(ckpt.config, ckpt.tensors, be, c)
         models.append(m)
         notes += [f"{c.label}: {x}" for x in n]
-    bpws = [matrix_bytes_per_weight(m) for m in models] + [c.bytes_per_weight for c in extra]
-    is_ref = [m is ref for m in models] + [False] * len(extra)
-    models = [expanded(m) for m in models]
-    fns = [lambda ids, m=m: window_logits(m, ids) for m in models] + [c.logits for c in extra]
+    rows = [(c, m, kv) for c, m in zip(choices, models) for kv in kv_quants]
+    bpws = [matrix_bytes_per_weight(m) for _, m, _ in rows] + [c.bytes_per_weight for c in extra]
+    is_ref = [m is ref and kv is None for _, m, kv in rows] + [False] * len(extra)
+    dense = {id(m): expanded(m) for m in models}
+    ref = dense[id(ref)] if id(ref) in dense else ref
+    runs = [(dense[id(m)], kv) for _, m, kv in rows]
+    fns = [lambda ids, m=m, kv=kv: window_logits(m, ids, kv) for m, kv in runs]
+    fns += [c.logits for c in extra]
     stats = [_Stats() for _ in fns]
     for k, w in enumerate(wins):
         if progress:
@@ -478,7 +493,8 @@ def evaluate_many(
             for i in range(0, len(targets), _KL_ROWS):
                 sl = slice(i, i + _KL_ROWS)
                 st.add(_log_softmax(ref_logits[sl]), logits[sl], targets[sl])
-    labels = [c.label for c in choices] + [c.label for c in extra]
+    labels = [c.label + ("" if kv is None else f" kv-{kv}") for c, _, kv in rows]
+    labels += [c.label for c in extra]
     results = [s.result(lb, b) for s, lb, b in zip(stats, labels, bpws, strict=True)]
     return EvalRun(results, notes, reference, be.describe())
 

@@ -68,6 +68,8 @@ class Transformer:
         # Gemma scales the embedding output by sqrt(hidden), in the compute dtype as HF does
         es = config.embed_scale
         self.embed_scale = None if es == 1.0 else backend.array(np.array(es, np.float32))
+        # the KV cache's format (mlxrun/kvquant.py): None keeps k, v in the compute dtype
+        self.kv_quant: str | None = None
 
     def weight_bytes(self) -> int:
         """Bytes of every weight array on the device (packed parts included, tied head once)."""
@@ -98,21 +100,25 @@ class Transformer:
     def kv_bytes(self, batch: int, tokens: int, chunk: int | None = None) -> int:
         """Bytes of the KV cache `make_cache(batch, tokens, chunk)` allocates."""
         from mlxrun.backends.base import ring_capacity  # noqa: PLC0415
+        from mlxrun.kvquant import kv_bytes_per_value  # noqa: PLC0415
 
         c = self.config
         itemsize = 4 if self.be.dtype == "float32" else 2
+        per = kv_bytes_per_value(self.kv_quant, c.head_dim, itemsize, self.be.name)
         held = sum(ring_capacity(c.window(i), tokens, chunk) for i in range(c.num_hidden_layers))
-        return 2 * c.num_key_value_heads * c.head_dim * itemsize * batch * held
+        return int(2 * c.num_key_value_heads * c.head_dim * per * batch * held)
 
     def make_cache(self, batch: int, max_len: int, chunk: int | None = None):
-        """A KV cache for `batch` sequences of up to `max_len` positions. With `chunk`, the
-        most tokens any forward pass on it brings, a sliding-window layer keeps a ring of
-        window + chunk - 1 positions instead of max_len."""
+        """A KV cache for `batch` sequences of up to `max_len` positions, in `kv_quant`'s
+        format. With `chunk`, the most tokens any forward pass on it brings, a sliding-window
+        layer keeps a ring of window + chunk - 1 positions instead of max_len."""
         c = self.config
         windows = [c.window(i) for i in range(c.num_hidden_layers)]
+        kw = {} if self.kv_quant is None else {"kv_quant": self.kv_quant}
         return self.be.make_cache(
-            c.num_hidden_layers, batch, c.num_key_value_heads, c.head_dim, max_len, windows, chunk
-        )
+            c.num_hidden_layers, batch, c.num_key_value_heads, c.head_dim, max_len, windows, chunk,
+            **kw,
+        )  # fmt: skip
 
     def block(self, L: Layer, h: Array, x: Array, nxt: Array, cache, i: int, mask, pos, rope=None):
         """One decoder layer: residual h (B, T, hidden) and x = its input norm applied ->

@@ -57,14 +57,18 @@ def plan_shapes(
     prefill_chunk: int | None = None,
     mapped: bool = False,
     prompt_tokens: int | None = None,
+    kv_quant: str | None = None,
 ) -> Plan:
     """The plan for a model given its config and {tensor: (shape, dtype)}; `mapped`: the
     weights load from a memory-mapped safetensors directory (counts toward loading's peak);
-    `prompt_tokens`: the longest prompt, where known (see make_plan)."""
+    `prompt_tokens`: the longest prompt, where known (see make_plan); `kv_quant`: the KV
+    cache's format (int8, fp8; None: the compute dtype)."""
+    from .kvquant import kv_footprint  # noqa: PLC0415
+
     name, device, default_dtype = backend_device(backend)
     dtype = dtype or default_dtype
     dev = probe_device(name, device)
-    fp = footprint(cfg, shapes, dtype, spec, name)
+    fp = kv_footprint(footprint(cfg, shapes, dtype, spec, name), cfg, kv_quant, name)
     return make_plan(
         cfg,
         fp,
@@ -89,6 +93,7 @@ def plan(
     prefill_chunk: int | None = None,
     prompt_tokens: int | None = None,
     tp: int = 1,
+    kv_quant: str | None = None,
 ) -> Plan:
     """Plan `batch` sequences of `context` tokens (default: the model's maximum) of `model`
     on the device `backend` selects, `prompt_tokens` of them the prompt (default: all: the
@@ -96,9 +101,10 @@ def plan(
 
     tp: plan one rank of the model split over `tp` processes (mlxrun.shard), each on a
     device like this one; MlxrunError, naming the counts that work, when it does not split.
+    kv_quant: int8 or fp8 counts the KV cache quantized (scales included).
     """
     args = (model, quant, context, batch, backend, dtype, prefill_chunk, prompt_tokens, tp)
-    return plan_config(*args)[0]
+    return plan_config(*args, kv_quant=kv_quant)[0]
 
 
 def plan_config(
@@ -111,8 +117,12 @@ def plan_config(
     prefill_chunk: int | None = None,
     prompt_tokens: int | None = None,
     tp: int = 1,
+    kv_quant: str | None = None,
 ) -> tuple[Plan, ModelConfig]:
     """`plan`, and the config it planned (one rank's, with `tp`)."""
+    from .kvquant import check_head_dim, parse_kv_quant  # noqa: PLC0415
+
+    kv_quant = parse_kv_quant(kv_quant)
     spec = None
     if quant not in (None, "none"):
         from mlxrun.quant.formats import resolve  # noqa: PLC0415
@@ -131,7 +141,9 @@ def plan_config(
             groups.add(target_spec(spec, cfg.quantization, group_asked=True).group_size)
         check(cfg, tp, groups)
         cfg, shapes = shard_config(cfg, tp), shard_shapes(shapes, tp, cfg)
+    check_head_dim(kv_quant, cfg.head_dim, backend_device(backend)[0])
     p = plan_shapes(
-        cfg, shapes, spec, backend, dtype, context, batch, prefill_chunk, mapped, prompt_tokens
-    )
+        cfg, shapes, spec, backend, dtype, context, batch, prefill_chunk, mapped, prompt_tokens,
+        kv_quant,
+    )  # fmt: skip
     return p, cfg
