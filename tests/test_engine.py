@@ -151,6 +151,30 @@ def test_prefix_cache_reuses_and_matches(tiny):
         eng.close()
 
 
+def test_first_token_phases(tiny):
+    """Every request's way to its first token is stamped: a cold prompt prefills in chunks
+    of 8, a follow-up with its 19-token head cached prefills only its 5-token tail; the
+    phases are in order and /health shows the latest."""
+    base = prompts(2, (20,))[0]
+    eng = Engine(tiny.transformer, tiny.tokenizer, max_batch=2, context=64, prefill_chunk=8)
+    try:
+        cold, warm = Request(base, max_tokens=2), Request(base[:19] + [5, 6, 7, 8, 9], max_tokens=2)
+        run_all(eng, [cold])
+        run_all(eng, [warm])
+        for r, cached, chunks in ((cold, 0, [8, 8, 4]), (warm, 19, [5])):
+            ph = r.phases
+            b = ph.breakdown()
+            assert (b["prompt_tokens"], b["cached_tokens"], b["chunks"]) == (
+                len(r.prompt), cached, chunks)  # fmt: skip
+            stamps = [ph.submitted, ph.admitted, ph.placed, *(t for _, t, _ in ph.chunks),
+                      ph.first_token, ph.first_event]  # fmt: skip
+            assert stamps == sorted(stamps)
+            assert all(b[k] >= 0 for k in ("queue_wait", "place", "prefill_queue", "device"))
+        assert eng.health()["last_first_token_ms"] == warm.phases.breakdown()
+    finally:
+        eng.close()
+
+
 def test_cancel_frees_the_slot_and_others_go_on(tiny):
     """A request cancelled mid-stream leaves at the next step; a waiting one takes its slot
     and still gets its own tokens."""
