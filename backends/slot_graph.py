@@ -16,6 +16,14 @@ so they do not change a real row's result either.
 A step writes its tokens back into its input buffer and moves the positions (and the
 sampler's counters and windows) on, so while the same sequences run in the same rows a
 replay needs no copy in: the host loads the buffers only when the batch changes.
+
+The same steps run the short last prefill chunk of a prompt (the tail after a cached
+prefix, or a whole short prompt): its n tokens are n rows of one slot at consecutive
+positions. rope_qkv stores every row's key before decode_attention reads any, and row t
+sees keys up to its own position, so the rows are the chunk's causal attention; the last
+row's token is the first generated one. Eagerly, those few tokens cost a forward pass of
+kernel launches from Python (hundreds of them), which is most of a cached request's time to
+first token; replayed, one launch.
 """
 
 from __future__ import annotations
@@ -32,6 +40,10 @@ _IO = 5
 # Steps of sampled plans are captured as requests ask for them (top-k values differ); the
 # least recently used go beyond this many. Greedy steps, captured at start, always stay.
 MAX_SAMPLED_STEPS = 16
+# The longest last prefill chunk run as a step (rows of one slot); longer ones run eagerly,
+# where the launches are a small share of the pass. Steps of 16, 32 and 64 rows are captured
+# for them beside the batch-size buckets.
+TAIL_MAX = 64
 
 
 class RowMask(NamedTuple):
@@ -155,9 +167,11 @@ class SlotDecoder:
     """The engine's decode steps for the rows of a TorchSlotCache, one `SlotStep` per
     (bucket, sampling plan): a batch of n sequences runs in the smallest bucket >= n."""
 
-    def __init__(self, model, cache, max_batch: int, capture: bool):
+    def __init__(self, model, cache, max_batch: int, capture: bool, tail_max: int = TAIL_MAX):
         self.model, self.cache, self.capture = model, cache, capture
         self.buckets = buckets(max_batch)
+        self.tail_max = tail_max
+        self.tail_buckets = sorted(set(self.buckets) | set(buckets(tail_max)[4:]))  # 16, 32..
         self.vocab = model.config.vocab_size  # (a CUDA-ready packed head keeps no .weight)
         self.steps: dict[tuple[int, SamplerPlan | None], SlotStep] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
@@ -166,7 +180,7 @@ class SlotDecoder:
     def warm(self) -> None:
         """Capture the greedy step of every bucket now, largest first (the graphs share one
         memory pool, which the largest sizes), so no request waits for a capture."""
-        for b in reversed(self.buckets):
+        for b in reversed(self.tail_buckets):
             self._step(b, None)
 
     def _step(self, b: int, plan: SamplerPlan | None) -> SlotStep:
@@ -217,6 +231,43 @@ class SlotDecoder:
             step.load(io, state)
             self._loaded = (step, key)
         return step()
+
+    def prefill(self, slot: int, tokens: list[int], params: SamplingParams,
+                history: list[int], seed: int, logprobs: int | None):  # fmt: skip
+        """Run the last prefill chunk `tokens` (at most tail_max) of the sequence in `slot`
+        (at the cache's host length) as rows of one step, its last row sampled with
+        `params` as a first token. -> (token, finite, the sampler's logprobs (device views
+        of that row) or None). The caller moves the host length on; the device rows match no batch
+        after it (the next decode step loads its own)."""
+        n = len(tokens)
+        b = next(x for x in self.tail_buckets if x >= n)
+        rows = [SamplingParams()] * (b - 1) + [params]  # the sampled row last: bucket b - 1
+        plain = logprobs is None and params.greedy
+        plan = None if plain else plan_for(rows, self.vocab, logprobs)
+        step = self._step(b, plan)
+        L = int(self.cache.lengths[slot])
+        io = step.dummy_io.copy()
+        at = np.arange(b - n, b)  # the chunk's rows end at the last one
+        io[0, at] = tokens
+        io[1, at] = slot
+        io[2, at] = L + np.arange(n)
+        io[3, at] = 0
+        io[4, at] = 1
+        state = None
+        if plan is not None:
+            state = pack(rows, [[]] * (b - 1) + [history], plan, [0] * (b - 1) + [seed],
+                         [0] * b)  # fmt: skip
+        step.load(io, state)
+        self._loaded = None
+        y, ok, lps = step()
+        be = self.model.be
+        tok = int(be.to_numpy(y).reshape(-1)[b - 1])
+        fin = bool(be.to_numpy(ok).reshape(-1)[b - 1])
+        return (
+            tok,
+            fin,
+            None if logprobs is None else tuple(None if x is None else x[b - 1 : b] for x in lps),
+        )
 
     def forget(self) -> None:
         """The device rows no longer match any batch (after a failed step)."""

@@ -97,6 +97,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=3, help="Timed rounds per path.")
     ap.add_argument("--max-batch", type=int, default=4)
     ap.add_argument("--no-http", action="store_true", help="Only the engine-direct path.")
+    ap.add_argument("--eager", action="store_true",
+                    help="No fixed-shape steps (CUDA graphs): every pass eager, for A/B.")  # fmt: skip
     ap.add_argument("--json", default=None, help="Write the summary to this file.")
     args = ap.parse_args(argv)
 
@@ -105,11 +107,13 @@ def main(argv=None) -> None:
     model, tok = load_model(args)
     vocab = model.config.vocab_size
     context = args.prefix_tokens + args.tail_tokens + args.gen_tokens + 16
-    eng = Engine(model, tok, max_batch=args.max_batch, context=context)
+    eng = Engine(model, tok, max_batch=args.max_batch, context=context,
+                 fixed_steps=not args.eager)  # fmt: skip
     name = args.model
     report = {"model": name, "backend": model.be.describe(), "quant": args.quant,
               "prefix_tokens": args.prefix_tokens, "tail_tokens": args.tail_tokens,
-              "prefill_chunk": eng.prefill_chunk, "paths": []}  # fmt: skip
+              "prefill_chunk": eng.prefill_chunk, "fixed_steps": eng.graphs is not None,
+              "paths": []}  # fmt: skip
     try:
         report["paths"].append(
             run(

@@ -200,6 +200,7 @@ class Engine:
         max_queue: int = 64,
         prefill_chunk: int | None = None,
         prefix_cache: bool = True,
+        fixed_steps: bool = True,
     ):
         c = model.config
         self.model, self.tokenizer, self.be = model, tokenizer, model.be
@@ -218,8 +219,9 @@ class Engine:
         )  # fmt: skip
         _materialize(model)
         # Fixed-shape decode steps over the slots (CUDA: a graph per batch-size bucket, the
-        # greedy ones captured now); None: each step runs eagerly at its own batch size.
-        self.graphs = self.be.slot_decoder(model, self.cache, max_batch)
+        # greedy ones captured now); None (or fixed_steps False, for A/B timing and tests):
+        # each step runs eagerly at its own batch size.
+        self.graphs = self.be.slot_decoder(model, self.cache, max_batch) if fixed_steps else None
         if self.graphs is not None and self.graphs.capture:
             self.graphs.warm()
         self._flight: tuple | None = None  # a launched fixed step whose tokens are unread
@@ -469,6 +471,10 @@ class Engine:
     def _prefill(self, s: _Seq) -> None:
         be, prompt = self.be, s.req.prompt
         chunk = prompt[s.done : s.done + self.prefill_chunk]
+        g = self.graphs
+        if (g is not None and s.matcher is None and s.done + len(chunk) == len(prompt)
+                and len(chunk) <= g.tail_max):  # fmt: skip
+            return self._prefill_fixed(s, chunk)
         self.cache.select([s.slot])
         logits = self.model(be.ids(np.asarray([chunk])), self.cache, None, last_only=True)
         s.req.phases.chunks.append((len(chunk), now(), False))
@@ -480,6 +486,21 @@ class Engine:
         toks, lps = sample_rows(be, logits, [s])
         ok = be.to_numpy(be.finite_rows(logits)).reshape(-1)
         self._emit(s, int(toks[0]), lps[0], bool(ok[0]))
+
+    def _prefill_fixed(self, s: _Seq, chunk: list[int]) -> None:
+        """The last chunk of a prompt (a tail after a cached prefix, or a short prompt) as
+        one fixed-shape step of the backend's decoder (slot_graph.SlotDecoder.prefill)."""
+        if self._flight is not None:  # its tokens first: the step reuses the device rows
+            fl, self._flight = self._flight, None
+            self._land(fl, chained=False)
+        r = s.req
+        tok, ok, lps = self.graphs.prefill(s.slot, chunk, r.params, s.history, s.seed, r.logprobs)
+        r.phases.chunks.append((len(chunk), now(), True))
+        self.held[s.slot].extend(chunk)
+        self.cache.lengths[s.slot] += len(chunk)
+        s.done += len(chunk)
+        lp = None if lps is None else token_logprobs(self.be, np.array([tok]), [r.logprobs], lps)[0]
+        self._emit(s, tok, lp, ok)
 
     def _decode(self, seqs: list[_Seq]) -> None:
         if self.graphs is not None and all(s.matcher is None for s in seqs):

@@ -4,7 +4,9 @@ the server and the engine, cheap enough to take for every request.
 The stamps are time.perf_counter() seconds (one clock for the server's event loop and the
 engine's thread). A prefill chunk's stamp is when its forward pass was queued: on CUDA the
 device may still be running it, so the wait for the device shows up in `first_token`
-(where the sampled token reaches the host), not in the chunk's own time.
+(where the sampled token reaches the host), not in the chunk's own time; a chunk run as a
+fixed-shape step (`fixed`, slot_graph.SlotDecoder.prefill) is stamped once its token is on
+the host, so its device time is in the chunk's.
 """
 
 from __future__ import annotations
