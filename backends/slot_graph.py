@@ -13,6 +13,12 @@ of slot 0, which no sequence uses (a sequence that fills the context never feeds
 token back), so they cannot touch a real row's keys; every other operation is row by row,
 so they do not change a real row's result either.
 
+A sliding-window layer's rows are rings (backends/slots.py): position p at ring slot
+p % capacity, where rope_qkv's store wraps already; the step's mask for that window says,
+per row, which position each ring slot holds (the latest one at or before the row's own).
+A ring has no position that no sequence uses, so there the dummies write into a scratch
+row of their own, past the slots (TorchSlotCache keeps one in each ring).
+
 A step writes its tokens back into its input buffer and moves the positions (and the
 sampler's counters and windows) on, so while the same sequences run in the same rows a
 replay needs no copy in: the host loads the buffers only when the batch changes.
@@ -63,13 +69,30 @@ class SlotRows:
         self.tok, self.rows, self.pos, self.lo, self.live = io.unbind(0)
         self.offset = 0  # the protocol's; positions are per row here
         self._keys = torch.arange(cache.max_len, device=io.device)
+        self._ring_rows: torch.Tensor | None = None  # made in the step, by the first ring mask
 
     def mask(self, length: int, pads, window: int | None = None) -> RowMask:
+        cap = self.cache._cap_of.get(window, self.cache.max_len)
+        P = self.pos[:, None]
+        if cap < self.cache.max_len:  # a ring: slot s holds position P - ((P - s) mod cap)
+            k = P - torch.remainder(P - self._keys[None, :cap], cap)  # (b, cap)
+            m = (k >= self.lo[:, None]) & (k > P - window) & (k >= 0)
+            return RowMask(m[:, None, None, :], self.ring_rows())
         k = self._keys[None, :]
-        m = (k >= self.lo[:, None]) & (k <= self.pos[:, None])
+        m = (k >= self.lo[:, None]) & (k <= P)
         if window is not None:
-            m = m & (k > self.pos[:, None] - window)
+            m = m & (k > P - window)
         return RowMask(m[:, None, None, :], self.rows)
+
+    def ring_rows(self) -> torch.Tensor:
+        """(b,) the rows of a ring layer: the sequences' slots, the dummies' scratch row."""
+        if self._ring_rows is None:
+            self._ring_rows = torch.where(self.live != 0, self.rows, self.cache.slots)
+        return self._ring_rows
+
+    def rows_for(self, layer: int) -> torch.Tensor:
+        """(b,) the cache rows that layer `layer`'s steps write and read."""
+        return self.rows if self.cache.ring(layer) is None else self.ring_rows()
 
     def positions(self, length: int, pads) -> torch.Tensor:
         return self.pos.view(-1, 1)  # (b, 1): a row's rope position is its write position
@@ -82,12 +105,14 @@ class SlotRows:
         """Without the Triton kernels: store k, v (b, kv_heads, 1, D) at each row's slot and
         position; the attention gathers the rows (RowMask)."""
         K, V = self.buffers(layer)
-        K[self.rows, :, self.pos] = k[:, :, 0]
-        V[self.rows, :, self.pos] = v[:, :, 0]
+        rows, pos = self.rows_for(layer), self.pos % K.shape[2]  # (a ring wraps)
+        K[rows, :, pos] = k[:, :, 0]
+        V[rows, :, pos] = v[:, :, 0]
         return K, V
 
     def advance(self, n: int) -> None:
         self.pos.add_(self.live * n)  # the dummies stay on their one position
+        self._ring_rows = None  # (the next pass, or the next capture, makes it again)
 
 
 def buckets(max_batch: int) -> list[int]:

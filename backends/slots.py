@@ -107,7 +107,9 @@ class SlotCache:
 
 
 class TorchSlotCache(SlotCache):
-    """Per layer k, v: (slots, kv_heads, max_len, D) torch tensors."""
+    """Per layer k, v: (slots, kv_heads, max_len, D) torch tensors; a ring layer's have one
+    row more, (slots + 1, kv_heads, capacity, D): the scratch row the fixed-shape steps'
+    dummy rows write (slot_graph.py), since every position of a ring may be in use."""
 
     def __init__(self, num_layers, slots, kv_heads, head_dim, max_len, dtype, device,
                  windows=None, chunk=None):  # fmt: skip
@@ -117,7 +119,8 @@ class TorchSlotCache(SlotCache):
         self._torch, self.device = torch, device
 
         def buf(cap):
-            return torch.zeros((slots, kv_heads, cap, head_dim), dtype=dtype, device=device)
+            rows = slots + (cap < max_len)
+            return torch.zeros((rows, kv_heads, cap, head_dim), dtype=dtype, device=device)
 
         self.keys = [buf(c) for c in self.caps]
         self.values = [buf(c) for c in self.caps]

@@ -245,9 +245,12 @@ def main(argv=None) -> None:
             if seed == 6:
                 serve_round(url, name, [a], 4), serve_round(url, name, [b], 4)
         first = serve_round(url, name, [a], 4)["ttft_p50_ms"]
+        phases = [eng.recent[-1].breakdown()]  # where the engine's part of it went
         second = serve_round(url, name, [b], 4)["ttft_p50_ms"]
+        phases.append(eng.recent[-1].breakdown())
         report["prefix"] = {"prefix_tokens": args.prefix_tokens, "first_ttft_ms": first,
-                            "cached_ttft_ms": second, "ratio": second / first}  # fmt: skip
+                            "cached_ttft_ms": second, "ratio": second / first,
+                            "first_phases_ms": phases[0], "cached_phases_ms": phases[1]}  # fmt: skip
         print(json.dumps(report["prefix"]), flush=True)
     report["health"] = eng.health()
     server.should_exit = True
