@@ -205,7 +205,10 @@ def main(argv=None) -> None:
     model, tok = load_model(args)
     vocab = model.config.vocab_size
     context = max(args.prompt_tokens, args.prefix_tokens + 16) + args.gen_tokens + 16
-    eng = Engine(model, tok, max_batch=max(counts), context=context, max_queue=4 * max(counts))
+    # each round's client first sends a short warm-up request: with one slot it would take
+    # the slot that holds the prefix the cached request is to reuse
+    slots = max(max(counts), 2 if args.prefix_tokens else 1)
+    eng = Engine(model, tok, max_batch=slots, context=context, max_queue=4 * slots)
     name = args.model
     split = eng.sync is not None  # under torchrun: rank 0 serves, the others follow
     if split and not eng.sync.leader:
