@@ -70,6 +70,7 @@ class SlotRows:
         self.offset = 0  # the protocol's; positions are per row here
         self._keys = torch.arange(cache.max_len, device=io.device)
         self._ring_rows: torch.Tensor | None = None  # made in the step, by the first ring mask
+        self._scratch = torch.full_like(self.rows, cache.slots)  # (a device tensor: capturable)
 
     def mask(self, length: int, pads, window: int | None = None) -> RowMask:
         cap = self.cache._cap_of.get(window, self.cache.max_len)
@@ -87,7 +88,7 @@ class SlotRows:
     def ring_rows(self) -> torch.Tensor:
         """(b,) the rows of a ring layer: the sequences' slots, the dummies' scratch row."""
         if self._ring_rows is None:
-            self._ring_rows = torch.where(self.live != 0, self.rows, self.cache.slots)
+            self._ring_rows = torch.where(self.live != 0, self.rows, self._scratch)
         return self._ring_rows
 
     def rows_for(self, layer: int) -> torch.Tensor:
@@ -98,7 +99,8 @@ class SlotRows:
         return self.pos.view(-1, 1)  # (b, 1): a row's rope position is its write position
 
     def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer's whole k, v caches (slots, kv_heads, max_len, D): read through `rows`."""
+        """Layer's whole k, v caches (slots, kv_heads, max_len, D), or a ring's (slots + 1,
+        kv_heads, capacity, D): read through `rows_for(layer)`."""
         return self.cache.keys[layer], self.cache.values[layer]
 
     def update_and_fetch(self, layer, k, v):
