@@ -13,9 +13,23 @@ of slot 0, which no sequence uses (a sequence that fills the context never feeds
 token back), so they cannot touch a real row's keys; every other operation is row by row,
 so they do not change a real row's result either.
 
+A sliding-window layer's rows are rings (backends/slots.py): position p at ring slot
+p % capacity, where rope_qkv's store wraps already; the step's mask for that window says,
+per row, which position each ring slot holds (the latest one at or before the row's own).
+A ring has no position that no sequence uses, so there the dummies write into a scratch
+row of their own, past the slots (TorchSlotCache keeps one in each ring).
+
 A step writes its tokens back into its input buffer and moves the positions (and the
 sampler's counters and windows) on, so while the same sequences run in the same rows a
 replay needs no copy in: the host loads the buffers only when the batch changes.
+
+The same steps run the short last prefill chunk of a prompt (the tail after a cached
+prefix, or a whole short prompt): its n tokens are n rows of one slot at consecutive
+positions. rope_qkv stores every row's key before decode_attention reads any, and row t
+sees keys up to its own position, so the rows are the chunk's causal attention; the last
+row's token is the first generated one. Eagerly, those few tokens cost a forward pass of
+kernel launches from Python (hundreds of them), which is most of a cached request's time to
+first token; replayed, one launch.
 """
 
 from __future__ import annotations
@@ -32,6 +46,10 @@ _IO = 5
 # Steps of sampled plans are captured as requests ask for them (top-k values differ); the
 # least recently used go beyond this many. Greedy steps, captured at start, always stay.
 MAX_SAMPLED_STEPS = 16
+# The longest last prefill chunk run as a step (rows of one slot); longer ones run eagerly,
+# where the launches are a small share of the pass. Steps of 16, 32 and 64 rows are captured
+# for them beside the batch-size buckets.
+TAIL_MAX = 64
 
 
 class RowMask(NamedTuple):
@@ -51,32 +69,53 @@ class SlotRows:
         self.tok, self.rows, self.pos, self.lo, self.live = io.unbind(0)
         self.offset = 0  # the protocol's; positions are per row here
         self._keys = torch.arange(cache.max_len, device=io.device)
+        self._ring_rows: torch.Tensor | None = None  # made in the step, by the first ring mask
+        self._scratch = torch.full_like(self.rows, cache.slots)  # (a device tensor: capturable)
 
     def mask(self, length: int, pads, window: int | None = None) -> RowMask:
+        cap = self.cache._cap_of.get(window, self.cache.max_len)
+        P = self.pos[:, None]
+        if cap < self.cache.max_len:  # a ring: slot s holds position P - ((P - s) mod cap)
+            k = P - torch.remainder(P - self._keys[None, :cap], cap)  # (b, cap)
+            m = (k >= self.lo[:, None]) & (k > P - window) & (k >= 0)
+            return RowMask(m[:, None, None, :], self.ring_rows())
         k = self._keys[None, :]
-        m = (k >= self.lo[:, None]) & (k <= self.pos[:, None])
+        m = (k >= self.lo[:, None]) & (k <= P)
         if window is not None:
-            m = m & (k > self.pos[:, None] - window)
+            m = m & (k > P - window)
         return RowMask(m[:, None, None, :], self.rows)
+
+    def ring_rows(self) -> torch.Tensor:
+        """(b,) the rows of a ring layer: the sequences' slots, the dummies' scratch row."""
+        if self._ring_rows is None:
+            self._ring_rows = torch.where(self.live != 0, self.rows, self._scratch)
+        return self._ring_rows
+
+    def rows_for(self, layer: int) -> torch.Tensor:
+        """(b,) the cache rows that layer `layer`'s steps write and read."""
+        return self.rows if self.cache.ring(layer) is None else self.ring_rows()
 
     def positions(self, length: int, pads) -> torch.Tensor:
         return self.pos.view(-1, 1)  # (b, 1): a row's rope position is its write position
 
     def buffers(self, layer: int):
-        """Layer's whole k, v caches (slots, kv_heads, max_len, D): read through `rows`
-        (a quantized cache's: torch_kv.QuantKV, codes and scales)."""
+        """Layer's whole k, v caches (slots, kv_heads, max_len, D), or a ring's (slots + 1,
+        kv_heads, capacity, D): read through `rows_for(layer)` (a quantized cache's:
+        torch_kv.QuantKV, codes and scales)."""
         return self.cache.kv.stored(layer)
 
     def update_and_fetch(self, layer, k, v):
         """Without the Triton kernels: store k, v (b, kv_heads, 1, D) at each row's slot and
         position; the attention gathers the rows (RowMask)."""
-        rows, pos = self.rows, self.pos
+        cap = self.cache.kv.keys[layer].shape[2]
+        rows, pos = self.rows_for(layer), self.pos % cap  # (a ring wraps)
         self.cache.kv.write(layer, k, v, lambda buf, x: buf.__setitem__((rows, slice(None), pos),
                                                                         x[:, :, 0]))  # fmt: skip
         return self.buffers(layer)
 
     def advance(self, n: int) -> None:
         self.pos.add_(self.live * n)  # the dummies stay on their one position
+        self._ring_rows = None  # (the next pass, or the next capture, makes it again)
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -156,9 +195,11 @@ class SlotDecoder:
     """The engine's decode steps for the rows of a TorchSlotCache, one `SlotStep` per
     (bucket, sampling plan): a batch of n sequences runs in the smallest bucket >= n."""
 
-    def __init__(self, model, cache, max_batch: int, capture: bool):
+    def __init__(self, model, cache, max_batch: int, capture: bool, tail_max: int = TAIL_MAX):
         self.model, self.cache, self.capture = model, cache, capture
         self.buckets = buckets(max_batch)
+        self.tail_max = tail_max
+        self.tail_buckets = sorted(set(self.buckets) | set(buckets(tail_max)[4:]))  # 16, 32..
         self.vocab = model.config.vocab_size  # (a CUDA-ready packed head keeps no .weight)
         self.steps: dict[tuple[int, SamplerPlan | None], SlotStep] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
@@ -167,7 +208,7 @@ class SlotDecoder:
     def warm(self) -> None:
         """Capture the greedy step of every bucket now, largest first (the graphs share one
         memory pool, which the largest sizes), so no request waits for a capture."""
-        for b in reversed(self.buckets):
+        for b in reversed(self.tail_buckets):
             self._step(b, None)
 
     def _step(self, b: int, plan: SamplerPlan | None) -> SlotStep:
@@ -218,6 +259,43 @@ class SlotDecoder:
             step.load(io, state)
             self._loaded = (step, key)
         return step()
+
+    def prefill(self, slot: int, tokens: list[int], params: SamplingParams,
+                history: list[int], seed: int, logprobs: int | None):  # fmt: skip
+        """Run the last prefill chunk `tokens` (at most tail_max) of the sequence in `slot`
+        (at the cache's host length) as rows of one step, its last row sampled with
+        `params` as a first token. -> (token, finite, the sampler's logprobs (device views
+        of that row) or None). The caller moves the host length on; the device rows match no batch
+        after it (the next decode step loads its own)."""
+        n = len(tokens)
+        b = next(x for x in self.tail_buckets if x >= n)
+        rows = [SamplingParams()] * (b - 1) + [params]  # the sampled row last: bucket b - 1
+        plain = logprobs is None and params.greedy
+        plan = None if plain else plan_for(rows, self.vocab, logprobs)
+        step = self._step(b, plan)
+        L = int(self.cache.lengths[slot])
+        io = step.dummy_io.copy()
+        at = np.arange(b - n, b)  # the chunk's rows end at the last one
+        io[0, at] = tokens
+        io[1, at] = slot
+        io[2, at] = L + np.arange(n)
+        io[3, at] = 0
+        io[4, at] = 1
+        state = None
+        if plan is not None:
+            state = pack(rows, [[]] * (b - 1) + [history], plan, [0] * (b - 1) + [seed],
+                         [0] * b)  # fmt: skip
+        step.load(io, state)
+        self._loaded = None
+        y, ok, lps = step()
+        be = self.model.be
+        tok = int(be.to_numpy(y).reshape(-1)[b - 1])
+        fin = bool(be.to_numpy(ok).reshape(-1)[b - 1])
+        return (
+            tok,
+            fin,
+            None if logprobs is None else tuple(None if x is None else x[b - 1 : b] for x in lps),
+        )
 
     def forget(self) -> None:
         """The device rows no longer match any batch (after a failed step)."""

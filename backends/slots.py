@@ -107,7 +107,9 @@ class SlotCache:
 
 
 class TorchSlotCache(SlotCache):
-    """Per layer k, v: (slots, kv_heads, max_len, D) torch tensors."""
+    """Per layer k, v: (slots, kv_heads, max_len, D) torch tensors; a ring layer's have one
+    row more, (slots + 1, kv_heads, capacity, D): the scratch row the fixed-shape steps'
+    dummy rows write (slot_graph.py), since every position of a ring may be in use."""
 
     def __init__(self, num_layers, slots, kv_heads, head_dim, max_len, dtype, device,
                  windows=None, chunk=None, kv_quant=None):  # fmt: skip
@@ -117,8 +119,9 @@ class TorchSlotCache(SlotCache):
 
         super().__init__(slots, max_len, num_layers, windows, chunk)
         self._torch, self.device = torch, device
-        # plain, or quantized codes and scales (--kv-quant)
-        self.kv = KVStore(self.caps, slots, kv_heads, head_dim, dtype, device, kv_quant)
+        # plain, or quantized codes and scales (--kv-quant); rings get the scratch row
+        rows = [slots + (cap < max_len) for cap in self.caps]
+        self.kv = KVStore(self.caps, rows, kv_heads, head_dim, dtype, device, kv_quant)
         self.keys, self.values = self.kv.keys, self.kv.values
         self.kv_quant = kv_quant
 

@@ -668,7 +668,8 @@ class TorchBackend:
             from .cuda_ops import rope_qkv  # noqa: PLC0415
 
             kd, vd = cache.buffers(layer)
-            q = rope_qkv(q, k, v, positions, table, kd, vd, cache.pos, rows=cache.rows)
+            rows = cache.rows_for(layer)  # a ring layer's dummies: its scratch row
+            q = rope_qkv(q, k, v, positions, table, kd, vd, cache.pos, rows=rows)
             return q, kd, vd
         k, v = cache.update_and_fetch(layer, self.rope(k, positions, table), v)
         return self.rope(q, positions, table), k, v
@@ -825,9 +826,6 @@ class TorchBackend:
         on without graphs (a CPU test under the interpreter). None: the engine runs eagerly."""
         if not self.triton_kernels:
             return None
-        c = model.config
-        if any(c.window(i) is not None for i in range(c.num_hidden_layers)):
-            return None  # sliding-window layers keep rings the fixed steps do not index yet
         from .slot_graph import SlotDecoder  # noqa: PLC0415
 
         return SlotDecoder(model, cache, max_batch, capture=self.cuda_graphs)

@@ -31,20 +31,23 @@ class QuantKV(NamedTuple):
 
 
 class KVStore:
-    """Per layer k, v buffers (rows, kv_heads, caps[layer], D), quantized when `kind`."""
+    """Per layer k, v buffers (rows, kv_heads, caps[layer], D), quantized when `kind`;
+    `rows` is one count for every layer or a list of one per layer."""
 
     def __init__(self, caps, rows, kv_heads, head_dim, dtype, device, kind=None):
         self.kind, self.dtype = kind, dtype
         code = dtype if kind is None else torch_code_dtype(kind)
+        rows = rows if isinstance(rows, list) else [rows] * len(caps)
 
-        def buf(cap, *tail, dt=code):
-            return torch.zeros((rows, kv_heads, cap, *tail), dtype=dt, device=device)
+        def buf(i, *tail, dt=code):
+            return torch.zeros((rows[i], kv_heads, caps[i], *tail), dtype=dt, device=device)
 
-        self.keys = [buf(c, head_dim) for c in caps]
-        self.values = [buf(c, head_dim) for c in caps]
+        n = range(len(caps))
+        self.keys = [buf(i, head_dim) for i in n]
+        self.values = [buf(i, head_dim) for i in n]
         f32 = torch.float32
-        self.kscales = [buf(c, dt=f32) for c in caps] if kind else []
-        self.vscales = [buf(c, dt=f32) for c in caps] if kind else []
+        self.kscales = [buf(i, dt=f32) for i in n] if kind else []
+        self.vscales = [buf(i, dt=f32) for i in n] if kind else []
 
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor of the store (for whole-row copies and clears)."""

@@ -11,6 +11,7 @@ sequence's tokens do not depend on its batch-mates.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import queue
 import sys
@@ -27,6 +28,7 @@ from .errors import MlxrunError
 from .generate import _stop_hold
 from .memory import prefill_chunk_for
 from .model import Transformer
+from .phases import Phases, now
 from .sampling import SamplingParams, mask_words, pack, plan_for, row_seed
 from .structured import Constraint, fill_masks, grammars_for
 from .tokenizer import Tokenizer
@@ -67,6 +69,9 @@ MIN_PREFIX = 4
 # Launch a fixed-shape decode step before reading the previous one's tokens (CUDA);
 # MLXRUN_SERVE_OVERLAP=0 reads each step's tokens first (for A/B timing).
 OVERLAP = os.environ.get("MLXRUN_SERVE_OVERLAP", "1") != "0"
+# How many requests' first-token phases the engine keeps (`Engine.recent`)
+RECENT = 64
+log = logging.getLogger("mlxrun.engine")
 
 
 @dataclass
@@ -84,6 +89,7 @@ class Request:
     cancelled: bool = False  # as the engine sees it
     asked: bool = False  # cancel() was called
     deferred: bool = False  # cancel() takes effect at the next step's message (tensor parallel)
+    phases: Phases = field(default_factory=Phases)  # where its time to first token went
 
     def cancel(self) -> None:
         """Stop generating; the engine frees the slot at its next step."""
@@ -194,6 +200,7 @@ class Engine:
         max_queue: int = 64,
         prefill_chunk: int | None = None,
         prefix_cache: bool = True,
+        fixed_steps: bool = True,
     ):
         c = model.config
         self.model, self.tokenizer, self.be = model, tokenizer, model.be
@@ -212,8 +219,9 @@ class Engine:
         )  # fmt: skip
         _materialize(model)
         # Fixed-shape decode steps over the slots (CUDA: a graph per batch-size bucket, the
-        # greedy ones captured now); None: each step runs eagerly at its own batch size.
-        self.graphs = self.be.slot_decoder(model, self.cache, max_batch)
+        # greedy ones captured now); None (or fixed_steps False, for A/B timing and tests):
+        # each step runs eagerly at its own batch size.
+        self.graphs = self.be.slot_decoder(model, self.cache, max_batch) if fixed_steps else None
         if self.graphs is not None and self.graphs.capture:
             self.graphs.warm()
         self._flight: tuple | None = None  # a launched fixed step whose tokens are unread
@@ -228,6 +236,7 @@ class Engine:
         g = self.be.group
         self.sync = StepSync(g) if g is not None and g.size > 1 else None
         self.arrived: list[Request] = []
+        self.recent: deque[Phases] = deque(maxlen=RECENT)  # the latest first tokens' phases
         self.stats = {
             "requests": 0,
             "finished": 0,
@@ -275,6 +284,8 @@ class Engine:
             queued = len(self.waiting) + len(self.arrived)
             if queued >= self.max_queue:
                 raise QueueFull(f"{queued} requests are already waiting (--max-queue); retry later")
+            req.phases.submitted = now()
+            req.phases.prompt = len(req.prompt)
             (self.waiting if self.sync is None else self.arrived).append(req)
             self.stats["requests"] += 1
             self._cond.notify()
@@ -304,6 +315,7 @@ class Engine:
     def health(self) -> dict:
         with self._cond:
             running = sum(s is not None for s in self.seqs)
+            last = self.recent[-1].breakdown() if self.recent else None
             return {
                 "status": "ok",
                 "running": running,
@@ -311,6 +323,7 @@ class Engine:
                 "slots": self.max_batch,
                 "context": self.context,
                 **self.stats,
+                "last_first_token_ms": last,
             }
 
     def close(self) -> None:
@@ -409,6 +422,7 @@ class Engine:
                 if not free or not self.waiting:
                     return
                 req = self.waiting.popleft()
+            req.phases.admitted = now()
             if req.cancelled:
                 self.stats["cancelled"] += 1
                 continue
@@ -421,6 +435,7 @@ class Engine:
                     req.on_event(Event("", None, None, "error", len(req.prompt), 0, 0, str(e)))
                 continue
             slot, cached = self._place(req.prompt, free)
+            req.phases.placed, req.phases.cached = now(), cached
             self.seqs[slot] = _Seq(req, slot, cached, self.tokenizer, matcher)
             self.stats["prompt_tokens"] += len(req.prompt)
             if cached:
@@ -456,8 +471,13 @@ class Engine:
     def _prefill(self, s: _Seq) -> None:
         be, prompt = self.be, s.req.prompt
         chunk = prompt[s.done : s.done + self.prefill_chunk]
+        g = self.graphs
+        if (g is not None and s.matcher is None and s.done + len(chunk) == len(prompt)
+                and len(chunk) <= g.tail_max):  # fmt: skip
+            return self._prefill_fixed(s, chunk)
         self.cache.select([s.slot])
         logits = self.model(be.ids(np.asarray([chunk])), self.cache, None, last_only=True)
+        s.req.phases.chunks.append((len(chunk), now(), False))
         self.held[s.slot].extend(chunk)
         s.done += len(chunk)
         if s.done < len(prompt):
@@ -466,6 +486,21 @@ class Engine:
         toks, lps = sample_rows(be, logits, [s])
         ok = be.to_numpy(be.finite_rows(logits)).reshape(-1)
         self._emit(s, int(toks[0]), lps[0], bool(ok[0]))
+
+    def _prefill_fixed(self, s: _Seq, chunk: list[int]) -> None:
+        """The last chunk of a prompt (a tail after a cached prefix, or a short prompt) as
+        one fixed-shape step of the backend's decoder (slot_graph.SlotDecoder.prefill)."""
+        if self._flight is not None:  # its tokens first: the step reuses the device rows
+            fl, self._flight = self._flight, None
+            self._land(fl, chained=False)
+        r = s.req
+        tok, ok, lps = self.graphs.prefill(s.slot, chunk, r.params, s.history, s.seed, r.logprobs)
+        r.phases.chunks.append((len(chunk), now(), True))
+        self.held[s.slot].extend(chunk)
+        self.cache.lengths[s.slot] += len(chunk)
+        s.done += len(chunk)
+        lp = None if lps is None else token_logprobs(self.be, np.array([tok]), [r.logprobs], lps)[0]
+        self._emit(s, tok, lp, ok)
 
     def _decode(self, seqs: list[_Seq]) -> None:
         if self.graphs is not None and all(s.matcher is None for s in seqs):
@@ -559,6 +594,8 @@ class Engine:
             self.cache.clear(s.slot)  # its keys and values may hold NaN
             return
         s.n += 1
+        if s.n == 1:
+            s.req.phases.first_token = now()
         s.last = token
         s.history.append(token)
         self.stats["generated_tokens"] += 1
@@ -586,10 +623,20 @@ class Engine:
             text, finish = text[: min(hits)], "stop"
         end = len(text) if finish else len(text) - _stop_hold(text, s.stops)
         piece, s.sent = text[s.sent : end], max(s.sent, end)
+        if s.n == 1:
+            s.req.phases.first_event = now()
         self._send(s, Event(piece, token, lp, finish, len(s.req.prompt), s.n, s.cached))
+        if s.n == 1:
+            self._first(s.req.phases)
         if finish:
             self.stats["finished"] += 1
             self._retire(s)
+
+    def _first(self, ph: Phases) -> None:
+        """A request's first token is out: keep its phases (`recent`, /health)."""
+        self.recent.append(ph)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("first token: %s", ph.breakdown())
 
     def _send(self, s: _Seq, ev: Event) -> None:
         if s.req.on_event is not None and not s.req.cancelled:

@@ -15,6 +15,7 @@ import uuid
 
 from .engine import Engine, Event, QueueFull, Request
 from .errors import MlxrunError
+from .phases import now
 from .sampling import SamplingParams
 from .structured import Constraint
 from .tools import check_choice, check_tools, parser_name, template_messages
@@ -432,7 +433,9 @@ def serve_app(server: Server):
         return await run(await body_of(request), chat=False, http=request)
 
     async def run(body: dict, chat: bool, http: HttpRequest):
+        received = now()
         req, stream, include_usage, reply = server.request(body, chat)
+        req.phases.received = received
         if req.constraint is not None:
             await server.compile(req.constraint)
         loop = asyncio.get_running_loop()
@@ -553,6 +556,8 @@ def serve_app(server: Server):
                         yield chunk(text, [ev], finish)
                 elif ev.text or ev.finish_reason or ev.logprob is not None:
                     yield chunk(ev.text, [ev], _finish(ev) if ev.finish_reason else None)
+                if req.phases.first_sent is None:  # (a chunk is on its way once yielded)
+                    req.phases.first_sent = now()
                 if ev.finish_reason is not None:
                     if include_usage:
                         tail = {**head, "object": obj, "choices": [], "usage": _usage(ev)}

@@ -155,6 +155,30 @@ def test_prefix_cache_reuses_and_matches(tiny):
         eng.close()
 
 
+def test_first_token_phases(tiny):
+    """Every request's way to its first token is stamped: a cold prompt prefills in chunks
+    of 8, a follow-up with its 19-token head cached prefills only its 5-token tail; the
+    phases are in order and /health shows the latest."""
+    base = prompts(2, (20,))[0]
+    eng = Engine(tiny.transformer, tiny.tokenizer, max_batch=2, context=64, prefill_chunk=8)
+    try:
+        cold, warm = Request(base, max_tokens=2), Request(base[:19] + [5, 6, 7, 8, 9], max_tokens=2)
+        run_all(eng, [cold])
+        run_all(eng, [warm])
+        for r, cached, chunks in ((cold, 0, [8, 8, 4]), (warm, 19, [5])):
+            ph = r.phases
+            b = ph.breakdown()
+            assert (b["prompt_tokens"], b["cached_tokens"], b["chunks"]) == (
+                len(r.prompt), cached, chunks)  # fmt: skip
+            stamps = [ph.submitted, ph.admitted, ph.placed, *(t for _, t, _ in ph.chunks),
+                      ph.first_token, ph.first_event]  # fmt: skip
+            assert stamps == sorted(stamps)
+            assert all(b[k] >= 0 for k in ("queue_wait", "place", "prefill_queue", "device"))
+        assert eng.health()["last_first_token_ms"] == warm.phases.breakdown()
+    finally:
+        eng.close()
+
+
 def test_cancel_frees_the_slot_and_others_go_on(tiny):
     """A request cancelled mid-stream leaves at the next step; a waiting one takes its slot
     and still gets its own tokens."""
@@ -232,26 +256,43 @@ def test_fixed_steps_pad_rows_and_match_generate(tiny_dir):
     """CI's share of the fixed-shape steps (every test above runs on them with -m long):
     three requests of different lengths in 5 slots decode in the bucket of 4, a dummy row
     beside them, one row sampled with a seed; each gets what it gets alone on the plain
-    CPU path (generate_step's greedy tokens; the seeded row's own draw)."""
+    CPU path (generate_step's greedy tokens; the seeded row's own draw). Last prefill chunks
+    run as steps too (rows of one slot): the 3- and 5-token prompts whole, the 9-token one
+    after an eager chunk of 8, and a follow-up's 2-3-token tail after its cached 12-13 tokens,
+    whose logprobs are the eager path's."""
     d, _ = tiny_dir("llama_gqa_tied")
     fixed, plain = load_fixed(d), mlxrun.load(str(d), backend="cpu", progress=False)
     ps = prompts(5, (3, 9, 5))
     seeded = SamplingParams(temperature=0.8, top_k=20, seed=11)
-    eng = Engine(fixed.transformer, fixed.tokenizer, max_batch=5, context=32)
+    eng = Engine(fixed.transformer, fixed.tokenizer, max_batch=5, context=32, prefill_chunk=8)
     try:
-        outs = run_all(eng, [Request(ps[0], max_tokens=4), Request(ps[1], seeded, max_tokens=4),
-                             Request(ps[2], max_tokens=4)])  # fmt: skip
+        reqs = [Request(ps[0], max_tokens=4), Request(ps[1], seeded, max_tokens=4),
+                Request(ps[2], max_tokens=4)]  # fmt: skip
+        outs = run_all(eng, reqs)
         assert {b for b, _ in eng.graphs.steps} >= {4}  # three rows and a dummy ran
+        follow = ps[1] + [e.token for e in outs[1]] + [7, 8]
+        reqs.append(Request(follow, max_tokens=4, logprobs=2))
+        (tail,) = run_all(eng, reqs[3:])
+        # 12 cached, or 13 where the step after the last token was launched before its read
+        cached = tail[-1].cached_tokens
+        assert cached in (12, 13)
+        chunks = [[(n, fixed) for n, _, fixed in r.phases.chunks] for r in reqs]
+        assert chunks == [[(3, True)], [(8, False), (1, True)], [(5, True)], [(15 - cached, True)]]
     finally:
         eng.close()
-    ref = Engine(plain.transformer, plain.tokenizer, max_batch=1, context=32)
+    ref = Engine(plain.transformer, plain.tokenizer, max_batch=1, context=32, prefill_chunk=8)
     try:
         (alone,) = run_all(ref, [Request(ps[1], seeded, max_tokens=4)])
+        (eager,) = run_all(ref, [Request(follow, max_tokens=4, logprobs=2)])
     finally:
         ref.close()
     assert [e.token for e in outs[0]] == reference(plain, ps[0], 4)
     assert [e.token for e in outs[1]] == [e.token for e in alone]
     assert [e.token for e in outs[2]] == reference(plain, ps[2], 4)
+    assert [e.token for e in tail] == [e.token for e in eager] == reference(plain, follow, 4)
+    for g, e in zip(tail, eager):
+        assert g.logprob.logprob == pytest.approx(e.logprob.logprob, abs=1e-4)
+        assert [t for t, _ in g.logprob.top] == [t for t, _ in e.logprob.top]
 
 
 def test_a_row_gone_nan_fails_alone(tiny):
@@ -335,3 +376,36 @@ def test_captured_steps_equal_eager_steps(tiny_dir, quant):
     for g, e in zip(outs[True][2], outs[False][2]):
         assert g.logprob.logprob == pytest.approx(e.logprob.logprob, abs=1e-4)
         assert [t for t, _ in g.logprob.top] == [t for t, _ in e.logprob.top]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("quant", [None, "int4"])
+def test_captured_prefill_tails_equal_eager(tiny_dir, quant):
+    """On a GPU a prompt's last prefill chunk of up to 64 tokens replays a captured step
+    (rows of its slot): follow-ups whose tails of 1-40 tokens come after a cached prefix, and
+    short prompts whole, get the tokens and logprobs of the engine run eagerly throughout,
+    and generate_step's greedy tokens."""
+    d, _ = tiny_dir("llama_gqa_tied")
+    m = mlxrun.load(str(d), backend="cuda", dtype="float32", quant=quant, progress=False)
+    base = prompts(9, (30,))[0]
+    tails = [base + t for t in prompts(10, (1, 5, 17, 40))] + prompts(11, (3, 60))
+    outs = {}
+    for fixed in (True, False):
+        eng = Engine(m.transformer, m.tokenizer, max_batch=3, context=128, prefill_chunk=64,
+                     fixed_steps=fixed)  # fmt: skip
+        try:
+            run_all(eng, [Request(base, max_tokens=2)])
+            reqs = [Request(p, max_tokens=6, logprobs=3) for p in tails]
+            outs[fixed] = [run_all(eng, [r])[0] for r in reqs]  # one by one: the prefix held
+            if fixed:
+                assert all(r.phases.chunks[-1][2] for r in reqs)
+                assert all(r.phases.cached >= 30 for r in reqs[:4])
+        finally:
+            eng.close()
+    for p, g, e in zip(tails, outs[True], outs[False]):
+        assert [x.token for x in g] == [x.token for x in e] == reference(m, p, 6)
+        for a, b in zip(g, e):
+            assert a.logprob.logprob == pytest.approx(
+                b.logprob.logprob, abs=2e-3 if quant else 1e-4
+            )

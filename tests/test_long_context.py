@@ -18,6 +18,10 @@ from mlxrun.sampling import SamplingParams
 
 from .conftest import rel_err, write_random
 
+# (imported here, at collection: without a GPU it turns the Triton interpreter on before
+# anything imports triton)
+from .test_engine import HAS_CUDA, _interpreted_kernels, run_all  # noqa: E402
+
 VOCAB = 64
 BASE = dict(
     hidden_size=32,
@@ -233,8 +237,6 @@ def test_window_ring_slot_cache_serves_transformers_tokens(root, backend):
     prefilled again. Every request gets transformers' greedy tokens."""
     from mlxrun.engine import Engine, Request
 
-    from .test_engine import run_all
-
     mt, opts = SLIDING["mistral"]
     d, hf = write_random(root / f"engine_{backend}", mt, {**BASE, **opts}, std=0.2)
     m = mlxrun.load(str(d), backend=backend, dtype="float32", progress=False)
@@ -254,6 +256,58 @@ def test_window_ring_slot_cache_serves_transformers_tokens(root, backend):
         (third,) = run_all(eng, [Request(short, max_tokens=6)])
         assert third[-1].cached_tokens == 0
         assert [e.token for e in third] == _hf_greedy(hf, short, 6)
+    finally:
+        eng.close()
+
+
+# Both on a GPU; on a CPU, where the interpreter takes a minute for Mistral, CI runs the
+# alternating layers (rings and full rows in one model) and `-m long` Mistral's rings too
+_ALL_RINGS = pytest.mark.cuda if torch.cuda.is_available() else pytest.mark.long
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=() if n == "alternating" else _ALL_RINGS) for n in SLIDING]
+)
+def test_window_ring_fixed_steps_serve_transformers_tokens(root, name):
+    """The engine's fixed-shape steps over rings of window + chunk - 1 = 9 slots (CUDA graphs
+    on a GPU; here the same steps, their Triton kernels interpreted): rope_qkv's store at
+    position % 9, the per-row ring mask of decode_attention, the dummy rows' scratch row.
+    Three requests decode past the window in the bucket of 4 (a dummy beside them), last
+    prefill chunks run as steps (a whole 3-token prompt, the tails after eager chunks of 4,
+    a chat's next turn after its cached rings): every request gets transformers' greedy
+    tokens."""
+    from mlxrun.engine import Engine, Request
+
+    mt, opts = SLIDING[name]
+    d, hf = write_random(root / f"fixed_{name}", mt, {**BASE, **opts, "hidden_size": 64},
+                         std=0.2)  # fmt: skip
+    if HAS_CUDA:
+        m = mlxrun.load(str(d), backend="cuda", dtype="float32", progress=False)
+    else:
+        if not _interpreted_kernels():
+            pytest.skip("needs triton")
+        m = mlxrun.load(str(d), backend="cpu", dtype="float32", progress=False)
+        m.transformer.be.triton_kernels = True  # the CUDA code path's kernels, interpreted
+    rng = np.random.default_rng(5)
+    ps = [[int(t) for t in rng.integers(3, VOCAB, n)] for n in (14, 3, 6)]
+    eng = Engine(m.transformer, m.tokenizer, max_batch=4, context=48, prefill_chunk=4)
+    try:
+        assert eng.graphs is not None
+        assert [k.shape[2] for k in eng.cache.keys] == [
+            WINDOW + 3 if m.config.window(i) else 48 for i in range(2)
+        ]
+        # the 14-token one in slot 0 decodes past its ring's slot 2 (47 % 9), where the
+        # dummy row would write without its scratch row
+        reqs = [Request(p, max_tokens=10) for p in ps]
+        outs = run_all(eng, reqs)
+        for p, evs in zip(ps, outs):
+            assert [e.token for e in evs] == _hf_greedy(hf, p, 10)
+        assert (4, None) in eng.graphs.steps  # three rows and a dummy
+        assert all(r.phases.chunks[-1][2] for r in reqs)  # last chunks as steps
+        turn2 = ps[0] + [e.token for e in outs[0]] + [7, 8]
+        (second,) = run_all(eng, [Request(turn2, max_tokens=8)])
+        assert second[-1].cached_tokens >= len(ps[0]) + 6
+        assert [e.token for e in second] == _hf_greedy(hf, turn2, 8)
     finally:
         eng.close()
 
