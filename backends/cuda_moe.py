@@ -291,6 +291,62 @@ def _moe_qgemv(X, IDS, OUT, RW, W, S, B, BIAS1, BIAS2, N, K, X_DIV, limit, alpha
             tl.store(out_row + rn_h, out_h.to(OUT.dtype.element_ty), mask=n_mask_h)
 
 
+@triton.jit
+def _route_kernel(L, WOUT, IDS, E, TOP_K: tl.constexpr, KP: tl.constexpr,
+                  BLOCK_E: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
+                  NORM: tl.constexpr):  # fmt: skip
+    """Token t = program 0: its E router logits L[t] -> the top-k experts IDS[t] (int32,
+    best first) and their weights WOUT[t] (float32), as torch_moe.route computes them:
+    SOFTMAX_FIRST: softmax over all E in fp32, the k largest, renormalised to sum 1 when
+    NORM; else the k largest logits, softmax over those k. k rounds of max + the lowest
+    index holding it (KP: k rounded up to a power of two)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    m = offs < E
+    z = tl.load(L + t * E + offs, mask=m, other=float("-inf")).to(tl.float32)
+    if SOFTMAX_FIRST:
+        p = tl.exp(z - tl.max(z, axis=0))
+        v = tl.where(m, p / tl.sum(p, axis=0), -1.0)
+    else:
+        v = z
+    slot = tl.arange(0, KP)
+    vals = tl.zeros([KP], tl.float32)
+    ids = tl.zeros([KP], tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(v, axis=0)
+        idx = tl.min(tl.where(v == best, offs, BLOCK_E), axis=0)
+        vals = tl.where(slot == j, best, vals)
+        ids = tl.where(slot == j, idx, ids)
+        v = tl.where(offs == idx, float("-inf"), v)
+    km = slot < TOP_K
+    if SOFTMAX_FIRST:
+        w = vals
+        if NORM:
+            w = w / tl.sum(tl.where(km, w, 0.0), axis=0)
+    else:  # vals[0] is the largest
+        ex = tl.where(km, tl.exp(vals - tl.max(tl.where(km, vals, float("-inf")), axis=0)), 0.0)
+        w = ex / tl.sum(ex, axis=0)
+    tl.store(WOUT + t * TOP_K + slot, w, mask=km)
+    tl.store(IDS + t * TOP_K + slot, ids, mask=km)
+
+
+def route(logits: torch.Tensor, o) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits (N, E) -> (weights (N, k) float32, expert ids (N, k) int32) in one
+    launch: torch_moe.route's arithmetic without its topk/softmax/copy kernels (~10 a layer
+    at batch 1). Ties go to the lower expert index."""
+    n, E = logits.shape
+    k = o.top_k
+    w = torch.empty((n, k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((n, k), dtype=torch.int32, device=logits.device)
+    if n:
+        _route_kernel[(n,)](
+            logits.contiguous(), w, ids, E, TOP_K=k, KP=triton.next_power_of_2(k),
+            BLOCK_E=triton.next_power_of_2(E), SOFTMAX_FIRST=o.routing == "softmax_topk",
+            NORM=o.norm_topk, num_warps=1 if E <= 128 else 4,
+        )  # fmt: skip
+    return w, ids
+
+
 @dataclasses.dataclass(frozen=True)
 class PackedExperts:
     """One projection of every expert, repacked for `_moe_qgemv`: `w` holds E*R rows, expert

@@ -107,11 +107,13 @@ def moe(
     KERNEL_MAX_SLOTS token slots."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    w, ids = route(logits.reshape(-1, logits.shape[-1]), o)
-    if kernel and ids.numel() <= KERNEL_MAX_SLOTS:
-        from .cuda_moe import moe_experts  # noqa: PLC0415
+    logits = logits.reshape(-1, logits.shape[-1])
+    if kernel and x2.shape[0] * o.top_k <= KERNEL_MAX_SLOTS:
+        from . import cuda_moe  # noqa: PLC0415
 
-        return moe_experts(x2, ids, w, e, o).view(shape)
+        w, ids = cuda_moe.route(logits, o)
+        return cuda_moe.moe_experts(x2, ids, w, e, o).view(shape)
+    w, ids = route(logits, o)
     run = _gathered if ids.numel() <= GATHER_MAX_SLOTS else _grouped
     y = run(x2, ids, e, o)  # (N, k, H)
     return (y * w.to(y.dtype).unsqueeze(-1)).sum(dim=1).view(shape)

@@ -118,3 +118,19 @@ def test_packed_kernel_ksteps(fmt, k, prefetch):
     cm._qlaunch(x, ids, got, rw, one, None, None, 1, o, True, cm.QConfig(1, 16, prefetch))
     want = torch.cat([g, u], dim=1) * rw[:, None]
     assert float((got - want).norm() / want.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("routing,norm,E2,k", [("softmax_topk", True, 128, 8),
+                                               ("softmax_topk", False, 8, 2),
+                                               ("topk_softmax", False, 32, 4),
+                                               ("topk_softmax", False, 12, 3)])  # fmt: skip
+def test_route_kernel_matches_torch(routing, norm, E2, k):
+    rng = np.random.default_rng(2)
+    o = MoEOptions(E2, k, 8, routing, norm_topk=norm)
+    logits = torch.from_numpy(rng.standard_normal((5, E2))).float().to(DEV)
+    w_want, ids_want = torch_moe.route(logits, o)
+    w, ids = cm.route(logits, o)
+    assert ids.dtype == torch.int32 and ids.tolist() == ids_want.tolist()
+    assert torch.allclose(w, w_want, rtol=1e-6, atol=1e-7)
+    if norm:
+        assert torch.allclose(w.sum(-1), torch.ones(5, device=DEV))
