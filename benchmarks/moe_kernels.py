@@ -16,7 +16,8 @@ each call), inside a CUDA graph of CALLS calls that cycle through enough copies 
 layer's weights (at least 4x the L2 cache) that no call finds its experts in L2. Bytes read
 a call: every distinct expert its tokens picked, gate + up + down (codes, scales, biases,
 expert biases) once, plus x and the output: what the roofline of `mlxrun bench` counts.
-`route+experts` adds the router (torch top-k and softmax on random logits).
+`route+us` adds the router (cuda_moe.route on random logits; ids of the other columns are
+drawn by torch beforehand).
 `per-slot` times the kernel that reads each slot's expert on its own (`_moe_gemv`, the path
 before the packed one) on the same weights and routes, for comparison in the same process;
 `err` is the packed result's relative difference from it.
@@ -208,7 +209,7 @@ def row(shape, name, o, layers, batch, calls, bw, slots) -> str:
         return cm.moe_experts(xs[i], ids, w, layers[i % copies], o)
 
     def routed(i):
-        w, ids = torch_moe.route(rs[i][2], o)
+        w, ids = cm.route(rs[i][2], o)
         return cm.moe_experts(xs[i], ids, w, layers[i % copies], o)
 
     def slot(i):
