@@ -37,6 +37,7 @@ from mlxrun.quant.triton_kernels import (
     _load_step,
     pdl_args,
     prepare,
+    qmatmul,
     tlc,
 )
 
@@ -479,6 +480,53 @@ def _launch(x, ids, out, rw, w1, b1, w2, b2, x_div, o, gated, scaled):
         MODE=_MODE[mode], BITS=bits, G=g, GATED=gated, ACT=0 if o.act == "silu" else 1,
         HAS_BIAS=bias, SCALED=scaled, BLOCK_N=BLOCK_N, BW=BW, num_warps=4,
     )  # fmt: skip
+
+
+def _expert_rows(p: PackedExperts, j: int) -> QLinear:
+    """Expert j's rows of a PackedExperts as a QLinear of its own (views, no copy)."""
+    w = p.w
+    r = 2 * p.n if p.gated else p.n
+    t = r // SCALE_ROWS
+    b = None if w.biases is None else w.biases[j * t : (j + 1) * t]
+    return dataclasses.replace(w, weight=w.weight[j * r : (j + 1) * r],
+                               scales=w.scales[j * t : (j + 1) * t], biases=b, n=r)  # fmt: skip
+
+
+def moe_grouped(x, ids, weights, e, o):
+    """Many slots (prefill): x (T, H), ids (T, k), routing weights (T, k) -> (T, H).
+
+    Slots sorted by expert; each expert that was hit runs as two quantized matmuls over its
+    tokens (qmatmul: the tensor-core GEMM that decodes weight tiles in registers, past 4
+    rows), so its packed weights are read once and never expanded to a dense copy. One host
+    sync (the counts): for prefill, not for a captured decode step. Needs `prepared(e)`."""
+    from .torch_moe import expert_act  # noqa: PLC0415
+
+    gu, dn = prepared(e)
+    T, H = x.shape
+    k = ids.shape[1]
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=o.num_experts).tolist()
+    xs = x[order // k]
+    rw = weights.reshape(-1).float()[order]
+    out = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
+    start = 0
+    for j, c in enumerate(counts):
+        if not c:
+            continue
+        sl = slice(start, start + c)
+        start += c
+        y = qmatmul(xs[sl], _expert_rows(gu, j))  # (c, 2I): gate, then up
+        g, u = y[:, : gu.n], y[:, gu.n :]
+        if e.gate_bias is not None:
+            g, u = g + e.gate_bias[j], u + e.up_bias[j]
+        d = qmatmul(expert_act(g, u, o), _expert_rows(dn, j), out_dtype=torch.float32)
+        if e.down_bias is not None:
+            d = d + e.down_bias[j]
+        out[sl] = d * rw[sl, None]
+    y = torch.empty_like(out)
+    y[order] = out
+    return y.view(T, k, H).sum(dim=1).to(x.dtype)
 
 
 def moe_experts(x, ids, weights, e, o):

@@ -134,3 +134,29 @@ def test_route_kernel_matches_torch(routing, norm, E2, k):
     assert torch.allclose(w, w_want, rtol=1e-6, atol=1e-7)
     if norm:
         assert torch.allclose(w.sum(-1), torch.ones(5, device=DEV))
+
+
+GROUPED = [pytest.param(f, marks=() if f == ("mxfp4", 4, 32) else LONG_ON_CPU,
+                        id="".join(map(str, f))) for f in FORMATS[1:]]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", GROUPED)
+def test_grouped_matches_torch_experts(fmt):
+    """Prefill's path (cuda_moe.moe_grouped): expert 0 gets all 8 tokens (qmatmul's GEMM),
+    the others a few each (its GEMV); gpt-oss's biases and clamped gate."""
+    rng = np.random.default_rng(3)
+    o = MoEOptions(E, K, I, "topk_softmax", act="swiglu_clamped", bias=True, swiglu_limit=0.6)
+    w = {n: (0.2 * rng.standard_normal(s)).astype(np.float32)
+         for n, s in (("gate", (E, I, H)), ("up", (E, I, H)), ("down", (E, H, I)))}  # fmt: skip
+    e = Experts(None, *(_stack(w[n], fmt) for n in ("gate", "up", "down")))
+    for n, width in (("gate_bias", I), ("up_bias", I), ("down_bias", H)):
+        setattr(e, n, torch.from_numpy(0.3 * rng.standard_normal((E, width))).float().to(DEV))
+    x = torch.from_numpy(rng.standard_normal((8, H))).float().to(DEV)
+    logits = torch.from_numpy(rng.standard_normal((8, E))).float().to(DEV)
+    logits[:, 0] += 10.0
+    weights, ids = torch_moe.route(logits, o)
+    assert int((ids == 0).sum()) == 8 and int((ids != 0).sum()) == 8
+    want = (torch_moe._gathered(x, ids, e, o) * weights.unsqueeze(-1)).sum(1)
+    got = cm.moe_grouped(x, ids, weights, e, o)
+    err = float((got - want).norm() / want.norm())
+    assert err < 1e-5, err
