@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 
 import torch
 import triton
@@ -360,7 +359,56 @@ class PackedExperts:
     gated: bool
 
 
-_PREPARED: dict[int, tuple] = {}  # id(gate weight) -> (weakref to it, its PackedExperts)
+@dataclasses.dataclass(frozen=True)
+class ExpertPart:
+    """QuantizedWeight.kernel of one stacked projection (gate, up or down) once its layer is
+    repacked: the layer's two PackedExperts, and which part of them this projection is.
+    weight/scales/biases/nbytes/n/k as a QLinear reports them, for the byte accounting
+    (mlxrun/bench.py, Transformer.weight_bytes, evaluate): gate and up share the joint
+    repack's arrays (counted once by identity) and each reports half its bytes."""
+
+    gate_up: PackedExperts
+    down: PackedExperts
+    part: str  # "gate", "up" or "down"
+
+    @property
+    def packed(self) -> PackedExperts:
+        return self.down if self.part == "down" else self.gate_up
+
+    @property
+    def weight(self):
+        return self.packed.w.weight
+
+    @property
+    def scales(self):
+        return self.packed.w.scales
+
+    @property
+    def biases(self):
+        return self.packed.w.biases
+
+    @property
+    def nbytes(self) -> int:
+        w = self.packed.w
+        return w.nbytes if self.part == "down" else w.nbytes // 2
+
+    @property
+    def n(self) -> int:  # rows of this projection over all experts
+        return self.packed.w.n if self.part == "down" else self.packed.w.n // 2
+
+    @property
+    def k(self) -> int:
+        return self.packed.k
+
+    def dense(self, ids: torch.Tensor, dtype) -> torch.Tensor:
+        """Experts `ids` (n,) of this projection as dense (n, out, in) (the torch paths)."""
+        from mlxrun.quant.triton_kernels import dequantize_torch  # noqa: PLC0415
+
+        p = self.packed
+        rows = slice(p.n, 2 * p.n) if self.part == "up" else slice(0, p.n)
+        return torch.stack(
+            [dequantize_torch(_expert_rows(p, j), dtype)[rows] for j in ids.tolist()]
+        )
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -378,9 +426,7 @@ def _prepare(e) -> tuple[PackedExperts, PackedExperts] | None:
     fmt = (g.mode, g.bits, g.group_size)
     if any((w.mode, w.bits, w.group_size) != fmt for w in ws) or g.mode not in _MODE_ID:
         return None
-    if (g.mode, g.bits) in (("affine", 2), ("affine", 3), ("affine", 5), ("affine", 6)):
-        return None
-    if fmt[0] == "affine" and fmt[2] not in (32, 64, 128):
+    if g.bits not in (4, 8) or (g.mode == "affine" and g.group_size not in (32, 64, 128)):
         return None
     E, I, H = g.shape
     if I % (SCALE_ROWS // 2) or H % SCALE_ROWS:
@@ -399,16 +445,22 @@ def _prepare(e) -> tuple[PackedExperts, PackedExperts] | None:
 
 
 def prepared(e) -> tuple[PackedExperts, PackedExperts] | None:
-    """`_prepare(e)`, made once per layer (held while its gate weight lives). The stored
-    experts stay too (the torch path of large prefills gathers from them): the packed
-    experts are held twice."""
-    key = id(e.gate)
-    hit = _PREPARED.get(key)
-    if hit is not None and hit[0]() is e.gate:
-        return hit[1]
-    value = _prepare(e)
-    _PREPARED[key] = (weakref.ref(e.gate, lambda _, k=key: _PREPARED.pop(k, None)), value)
-    return value
+    """The layer's (gate/up, down) repack, made on its first use (a warm-up pass, before any
+    capture). The layer's stored experts are then replaced by it (QuantizedWeights holding
+    only an ExpertPart kernel), as TorchBackend.quantized keeps only the repack of a dense
+    linear: the packed experts are never held twice. None (nothing replaced) where the
+    packed kernel does not apply."""
+    k = getattr(e.gate, "kernel", None)
+    if isinstance(k, ExpertPart):
+        return k.gate_up, k.down
+    pair = _prepare(e)
+    if pair is None:
+        return None
+    for name in ("gate", "up", "down"):
+        w = getattr(e, name)
+        part = ExpertPart(*pair, name)
+        setattr(e, name, QuantizedWeight(None, None, None, w.mode, w.bits, w.group_size, part))
+    return pair
 
 
 @dataclasses.dataclass(frozen=True)

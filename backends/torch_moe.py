@@ -51,6 +51,8 @@ def _take(w, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Experts `ids` (n,) of a stacked weight -> dense (n, out, in) in `dtype`."""
     if not isinstance(w, QuantizedWeight):
         return w[ids]
+    if w.weight is None:  # only the CUDA kernels' repack is held (cuda_moe.ExpertPart)
+        return w.kernel.dense(ids, dtype)
     from mlxrun.quant.torch_dequant import dequantize  # noqa: PLC0415
 
     def rows(t):  # CUDA has no indexing kernel for uint32: gather the same bits as int32

@@ -26,6 +26,7 @@ before the packed one) on the same weights and routes, for comparison in the sam
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import os
 import sys
@@ -186,17 +187,18 @@ def run_tiny() -> None:
         ids, w, _ = routes(2, o.num_experts, o.top_k, 1, "cpu", gen)[0]
         x = torch.randn(2, SHAPES["tiny"][2], generator=gen)
         want = (torch_moe._gathered(x, ids, e, o) * w.unsqueeze(-1)).sum(1)
+        slot = per_slot(x, ids, w, copy.copy(e), o)
         got = cm.moe_experts(x, ids, w, e, o)
-        slot = per_slot(x, ids, w, e, o)
         errs = [float((a - want).norm() / want.norm()) for a in (got, slot)]
         print(f"tiny {name:<6} packed err {errs[0]:.2e}  per-slot err {errs[1]:.2e}")
 
 
-def row(shape, name, o, layers, batch, calls, bw, slots) -> str:
-    """One line of the table: `layers` (copies of one layer) at `batch` tokens a call."""
+def row(shape, name, o, layers, stored, batch, calls, bw, slots) -> str:
+    """One line of the table: `layers` (copies of one layer; `stored`: the same with their
+    stored experts) at `batch` tokens a call."""
     E, k, H, I, _ = SHAPES[shape]
     dev, copies = "cuda", len(layers)
-    per_expert = expert_bytes(layers[0])
+    per_expert = expert_bytes(stored[0])
     gen = torch.Generator(device=dev).manual_seed(batch)
     rs = routes(batch, E, k, calls, dev, gen)
     xs = torch.randn(calls, batch, H, generator=gen, device=dev).to(torch.bfloat16)
@@ -214,7 +216,7 @@ def row(shape, name, o, layers, batch, calls, bw, slots) -> str:
 
     def slot(i):
         ids, w, _ = rs[i]
-        return per_slot(xs[i], ids, w, layers[i % copies], o)
+        return per_slot(xs[i], ids, w, stored[i % copies], o)
 
     us = events_ms(graphed(packed, calls)) * 1e3 / calls
     rus = events_ms(graphed(routed, calls)) * 1e3 / calls
@@ -261,13 +263,15 @@ def main() -> None:
             # copies: >= 4x L2 in total, at most ~8 GB (the packed repack doubles them)
             copies = max(2, min(math.ceil(4 * l2 / layer_bytes), (8 << 30) // layer_bytes))
             layers = [one] + [layer(shape, fmt, dev, c + 1) for c in range(copies - 1)]
+            # the per-slot kernel reads the stored experts, which the repack replaces in
+            # the layer: it keeps its own references (both held here, unlike in a model)
+            stored = [copy.copy(e) for e in layers]
             for e in layers:  # the repack is made on first use: before any capture
                 cm.prepared(e)
             for batch in [int(b) for b in a.batch.split(",")]:
-                print(row(shape, name, o, layers, batch, a.calls, bw, not a.no_per_slot),
-                      flush=True)  # fmt: skip
-            del layers
-            cm._PREPARED.clear()
+                print(row(shape, name, o, layers, stored, batch, a.calls, bw,
+                          not a.no_per_slot), flush=True)  # fmt: skip
+            del layers, stored, one
             torch.cuda.empty_cache()
 
 

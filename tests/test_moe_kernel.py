@@ -57,6 +57,12 @@ CASES = [
 ]  # fmt: skip
 
 
+def _parts(w):
+    if isinstance(w, QuantizedWeight):
+        return [a for a in (w.weight, w.scales, w.biases) if a is not None]
+    return [w]
+
+
 @pytest.mark.parametrize("fmt,gpt_oss", CASES)
 def test_kernel_matches_torch_experts(fmt, gpt_oss):
     rng = np.random.default_rng(0)
@@ -73,9 +79,15 @@ def test_kernel_matches_torch_experts(fmt, gpt_oss):
     logits = torch.from_numpy(rng.standard_normal((T, E))).float().to(DEV)
     weights, ids = torch_moe.route(logits, o)
     want = (torch_moe._gathered(x, ids, e, o) * weights.unsqueeze(-1)).sum(1)
+    stored = sum(int(a.nbytes) for w in (e.gate, e.up, e.down) for a in _parts(w))
     got = cm.moe_experts(x, ids, weights, e, o)
     err = float((got - want).norm() / want.norm())
     assert err < 1e-5, err
+    if fmt is not None:  # the repack replaced the stored experts: same bytes, same values
+        assert e.gate.weight is None and isinstance(e.up.kernel, cm.ExpertPart)
+        assert sum(w.kernel.nbytes for w in (e.gate, e.up, e.down)) == stored
+        again = (torch_moe._gathered(x, ids, e, o) * weights.unsqueeze(-1)).sum(1)
+        assert float((again - want).norm() / want.norm()) < 1e-6
     if gpt_oss:  # the clamp is hit: without it the result differs
         o2 = MoEOptions(E, K, I, o.routing, act="swiglu_clamped", bias=True, swiglu_limit=50.0)
         assert float((cm.moe_experts(x, ids, weights, e, o2) - want).norm() / want.norm()) > 1e-3
