@@ -20,8 +20,9 @@ from mlxrun.moe import Experts, MoEOptions
 # Token slots (tokens x k) up to which the gathered path runs: each gathered expert is a
 # full (out, in) matrix, so past this the grouped path reads less.
 GATHER_MAX_SLOTS = 16
-# With the Triton kernels (CUDA): slots up to which they run (decode batches); past it
-# (prefill) the grouped path reads each expert's weights once for all its tokens.
+# With the Triton kernels (CUDA): slots up to which they run (decode batches, capturable);
+# past it (prefill) a grouped path reads each expert's weights once for all its tokens
+# (cuda_moe.moe_grouped for packed experts, else _grouped).
 KERNEL_MAX_SLOTS = 1024
 
 
@@ -50,6 +51,8 @@ def _take(w, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Experts `ids` (n,) of a stacked weight -> dense (n, out, in) in `dtype`."""
     if not isinstance(w, QuantizedWeight):
         return w[ids]
+    if w.weight is None:  # only the CUDA kernels' repack is held (cuda_moe.ExpertPart)
+        return w.kernel.dense(ids, dtype)
     from mlxrun.quant.torch_dequant import dequantize  # noqa: PLC0415
 
     def rows(t):  # CUDA has no indexing kernel for uint32: gather the same bits as int32
@@ -107,11 +110,17 @@ def moe(
     KERNEL_MAX_SLOTS token slots."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    w, ids = route(logits.reshape(-1, logits.shape[-1]), o)
-    if kernel and ids.numel() <= KERNEL_MAX_SLOTS:
-        from .cuda_moe import moe_experts  # noqa: PLC0415
+    logits = logits.reshape(-1, logits.shape[-1])
+    if kernel:
+        from . import cuda_moe  # noqa: PLC0415
 
-        return moe_experts(x2, ids, w, e, o).view(shape)
+        if x2.shape[0] * o.top_k <= KERNEL_MAX_SLOTS:
+            w, ids = cuda_moe.route(logits, o)
+            return cuda_moe.moe_experts(x2, ids, w, e, o).view(shape)
+        if cuda_moe.prepared(e) is not None:  # packed experts: grouped quantized matmuls
+            w, ids = route(logits, o)
+            return cuda_moe.moe_grouped(x2, ids, w, e, o).view(shape)
+    w, ids = route(logits, o)
     run = _gathered if ids.numel() <= GATHER_MAX_SLOTS else _grouped
     y = run(x2, ids, e, o)  # (N, k, H)
     return (y * w.to(y.dtype).unsqueeze(-1)).sum(dim=1).view(shape)

@@ -16,18 +16,24 @@ if not HAS_CUDA:
 pytest.importorskip("triton", reason="triton is not installed")
 
 import mlxrun.backends.cuda_moe as cm  # noqa: E402
+import mlxrun.quant.triton_kernels as tk  # noqa: E402
 from mlxrun.backends import torch_moe  # noqa: E402
 from mlxrun.backends.base import QuantizedWeight  # noqa: E402
 from mlxrun.moe import Experts, MoEOptions  # noqa: E402
 from mlxrun.quant.formats import QuantSpec  # noqa: E402
 from mlxrun.quant.reference import quantize  # noqa: E402
 
-if not HAS_CUDA and type(cm._moe_gemv).__name__ != "InterpretedFunction":
+if not HAS_CUDA and type(tk._gemv_step).__name__ != "InterpretedFunction":
+    tk = importlib.reload(tk)  # the packed kernel calls its k-step: both interpreted
+    cm = importlib.reload(cm)
+elif not HAS_CUDA and type(cm._moe_qgemv).__name__ != "InterpretedFunction":
     cm = importlib.reload(cm)
 
 DEV = "cuda" if HAS_CUDA else "cpu"
-E, H, I, T, K = 4, 128, 64, 3, 2  # H: two k-steps of 64
-FORMATS = [None, ("affine", 4, 32), ("affine", 8, 64), ("mxfp4", 4, 32), ("nvfp4", 4, 16),
+# The interpreter runs each program in turn (~0.3 s each on 2 cores): few slots and rows.
+# Dense fp32 H = 64: two k-steps of 32 of the per-slot kernel.
+E, H, I, T, K = 4, 64, 32, 2, 2
+FORMATS = [None, ("affine", 4, 32), ("affine", 8, 32), ("mxfp4", 4, 32), ("nvfp4", 4, 16),
            ("mxfp8", 8, 32)]  # fmt: skip
 
 
@@ -39,7 +45,7 @@ def _stack(w: np.ndarray, fmt):
     return QuantizedWeight(t["weight"], t["scales"], t.get("biases"), *fmt)
 
 
-# ~5-10 s each under the interpreter on 2 cores: one by default (packed codes, E8M0 scales,
+# ~5-20 s each under the interpreter on 2 cores: one by default (packed codes, E8M0 scales,
 # biases, the clamped gate), the other 11 with -m long there (all 12 passed on the CPU)
 LONG_ON_CPU = pytest.mark.long if not HAS_CUDA else pytest.mark.cuda
 FAST = {(("mxfp4", 4, 32), True)}
@@ -49,6 +55,12 @@ CASES = [
     for f in FORMATS
     for g in (False, True)
 ]  # fmt: skip
+
+
+def _parts(w):
+    if isinstance(w, QuantizedWeight):
+        return [a for a in (w.weight, w.scales, w.biases) if a is not None]
+    return [w]
 
 
 @pytest.mark.parametrize("fmt,gpt_oss", CASES)
@@ -67,9 +79,96 @@ def test_kernel_matches_torch_experts(fmt, gpt_oss):
     logits = torch.from_numpy(rng.standard_normal((T, E))).float().to(DEV)
     weights, ids = torch_moe.route(logits, o)
     want = (torch_moe._gathered(x, ids, e, o) * weights.unsqueeze(-1)).sum(1)
+    stored = sum(int(a.nbytes) for w in (e.gate, e.up, e.down) for a in _parts(w))
     got = cm.moe_experts(x, ids, weights, e, o)
     err = float((got - want).norm() / want.norm())
     assert err < 1e-5, err
+    if fmt is not None:  # the repack replaced the stored experts: same bytes, same values
+        assert e.gate.weight is None and isinstance(e.up.kernel, cm.ExpertPart)
+        assert sum(w.kernel.nbytes for w in (e.gate, e.up, e.down)) == stored
+        again = (torch_moe._gathered(x, ids, e, o) * weights.unsqueeze(-1)).sum(1)
+        assert float((again - want).norm() / want.norm()) < 1e-6
     if gpt_oss:  # the clamp is hit: without it the result differs
         o2 = MoEOptions(E, K, I, o.routing, act="swiglu_clamped", bias=True, swiglu_limit=50.0)
         assert float((cm.moe_experts(x, ids, weights, e, o2) - want).norm() / want.norm()) > 1e-3
+
+
+# The packed kernel's loop at several k-steps: 3 one-warp steps of 128 words (the
+# prefetched pair, then the odd last one; 4-bit K = 3072 leaves the last step part-masked)
+# or whole steps (K = 2048: no masks), one projection at a time, with and without prefetch.
+KCASES = [
+    pytest.param(f, k, pf, marks=() if (f, k, pf) == (("mxfp4", 4, 32), 3072, True)
+                 else LONG_ON_CPU, id=f"{''.join(map(str, f))}-k{k}-{'pf' if pf else 'nopf'}")
+    for f in FORMATS[1:]
+    for k in (2048, 3072)
+    for pf in (True, False)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt,k,prefetch", KCASES)
+def test_packed_kernel_ksteps(fmt, k, prefetch):
+    rng = np.random.default_rng(1)
+    E2, n, slots = 3, 8, 2
+    w = [(0.1 * rng.standard_normal((E2, n, k))).astype(np.float32) for _ in range(2)]
+    gate, up = (_stack(a, fmt) for a in w)
+    o = MoEOptions(E2, 1, n, act="silu")
+    x = torch.from_numpy(rng.standard_normal((slots, k))).float().to(DEV)
+    ids = torch.tensor([2, 0], dtype=torch.int32, device=DEV)
+    rw = torch.tensor([0.25, -2.0], device=DEV)
+    dense = [torch_moe._take(q, ids.long(), torch.float32) for q in (gate, up)]  # (S, n, k)
+    g, u = (torch.einsum("snk,sk->sn", d, x) for d in dense)
+    cfg = cm.QConfig(warps=1, block_n=8, prefetch=prefetch)
+    packed = cm._prepare(Experts(None, gate, up, gate))
+    assert packed is not None
+    got = torch.empty((slots, n), device=DEV)
+    cm._qlaunch(x, ids, got, rw, packed[0], None, None, 1, o, False, cfg)
+    want = torch.nn.functional.silu(g) * u
+    assert float((got - want).norm() / want.norm()) < 1e-5
+    # one projection, 16 rows (two halves) and the routing weight applied
+    one = cm.PackedExperts(packed[0].w, 2 * n, k, False)
+    got = torch.empty((slots, 2 * n), device=DEV)
+    cm._qlaunch(x, ids, got, rw, one, None, None, 1, o, True, cm.QConfig(1, 16, prefetch))
+    want = torch.cat([g, u], dim=1) * rw[:, None]
+    assert float((got - want).norm() / want.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("routing,norm,E2,k", [("softmax_topk", True, 128, 8),
+                                               ("softmax_topk", False, 8, 2),
+                                               ("topk_softmax", False, 32, 4),
+                                               ("topk_softmax", False, 12, 3)])  # fmt: skip
+def test_route_kernel_matches_torch(routing, norm, E2, k):
+    rng = np.random.default_rng(2)
+    o = MoEOptions(E2, k, 8, routing, norm_topk=norm)
+    logits = torch.from_numpy(rng.standard_normal((5, E2))).float().to(DEV)
+    w_want, ids_want = torch_moe.route(logits, o)
+    w, ids = cm.route(logits, o)
+    assert ids.dtype == torch.int32 and ids.tolist() == ids_want.tolist()
+    assert torch.allclose(w, w_want, rtol=1e-6, atol=1e-7)
+    if norm:
+        assert torch.allclose(w.sum(-1), torch.ones(5, device=DEV))
+
+
+GROUPED = [pytest.param(f, marks=() if f == ("mxfp4", 4, 32) else LONG_ON_CPU,
+                        id="".join(map(str, f))) for f in FORMATS[1:]]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", GROUPED)
+def test_grouped_matches_torch_experts(fmt):
+    """Prefill's path (cuda_moe.moe_grouped): expert 0 gets all 8 tokens (qmatmul's GEMM),
+    the others a few each (its GEMV); gpt-oss's biases and clamped gate."""
+    rng = np.random.default_rng(3)
+    o = MoEOptions(E, K, I, "topk_softmax", act="swiglu_clamped", bias=True, swiglu_limit=0.6)
+    w = {n: (0.2 * rng.standard_normal(s)).astype(np.float32)
+         for n, s in (("gate", (E, I, H)), ("up", (E, I, H)), ("down", (E, H, I)))}  # fmt: skip
+    e = Experts(None, *(_stack(w[n], fmt) for n in ("gate", "up", "down")))
+    for n, width in (("gate_bias", I), ("up_bias", I), ("down_bias", H)):
+        setattr(e, n, torch.from_numpy(0.3 * rng.standard_normal((E, width))).float().to(DEV))
+    x = torch.from_numpy(rng.standard_normal((8, H))).float().to(DEV)
+    logits = torch.from_numpy(rng.standard_normal((8, E))).float().to(DEV)
+    logits[:, 0] += 10.0
+    weights, ids = torch_moe.route(logits, o)
+    assert int((ids == 0).sum()) == 8 and int((ids != 0).sum()) == 8
+    want = (torch_moe._gathered(x, ids, e, o) * weights.unsqueeze(-1)).sum(1)
+    got = cm.moe_grouped(x, ids, weights, e, o)
+    err = float((got - want).norm() / want.norm())
+    assert err < 1e-5, err

@@ -1,0 +1,279 @@
+"""The MoE layer's expert kernels alone on CUDA (backends/cuda_moe.py): GB/s of the bytes a
+step actually reads, against the copy bandwidth measured in the same run.
+
+    python3 benchmarks/moe_kernels.py                                  # ~3 min on an H100
+    python3 benchmarks/moe_kernels.py --shape gpt-oss-20b --formats mxfp4 --batch 1
+    TRITON_INTERPRET=1 python3 benchmarks/moe_kernels.py --tiny        # CPU: values only
+
+Shapes: gpt-oss-20b (32 experts, top-4, hidden = intermediate = 2880, biases, clamped
+SwiGLU) and qwen3-30b-a3b (128 experts, top-8, hidden 2048, expert intermediate 768, SiLU).
+Formats: bf16 (dense experts), int4 (affine 4-bit g64, bf16 scales), mxfp4, nvfp4, mxfp8,
+int8 (affine 8-bit g64). Batch: tokens a step (1, 8, 32 by default).
+
+Each row times one layer's experts -- `moe_experts`: the gate/up launch, the down launch and
+the sum over the k slots -- for random routes (top-k distinct experts per token, a new draw
+each call), inside a CUDA graph of CALLS calls that cycle through enough copies of the
+layer's weights (at least 4x the L2 cache) that no call finds its experts in L2. Bytes read
+a call: every distinct expert its tokens picked, gate + up + down (codes, scales, biases,
+expert biases) once, plus x and the output: what the roofline of `mlxrun bench` counts.
+`route+us` adds the router (cuda_moe.route on random logits; ids of the other columns are
+drawn by torch beforehand).
+`per-slot` times the kernel that reads each slot's expert on its own (`_moe_gemv`, the path
+before the packed one) on the same weights and routes, for comparison in the same process;
+`err` is the packed result's relative difference from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import sys
+
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+import mlxrun.backends.cuda_moe as cm  # noqa: E402
+from mlxrun.backends import torch_moe  # noqa: E402
+from mlxrun.backends.base import QuantizedWeight  # noqa: E402
+from mlxrun.moe import Experts, MoEOptions  # noqa: E402
+
+SHAPES = {
+    # name: (E, top-k, hidden, expert intermediate, gpt-oss's options)
+    "gpt-oss-20b": (32, 4, 2880, 2880, True),
+    "qwen3-30b-a3b": (128, 8, 2048, 768, False),
+    "tiny": (4, 2, 256, 64, True),
+}
+FORMATS = {
+    "bf16": None,
+    "int4": ("affine", 4, 64),
+    "mxfp4": ("mxfp4", 4, 32),
+    "nvfp4": ("nvfp4", 4, 16),
+    "mxfp8": ("mxfp8", 8, 32),
+    "int8": ("affine", 8, 64),
+}
+
+
+def options(shape) -> MoEOptions:
+    E, k, _, I, oss = SHAPES[shape]
+    if oss:
+        return MoEOptions(E, k, I, "topk_softmax", act="swiglu_clamped", bias=True)
+    return MoEOptions(E, k, I, "softmax_topk", norm_topk=True)
+
+
+def stacked(E, n, k, fmt, dev, gen):
+    """Random stacked weight (E, n, k): dense bf16 ~ N(0, 0.02), or canonical packed codes
+    with scales that keep the products near that size."""
+    if fmt is None:
+        return (torch.randn(E, n, k, generator=gen, device=dev) * 0.02).to(torch.bfloat16)
+    mode, bits, g = fmt
+    w = torch.randint(-(2**31), 2**31 - 1, (E, n, k * bits // 32), generator=gen, device=dev)
+    w = w.to(torch.int32)
+    if mode == "mxfp8":  # no E4M3 NaN codes (exponent 15, mantissa 7): exponent bit 0 cleared
+        w = w & -0x08080809  # 0xF7F7F7F7 as int32
+    kg = k // g
+    if mode == "affine":
+        s = (torch.rand(E, n, kg, generator=gen, device=dev) * 0.004 + 1e-3).to(torch.bfloat16)
+        b = (-(2 ** (bits - 1)) * s.float()).to(torch.bfloat16)
+    elif mode == "nvfp4":  # E4M3 codes 0x10..0x3E: 2^-5 .. 2^-2
+        s, b = torch.randint(0x10, 0x3F, (E, n, kg), generator=gen, device=dev), None
+        s = s.to(torch.uint8)
+    else:  # E8M0 119..122: 2^-8 .. 2^-5
+        s, b = torch.randint(119, 123, (E, n, kg), generator=gen, device=dev), None
+        s = s.to(torch.uint8)
+    return QuantizedWeight(w, s, b, mode, bits, g)
+
+
+def layer(shape, fmt, dev, seed):
+    E, _, H, I, oss = SHAPES[shape]
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    e = Experts(None, *(stacked(E, n, k, fmt, dev, gen) for n, k in ((I, H), (I, H), (H, I))))
+    if oss:
+        for name, width in (("gate_bias", I), ("up_bias", I), ("down_bias", H)):
+            b = (torch.randn(E, width, generator=gen, device=dev) * 0.02).to(torch.bfloat16)
+            setattr(e, name, b)
+    return e
+
+
+def expert_bytes(e: Experts) -> int:
+    """Bytes of one expert's gate, up and down (and biases) as stored."""
+    total = 0
+    for w in (e.gate, e.up, e.down):
+        parts = (w.weight, w.scales, w.biases) if isinstance(w, QuantizedWeight) else (w,)
+        total += sum(p[0].numel() * p.element_size() for p in parts if p is not None)
+    for b in (e.gate_bias, e.up_bias, e.down_bias):
+        total += 0 if b is None else b[0].numel() * b.element_size()
+    return total
+
+
+def routes(batch, E, k, n, dev, gen):
+    """n draws of (ids (batch, k) distinct a token, routing weights (batch, k))."""
+    out = []
+    for _ in range(n):
+        logits = torch.randn(batch, E, generator=gen, device=dev)
+        w, ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
+        out.append((ids, w / w.sum(-1, keepdim=True), logits))
+    return out
+
+
+def per_slot(x, ids, weights, e, o):
+    """The per-slot kernel (`_moe_gemv`): each slot reads its expert's rows itself."""
+    T, H = x.shape
+    k = ids.shape[1]
+    flat = ids.reshape(-1).to(torch.int32)
+    rw = weights.reshape(-1).to(torch.float32)
+    h = torch.empty((T * k, o.intermediate_size), dtype=x.dtype, device=x.device)
+    cm._launch(x, flat, h, rw, e.gate, e.gate_bias, e.up, e.up_bias, k, o, True, False)
+    y = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
+    cm._launch(h, flat, y, rw, e.down, e.down_bias, None, None, 1, o, False, True)
+    return y.view(T, k, H).sum(dim=1).to(x.dtype)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy of 1 GiB, read + write bytes/s (median of 20, CUDA events)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = events_ms(lambda: dst.copy_(src), 20)
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def events_ms(fn, reps: int = 20) -> float:
+    """Median ms of fn() by CUDA events (as benchmarks/profile_decode.py times)."""
+    fn()
+    torch.cuda.synchronize()
+    pairs = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        pairs.append((a, b))
+    torch.cuda.synchronize()
+    ms = sorted(a.elapsed_time(b) for a, b in pairs)
+    return ms[len(ms) // 2]
+
+
+def graphed(fn, calls: int):
+    """A CUDA graph of fn(0), ..., fn(calls - 1) (warmed up first); returns its replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(min(calls, 3)):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fn(i)
+    return g.replay
+
+
+def run_tiny() -> None:
+    """Values only (CPU, TRITON_INTERPRET=1): packed and per-slot kernels against torch."""
+    o = options("tiny")
+    gen = torch.Generator().manual_seed(0)
+    for name, fmt in FORMATS.items():
+        e = layer("tiny", fmt, "cpu", 1)
+        if fmt is None:
+            e = Experts(None, *(w.float() for w in (e.gate, e.up, e.down)),
+                        gate_bias=e.gate_bias.float(), up_bias=e.up_bias.float(),
+                        down_bias=e.down_bias.float())  # fmt: skip
+        else:
+            for b in ("gate_bias", "up_bias", "down_bias"):
+                setattr(e, b, getattr(e, b).float())
+        ids, w, _ = routes(2, o.num_experts, o.top_k, 1, "cpu", gen)[0]
+        x = torch.randn(2, SHAPES["tiny"][2], generator=gen)
+        want = (torch_moe._gathered(x, ids, e, o) * w.unsqueeze(-1)).sum(1)
+        slot = per_slot(x, ids, w, copy.copy(e), o)
+        got = cm.moe_experts(x, ids, w, e, o)
+        errs = [float((a - want).norm() / want.norm()) for a in (got, slot)]
+        print(f"tiny {name:<6} packed err {errs[0]:.2e}  per-slot err {errs[1]:.2e}")
+
+
+def row(shape, name, o, layers, stored, batch, calls, bw, slots) -> str:
+    """One line of the table: `layers` (copies of one layer; `stored`: the same with their
+    stored experts) at `batch` tokens a call."""
+    E, k, H, I, _ = SHAPES[shape]
+    dev, copies = "cuda", len(layers)
+    per_expert = expert_bytes(stored[0])
+    gen = torch.Generator(device=dev).manual_seed(batch)
+    rs = routes(batch, E, k, calls, dev, gen)
+    xs = torch.randn(calls, batch, H, generator=gen, device=dev).to(torch.bfloat16)
+    used = sum(int(torch.unique(ids).numel()) for ids, _, _ in rs) / calls
+    act = 2 * batch * H * 2 + batch * k * (I * 2 + H * 4)  # x, out, h, y
+    nbytes = used * per_expert + act
+
+    def packed(i):
+        ids, w, _ = rs[i]
+        return cm.moe_experts(xs[i], ids, w, layers[i % copies], o)
+
+    def routed(i):
+        w, ids = cm.route(rs[i][2], o)
+        return cm.moe_experts(xs[i], ids, w, layers[i % copies], o)
+
+    def slot(i):
+        ids, w, _ = rs[i]
+        return per_slot(xs[i], ids, w, stored[i % copies], o)
+
+    us = events_ms(graphed(packed, calls)) * 1e3 / calls
+    rus = events_ms(graphed(routed, calls)) * 1e3 / calls
+    gbs = nbytes / us / 1e3
+    line = (f"{shape:<14} {name:<6} {batch:>5} {used:>7.1f} {nbytes / 1e6:>7.1f} "
+            f"{us:>8.1f} {gbs:>6.0f} {100 * gbs * 1e9 / bw:>5.1f}% {rus:>8.1f}")  # fmt: skip
+    if slots:
+        sus = events_ms(graphed(slot, calls)) * 1e3 / calls
+        ref = slot(0).float()
+        err = float((packed(0).float() - ref).norm() / ref.norm())
+        sgbs = nbytes / sus / 1e3
+        line += f" {sus:>11.1f} {100 * sgbs * 1e9 / bw:>5.1f}% {err:>8.1e}"
+    return line
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--shape", default="gpt-oss-20b,qwen3-30b-a3b")
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--batch", default="1,8,32")
+    ap.add_argument("--calls", type=int, default=48, help="calls a graph (distinct routes)")
+    ap.add_argument("--no-per-slot", action="store_true", help="skip the per-slot kernel")
+    ap.add_argument("--tiny", action="store_true", help="CPU values check (TRITON_INTERPRET=1)")
+    a = ap.parse_args()
+    if a.tiny:
+        run_tiny()
+        return
+    dev = "cuda"
+    bw = copy_bandwidth()
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e9:.0f} GB/s (read + write), "
+          f"L2 {l2 >> 20} MiB")  # fmt: skip
+    print(f"{'shape':<14} {'format':<6} {'batch':>5} {'experts':>7} {'MB':>7} "
+          f"{'us':>8} {'GB/s':>6} {'%copy':>6} {'route+us':>8} {'per-slot us':>11} "
+          f"{'%copy':>6} {'err':>8}")  # fmt: skip
+    for shape in a.shape.split(","):
+        E = SHAPES[shape][0]
+        o = options(shape)
+        for name in a.formats.split(","):
+            fmt = FORMATS[name]
+            one = layer(shape, fmt, dev, 0)
+            layer_bytes = expert_bytes(one) * E
+            # copies: >= 4x L2 in total, at most ~8 GB (the packed repack doubles them)
+            copies = max(2, min(math.ceil(4 * l2 / layer_bytes), (8 << 30) // layer_bytes))
+            layers = [one] + [layer(shape, fmt, dev, c + 1) for c in range(copies - 1)]
+            # the per-slot kernel reads the stored experts, which the repack replaces in
+            # the layer: it keeps its own references (both held here, unlike in a model)
+            stored = [copy.copy(e) for e in layers]
+            for e in layers:  # the repack is made on first use: before any capture
+                cm.prepared(e)
+            for batch in [int(b) for b in a.batch.split(",")]:
+                print(row(shape, name, o, layers, stored, batch, a.calls, bw,
+                          not a.no_per_slot), flush=True)  # fmt: skip
+            del layers, stored, one
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
