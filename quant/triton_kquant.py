@@ -399,6 +399,118 @@ if triton is not None:
                             pid_k, SPLIT_K)  # fmt: skip
 
 
+if triton is not None:
+
+    @triton.jit
+    def _q4k_step(acc, wa, kb, x_base, x_pair0, lane, rn, n_mask, s_ptr, b_ptr, KS,
+                  EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
+        """One k-step of _q4k_gemv_kernel: acc [8, LANES] += lane l's sub-block (4 words of
+        each row: wa [8, 4*LANES]) times x, then * d*sc and + (-dmin*m) * sum(x). The codes
+        are Q4_K's low plane, which is the affine int4 group-32 order: the decode, x loads
+        and FFMA chains are triton_kernels' GEMV helpers, unchanged."""
+        w0, w1, w2, w3 = tk._gemv_words(wa, LANES)
+        p = tl.zeros([8, LANES], dtype=tl.float32)
+        pb = p  # unused (one group a lane)
+        xo = x_pair0 + kb * (LANES * 16)  # 16 input pairs a sub-block
+        sub = kb * LANES + lane  # the lane's sub-block of 32
+        xmask = (sub < KS)[:, None]
+        xsum = tl.zeros([LANES], dtype=tl.float32)  # sum of the lane's inputs * 2^-49
+        for i in tl.static_range(6):
+            x0, x1, x2, x3 = tk._gemv_x4(x_base, xo + i * 2, xmask, i, 0, 4, EVEN)
+            p, pb = tk._gemv_fma(p, pb, w0, w1, w2, w3, x0, x1, x2, x3, i, 0, 4, False)
+            xsum += tk._gemv_xsum(x0, x1, x2, x3, i, 4)
+        # positions 6, 7 as the affine kernel reads them: w >> 24 = q6 + 16*q7 with x6, and
+        # w >> 28 = q7 with x7 - 16*x6 (cancels the 16*q7 term)
+        y0, y1, y2, y3 = tk._gemv_x4(x_base, xo + 12, xmask, 6, 0, 4, EVEN)
+        z0, z1, z2, z3 = tk._gemv_x4(x_base, xo + 14, xmask, 7, 0, 4, EVEN)
+        xsum += (y0 + y1 + y2 + y3 + z0 + z1 + z2 + z3) * 1.401298464324817e-45
+        z0 = z0 - 16.0 * y0
+        z1 = z1 - 16.0 * y1
+        z2 = z2 - 16.0 * y2
+        z3 = z3 - 16.0 * y3
+        p, pb = tk._gemv_fma(p, pb, w0, w1, w2, w3, y0, y1, y2, y3, 6, 0, 4, False)
+        p, pb = tk._gemv_fma(p, pb, w0, w1, w2, w3, z0, z1, z2, z3, 7, 0, 4, False)
+        # (sc, m) of the sub-block as one uint16, (d, dmin) of its super-block as one word:
+        # 8 rows x 2 loads a lane per 256 weights
+        smask = n_mask[:, None] & (sub < KS)[None, :]
+        s16 = s_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
+        scm = tl.load(s16 + rn[:, None] * KS + sub[None, :], mask=smask, other=0)
+        scm = scm.to(tl.uint32)
+        b32 = b_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+        dd = tl.load(b32 + rn[:, None] * (KS // 8) + (sub // 8)[None, :], mask=smask, other=0)
+        d = (dd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = (dd >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        # 6-bit integers into the mantissa of 2^23: exact, no int->float conversion
+        sc = ((scm & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        mn = ((scm >> 8) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        return acc + p * (d * sc) - (dmin * mn) * xsum[None, :]
+
+    @triton.jit
+    def _q4k_gemv_kernel(
+        x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, KS, stride_xm, stride_ym,
+        stride_w, SPLIT_K: tl.constexpr, KB_PER_SPLIT: tl.constexpr, EVEN: tl.constexpr,
+        KW: tl.constexpr = 0, PDL: tl.constexpr = False, SILU: tl.constexpr = False,
+        WARPS: tl.constexpr = 1,
+    ):  # fmt: skip
+        """Q4_K GEMV, y[m, N] = x[m, K] @ W^T for one row m of x, laid out as
+        triton_kernels._gemv_kernel (read its docstring): 8 rows a program, WARPS warps
+        each taking a lane's sub-block of 32 (4 words) of every row per k-step of 128*WARPS
+        words, one FFMA chain per row and lane, lanes summed once at the end; split-K
+        programs (axis 2) summed by the last one; PDL; SILU (W = [gate; up]): rows 0-3 of a
+        tile are gate rows, 4-7 their up rows, and y = silu(gate) * up.
+        Per sub-block and row, dot(q, x) * d*sc - dmin*m * sum(x): both products exact in
+        fp32 (an 11-bit significand times a 6-bit integer)."""
+        LANES: tl.constexpr = 32 * WARPS
+        m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        if KW > 0:
+            swn = KW
+        else:
+            swn = stride_w
+        r8 = tl.arange(0, 8)
+        if SILU:
+            rn = pid_n * 4 + r8 % 4 + (r8 // 4) * (N // 2)
+        else:
+            rn = pid_n * 8 + r8
+        n_mask = rn < N
+        rkw = tl.arange(0, 4 * LANES)
+        lane = tl.arange(0, LANES)
+        x_pair0 = (lane * 16)[:, None] + tl.arange(0, 2)[None, :]  # in uint32 pairs of x
+        x_base = x_ptr + m * stride_xm
+        acc = tl.zeros([8, LANES], dtype=tl.float32)
+        kb0 = pid_k * KB_PER_SPLIT
+        kb_last = kb0 + KB_PER_SPLIT - 1
+        wa = tk._load_step(w_ptr, rn, n_mask, rkw, kb0, swn, EVEN, 0, LANES)
+        if PDL:  # the weights do not depend on the previous kernel; x does
+            tlc.gdc_wait()
+            tlc.gdc_launch_dependents()
+        # two k-steps an iteration, each one's words loaded a step ahead (no register copies)
+        for j in range(0, KB_PER_SPLIT // 2):
+            kb = kb0 + 2 * j
+            wb = tk._load_step(w_ptr, rn, n_mask, rkw, kb + 1, swn, EVEN, 0, LANES)
+            acc = _q4k_step(acc, wa, kb, x_base, x_pair0, lane, rn, n_mask, s_ptr, b_ptr, KS,
+                            EVEN, LANES)  # fmt: skip
+            kn = tl.minimum(kb + 2, kb_last)  # past the last step: reload it, never used
+            wa = tk._load_step(w_ptr, rn, n_mask, rkw, kn, swn, EVEN, 0, LANES)
+            acc = _q4k_step(acc, wb, kb + 1, x_base, x_pair0, lane, rn, n_mask, s_ptr, b_ptr,
+                            KS, EVEN, LANES)  # fmt: skip
+        if KB_PER_SPLIT % 2 == 1:
+            acc = _q4k_step(acc, wa, kb_last, x_base, x_pair0, lane, rn, n_mask, s_ptr, b_ptr,
+                            KS, EVEN, LANES)  # fmt: skip
+        out = tl.sum(acc, axis=1) * 562949953421312.0  # [8]: undo the decode's 2^-49
+        tile = m * tl.num_programs(1) + pid_n
+        if SILU:
+            g, u = tl.split(tl.trans(tl.reshape(out, [2, 4])))  # rows 0-3 gate, 4-7 up
+            rg = pid_n * 4 + tl.arange(0, 4)
+            tk._silu_epilogue(g, u, y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr, rg,
+                              rg + N // 2, N, M * N, tile, pid_k, SPLIT_K)  # fmt: skip
+        else:
+            tk._splitk_epilogue(out[None, :], y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr,
+                                tl.arange(0, 1), rn, 1, N, 0, M * N, tile, pid_k,
+                                SPLIT_K)  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class KQConfig:
     """Launch parameters: kernel "gemv" (block_n rows, sb super-blocks a k-step) or "gemm"
@@ -436,20 +548,86 @@ def choose_kq_config(m: int, w: KQLinear, device) -> KQConfig:
     return KQConfig("gemm", bm, bn, 1, sk, warps)
 
 
-def kqmatmul(x: torch.Tensor, w: KQLinear, config: KQConfig | None = None) -> torch.Tensor:
-    """x [..., K] (bf16/fp16/fp32) @ W^T -> [..., N] in x's dtype, W a K-quant (KQLinear)."""
+def q4k_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
+    """Launch parameters of the Q4_K GEMV, as triton_kernels.choose_config picks them for
+    an int4 weight of the same shape at 8 rows a program (the same words a row, read the
+    same way; its H100 sweep is in that function): up to GEMV_WARPS warps splitting each
+    row's words, split K until ~6 warps a SM run, into a divisor of the k-steps where one
+    is near, and at most 4 serial k-steps where the row blocks are few."""
+    sms = tk._num_sms(device)
+    kw = w.k // 8
+    warps = 1
+    while warps < tk.GEMV_WARPS and 256 * warps <= kw:
+        warps *= 2
+    ksteps = math.ceil(kw / (128 * warps))
+    tiles = m * math.ceil(w.n / 8)
+    sk = tk._split(tiles * warps, ksteps, sms, 6.0)
+    divs = [d for d in range(1, ksteps + 1) if ksteps % d == 0]
+    near = min(divs, key=lambda d: (abs(math.log(d / sk)), -d))
+    if kw % (128 * warps) == 0 and abs(math.log(near / sk)) <= math.log(2):
+        sk = near
+    if warps == 1 and tiles < 8 * sms and ksteps / sk > 4:
+        sk = math.ceil(ksteps / 4)
+    return tk.KernelConfig("gemv", 1, 8, sk, num_warps=warps)
+
+
+def _q4k_gemv(x2, w: KQLinear, y, silu: bool, cfg: tk.KernelConfig | None) -> None:
+    m = x2.shape[0]
+    cfg = cfg or q4k_config(m, w, x2.device)
+    kw = w.k // 8
+    step = 128 * cfg.num_warps  # words of a row per k-step (the warps split it)
+    ksteps = math.ceil(kw / step)
+    per = math.ceil(ksteps / cfg.split_k)
+    split = math.ceil(ksteps / per)  # no empty splits
+    dense = w.weight.stride(0) == kw and w.scales.is_contiguous() and w.biases.is_contiguous()
+    even = dense and w.n % 8 == 0 and kw == step * per * split
+    tiles = math.ceil(w.n / 8)  # with silu: 4 gate rows and their 4 up rows a tile
+    part = torch.empty((split, m, w.n), dtype=torch.float32, device=x2.device) if split > 1 else y
+    cnt = tk._counters(x2.device, m * tiles) if split > 1 else y
+    _q4k_gemv_kernel[(m, tiles, split)](
+        x2, w.weight, w.scales, w.biases, y, part, cnt, m, w.n, w.k // 32, x2.stride(0),
+        y.stride(0), w.weight.stride(0), SPLIT_K=split, KB_PER_SPLIT=per, EVEN=even,
+        KW=kw if even else 0, SILU=silu, WARPS=cfg.num_warps, num_warps=cfg.num_warps,
+        **tk.pdl_args(x2.device),
+    )  # fmt: skip
+
+
+def silu_fusable(x: torch.Tensor, w: KQLinear) -> bool:
+    """Whether kqmatmul(x, w, silu=True) runs: w = [gate; up] of Q4_K with N/2 a multiple
+    of 4, and at most GEMV_MAX_M rows of x (the Q4_K GEMV)."""
+    m = x.numel() // max(x.shape[-1], 1)
+    return w.kind == "Q4_K" and 0 < m <= tk.GEMV_MAX_M and w.n % 8 == 0
+
+
+def kqmatmul(
+    x: torch.Tensor, w: KQLinear, config: KQConfig | None = None, silu: bool = False
+) -> torch.Tensor:
+    """x [..., K] (bf16/fp16/fp32) @ W^T -> [..., N] in x's dtype, W a K-quant (KQLinear).
+
+    silu (where silu_fusable): W is the joint [gate; up] and the result [..., N/2] is
+    silu(x @ gate^T) * (x @ up^T), rounded as cuda_ops.silu_mul rounds it."""
     tk._need_torch()
     tk._check_runtime(x)
     if x.shape[-1] != w.k:
         raise MlxrunError(f"input has {x.shape[-1]} features but the weight expects {w.k}")
+    if silu and not silu_fusable(x, w):
+        raise ValueError("kqmatmul: silu needs the Q4_K GEMV and an even [gate; up] weight")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    y = torch.empty((m, w.n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, w.n // 2 if silu else w.n), dtype=x.dtype, device=x.device)
     if m == 0:
-        return y.reshape(*lead, w.n)
+        return y.reshape(*lead, y.shape[-1])
+    if w.kind == "Q4_K" and m <= tk.GEMV_MAX_M and (config is None or config.kernel == "gemv"):
+        if x2.dtype == torch.bfloat16 and (x2.data_ptr() % 4 or (m > 1 and x2.stride(0) % 2)):
+            x2 = x2.clone()  # the GEMV reads bf16 x as uint32 pairs: 4-byte aligned rows
+        cfg = None
+        if config is not None:  # a KQConfig's split and warps
+            cfg = tk.KernelConfig("gemv", 1, 8, config.split_k, num_warps=config.num_warps)
+        _q4k_gemv(x2, w, y, silu, cfg)
+        return y.reshape(*lead, y.shape[-1])
     cfg = config or choose_kq_config(m, w, x.device)
     nb = w.k // QK
     kw = w.k // 8
