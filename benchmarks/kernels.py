@@ -90,8 +90,8 @@ def default_config(m, w, x):
     from mlxrun.quant import triton_kquant as kq
 
     if isinstance(w, kq.KQLinear):
-        if w.kind == "Q4_K" and m <= tk.GEMV_MAX_M:
-            return kq.q4k_config(m, w, x.device)
+        if m <= tk.GEMV_MAX_M:
+            return kq.lane_config(m, w, x.device)
         return kq.choose_kq_config(m, w, x.device)
     return tk.choose_config(m, w, x.device, x.dtype)
 

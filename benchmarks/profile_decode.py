@@ -218,23 +218,23 @@ def _cfg_name(c) -> str:
 
 
 def _kquant_configs(kind: str, m: int, warps) -> list:
-    """Launches to sweep for a K-quant: Q4_K's GEMV (the int4 GEMV's loop: 8 rows, warps,
-    split-K), the other kinds' GEMV (rows x super-blocks a step, split-K), the GEMM's tiles."""
+    """Launches to sweep for a K-quant: the lane GEMV (the int4 GEMV's loop: 8 rows, warps,
+    split-K), against the tile GEMV it replaced (16 or 32 rows x super-blocks a step,
+    split-K; "1x16 s2 sb2"), or the GEMM's tiles."""
     from mlxrun.quant import triton_kernels as tk
     from mlxrun.quant import triton_kquant as kq
 
-    if m <= tk.GEMV_MAX_M and kind == "Q4_K":
-        return [
+    if m <= tk.GEMV_MAX_M:
+        lane = [
             tk.KernelConfig("gemv", 1, 8, sk, num_warps=nw)
             for nw in sorted({*warps, 1, 2, 4})
             for sk in (1, 2, 4, 8, 16)
         ]
-    if m <= tk.GEMV_MAX_M:
-        return [
+        return lane + [
             kq.KQConfig("gemv", 1, bn, sb, sk, 4)
             for bn in (16, 32)
             for sb in (1, 2)
-            for sk in (1, 2, 4, 8)
+            for sk in (1, 4)
         ]
     return [
         kq.KQConfig("gemm", bm, bn, 1, sk, nw)

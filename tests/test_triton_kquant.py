@@ -101,18 +101,21 @@ def test_split_k(cfg):
         _check(kq.kqmatmul(x.to(DEV), w, cfg), x, ref)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
-def test_q4k_gemv_configs_and_silu():
-    """The Q4_K GEMV (the int4 GEMV's lanes and FFMA chains, K-quant scales) in whole
-    k-steps (no masks), split across programs and across the warps of one, at 1 and 3 rows
-    of x, equals the dequantized product; with silu, on the joint [gate; up], it gives the
-    GEMV then cuda_ops.silu_mul bit for bit (the tickets reset for a second call)."""
+def test_lane_gemv_configs_and_silu(kind):
+    """The GEMV (the int4 GEMV's lanes and FFMA chains, with the high bits and K-quant
+    scales) in whole k-steps (no masks), split across programs (Q4_K also across the warps
+    of one, at 3 rows of x), equals the dequantized product; with silu, on the joint
+    [gate; up], it gives the GEMV then cuda_ops.silu_mul bit for bit (the tickets reset for
+    a second call)."""
     from mlxrun.backends import cuda_ops
 
     n, nb = 16, 8  # 8 gate rows (2 tiles of 4 gate + 4 up); K = 2048: 256 words a row
-    w, ref = _case("Q4_K", n, nb, seed=21)
+    w, ref = _case(kind, n, nb, seed=21)
     gen = torch.Generator().manual_seed(4)
-    for sk, nw, m in ((2, 1, 1), (1, 2, 3)):
+    runs = ((2, 1, 1), (1, 2, 3)) if kind == "Q4_K" else ((2, 1, 1),)
+    for sk, nw, m in runs:
         cfg = kq.KQConfig("gemv", 1, 8, 1, sk, nw)
         x = torch.randn(m, w.k, generator=gen).bfloat16()
         y = kq.kqmatmul(x.to(DEV), w, cfg)
