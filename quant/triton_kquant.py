@@ -418,11 +418,11 @@ if triton is not None:
         else:
             mask = n_mask[:, None] & (hw < KS)[None, :]  # one high word a sub-block
             h = tl.load(ptrs, mask=mask, other=0)
-        h0, h1, h2, h3 = tk._gemv_words(h, LANES)
+        h0, h1, h2, h3 = tk._gemv_words(h, LANES)  # (copies: the loads of h1, h3 are dead)
         if KIND == 1:
-            return h0, h1 >> 8, h2 >> 16, h3 >> 24
+            return h0, h0 >> 8, h0 >> 16, h0 >> 24
         else:
-            return h0, h1 >> 16, h2, h3 >> 16
+            return h0, h0 >> 16, h2, h2 >> 16
 
     @triton.jit
     def _lane_hi_fma(p, pb, h0, h1, h2, h3, x0, x1, x2, x3, I: tl.constexpr, KIND: tl.constexpr):
