@@ -456,7 +456,7 @@ if triton is not None:
         row (low nibbles: 4 words of wa [8, 4*LANES]; high bits: ha from _lane_hi) times x,
         with its sub-blocks' scales. The low-nibble plane is in the affine int4 order of
         groups of 32 (Q6_K: 16), so the decode, x loads and FFMA chains are
-        triton_kernels' GEMV helpers, unchanged. Q4_K, Q5_K: dot * d*sc - dmin*m * sum(x);
+        triton_kernels' GEMV functions, unchanged. Q4_K, Q5_K: dot * d*sc - dmin*m * sum(x);
         Q6_K, per sub-block of 16: (dot - 32 sum(x)) * d*sc."""
         TWO: tl.constexpr = KIND == 2  # Q6_K: words 0, 1 and 2, 3 are two sub-blocks
         w0, w1, w2, w3 = tk._gemv_words(wa, LANES)
