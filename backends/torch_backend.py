@@ -720,6 +720,10 @@ class TorchBackend:
 
             if isinstance(joint, QLinear) and silu_fusable(x, joint) and _SILU_IN_GEMV:
                 return qmatmul(x, joint, silu=True)
+            from mlxrun.quant import triton_kquant as kq  # noqa: PLC0415
+
+            if isinstance(joint, kq.KQLinear) and kq.silu_fusable(x, joint) and _SILU_IN_GEMV:
+                return kq.kqmatmul(x, joint, silu=True)
         return self.silu_mul(*self.linears(x, (gate, up)))
 
     def all_sum(self, x):

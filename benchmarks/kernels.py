@@ -8,6 +8,13 @@ write), and torch.matmul on the dense bf16 weight (cuBLAS) for the same shape. M
 GEMV, M=2048 the tensor-core GEMM. Prints a table; with $OUT set, writes $OUT/kernels.json.
 
     python3 benchmarks/kernels.py [--modes affine4g64,mxfp4] [--sweep] [--m 1,2048] [--flush read]
+    python3 benchmarks/kernels.py --modes affine4g64,q4_k,q5_k,q6_k --m 1,32   # GGUF K-quants
+    python3 benchmarks/kernels.py --modes q4_k,q5_k,q6_k --check-cpu           # no GPU
+
+K-quant formats (q4_k, q5_k, q6_k: random blocks in quant/triton_kquant.py's layout) run
+kqmatmul with its default launch (the sweep is for the affine/fp formats). Every format's
+kernel is first checked against its dequantized product; --check-cpu does that alone, at a
+tiny size, under the Triton interpreter.
 
 --sweep times several launch configs per shape at M=1 (and a few GEMM tiles at M=2048) and
 reports the best next to the default heuristic. Compiles run first in a process pool.
@@ -36,13 +43,21 @@ FORMATS = {
     "nvfp4": ("nvfp4", 4, 16),
     "mxfp8": ("mxfp8", 8, 32),
     "affine8g64": ("affine", 8, 64),
+    # GGUF K-quants (quant/triton_kquant.py): mode is the GGUF type, "group" its super-block
+    "q4_k": ("Q4_K", 4, 256),
+    "q5_k": ("Q5_K", 5, 256),
+    "q6_k": ("Q6_K", 6, 256),
 }
 
 
 def make_weight(n, k, mode, bits, g, device="cuda", seed=0):
-    """Random canonical packed weight (uint32 codes as int32, scales, biases) -> QLinear."""
+    """Random canonical packed weight (uint32 codes as int32, scales, biases) -> QLinear;
+    a K-quant mode (Q4_K, ...): random blocks in the kernels' layout -> KQLinear."""
     from mlxrun.quant import triton_kernels as tk
+    from mlxrun.quant import triton_kquant as kq
 
+    if mode in kq.KINDS:
+        return kq.random_kquant(mode, n, k, device, seed)
     gen = torch.Generator(device=device).manual_seed(seed)
     w = torch.randint(-(2**31), 2**31 - 1, (n, k * bits // 32), generator=gen, device=device)
     w = w.to(torch.int32)
@@ -59,10 +74,50 @@ def make_weight(n, k, mode, bits, g, device="cuda", seed=0):
     return tk.prepare(w, s, b, mode, bits, g)
 
 
+def matmul(x, w, cfg=None):
+    """x @ W^T by the kernel of W's kind: qmatmul (QLinear) or kqmatmul (KQLinear)."""
+    from mlxrun.quant import triton_kernels as tk
+    from mlxrun.quant import triton_kquant as kq
+
+    if isinstance(w, kq.KQLinear):
+        return kq.kqmatmul(x, w, cfg)
+    return tk.qmatmul(x, w, cfg)
+
+
+def default_config(m, w, x):
+    """The launch parameters matmul picks for x [m, K] @ W^T."""
+    from mlxrun.quant import triton_kernels as tk
+    from mlxrun.quant import triton_kquant as kq
+
+    if isinstance(w, kq.KQLinear):
+        if m <= tk.GEMV_MAX_M:
+            return kq.lane_config(m, w, x.device)
+        return kq.choose_kq_config(m, w, x.device)
+    return tk.choose_config(m, w, x.device, x.dtype)
+
+
+def check(fmt, n, k, m, device="cuda") -> float:
+    """Relative max error of matmul against x @ dequantized W^T (fp32) on a random weight:
+    the kernel timed is the kernel that computes the product."""
+    from mlxrun.quant import triton_kernels as tk
+    from mlxrun.quant import triton_kquant as kq
+
+    mode, bits, g = FORMATS[fmt]
+    w = make_weight(n, k, mode, bits, g, device=device)
+    x = torch.randn(m, k, device=device, dtype=torch.float32)
+    dq = kq.dequantize_kquant(w) if isinstance(w, kq.KQLinear) else tk.dequantize_torch(w)
+    want = x @ dq.float().T
+    got = matmul(x, w).float()
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
 def cfg_str(c) -> str:
     if c.kernel == "gemv":
-        return f"gemv bn{c.block_n} s{c.split_k}{' pf' if c.prefetch else ''}"
-    return f"gemm {c.block_m}x{c.block_n} ng{c.ng} s{c.split_k} w{c.num_warps}{' swap' if c.swap else ''}"
+        pf = " pf" if getattr(c, "prefetch", False) else ""
+        return f"gemv bn{c.block_n} s{c.split_k} w{c.num_warps}{pf}"
+    ng = getattr(c, "ng", 1)
+    swap = " swap" if getattr(c, "swap", False) else ""
+    return f"gemm {c.block_m}x{c.block_n} ng{ng} s{c.split_k} w{c.num_warps}{swap}"
 
 
 def gemv_sweep(n, k, bits):
@@ -102,12 +157,10 @@ def _compile_job(job):
     """Worker: run one (shape, format, m, config) once so that Triton caches the binary."""
     fmt, n, k, m, cfg = job
     try:
-        from mlxrun.quant import triton_kernels as tk
-
         mode, bits, g = FORMATS[fmt]
         w = make_weight(n, k, mode, bits, g)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        tk.qmatmul(x, w, cfg)
+        matmul(x, w, cfg)
         torch.cuda.synchronize()
         return None
     except Exception as e:  # reported by the main process, which runs the same call again
@@ -181,7 +234,6 @@ _WEIGHTS = {}
 
 
 def run_case(fmt, n, k, m, cfgs, copy_bw):
-    from mlxrun.quant import triton_kernels as tk
 
     mode, bits, g = FORMATS[fmt]
     if (fmt, n, k) not in _WEIGHTS:
@@ -194,14 +246,14 @@ def run_case(fmt, n, k, m, cfgs, copy_bw):
     times = {}
     for cfg in cfgs:
         try:
-            t = bench(lambda cfg=cfg: tk.qmatmul(x, w, cfg))
+            t = bench(lambda cfg=cfg: matmul(x, w, cfg))
         except Exception as e:
             print(f"  {fmt} {n}x{k} m={m} {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
             continue
         times[cfg] = t
-    default = tk.choose_config(m, w, x.device, x.dtype)
+    default = default_config(m, w, x)
     try:
-        t_def = bench(lambda: tk.qmatmul(x, w))
+        t_def = bench(lambda: matmul(x, w))
     except Exception as e:
         print(f"  {fmt} {n}x{k} m={m} default failed: {type(e).__name__}: {str(e)[:300]}")
         t_def = math.inf
@@ -239,15 +291,33 @@ def main(argv=None) -> int:
     ap.add_argument("--procs", type=int, default=12)
     ap.add_argument("--shapes", default="")
     ap.add_argument("--flush", choices=["zero", "read"], default="zero")
+    ap.add_argument("--check-cpu", action="store_true",
+                    help="check each format's kernel against its dequantized product at a "
+                    "tiny size under TRITON_INTERPRET=1 (no GPU), then exit")  # fmt: skip
     args = ap.parse_args(argv)
     global FLUSH
     FLUSH = args.flush
+    fmts = [f for f in args.modes.split(",") if f]
+    if args.check_cpu:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (by mlxrun's kernels)
+        bad = 0
+        for fmt in fmts:
+            for m in (1, 20):  # the GEMV and the GEMM
+                err = check(fmt, 16, 512, m, device="cpu")
+                bad += err > 1e-5
+                print(f"{fmt:12s} 16x512 m={m:<3d} max error {err:.1e} of the largest output")
+        return 1 if bad else 0
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
     from mlxrun.quant import triton_kernels as tk
 
-    fmts = [f for f in args.modes.split(",") if f]
+    for fmt in fmts:  # each kernel timed computes its product
+        err = max(check(fmt, 512, 4096, m) for m in (1, 64))
+        print(f"{fmt}: max error {err:.1e} of the largest output (M=1 and 64, 512x4096)")
+        if err > 1e-3:
+            print(f"  {fmt}: the kernel's product differs from the dequantized one")
+            return 1
     ms = [int(v) for v in args.m.split(",")]
     shapes = SHAPES
     if args.shapes:

@@ -10,7 +10,13 @@ CUDA graph and timed with events (launch gaps included, as generation runs it).
 
 --linears: each linear shape of one layer (the joint q/k/v and gate/up as they run) at M=1
 and M=batch, inside a CUDA graph that cycles through enough copies of the weight that
-nothing stays in L2 between calls, as in a real step; our kernel's configs and cuBLAS bf16.
+nothing stays in L2 between calls, as in a real step; our kernel's configs and cuBLAS bf16;
+GB/s of the weight's bytes and their % of the device-to-device copy bandwidth. Formats are
+benchmarks/kernels.py's, GGUF K-quants included (q4_k, q5_k, q6_k: random blocks in
+quant/triton_kquant.py's layout), e.g. on the H100 (~3 min):
+
+    python3 benchmarks/profile_decode.py --linears --formats affine4g64,q4_k,q6_k,q5_k \
+        --batch 1,32
 --attention: one layer's decode attention (SDPA with a mask and GQA, as the graph runs it,
 against alternatives) at each batch.
 """
@@ -105,9 +111,13 @@ def linears(
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from kernels import FORMATS, make_weight  # noqa: PLC0415
+    from kernels import FORMATS, copy_bandwidth, default_config, make_weight, matmul  # noqa: PLC0415
 
     from mlxrun.quant import triton_kernels as tk
+    from mlxrun.quant import triton_kquant as kq
+
+    copy_bw = copy_bandwidth() / 1e9  # GB/s, read + write, as the weights' bytes are counted
+    print(f"  device-to-device copy {copy_bw:.0f} GB/s (1 GiB, read + write)")
 
     H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q = cfg.num_attention_heads * cfg.head_dim
@@ -133,7 +143,9 @@ def linears(
                 copies = max(2, math.ceil(400e6 / w0.nbytes))
                 wq = [w0] + [make_weight(n, k, mode, bits, g, seed=s) for s in range(1, copies)]
                 kc = tk.KernelConfig
-                if m <= tk.GEMV_MAX_M:
+                if mode in kq.KINDS:
+                    cfgs = _kquant_configs(mode, m, warps)
+                elif m <= tk.GEMV_MAX_M:
                     cfgs = [
                         kc("gemv", 1, bn, sk, num_warps=nw, prefetch=pf)
                         for nw in warps
@@ -162,24 +174,19 @@ def linears(
                 for c in [None, *cfgs]:
                     try:
                         rep = _graphed(
-                            lambda i, c=c, x=x, wq=wq, n=copies: tk.qmatmul(x, wq[i % n], c), 24
+                            lambda i, c=c, x=x, wq=wq, n=copies: matmul(x, wq[i % n], c), 24
                         )
                     except Exception as e:  # a config the shape does not allow
                         print(f"    {c}: {type(e).__name__} {str(e)[:80]}")
                         continue
                     us = _events_ms(rep) * 1e3 / 24
-                    name = (
-                        "default"
-                        if c is None
-                        else f"{c.block_m}x{c.block_n} s{c.split_k}{' swap' * c.swap}"
-                        + (f" w{c.num_warps}" if c.kernel == "gemv" and c.num_warps > 1 else "")
-                        + (" nopf" if c.kernel == "gemv" and not c.prefetch else "")
-                        + (f" ng{c.ng} st{c.num_stages}" if c.kernel == "gemm" else "")
-                    )
+                    name = "default" if c is None else _cfg_name(c)
                     if c is None:
-                        d = tk.choose_config(m, w0, x.device, x.dtype)
+                        d = default_config(m, w0, x)
                         name += f"({d.kernel} {d.block_m}x{d.block_n} s{d.split_k} w{d.num_warps})"
-                        line.append(f"{fmt} {name} {us:6.1f} us {w0.nbytes / us / 1e3:5.0f} GB/s")
+                        gbs = w0.nbytes / us / 1e3
+                        line.append(f"{fmt} {name} {us:6.1f} us {gbs:5.0f} GB/s "
+                                    f"{100 * gbs / copy_bw:3.0f}% copy")  # fmt: skip
                     else:
                         every.append(f"{name} {us:.1f}")
                         if best is None or us < best[1]:
@@ -194,6 +201,46 @@ def linears(
             print("    " + " | ".join(line))
             del ws
             torch.cuda.empty_cache()
+
+
+def _cfg_name(c) -> str:
+    """A launch config (KernelConfig or triton_kquant.KQConfig) in a few characters."""
+    name = f"{c.block_m}x{c.block_n} s{c.split_k}{' swap' * getattr(c, 'swap', False)}"
+    if c.kernel == "gemv" and c.num_warps > 1:
+        name += f" w{c.num_warps}"
+    if c.kernel == "gemv" and not getattr(c, "prefetch", True):
+        name += " nopf"
+    if getattr(c, "sb", 0) > 1:
+        name += f" sb{c.sb}"
+    if c.kernel == "gemm" and hasattr(c, "ng"):
+        name += f" ng{c.ng} st{c.num_stages}"
+    return name
+
+
+def _kquant_configs(kind: str, m: int, warps) -> list:
+    """Launches to sweep for a K-quant: the lane GEMV (the int4 GEMV's loop: 8 rows, warps,
+    split-K), against the tile GEMV it replaced (16 or 32 rows x super-blocks a step,
+    split-K; "1x16 s2 sb2"), or the GEMM's tiles."""
+    from mlxrun.quant import triton_kernels as tk
+    from mlxrun.quant import triton_kquant as kq
+
+    if m <= tk.GEMV_MAX_M:
+        lane = [
+            tk.KernelConfig("gemv", 1, 8, sk, num_warps=nw)
+            for nw in sorted({*warps, 1, 2, 4})
+            for sk in (1, 2, 4, 8, 16)
+        ]
+        return lane + [
+            kq.KQConfig("gemv", 1, bn, sb, sk, 4)
+            for bn in (16, 32)
+            for sb in (1, 2)
+            for sk in (1, 4)
+        ]
+    return [
+        kq.KQConfig("gemm", bm, bn, 1, sk, nw)
+        for bm, bn, nw in ((32, 64, 8), (64, 64, 8), (32, 128, 8), (64, 128, 8))
+        for sk in (1, 2, 4)
+    ]
 
 
 def attention(cfg, batches: list[int], context: int) -> None:

@@ -1,11 +1,13 @@
 """Offline SASS statistics of the K-quant GEMV (quant/triton_kquant.py) for sm_90, no GPU
 needed: instructions of the k-loop per weight element, registers, spills.
 
-    python benchmarks/sass_kquant.py                         # Q4_K, Q5_K, Q6_K, default tiles
-    python benchmarks/sass_kquant.py --kinds Q4_K --tiles 16x2,32x2 --hist
+    python benchmarks/sass_kquant.py                          # Q4_K, Q5_K, Q6_K; 1, 2, 4 warps
+    python benchmarks/sass_kquant.py --kinds Q6_K --warps 2 --hist
 
-A tile is ROWSxSB (rows a program, super-blocks a k-step); 4 warps. Compiled as sass_count.py
-compiles the affine GEMV (pointers divisible by 16, PDL on), for a 4096x4096 weight.
+The GEMV is _kq_lane_gemv_kernel (the int4 GEMV's loop), compiled as sass_count.py compiles
+the affine GEMV (pointers divisible by 16, PDL on), for a 4096x4096 weight, 8 rows a
+program, whole k-steps: a lane handles 4 low-nibble words (and their high bits) of each of
+8 rows, 256 weights, a k-step; two k-steps a loop iteration.
 """
 
 from __future__ import annotations
@@ -27,13 +29,15 @@ from triton.compiler import ASTSource  # noqa: E402
 import mlxrun.quant.triton_kquant as kq  # noqa: E402
 
 
-def compile_gemv(kind: str, bn: int, sb: int, warps: int = 4, n=4096, k=4096, x="bf16"):
-    fn = kq._kq_gemv_kernel
-    ints = dict(N=n, KW=k // 8, KB=k // 256, stride_xm=k, stride_ym=n,
-                stride_w=k // 8 + k * kq.HIGH_BITS[kind] // 32)  # fmt: skip
+def compile_gemv(kind: str, warps: int, n=4096, k=4096, x="bf16", silu=False):
+    fn = kq._kq_lane_gemv_kernel
+    sw = kq._shapes(kind, n, k)["weight"][1]
+    ks = k // (16 if kind == "Q6_K" else 32)
+    ints = dict(N=n, KS=ks, stride_xm=k, stride_ym=n, stride_w=sw)
     ptrs = dict(x_ptr=f"*{x}", w_ptr="*i32", s_ptr="*i8" if kind == "Q6_K" else "*u8",
                 b_ptr="*fp16", y_ptr=f"*{x}", part_ptr="*fp32", cnt_ptr="*i32")  # fmt: skip
-    params = dict(KIND=kq.KINDS[kind], BLOCK_N=bn, SB=sb, SPLIT_K=1, KB_PER_SPLIT=8, PDL=True)
+    params = dict(M=1, KIND=kq.KINDS[kind], SPLIT_K=1, KB_PER_SPLIT=8, EVEN=True, KW=k // 8,
+                  SW=sw, PDL=True, SILU=silu, WARPS=warps)  # fmt: skip
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in ptrs:
@@ -55,21 +59,20 @@ def compile_gemv(kind: str, bn: int, sb: int, warps: int = 4, n=4096, k=4096, x=
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kinds", default="Q4_K,Q5_K,Q6_K")
-    ap.add_argument("--tiles", default="32x2")
+    ap.add_argument("--warps", default="1,2,4")
     ap.add_argument("--hist", action="store_true", help="print the loop's opcode histogram")
     a = ap.parse_args()
     for kind in a.kinds.split(","):
-        for tile in a.tiles.split(","):
-            bn, sb = (int(v) for v in tile.split("x"))
-            sass, res = sass_of(compile_gemv(kind, bn, sb))
+        for warps in a.warps.split(","):
+            sass, res = sass_of(compile_gemv(kind, int(warps)))
             body = main_loop(parse(sass))
-            per_thread = bn * 256 * sb / 128  # weights a thread handles each k-step
+            per_step = len(body) / 2  # two k-steps an iteration
             regs = re.search(r"REG:(\d+)", res).group(1)
             spill = int(re.search(r"STACK:(\d+)", res).group(1)) + int(
                 re.search(r"LOCAL:(\d+)", res).group(1)
             )
-            print(f"{kind} {bn}x{sb}: {len(body)} loop instructions, "
-                  f"{len(body) / per_thread:.2f} a weight, {regs} registers, {spill} B spilled")  # fmt: skip
+            print(f"{kind} 8 rows, {warps} warps: {len(body)} loop instructions, "
+                  f"{per_step / 256:.2f} a weight, {regs} registers, {spill} B spilled")  # fmt: skip
             if a.hist:
                 print(" ", opcode_histogram(body))
 

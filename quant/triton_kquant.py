@@ -399,6 +399,214 @@ if triton is not None:
                             pid_k, SPLIT_K)  # fmt: skip
 
 
+if triton is not None:
+
+    @triton.jit
+    def _lane_hi(w_ptr, rn, n_mask, rkw, kb, stride_w, KW, KS, KIND: tl.constexpr,
+                 EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
+        """The high-bit words of lane l's 32 weights of k-step kb, one per low word w, with
+        word w's bits at bit HB*i for its position i (Q5_K: one word a sub-block of 32,
+        shifted by 8w; Q6_K: one a sub-block of 16, words 0, 1 its two halves): 4 x [8,
+        LANES] uint32. Loaded as _load_step loads the low words (each high word once per
+        low word it serves: cached) so that they land in the low words' registers layout
+        (no shared-memory conversion). KS: sub-blocks a row."""
+        PER: tl.constexpr = 4 if KIND == 1 else 2  # low words a high word serves
+        hw = kb * (4 * LANES // PER) + rkw // PER
+        ptrs = w_ptr + rn[:, None] * stride_w + KW + hw[None, :]
+        if EVEN:
+            h = tl.load(ptrs)
+        else:
+            mask = n_mask[:, None] & (hw < KS)[None, :]  # one high word a sub-block
+            h = tl.load(ptrs, mask=mask, other=0)
+        h0, h1, h2, h3 = tk._gemv_words(h, LANES)  # (copies: the loads of h1, h3 are dead)
+        if KIND == 1:
+            return h0, h0 >> 8, h0 >> 16, h0 >> 24
+        else:
+            return h0, h0 >> 16, h2, h2 >> 16
+
+    @triton.jit
+    def _lane_hi_fma(p, pb, h0, h1, h2, h3, x0, x1, x2, x3, I: tl.constexpr, KIND: tl.constexpr):
+        """p (pb: words 2, 3 for Q6_K) += the high bits of position I times 16 * x: the bits
+        masked in place are the float h * 2^(HB*I - 149); x (from _gemv_x4, times
+        2^(100-SH)) is scaled to 16 * x * 2^(100 - HB*I), so the products carry 2^-49 as the
+        low nibbles' do."""
+        HB: tl.constexpr = KIND
+        if I < 6:
+            SH: tl.constexpr = 4 * I
+        else:
+            SH: tl.constexpr = 0
+        C: tl.constexpr = float(2 ** (4 + SH - HB * I))
+        M: tl.constexpr = ((1 << HB) - 1) << (HB * I)
+        f0 = (h0 & M).to(tl.float32, bitcast=True)
+        f1 = (h1 & M).to(tl.float32, bitcast=True)
+        f2 = (h2 & M).to(tl.float32, bitcast=True)
+        f3 = (h3 & M).to(tl.float32, bitcast=True)
+        if KIND == 2:
+            p = p + f0 * (x0 * C)[None, :] + f1 * (x1 * C)[None, :]
+            pb = pb + f2 * (x2 * C)[None, :] + f3 * (x3 * C)[None, :]
+        else:
+            p = p + f0 * (x0 * C)[None, :] + f1 * (x1 * C)[None, :] + f2 * (x2 * C)[None, :]
+            p = p + f3 * (x3 * C)[None, :]
+        return p, pb
+
+    @triton.jit
+    def _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, rn, n_mask, s_ptr, b_ptr, KS,
+                   KIND: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
+        """One k-step of _kq_lane_gemv_kernel: acc [8, LANES] += lane l's 32 weights of each
+        row (low nibbles: 4 words of wa [8, 4*LANES]; high bits: ha from _lane_hi) times x,
+        with its sub-blocks' scales. The low-nibble plane is in the affine int4 order of
+        groups of 32 (Q6_K: 16), so the decode, x loads and FFMA chains are
+        triton_kernels' GEMV functions, unchanged. Q4_K, Q5_K: dot * d*sc - dmin*m * sum(x);
+        Q6_K, per sub-block of 16: (dot - 32 sum(x)) * d*sc."""
+        TWO: tl.constexpr = KIND == 2  # Q6_K: words 0, 1 and 2, 3 are two sub-blocks
+        w0, w1, w2, w3 = tk._gemv_words(wa, LANES)
+        if KIND != 0:
+            h0, h1, h2, h3 = ha
+        p = tl.zeros([8, LANES], dtype=tl.float32)
+        pb = tl.zeros([8, LANES], dtype=tl.float32)
+        xo = x_pair0 + kb * (LANES * 16)  # 16 input pairs a lane
+        if KIND == 2:
+            sub = (kb * LANES + lane)[:, None] * 2 + tl.arange(0, 2)[None, :]
+            xmask = sub < KS
+        else:
+            sub = kb * LANES + lane
+            xmask = (sub < KS)[:, None]
+        xs_a = tl.zeros([LANES], dtype=tl.float32)  # sums of the lane's inputs * 2^-49
+        xs_b = tl.zeros([LANES], dtype=tl.float32)  # (words 2, 3 apart for Q6_K)
+        PS: tl.constexpr = 1 if KIND == 2 else 2  # input pairs between positions
+        for i in tl.static_range(6):
+            x0, x1, x2, x3 = tk._gemv_x4(x_base, xo + i * PS, xmask, i, 0, 4, EVEN)
+            p, pb = tk._gemv_fma(p, pb, w0, w1, w2, w3, x0, x1, x2, x3, i, 0, 4, TWO)
+            if KIND != 0:
+                p, pb = _lane_hi_fma(p, pb, h0, h1, h2, h3, x0, x1, x2, x3, i, KIND)
+            xs_a += (x0 + x1) * (1.401298464324817e-45 * (1 << (4 * i)))  # undoes 2^(100-4i)
+            xs_b += (x2 + x3) * (1.401298464324817e-45 * (1 << (4 * i)))
+        # positions 6, 7 as the affine kernel reads them: w >> 24 = q6 + 16*q7 with x6, and
+        # w >> 28 = q7 with x7 - 16*x6 (cancels the 16*q7 term)
+        y0, y1, y2, y3 = tk._gemv_x4(x_base, xo + 6 * PS, xmask, 6, 0, 4, EVEN)
+        z0, z1, z2, z3 = tk._gemv_x4(x_base, xo + 7 * PS, xmask, 7, 0, 4, EVEN)
+        if KIND != 0:
+            p, pb = _lane_hi_fma(p, pb, h0, h1, h2, h3, y0, y1, y2, y3, 6, KIND)
+            p, pb = _lane_hi_fma(p, pb, h0, h1, h2, h3, z0, z1, z2, z3, 7, KIND)
+        xs_a += (y0 + y1 + z0 + z1) * 1.401298464324817e-45
+        xs_b += (y2 + y3 + z2 + z3) * 1.401298464324817e-45
+        z0 = z0 - 16.0 * y0
+        z1 = z1 - 16.0 * y1
+        z2 = z2 - 16.0 * y2
+        z3 = z3 - 16.0 * y3
+        p, pb = tk._gemv_fma(p, pb, w0, w1, w2, w3, y0, y1, y2, y3, 6, 0, 4, TWO)
+        p, pb = tk._gemv_fma(p, pb, w0, w1, w2, w3, z0, z1, z2, z3, 7, 0, 4, TWO)
+        if KIND == 2:
+            # int8 sc of the lane's two sub-blocks of 16, d of their super-block
+            s0 = (kb * LANES + lane) * 2  # the first of the two
+            smask = n_mask[:, None] & (s0 < KS)[None, :]
+            sp = s_ptr + rn[:, None] * KS + s0[None, :]
+            sa = tl.load(sp, mask=smask, other=0).to(tl.float32)
+            sb = tl.load(sp + 1, mask=smask, other=0).to(tl.float32)
+            sbk = (kb * LANES + lane) // 8  # super-block (16 sub-blocks)
+            d = tl.load(b_ptr + rn[:, None] * (KS // 16) + sbk[None, :], mask=smask, other=0.0)
+            d = d.to(tl.float32)
+            acc = (
+                acc + (p - 32.0 * xs_a[None, :]) * (d * sa) + (pb - 32.0 * xs_b[None, :]) * (d * sb)
+            )
+        else:
+            # (sc, m) of the sub-block as one uint16, (d, dmin) of its super-block as one
+            # word: 8 rows x 2 loads a lane per 256 weights
+            smask = n_mask[:, None] & (sub < KS)[None, :]
+            s16 = s_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
+            scm = tl.load(s16 + rn[:, None] * KS + sub[None, :], mask=smask, other=0)
+            scm = scm.to(tl.uint32)
+            b32 = b_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+            dd = tl.load(b32 + rn[:, None] * (KS // 8) + (sub // 8)[None, :], mask=smask, other=0)
+            d = (dd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            dmin = (dd >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            # 6-bit integers into the mantissa of 2^23: exact, no int->float conversion
+            sc = ((scm & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            mn = ((scm >> 8) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            acc = acc + p * (d * sc) - (dmin * mn) * (xs_a + xs_b)[None, :]
+        return acc
+
+    @triton.jit
+    def _kq_lane_gemv_kernel(
+        x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, KS, stride_xm, stride_ym,
+        stride_w, KIND: tl.constexpr, SPLIT_K: tl.constexpr, KB_PER_SPLIT: tl.constexpr,
+        EVEN: tl.constexpr, KW: tl.constexpr, SW: tl.constexpr = 0, PDL: tl.constexpr = False,
+        SILU: tl.constexpr = False, WARPS: tl.constexpr = 1,
+    ):  # fmt: skip
+        """K-quant GEMV, y[m, N] = x[m, K] @ W^T for one row m of x, laid out as
+        triton_kernels._gemv_kernel (read its docstring): 8 rows a program, WARPS warps,
+        lane l taking 32 weights (4 low-nibble words, and for Q5_K / Q6_K their high bits)
+        of every row per k-step of 128*WARPS words, one FFMA chain per row and lane, lanes
+        summed once at the end; split-K programs (axis 2) summed by the last one; PDL;
+        SILU (W = [gate; up]): rows 0-3 of a tile are gate rows, 4-7 their up rows, and
+        y = silu(gate) * up. KS: sub-blocks a row; KW: low-nibble words a row (K/8);
+        SW: the row stride in words as a constant (EVEN), or 0 (stride_w).
+        The scale products d*sc and dmin*m are exact in fp32 (an 11-bit significand times
+        a 6- or 8-bit integer)."""
+        LANES: tl.constexpr = 32 * WARPS
+        m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        if SW > 0:
+            swn = SW
+        else:
+            swn = stride_w
+        r8 = tl.arange(0, 8)
+        if SILU:
+            rn = pid_n * 4 + r8 % 4 + (r8 // 4) * (N // 2)
+        else:
+            rn = pid_n * 8 + r8
+        n_mask = rn < N
+        rkw = tl.arange(0, 4 * LANES)
+        lane = tl.arange(0, LANES)
+        if KIND == 2:  # pairs of x (uint32 units): sub-blocks 2l, 2l+1 of 16 inputs
+            x_pair0 = (2 * lane[:, None] + tl.arange(0, 2)[None, :]) * 8
+        else:  # sub-block l of 32 inputs
+            x_pair0 = (lane * 16)[:, None] + tl.arange(0, 2)[None, :]
+        x_base = x_ptr + m * stride_xm
+        acc = tl.zeros([8, LANES], dtype=tl.float32)
+        kb0 = pid_k * KB_PER_SPLIT
+        kb_last = kb0 + KB_PER_SPLIT - 1
+        # the low-nibble words are the first KW of a row: _load_step's mask (k < row
+        # stride) reads the high words past K, never used (x is masked to 0 there)
+        wa = tk._load_step(w_ptr, rn, n_mask, rkw, kb0, swn, EVEN, 0, LANES)
+        ha = wa
+        if KIND != 0:
+            ha = _lane_hi(w_ptr, rn, n_mask, rkw, kb0, swn, KW, KS, KIND, EVEN, LANES)
+        if PDL:  # the weights do not depend on the previous kernel; x does
+            tlc.gdc_wait()
+            tlc.gdc_launch_dependents()
+        # two k-steps an iteration, each one's words loaded a step ahead (no register copies)
+        for j in range(0, KB_PER_SPLIT // 2):
+            kb = kb0 + 2 * j
+            wb = tk._load_step(w_ptr, rn, n_mask, rkw, kb + 1, swn, EVEN, 0, LANES)
+            hb = wb
+            if KIND != 0:
+                hb = _lane_hi(w_ptr, rn, n_mask, rkw, kb + 1, swn, KW, KS, KIND, EVEN, LANES)
+            acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, rn, n_mask, s_ptr, b_ptr,
+                             KS, KIND, EVEN, LANES)  # fmt: skip
+            kn = tl.minimum(kb + 2, kb_last)  # past the last step: reload it, never used
+            wa = tk._load_step(w_ptr, rn, n_mask, rkw, kn, swn, EVEN, 0, LANES)
+            if KIND != 0:
+                ha = _lane_hi(w_ptr, rn, n_mask, rkw, kn, swn, KW, KS, KIND, EVEN, LANES)
+            acc = _lane_step(acc, wb, hb, kb + 1, x_base, x_pair0, lane, rn, n_mask, s_ptr,
+                             b_ptr, KS, KIND, EVEN, LANES)  # fmt: skip
+        if KB_PER_SPLIT % 2 == 1:
+            acc = _lane_step(acc, wa, ha, kb_last, x_base, x_pair0, lane, rn, n_mask, s_ptr,
+                             b_ptr, KS, KIND, EVEN, LANES)  # fmt: skip
+        out = tl.sum(acc, axis=1) * 562949953421312.0  # [8]: undo the decode's 2^-49
+        tile = m * tl.num_programs(1) + pid_n
+        if SILU:
+            g, u = tl.split(tl.trans(tl.reshape(out, [2, 4])))  # rows 0-3 gate, 4-7 up
+            rg = pid_n * 4 + tl.arange(0, 4)
+            tk._silu_epilogue(g, u, y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr, rg,
+                              rg + N // 2, N, M * N, tile, pid_k, SPLIT_K)  # fmt: skip
+        else:
+            tk._splitk_epilogue(out[None, :], y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr,
+                                tl.arange(0, 1), rn, 1, N, 0, M * N, tile, pid_k,
+                                SPLIT_K)  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class KQConfig:
     """Launch parameters: kernel "gemv" (block_n rows, sb super-blocks a k-step) or "gemm"
@@ -413,7 +621,9 @@ class KQConfig:
 
 
 def choose_kq_config(m: int, w: KQLinear, device) -> KQConfig:
-    """Launch parameters for x [m, K] @ W^T. Not timed on a GPU yet; chosen by the SASS of
+    """Launch parameters for x [m, K] @ W^T on the GEMM, or (m <= GEMV_MAX_M) on the tile
+    GEMV (_kq_gemv_kernel, which kqmatmul runs only where a config asks for block_n 16 or
+    32: the lane GEMV replaced it; kept for A/B timing). Not timed on a GPU yet; chosen by the SASS of
     the GEMV's loop for sm_90 (benchmarks/sass_kquant.py: 4096x4096, 4 warps), instructions
     per weight for Q4_K / Q5_K / Q6_K: 16 rows and 2 super-blocks a step 6.44 / 8.91 / 7.86
     (before Q4_K's in-place masks), 32 rows and 2 4.40 / 7.19 / 6.81 (each input converted
@@ -436,20 +646,91 @@ def choose_kq_config(m: int, w: KQLinear, device) -> KQConfig:
     return KQConfig("gemm", bm, bn, 1, sk, warps)
 
 
-def kqmatmul(x: torch.Tensor, w: KQLinear, config: KQConfig | None = None) -> torch.Tensor:
-    """x [..., K] (bf16/fp16/fp32) @ W^T -> [..., N] in x's dtype, W a K-quant (KQLinear)."""
+def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
+    """Launch parameters of the K-quant GEMV (_kq_lane_gemv_kernel), as
+    triton_kernels.choose_config picks them for an int4 weight of the same shape at 8 rows a
+    program (the same low-nibble words a row, read the same way; its H100 sweep is in that
+    function): up to GEMV_WARPS warps splitting each row's words, split K until ~6 warps a
+    SM run, into a divisor of the k-steps where one is near, and at most 4 serial k-steps
+    where the row blocks are few."""
+    sms = tk._num_sms(device)
+    kw = w.k // 8
+    warps = 1
+    while warps < tk.GEMV_WARPS and 256 * warps <= kw:
+        warps *= 2
+    ksteps = math.ceil(kw / (128 * warps))
+    tiles = m * math.ceil(w.n / 8)
+    sk = tk._split(tiles * warps, ksteps, sms, 6.0)
+    divs = [d for d in range(1, ksteps + 1) if ksteps % d == 0]
+    near = min(divs, key=lambda d: (abs(math.log(d / sk)), -d))
+    if kw % (128 * warps) == 0 and abs(math.log(near / sk)) <= math.log(2):
+        sk = near
+    if warps == 1 and tiles < 8 * sms and ksteps / sk > 4:
+        sk = math.ceil(ksteps / 4)
+    return tk.KernelConfig("gemv", 1, 8, sk, num_warps=warps)
+
+
+def _lane_gemv(x2, w: KQLinear, y, silu: bool, cfg: tk.KernelConfig | None) -> None:
+    m = x2.shape[0]
+    cfg = cfg or lane_config(m, w, x2.device)
+    kw = w.k // 8
+    step = 128 * cfg.num_warps  # low-nibble words of a row per k-step (the warps split it)
+    ksteps = math.ceil(kw / step)
+    per = math.ceil(ksteps / cfg.split_k)
+    split = math.ceil(ksteps / per)  # no empty splits
+    sw = _shapes(w.kind, w.n, w.k)["weight"][1]
+    dense = w.weight.stride(0) == sw and w.scales.is_contiguous() and w.biases.is_contiguous()
+    even = dense and w.n % 8 == 0 and kw == step * per * split
+    tiles = math.ceil(w.n / 8)  # with silu: 4 gate rows and their 4 up rows a tile
+    part = torch.empty((split, m, w.n), dtype=torch.float32, device=x2.device) if split > 1 else y
+    cnt = tk._counters(x2.device, m * tiles) if split > 1 else y
+    ks = w.k // gb.KQUANTS[w.kind][1]
+    _kq_lane_gemv_kernel[(m, tiles, split)](
+        x2, w.weight, w.scales, w.biases, y, part, cnt, m, w.n, ks, x2.stride(0), y.stride(0),
+        w.weight.stride(0), KIND=KINDS[w.kind], SPLIT_K=split, KB_PER_SPLIT=per, EVEN=even,
+        KW=kw, SW=sw if even else 0, SILU=silu, WARPS=cfg.num_warps, num_warps=cfg.num_warps,
+        **tk.pdl_args(x2.device),
+    )  # fmt: skip
+
+
+def silu_fusable(x: torch.Tensor, w: KQLinear) -> bool:
+    """Whether kqmatmul(x, w, silu=True) runs: w = [gate; up] with N/2 a multiple of 4, and
+    at most GEMV_MAX_M rows of x (the GEMV)."""
+    m = x.numel() // max(x.shape[-1], 1)
+    return 0 < m <= tk.GEMV_MAX_M and w.n % 8 == 0
+
+
+def kqmatmul(
+    x: torch.Tensor, w: KQLinear, config: KQConfig | None = None, silu: bool = False
+) -> torch.Tensor:
+    """x [..., K] (bf16/fp16/fp32) @ W^T -> [..., N] in x's dtype, W a K-quant (KQLinear).
+
+    silu (where silu_fusable): W is the joint [gate; up] and the result [..., N/2] is
+    silu(x @ gate^T) * (x @ up^T), rounded as cuda_ops.silu_mul rounds it."""
     tk._need_torch()
     tk._check_runtime(x)
     if x.shape[-1] != w.k:
         raise MlxrunError(f"input has {x.shape[-1]} features but the weight expects {w.k}")
+    if silu and not silu_fusable(x, w):
+        raise ValueError("kqmatmul: silu needs the GEMV and an even [gate; up] weight")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    y = torch.empty((m, w.n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, w.n // 2 if silu else w.n), dtype=x.dtype, device=x.device)
     if m == 0:
-        return y.reshape(*lead, w.n)
+        return y.reshape(*lead, y.shape[-1])
+    # the lane GEMV unless a config asks for the tile GEMV (block_n 16 or 32: for A/B timing)
+    lane = config is None or (config.kernel == "gemv" and config.block_n == 8)
+    if m <= tk.GEMV_MAX_M and lane:
+        if x2.dtype == torch.bfloat16 and (x2.data_ptr() % 4 or (m > 1 and x2.stride(0) % 2)):
+            x2 = x2.clone()  # the GEMV reads bf16 x as uint32 pairs: 4-byte aligned rows
+        cfg = None
+        if config is not None:  # a KQConfig's (or KernelConfig's) split and warps
+            cfg = tk.KernelConfig("gemv", 1, 8, config.split_k, num_warps=config.num_warps)
+        _lane_gemv(x2, w, y, silu, cfg)
+        return y.reshape(*lead, y.shape[-1])
     cfg = config or choose_kq_config(m, w, x.device)
     nb = w.k // QK
     kw = w.k // 8

@@ -104,6 +104,34 @@ def test_split_k(cfg):
         _check(kq.kqmatmul(x.to(DEV), w, cfg), x, ref)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+def test_lane_gemv_configs_and_silu(kind):
+    """The GEMV (the int4 GEMV's lanes and FFMA chains, with the high bits and K-quant
+    scales) in whole k-steps (no masks), split across programs (Q4_K also across the warps
+    of one, at 3 rows of x), equals the dequantized product; with silu, on the joint
+    [gate; up], it gives the GEMV then cuda_ops.silu_mul bit for bit (the tickets reset for
+    a second call)."""
+    from mlxrun.backends import cuda_ops
+
+    n, nb = 16, 8  # 8 gate rows (2 tiles of 4 gate + 4 up); K = 2048: 256 words a row
+    w, ref = _case(kind, n, nb, seed=21)
+    gen = torch.Generator().manual_seed(4)
+    runs = ((2, 1, 1), (1, 2, 3)) if kind == "Q4_K" else ((2, 1, 1),)
+    for sk, nw, m in runs:
+        cfg = kq.KQConfig("gemv", 1, 8, 1, sk, nw)
+        x = torch.randn(m, w.k, generator=gen).bfloat16()
+        y = kq.kqmatmul(x.to(DEV), w, cfg)
+        _check(y, x, ref)
+        want = cuda_ops.silu_mul(y[:, : n // 2], y[:, n // 2 :])
+        for _ in range(2):
+            assert torch.equal(kq.kqmatmul(x.to(DEV), w, cfg, silu=True), want)
+    x = torch.randn(20, w.k).bfloat16().to(DEV)
+    assert not kq.silu_fusable(x, w)  # the GEMM has no SiLU epilogue
+    with pytest.raises(ValueError, match="silu"):
+        kq.kqmatmul(x, w, silu=True)
+
+
 def test_concat_and_shapes():
     """gate/up of one kind join into one weight whose product is both; kinds that differ
     do not join; a wrong input width is refused."""
