@@ -444,6 +444,9 @@ class MLXBackend:
     def start(self, *xs) -> None:
         mx.async_eval(*xs)
 
+    def queue(self, *xs) -> None:
+        mx.async_eval(*xs)
+
     def synchronize(self) -> None:
         mx.synchronize()
 

@@ -44,6 +44,10 @@ class MLXSampler:
             t["mask"] = t["mask"].view(mx.uint32)
         self.t = t
 
+    def mask_buffer(self) -> np.ndarray:
+        """A host (B, words) int32 array for the next `set_mask` (which copies it)."""
+        return np.empty(self.t["mask"].shape, np.int32)
+
     def set_mask(self, mask: np.ndarray) -> None:
         """The rows' token bitmasks ((B, words) int32) for the next call."""
         self.t["mask"] = mx.array(mask).view(mx.uint32)

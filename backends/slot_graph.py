@@ -144,21 +144,40 @@ class SlotStep:
         self.dummy_io = np.zeros((_IO, batch), dtype=np.int64)
         self.dummy_io[2:4] = cache.max_len - 1  # the one position no sequence uses
         self.io.copy_(torch.from_numpy(self.dummy_io))  # warm-up and capture touch nothing
-        self.graph = None
+        self.graph = self.sample_graph = None
+        self.logits = None  # (batch, V): a split step's forward output, its sample's input
         if capture:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up runs (autotuning, workspaces) first
                 for _ in range(2):
-                    self._run()
+                    self._sample(self._forward())
             torch.cuda.current_stream().wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool):
-                self._run()
+            if self.split:
+                # Grammar-constrained rows: forward and sample are two graphs, so the forward
+                # pass runs while the host fills the masks (the same pool: the sample graph
+                # always replays after the forward graph, whose logits stay held here)
+                with torch.cuda.graph(self.graph, pool=pool):
+                    self.logits = self._forward()
+                self.sample_graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.sample_graph, pool=pool):
+                    self._sample(self.logits)
+            else:
+                with torch.cuda.graph(self.graph, pool=pool):
+                    self._sample(self._forward())
 
-    def _run(self) -> None:
+    @property
+    def split(self) -> bool:
+        """Whether the step runs as `forward` then `sample` (a masked plan: the host sets
+        the mask in between)."""
+        return self.plan is not None and self.plan.masked
+
+    def _forward(self):
+        return self.model(self.rows.tok.view(-1, 1), self.rows, None, last_only=True)
+
+    def _sample(self, logits) -> None:
         be = self.model.be
-        logits = self.model(self.rows.tok.view(-1, 1), self.rows, None, last_only=True)
         if self.sampler is not None:
             self.rows.tok.copy_(self.sampler(logits))
         elif be.triton_kernels:
@@ -175,17 +194,42 @@ class SlotStep:
         if self.sampler is not None:
             self.sampler.load(state)
 
+    def forward(self) -> None:
+        """Queue a split step's forward pass; `sample` then picks the tokens under the
+        sampler's mask, set in between."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.logits = self._forward()
+
+    def sample(self):
+        """A split step's second half: (tokens, flags, logprobs) as `__call__` returns."""
+        if self.sample_graph is not None:
+            self.sample_graph.replay()
+            return self._outputs()
+        self._sample(self.logits)
+        self.logits = None
+        return self._copies()
+
     def __call__(self):
         """Run the step: (tokens (batch,), finite flags (batch,), the sampler's logprobs or
         None). Replayed, they are fresh views of buffers the next replay overwrites (the
         engine queues their copies to the host first, `be.start`); run eagerly, copies."""
-        lps = None
+        if self.split:
+            self.forward()
+            return self.sample()
         if self.graph is not None:
             self.graph.replay()
-            if self.sampler is not None:
-                lps = self.sampler.logprobs()
-            return self.io[0].view(-1), self.ok.view(-1), lps
-        self._run()
+            return self._outputs()
+        self._sample(self._forward())
+        return self._copies()
+
+    def _outputs(self):
+        lps = self.sampler.logprobs() if self.sampler is not None else None
+        return self.io[0].view(-1), self.ok.view(-1), lps
+
+    def _copies(self):
+        lps = None
         if self.sampler is not None and self.sampler.logprobs() is not None:
             lps = tuple(None if x is None else x.clone() for x in self.sampler.logprobs())
         return self.io[0].clone(), self.ok.clone(), lps
@@ -222,7 +266,12 @@ class SlotDecoder:
         self.steps[key] = step  # most recently used last
         return step
 
-    def __call__(
+    def __call__(self, key, slots, tokens, params, histories, seeds, counts, logprobs):
+        """Run one decode step (`step_for`'s arguments, free rows): its (tokens, flags,
+        logprobs) device views."""
+        return self.step_for(key, slots, tokens, params, histories, seeds, counts, logprobs)()
+
+    def step_for(
         self,
         key,
         slots: list[int],
@@ -232,18 +281,20 @@ class SlotDecoder:
         seeds: list[int],
         counts: list[int],
         logprobs: int | None,
-    ):
-        """Run one decode step of sequences in `slots` (at the cache's host lengths), fed
-        `tokens`. `key` names the batch (its sequences, in row order): when it and the step
-        are the last call's, the device holds the rows' state already and nothing is copied
-        in. Returns the step's (tokens, flags, logprobs) device views, rows past
+        masked: bool = False,
+    ) -> SlotStep:
+        """The step for sequences in `slots` (at the cache's host lengths), fed `tokens`,
+        its buffers loaded. `key` names the batch (its sequences, in row order): when it and
+        the step are the last call's, the device holds the rows' state already and nothing
+        is copied in. masked: some rows follow a grammar, so the step is split (`forward`,
+        the host's `sampler.set_mask`, `sample`). Its outputs are device views, rows past
         len(slots) being dummies; the caller moves the host lengths on."""
         n = len(slots)
         b = next(x for x in self.buckets if x >= n)
         pad = b - n
         rows = list(params) + [SamplingParams()] * pad
-        plain = logprobs is None and all(p.greedy for p in params)
-        plan = None if plain else plan_for(rows, self.vocab, logprobs)
+        plain = logprobs is None and all(p.greedy for p in params) and not masked
+        plan = None if plain else plan_for(rows, self.vocab, logprobs, masked)
         step = self._step(b, plan)
         if self._loaded != (step, key):
             io = step.dummy_io.copy()
@@ -258,7 +309,7 @@ class SlotDecoder:
                              list(seeds) + [0] * pad, list(counts) + [0] * pad)  # fmt: skip
             step.load(io, state)
             self._loaded = (step, key)
-        return step()
+        return step
 
     def prefill(self, slot: int, tokens: list[int], params: SamplingParams,
                 history: list[int], seed: int, logprobs: int | None):  # fmt: skip

@@ -51,6 +51,8 @@ class TorchSampler:
         if plan.masked:  # token i's bit in the (B, ceil(V/32)) bitmask: word i >> 5, bit i & 31
             ids = torch.arange(plan.vocab, device=device)
             self._word, self._bit = ids >> 5, (ids & 31).to(torch.int32)
+        self._mask_host = None  # mask_buffer's array
+        self._mask_copied = None  # CUDA: the event after its last copy in
         self._last = None  # log-probabilities of the last call (new tensors each eager
         # call; in a captured graph, the graph's own outputs, rewritten at each replay)
 
@@ -64,10 +66,26 @@ class TorchSampler:
         for k, v in other.t.items():
             self.t[k].copy_(v)
 
+    def mask_buffer(self) -> np.ndarray:
+        """A host (B, words) int32 array for the next `set_mask`: on CUDA pinned memory, so
+        the copy in is queued without waiting for the step in flight (from pageable memory
+        the driver may wait for the stream). Reused: it is handed out once its last copy
+        is done (by then, in the decode loops, always)."""
+        if self._mask_host is None:
+            mask = self.t["mask"]
+            pin = mask.device.type == "cuda"
+            self._mask_host = torch.empty(mask.shape, dtype=mask.dtype, pin_memory=pin)
+        if self._mask_copied is not None:
+            self._mask_copied.synchronize()
+        return self._mask_host.numpy()
+
     def set_mask(self, mask: np.ndarray) -> None:
         """The rows' token bitmasks for the next call ((B, words) int32), written into the
         buffer a captured graph reads."""
         self.t["mask"].copy_(torch.from_numpy(mask), non_blocking=True)
+        if self.t["mask"].device.type == "cuda":
+            self._mask_copied = torch.cuda.Event()
+            self._mask_copied.record()
 
     def save(self) -> tuple:
         return self.t["counter"].clone(), self.t["window"].clone()

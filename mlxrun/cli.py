@@ -21,7 +21,12 @@ from .cli_io import (
     stdin_text,
     write_jsonl,
 )
-from .cli_structured import constraint_from, constraint_options, tool_parser_option
+from .cli_structured import (
+    compile_timeout_option,
+    constraint_from,
+    constraint_options,
+    tool_parser_option,
+)
 from .errors import MlxrunError
 
 BACKEND_CHOICES = ["auto", "mlx", "cuda", "mps", "cpu"]
@@ -854,8 +859,9 @@ def _engine(model, backend, dtype, quant, max_batch, context, no_prefix_cache, m
     help="Requests that may wait for a slot; more are answered 429 at once.",
 )
 @tool_parser_option
+@compile_timeout_option
 def serve(model, backend, dtype, quant, max_batch, context, no_prefix_cache, kv_quant, host,
-          port, api_key, max_queue, tool_parser):  # fmt: skip
+          port, api_key, max_queue, tool_parser, compile_timeout):  # fmt: skip
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health)
     with continuous batching."""
     from .server import Server, run_server, serve_app  # noqa: PLC0415
@@ -873,7 +879,7 @@ def serve(model, backend, dtype, quant, max_batch, context, no_prefix_cache, kv_
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         eng.wait()
         os._exit(0)
-    server = Server(eng, model, api_key or None, tool_parser)
+    server = Server(eng, model, api_key or None, tool_parser, compile_timeout)
     serve_app(server)  # the missing-extra error before we say we are listening
     click.echo(f"mlxrun: serving '{model}' on http://{host}:{port}/v1", err=True)
     run_server(server, host, port)

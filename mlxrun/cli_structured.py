@@ -1,5 +1,5 @@
 """The CLI's structured-output options: --json-schema FILE_OR_JSON and --grammar FILE for
-`generate` and `chat`, --tool-parser for `serve`."""
+`generate` and `chat`, --tool-parser and --compile-timeout for `serve`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from .errors import MlxrunError
-from .structured import Constraint, constraint_of
+from .structured import COMPILE_SECONDS, Constraint, constraint_of
 
 
 def constraint_options(f):
@@ -38,6 +38,18 @@ def tool_parser_option(f):
         default=None,
         help="How tool calls are read from the model's answers [default: from the chat "
         "template, else the model family].",
+    )(f)
+
+
+def compile_timeout_option(f):
+    return click.option(
+        "--compile-timeout",
+        type=click.FloatRange(min=0, min_open=True),
+        default=COMPILE_SECONDS,
+        show_default=True,
+        metavar="SECONDS",
+        help="A JSON schema or grammar whose compilation takes longer is refused (400); "
+        "other requests go on meanwhile.",
     )(f)
 
 

@@ -114,6 +114,21 @@ class _Seq:
         self.last = -1  # the token the next decode step feeds
 
 
+@dataclass
+class _Flight:
+    """A launched fixed step: its batch, and once sampled its device outputs (tokens
+    (bucket,), finite flags, logprobs); y is None while only its forward pass is queued."""
+
+    key: tuple
+    seqs: list[_Seq]
+    step: object  # backends.slot_graph.SlotStep
+    wants: list[int | None]
+    n: int | None  # the most top logprobs a row asks for
+    y: object = None
+    ok: object = None
+    lps: tuple | None = None
+
+
 def sample_rows(be, logits, seqs: list[_Seq]) -> tuple[np.ndarray, list[TokenLogprob | None]]:
     """The one sampling call of a step: logits (B, V) of the running rows and their
     requests -> next tokens (B,) int64 and per-row logprobs (None where not asked).
@@ -224,7 +239,7 @@ class Engine:
         self.graphs = self.be.slot_decoder(model, self.cache, max_batch) if fixed_steps else None
         if self.graphs is not None and self.graphs.capture:
             self.graphs.warm()
-        self._flight: tuple | None = None  # a launched fixed step whose tokens are unread
+        self._flight: _Flight | None = None  # a launched fixed step whose tokens are unread
         self.seqs: list[_Seq | None] = [None] * max_batch
         self.held: list[list[int]] = [
             [] for _ in range(max_batch)
@@ -503,19 +518,13 @@ class Engine:
         self._emit(s, tok, lp, ok)
 
     def _decode(self, seqs: list[_Seq]) -> None:
-        if self.graphs is not None and all(s.matcher is None for s in seqs):
+        if self.graphs is not None:
             return self._decode_fixed(seqs)
-        if self._flight is not None:  # a fixed step in flight: its tokens first
-            fl, self._flight = self._flight, None
-            self._land(fl, chained=False)
-            seqs = [s for s in seqs if self.seqs[s.slot] is s]
-            if not seqs:
-                return
-        # grammar masks are applied here, in sample_rows (the fixed steps take none yet)
         be = self.be
         self.cache.select([s.slot for s in seqs])
         ids = np.asarray([[s.last] for s in seqs])
         logits = self.model(be.ids(ids), self.cache, None, last_only=True)  # (B, V)
+        be.queue(logits)  # MLX: started now, so sample_rows' grammar masks overlap it
         for s in seqs:
             self.held[s.slot].append(s.last)
         toks, lps = sample_rows(be, logits, seqs)
@@ -526,12 +535,16 @@ class Engine:
     def _decode_fixed(self, seqs: list[_Seq]) -> None:
         """One step through the backend's fixed-shape decoder. While the same sequences run,
         the step after is launched before this one's tokens are read (it feeds on them on
-        the device), so the host's detokenizing and sending overlap the device's work."""
+        the device), so the host's detokenizing and sending overlap the device's work. With
+        grammar-constrained rows only that step's forward pass is launched early: its
+        sample waits for the masks, which need this step's tokens (`_sample_masked`)."""
         fl = self._flight
         key = tuple(s.req.id for s in seqs)
-        if fl is not None and fl[0] == key and OVERLAP:
+        if fl is not None and fl.key == key and OVERLAP:
             self._flight = self._launch(seqs, key, fed=False)
             self._land(fl, chained=True)
+            if self._flight.y is None:
+                self._sample_masked(self._flight)
             return
         self._flight = None
         if fl is not None:
@@ -540,17 +553,20 @@ class Engine:
             key = tuple(s.req.id for s in seqs)
         if seqs:
             self._flight = self._launch(seqs, key, fed=True)
+            if self._flight.y is None:  # the masks are filled while the forward pass runs
+                self._sample_masked(self._flight)
             if not OVERLAP:
                 self._land(self._flight, chained=False)
                 self._flight = None
 
-    def _launch(self, seqs: list[_Seq], key: tuple, fed: bool) -> tuple:
-        """Queue a step of `seqs` and its tokens' copies to the host. fed: their last tokens
-        are on the host (else they are the step in flight's, still on the device)."""
-        be = self.be
+    def _launch(self, seqs: list[_Seq], key: tuple, fed: bool) -> _Flight:
+        """Queue a step of `seqs` and its tokens' copies to the host (with constrained rows,
+        its forward pass alone). fed: their last tokens are on the host (else they are the
+        step in flight's, still on the device)."""
         wants = [s.req.logprobs for s in seqs]
         n = max((w for w in wants if w is not None), default=None)
-        y, ok, lps = self.graphs(
+        masked = any(s.matcher is not None for s in seqs)
+        step = self.graphs.step_for(
             key,
             [s.slot for s in seqs],
             [s.last for s in seqs],
@@ -559,23 +575,40 @@ class Engine:
             [s.seed for s in seqs],
             [s.n for s in seqs],
             n,
+            masked,
         )
-        be.start(y, ok, *(x for x in lps or () if x is not None))  # their copies, queued
+        fl = _Flight(key, seqs, step, wants, n)
+        if masked:
+            step.forward()
+        else:
+            self._sampled(fl, step())
         for s in seqs:
             if fed:
                 self.held[s.slot].append(s.last)
             self.cache.lengths[s.slot] += 1
-        return key, seqs, y, ok, lps, wants, n
+        return fl
 
-    def _land(self, fl: tuple, chained: bool) -> None:
+    def _sample_masked(self, fl: _Flight) -> None:
+        """Queue the sample of a launched forward pass under its rows' grammar masks (all
+        tokens for free, finished and dummy rows)."""
+        smp = fl.step.sampler
+        matchers = [s.matcher for s in fl.seqs] + [None] * (fl.step.batch - len(fl.seqs))
+        smp.set_mask(fill_masks(matchers, mask_words(smp.plan.vocab), out=smp.mask_buffer()))
+        self._sampled(fl, fl.step.sample())
+
+    def _sampled(self, fl: _Flight, out: tuple) -> None:
+        fl.y, fl.ok, fl.lps = out
+        self.be.start(fl.y, fl.ok, *(x for x in fl.lps or () if x is not None))
+
+    def _land(self, fl: _Flight, chained: bool) -> None:
         """Read a launched step's tokens and hand them out; chained: each was fed to the
         step launched after it (so its keys and values are being written)."""
         be = self.be
-        _, seqs, y, ok, lps, wants, n = fl
+        seqs = fl.seqs
         B = len(seqs)
-        toks = be.to_numpy(y).astype(np.int64).reshape(-1)[:B]
-        flags = be.to_numpy(ok).reshape(-1)[:B]
-        rows = [None] * B if n is None else token_logprobs(be, toks, wants, lps)
+        toks = be.to_numpy(fl.y).astype(np.int64).reshape(-1)[:B]
+        flags = be.to_numpy(fl.ok).reshape(-1)[:B]
+        rows = [None] * B if fl.n is None else token_logprobs(be, toks, fl.wants, fl.lps)
         for s, t, lp, f in zip(seqs, toks.tolist(), rows, flags.tolist()):
             if self.seqs[s.slot] is not s:
                 continue  # cancelled meanwhile

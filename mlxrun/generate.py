@@ -138,18 +138,22 @@ def _steps(model, ids, pads, rows, max_tokens, prefill_chunk, prompts, logprobs,
     sampler = None
 
     def sample(logits):
-        """(next ids (B,), per-row finiteness (B,)), both on the device."""
+        """(next ids (B,), per-row finiteness (B,)), both on the device; a masked plan
+        samples under the masks of the matchers' current state."""
         nonlocal sampler
         if plain:
             return be.argmax(logits), be.finite_rows(logits)
         V = int(logits.shape[-1])  # the head's vocabulary, known from the first logits
-        mask = fill_masks(matchers, mask_words(V)) if masked else None
         if sampler is None:
             plan = plan_for(rows, V, logprobs, masked)
+            mask = fill_masks(matchers, mask_words(V)) if masked else None
             sampler = be.sampler(plan, pack(rows, prompts, plan, mask=mask))
         elif masked:
-            sampler.set_mask(mask)
+            set_masks(sampler)
         return sampler(logits), be.finite_rows(logits)
+
+    def set_masks(smp) -> None:
+        smp.set_mask(fill_masks(matchers, mask_words(smp.plan.vocab), out=smp.mask_buffer()))
 
     def started(y, ok, smp):
         """(ids, flags, log-probabilities or None), their copies to the host queued as one
@@ -166,17 +170,41 @@ def _steps(model, ids, pads, rows, max_tokens, prefill_chunk, prompts, logprobs,
         if s + prefill_chunk < L:
             be.eval(logits)  # bound MLX's lazy graph to one chunk
     cur = started(*sample(logits), sampler)
-    # Decode may run as one captured graph per step (CUDA); same math, fewer launches. The
-    # graph samples with its own copy of the sampler, loaded with this one's state.
+    # Decode may run as captured graphs (CUDA); same math, fewer launches. The graph samples
+    # with its own copy of the sampler, loaded with this one's state.
     graph = be.decode_step(model, cache, B, pads, sampler) if max_tokens > 1 else None
     smp = graph.sampler if graph is not None and sampler is not None else sampler
+
+    # A step is a forward pass, then a (masked) sample. The forward pass of step n+1 needs
+    # only token n, already on the device, so it is queued before token n is read. Free
+    # rows queue the sample at once too; constrained rows first need token n on the host
+    # (it advances the matchers), then their masks, computed while the forward pass runs.
+    def forward(y):
+        if graph is not None:
+            graph.forward(y)
+            return None
+        logits = model(y.reshape(B, 1), cache, pads, True)
+        be.queue(logits)  # MLX: lazy until asked; start it before the host's mask work
+        return logits
+
+    def pick(logits):
+        if graph is not None:
+            set_masks(smp)
+            return graph.sample(), graph.finite
+        return sample(logits)
+
+    def whole_step(y):
+        if graph is not None:
+            return graph(y), graph.finite
+        return sample(model(y.reshape(B, 1), cache, pads, True))
+
     try:
         for n in range(max_tokens):
-            if n + 1 < max_tokens and not masked:
-                if graph is not None:
-                    nxt = started(graph(cur[0]), graph.finite, smp)
-                else:
-                    nxt = started(*sample(model(cur[0].reshape(B, 1), cache, pads, True)), smp)
+            more = n + 1 < max_tokens
+            if more and masked:
+                pending = forward(cur[0])
+            elif more:
+                nxt = started(*whole_step(cur[0]), smp)
             toks = be.to_numpy(cur[0]).astype(np.int64).reshape(B)
             # The flags travel beside the token (their copy queued with it), so checking them
             # costs no extra wait; a NaN row's token is still an id in range, so the step
@@ -191,14 +219,10 @@ def _steps(model, ids, pads, rows, max_tokens, prefill_chunk, prompts, logprobs,
             else:
                 lp, top, top_ids = (host(x) for x in cur[2])
                 yield Step(toks, lp, top, None if top_ids is None else top_ids.astype(np.int64))
-            if n + 1 < max_tokens and masked:  # the next mask needs this step's tokens
-                if graph is not None:
-                    smp.set_mask(fill_masks(matchers, mask_words(smp.plan.vocab)))
-                    nxt = started(graph(cur[0]), graph.finite, smp)
-                else:  # queued first: the masks are computed while the forward pass runs
-                    logits = model(cur[0].reshape(B, 1), cache, pads, True)
-                    nxt = started(*sample(logits), smp)
-            if n + 1 < max_tokens:
+            if more and masked:  # the masks follow the tokens just read (and the caller's
+                # replacing a matcher, as the benchmark does)
+                nxt = started(*pick(pending), smp)
+            if more:
                 cur = nxt
     finally:  # also when the caller stops early (a stop string, a closed stream)
         if graph is not None:

@@ -17,7 +17,7 @@ from .engine import Engine, Event, QueueFull, Request
 from .errors import MlxrunError
 from .phases import now
 from .sampling import SamplingParams
-from .structured import Constraint
+from .structured import COMPILE_SECONDS, Constraint
 from .tools import check_choice, check_tools, parser_name, template_messages
 from .tools_stream import ToolReply
 
@@ -29,7 +29,6 @@ except ImportError:  # reported by `serve_app` with the extra to install
     FastAPI = None
 
 MAX_BODY = 4 << 20  # bytes; a longer body is refused before it is read
-COMPILE_SECONDS = 10.0  # a schema or grammar that takes longer to compile is refused
 
 
 class BadRequest(Exception):
@@ -198,8 +197,10 @@ class Server:
         model_name: str,
         api_key: str | None = None,
         tool_parser: str | None = None,
+        compile_seconds: float = COMPILE_SECONDS,
     ):
         self.engine, self.name, self.api_key = engine, model_name, api_key
+        self.compile_seconds = compile_seconds
         self.tok = engine.tokenizer
         self.created = int(time.time())
         mt = engine.model.config.model_type
@@ -296,17 +297,21 @@ class Server:
 
     async def compile(self, c: Constraint) -> None:
         """Compile `c` on a worker thread (cached by the engine's Grammars), refusing it
-        past COMPILE_SECONDS: the event loop and the engine go on meanwhile."""
+        past `compile_seconds`: the event loop and the engine go on meanwhile (the
+        compilation runs on to its end on its thread; a later request for it may then find
+        it cached)."""
         loop = asyncio.get_running_loop()
-        job = loop.run_in_executor(None, self.engine.grammars().compile, c)
+        # the tokenizer's Grammars too: building it the first time takes ~1 s
+        job = loop.run_in_executor(None, lambda: self.engine.grammars().compile(c))
         try:
-            await asyncio.wait_for(job, COMPILE_SECONDS)
+            await asyncio.wait_for(job, self.compile_seconds)
         except MlxrunError as e:
             raise BadRequest(str(e), param=_param_of(c), code="invalid_" + c.kind) from None
         except asyncio.TimeoutError:
             raise BadRequest(
-                f"the {c.kind.replace('_', ' ')} took over {COMPILE_SECONDS:.0f} s to compile; "
-                "simplify it", param=_param_of(c), code="compile_timeout",
+                f"the {c.kind.replace('_', ' ')} took over {self.compile_seconds:g} s to "
+                "compile (the server's --compile-timeout); simplify it",
+                param=_param_of(c), code="compile_timeout",
             ) from None  # fmt: skip
 
     def _token_text(self, t: int) -> str:

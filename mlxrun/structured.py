@@ -27,6 +27,8 @@ KINDS = ("json_schema", "json_object", "regex", "grammar", "lark")
 # model would otherwise fill with newlines until max_tokens.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 256  # compiled grammars kept per tokenizer
+# the server refuses a schema or grammar that takes longer to compile (--compile-timeout)
+COMPILE_SECONDS = 10.0
 
 
 def _llguidance():
@@ -102,7 +104,12 @@ class Grammars:
                 "could never end; the checkpoint's config should give eos_token_id"
             )
         self.eos = eos
-        self.lt = lg.LLTokenizer(tokenizer._tok.to_str(), n_vocab=self.vocab, eos_token=eos)
+        try:
+            self.lt = lg.LLTokenizer(tokenizer._tok.to_str(), n_vocab=self.vocab, eos_token=eos)
+        except ValueError as e:  # e.g. a WordPiece decoder, which llguidance does not read
+            raise MlxrunError(
+                f"structured outputs cannot use this model's tokenizer: {_first_line(str(e))}"
+            ) from None
         self._cache: OrderedDict[Constraint, str] = OrderedDict()
         self._lock = threading.Lock()
         self.executor = lg.LLExecutor()
@@ -176,13 +183,21 @@ class Matcher:
         return self.m.consume_token(int(token))
 
 
-def fill_masks(matchers: list[Matcher | None], words: int) -> np.ndarray:
+def fill_masks(
+    matchers: list[Matcher | None], words: int, out: np.ndarray | None = None
+) -> np.ndarray:
     """(B, words) int32 bitmask: each matcher's allowed tokens, all ones for rows without a
-    matcher or whose matcher has ended (their caller ignores what they draw), computed in
-    parallel over the rows by llguidance's thread pool."""
-    out = np.full((len(matchers), words), -1, dtype=np.int32)
-    live = [(m.m, b) for b, m in enumerate(matchers) if m is not None and not m.m.is_error()]
-    live = [(m, b) for m, b in live if not m.is_stopped()]
+    matcher or whose matcher has ended (their caller ignores what they draw; no mask is
+    computed for them), computed in parallel over the rows by llguidance's thread pool.
+    Written into `out` ((B, words) int32, C-contiguous) when given."""
+    if out is None:
+        out = np.empty((len(matchers), words), dtype=np.int32)
+    live = []
+    for b, m in enumerate(matchers):
+        if m is None or m.m.is_error() or m.m.is_stopped():
+            out[b] = -1
+        else:
+            live.append((m.m, b))
     if len(live) == 1:
         m, b = live[0]
         m.unsafe_compute_mask_ptr(out[b].ctypes.data, out[b].nbytes)

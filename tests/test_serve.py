@@ -445,3 +445,33 @@ def test_tool_calls_round_trip(server):
                                   temperature=0)  # fmt: skip
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert r.choices[0].message.content or r.choices[0].message.tool_calls
+
+
+def test_a_slow_compile_is_refused_while_other_requests_complete(tiny_app, monkeypatch):
+    """A schema whose compilation runs past the server's bound (`--compile-timeout`; here
+    the compilation is held until the end of the test) is a 400 naming the bound, and a
+    request on the same server completes while that compilation still runs."""
+    import threading
+
+    from mlxrun.engine import Engine
+
+    gate = threading.Event()
+
+    class Held:  # the tiny model's WordPiece tokenizer has no llguidance grammars anyway
+        def compile(self, c):
+            gate.wait(120)
+
+    monkeypatch.setattr(Engine, "grammars", lambda self: Held())
+    c = tiny_app(compile_seconds=0.05)
+    body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 2, "temperature": 0}
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}
+    try:
+        r = c.post("/v1/completions", json={**body, "response_format": fmt})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "compile_timeout" and "0.05 s" in err["message"]
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert not gate.is_set()  # the first compilation was still running
+    finally:
+        gate.set()
