@@ -27,18 +27,10 @@ import triton
 import triton.language as tl
 
 from mlxrun.backends.base import QuantizedWeight
-from mlxrun.quant.triton_kernels import (
-    _MODE_ID,
-    GEMV_WARPS,
-    SCALE_ROWS,
-    QLinear,
-    _gemv_step,
-    _load_step,
-    pdl_args,
-    prepare,
-    qmatmul,
-    tlc,
-)
+from mlxrun.quant.triton_gemv import _gemv_step, _load_step
+from mlxrun.quant.triton_kernels import qmatmul
+from mlxrun.quant.triton_launch import GEMV_WARPS, pdl_args, tlc
+from mlxrun.quant.triton_layout import _MODE_ID, SCALE_ROWS, QLinear, prepare
 
 _MODE = {"dense": 0, "affine": 1, "mxfp4": 2, "nvfp4": 3, "mxfp8": 4}
 

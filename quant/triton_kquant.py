@@ -34,7 +34,9 @@ import numpy as np
 
 from mlxrun.errors import MlxrunError
 from mlxrun.quant import gguf_blocks as gb
+from mlxrun.quant import triton_gemv as tg
 from mlxrun.quant import triton_kernels as tk
+from mlxrun.quant import triton_launch as tch
 
 torch = tk.torch
 triton = tk.triton
@@ -348,7 +350,7 @@ if triton is not None:
         else:
             p_ptrs = part_ptr + m * N + rn
             tile = m * tl.num_programs(1) + pid_n
-            last, total = tk._split_sum(out, p_ptrs, n_mask, cnt_ptr, tile, pid_k,
+            last, total = tg._split_sum(out, p_ptrs, n_mask, cnt_ptr, tile, pid_k,
                                         tl.num_programs(0) * N, SPLIT_K)  # fmt: skip
             if last:
                 tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=n_mask)
@@ -395,7 +397,7 @@ if triton is not None:
                 acc = tl.dot(xt, tl.trans(wt), acc, input_precision="tf32x3")
             else:
                 acc = tl.dot(xt, tl.trans(wt.to(xt.dtype)), acc)
-        tk._splitk_epilogue(acc, y_ptr, part_ptr, cnt_ptr, rm, rn, M, N, stride_ym, M * N, pid,
+        tg._splitk_epilogue(acc, y_ptr, part_ptr, cnt_ptr, rm, rn, M, N, stride_ym, M * N, pid,
                             pid_k, SPLIT_K)  # fmt: skip
 
 
@@ -418,7 +420,7 @@ if triton is not None:
         else:
             mask = n_mask[:, None] & (hw < KS)[None, :]  # one high word a sub-block
             h = tl.load(ptrs, mask=mask, other=0)
-        h0, h1, h2, h3 = tk._gemv_words(h, LANES)  # (copies: the loads of h1, h3 are dead)
+        h0, h1, h2, h3 = tg._gemv_words(h, LANES)  # (copies: the loads of h1, h3 are dead)
         if KIND == 1:
             return h0, h0 >> 8, h0 >> 16, h0 >> 24
         else:
@@ -459,7 +461,7 @@ if triton is not None:
         triton_kernels' GEMV functions, unchanged. Q4_K, Q5_K: dot * d*sc - dmin*m * sum(x);
         Q6_K, per sub-block of 16: (dot - 32 sum(x)) * d*sc."""
         TWO: tl.constexpr = KIND == 2  # Q6_K: words 0, 1 and 2, 3 are two sub-blocks
-        w0, w1, w2, w3 = tk._gemv_words(wa, LANES)
+        w0, w1, w2, w3 = tg._gemv_words(wa, LANES)
         if KIND != 0:
             h0, h1, h2, h3 = ha
         p = tl.zeros([8, LANES], dtype=tl.float32)
@@ -475,16 +477,16 @@ if triton is not None:
         xs_b = tl.zeros([LANES], dtype=tl.float32)  # (words 2, 3 apart for Q6_K)
         PS: tl.constexpr = 1 if KIND == 2 else 2  # input pairs between positions
         for i in tl.static_range(6):
-            x0, x1, x2, x3 = tk._gemv_x4(x_base, xo + i * PS, xmask, i, 0, 4, EVEN)
-            p, pb = tk._gemv_fma(p, pb, w0, w1, w2, w3, x0, x1, x2, x3, i, 0, 4, TWO)
+            x0, x1, x2, x3 = tg._gemv_x4(x_base, xo + i * PS, xmask, i, 0, 4, EVEN)
+            p, pb = tg._gemv_fma(p, pb, w0, w1, w2, w3, x0, x1, x2, x3, i, 0, 4, TWO)
             if KIND != 0:
                 p, pb = _lane_hi_fma(p, pb, h0, h1, h2, h3, x0, x1, x2, x3, i, KIND)
             xs_a += (x0 + x1) * (1.401298464324817e-45 * (1 << (4 * i)))  # undoes 2^(100-4i)
             xs_b += (x2 + x3) * (1.401298464324817e-45 * (1 << (4 * i)))
         # positions 6, 7 as the affine kernel reads them: w >> 24 = q6 + 16*q7 with x6, and
         # w >> 28 = q7 with x7 - 16*x6 (cancels the 16*q7 term)
-        y0, y1, y2, y3 = tk._gemv_x4(x_base, xo + 6 * PS, xmask, 6, 0, 4, EVEN)
-        z0, z1, z2, z3 = tk._gemv_x4(x_base, xo + 7 * PS, xmask, 7, 0, 4, EVEN)
+        y0, y1, y2, y3 = tg._gemv_x4(x_base, xo + 6 * PS, xmask, 6, 0, 4, EVEN)
+        z0, z1, z2, z3 = tg._gemv_x4(x_base, xo + 7 * PS, xmask, 7, 0, 4, EVEN)
         if KIND != 0:
             p, pb = _lane_hi_fma(p, pb, h0, h1, h2, h3, y0, y1, y2, y3, 6, KIND)
             p, pb = _lane_hi_fma(p, pb, h0, h1, h2, h3, z0, z1, z2, z3, 7, KIND)
@@ -494,8 +496,8 @@ if triton is not None:
         z1 = z1 - 16.0 * y1
         z2 = z2 - 16.0 * y2
         z3 = z3 - 16.0 * y3
-        p, pb = tk._gemv_fma(p, pb, w0, w1, w2, w3, y0, y1, y2, y3, 6, 0, 4, TWO)
-        p, pb = tk._gemv_fma(p, pb, w0, w1, w2, w3, z0, z1, z2, z3, 7, 0, 4, TWO)
+        p, pb = tg._gemv_fma(p, pb, w0, w1, w2, w3, y0, y1, y2, y3, 6, 0, 4, TWO)
+        p, pb = tg._gemv_fma(p, pb, w0, w1, w2, w3, z0, z1, z2, z3, 7, 0, 4, TWO)
         if KIND == 2:
             # int8 sc of the lane's two sub-blocks of 16, d of their super-block
             s0 = (kb * LANES + lane) * 2  # the first of the two
@@ -569,7 +571,7 @@ if triton is not None:
         kb_last = kb0 + KB_PER_SPLIT - 1
         # the low-nibble words are the first KW of a row: _load_step's mask (k < row
         # stride) reads the high words past K, never used (x is masked to 0 there)
-        wa = tk._load_step(w_ptr, rn, n_mask, rkw, kb0, swn, EVEN, 0, LANES)
+        wa = tg._load_step(w_ptr, rn, n_mask, rkw, kb0, swn, EVEN, 0, LANES)
         ha = wa
         if KIND != 0:
             ha = _lane_hi(w_ptr, rn, n_mask, rkw, kb0, swn, KW, KS, KIND, EVEN, LANES)
@@ -579,14 +581,14 @@ if triton is not None:
         # two k-steps an iteration, each one's words loaded a step ahead (no register copies)
         for j in range(0, KB_PER_SPLIT // 2):
             kb = kb0 + 2 * j
-            wb = tk._load_step(w_ptr, rn, n_mask, rkw, kb + 1, swn, EVEN, 0, LANES)
+            wb = tg._load_step(w_ptr, rn, n_mask, rkw, kb + 1, swn, EVEN, 0, LANES)
             hb = wb
             if KIND != 0:
                 hb = _lane_hi(w_ptr, rn, n_mask, rkw, kb + 1, swn, KW, KS, KIND, EVEN, LANES)
             acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, rn, n_mask, s_ptr, b_ptr,
                              KS, KIND, EVEN, LANES)  # fmt: skip
             kn = tl.minimum(kb + 2, kb_last)  # past the last step: reload it, never used
-            wa = tk._load_step(w_ptr, rn, n_mask, rkw, kn, swn, EVEN, 0, LANES)
+            wa = tg._load_step(w_ptr, rn, n_mask, rkw, kn, swn, EVEN, 0, LANES)
             if KIND != 0:
                 ha = _lane_hi(w_ptr, rn, n_mask, rkw, kn, swn, KW, KS, KIND, EVEN, LANES)
             acc = _lane_step(acc, wb, hb, kb + 1, x_base, x_pair0, lane, rn, n_mask, s_ptr,
@@ -599,10 +601,10 @@ if triton is not None:
         if SILU:
             g, u = tl.split(tl.trans(tl.reshape(out, [2, 4])))  # rows 0-3 gate, 4-7 up
             rg = pid_n * 4 + tl.arange(0, 4)
-            tk._silu_epilogue(g, u, y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr, rg,
+            tg._silu_epilogue(g, u, y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr, rg,
                               rg + N // 2, N, M * N, tile, pid_k, SPLIT_K)  # fmt: skip
         else:
-            tk._splitk_epilogue(out[None, :], y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr,
+            tg._splitk_epilogue(out[None, :], y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr,
                                 tl.arange(0, 1), rn, 1, N, 0, M * N, tile, pid_k,
                                 SPLIT_K)  # fmt: skip
 
@@ -656,7 +658,7 @@ def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
     sms = tk._num_sms(device)
     kw = w.k // 8
     warps = 1
-    while warps < tk.GEMV_WARPS and 256 * warps <= kw:
+    while warps < tch.GEMV_WARPS and 256 * warps <= kw:
         warps *= 2
     ksteps = math.ceil(kw / (128 * warps))
     tiles = m * math.ceil(w.n / 8)
