@@ -38,8 +38,29 @@ for step in "$@"; do
     tests)  # the GPU tests of the new code (the long-marked ones too: fast on a GPU)
         timeout $(tm 300) python3 -m pytest -q -p no:cacheprovider -m "" -x -rs \
             tests/test_engine.py tests/test_moe_kernel.py tests/test_moe.py tests/test_sinks.py \
-            tests/test_triton_kernels.py -k "cuda or captured or fixed or slot or ring or sink or moe or kquant" \
-            2>&1 | tee "$OUT/r/tests.log" | tail -8 ;;
+            tests/test_triton_kernels.py tests/test_triton_kquant.py tests/test_kv_quant.py \
+            tests/test_structured.py tests/test_structured_overlap.py tests/test_tp.py \
+            -k "cuda or captured or fixed or slot or ring or sink or moe or kquant or kv or graph or overlap" \
+            2>&1 | tee "$OUT/r/tests.log" | tail -12 ;;
+    ttft)  # where a cached-prefix request's first token goes, engine-direct and over HTTP
+        timeout $(tm 240) python3 benchmarks/serve_ttft.py --model shape:llama3-8b --backend cuda \
+            --quant int4 --prefix-tokens 1000 --tail-tokens 8 --json "$OUT/r/serve-ttft.json" \
+            2>&1 | tee "$OUT/r/ttft.log" | grep -v "^INFO" | tail -8 ;;
+    kvq)  # int4 weights at a 32k context with the KV cache plain, int8 and fp8
+        timeout $(tm 420) mlxrun bench -m shape:llama3.1-8b --backends cuda --quant int4 \
+            --kv-quant none,int8,fp8 --prompt-tokens 32768 --gen-tokens 128 --reps 2 \
+            --json "$OUT/r/kvq-32k.json" 2>"$OUT/r/kvq.err" | tail -5 ;;
+    moek)  # the expert kernels alone, GB/s of the bytes read
+        timeout $(tm 240) python3 benchmarks/moe_kernels.py 2>&1 | tee "$OUT/r/moe-kernels.log" | tail -30 ;;
+    kqk)  # K-quant GEMV/GEMM alone against int4, cycled weights in graphs
+        timeout $(tm 240) python3 benchmarks/profile_decode.py --linears \
+            --formats affine4g64,q4_k,q6_k,q5_k --batch 1,32 2>&1 | tee "$OUT/r/kq-linears.log" | tail -16 ;;
+    prof)  # per-kernel time of a decode step: int4 and q4_k_m dense 8B, and the MoE shapes
+        P="python3 benchmarks/profile_decode.py --steps --context 512"
+        { timeout $(tm 150) $P --model shape:llama3-8b --quant int4,q4_k_m --batch 1,32
+          timeout $(tm 150) $P --model shape:gpt-oss-20b --quant fp4 --batch 1,32
+          timeout $(tm 150) $P --model shape:qwen3-30b-a3b --quant int4 --batch 1,32; } \
+            2>&1 | grep -v Warn | tee "$OUT/r/prof.log" | grep "batch\|step" ;;
     serve)  # one GPU: 1 and 32 streaming clients against bench's loop, a cached 1000-token prefix
         timeout $(tm 420) python3 benchmarks/serve_load.py --model shape:llama3-8b --backend cuda \
             --quant int4 --clients 1,32 --prompt-tokens 1024 --gen-tokens 128 --prefix-tokens 1000 \

@@ -16,15 +16,15 @@ if not HAS_CUDA:
 pytest.importorskip("triton", reason="triton is not installed")
 
 import mlxrun.backends.cuda_moe as cm  # noqa: E402
-import mlxrun.quant.triton_kernels as tk  # noqa: E402
+import mlxrun.quant.triton_gemv as tg  # noqa: E402
 from mlxrun.backends import torch_moe  # noqa: E402
 from mlxrun.backends.base import QuantizedWeight  # noqa: E402
 from mlxrun.moe import Experts, MoEOptions  # noqa: E402
 from mlxrun.quant.formats import QuantSpec  # noqa: E402
 from mlxrun.quant.reference import quantize  # noqa: E402
 
-if not HAS_CUDA and type(tk._gemv_step).__name__ != "InterpretedFunction":
-    tk = importlib.reload(tk)  # the packed kernel calls its k-step: both interpreted
+if not HAS_CUDA and type(tg._gemv_step).__name__ != "InterpretedFunction":
+    tg = importlib.reload(tg)  # the packed kernel calls its k-step: both interpreted
     cm = importlib.reload(cm)
 elif not HAS_CUDA and type(cm._moe_qgemv).__name__ != "InterpretedFunction":
     cm = importlib.reload(cm)
