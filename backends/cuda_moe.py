@@ -64,25 +64,31 @@ def _tile(W, S, B, e, rows, rmask, w0, N, KW, KG, MODE: tl.constexpr, BITS: tl.c
     wi = w0 + tl.arange(0, BW)
     m2 = rmask[:, None] & (wi < KW)[None, :]
     base = (e * N + rows[:, None]).to(tl.int64)
+    # one return at the end: Triton compiles the code after a constexpr-true `if ...: return`
+    # too, and the shifts below do not type-check on a dense (float) W
     if MODE == 0:
         w = tl.load(W + base * KW + wi[None, :], mask=m2, other=0.0)
-        return w.to(tl.float32)[:, :, None]
-    word = tl.load(W + base * KW + wi[None, :], mask=m2, other=0)
-    q = (word[:, :, None] >> (tl.arange(0, PER) * BITS)[None, None, :]) & ((1 << BITS) - 1)
-    WPG: tl.constexpr = G // PER  # words a group
-    gi = base * KG + (wi // WPG)[None, :]
-    if MODE == 1:  # affine: scale * q + bias
-        sc = tl.load(S + gi, mask=m2, other=0.0).to(tl.float32)[:, :, None]
-        b = tl.load(B + gi, mask=m2, other=0.0).to(tl.float32)[:, :, None]
-        return q.to(tl.float32) * sc + b
-    code = tl.load(S + gi, mask=m2, other=0).to(tl.int32)
-    if MODE == 3:  # nvfp4: E4M3 scale
-        scale = _e4m3(code)
-    else:  # E8M0: a power of two
-        scale = tl.exp2((code - 127).to(tl.float32))
-    if MODE == 4:
-        return _e4m3(q) * scale[:, :, None]
-    return _e2m1(q) * scale[:, :, None]
+        out = w.to(tl.float32)[:, :, None]
+    else:
+        word = tl.load(W + base * KW + wi[None, :], mask=m2, other=0)
+        q = (word[:, :, None] >> (tl.arange(0, PER) * BITS)[None, None, :]) & ((1 << BITS) - 1)
+        WPG: tl.constexpr = G // PER  # words a group
+        gi = base * KG + (wi // WPG)[None, :]
+        if MODE == 1:  # affine: scale * q + bias
+            sc = tl.load(S + gi, mask=m2, other=0.0).to(tl.float32)[:, :, None]
+            b = tl.load(B + gi, mask=m2, other=0.0).to(tl.float32)[:, :, None]
+            out = q.to(tl.float32) * sc + b
+        else:
+            code = tl.load(S + gi, mask=m2, other=0).to(tl.int32)
+            if MODE == 3:  # nvfp4: E4M3 scale
+                scale = _e4m3(code)
+            else:  # E8M0: a power of two
+                scale = tl.exp2((code - 127).to(tl.float32))
+            if MODE == 4:
+                out = _e4m3(q) * scale[:, :, None]
+            else:
+                out = _e2m1(q) * scale[:, :, None]
+    return out
 
 
 @triton.jit
