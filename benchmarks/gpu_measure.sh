@@ -39,7 +39,7 @@ for step in "$@"; do
         timeout $(tm 300) python3 -m pytest -q -p no:cacheprovider -m "" -rs \
             tests/test_engine.py tests/test_moe_kernel.py tests/test_moe.py tests/test_sinks.py \
             tests/test_triton_kernels.py tests/test_triton_kquant.py tests/test_kv_quant.py \
-            tests/test_structured.py tests/test_structured_overlap.py tests/test_tp.py \
+            tests/test_structured.py tests/test_structured_overlap.py tests/test_tp.py tests/test_long_context.py \
             -k "(cuda or captured or fixed or slot or ring or sink or moe or kquant or kv or graph or overlap or split or window or phases) and not mlx" \
             2>&1 | tee "$OUT/r/tests.log" | tail -12 ;;
     ttft)  # where a cached-prefix request's first token goes, engine-direct and over HTTP
