@@ -47,7 +47,7 @@ _IO = 5
 # least recently used go beyond this many. Greedy steps, captured at start, always stay.
 MAX_SAMPLED_STEPS = 16
 # The longest last prefill chunk run as a step (rows of one slot); longer ones run eagerly,
-# where the launches are a small share of the pass. Steps of 16, 32 and 64 rows are captured
+# where the launches are a small share of the pass. Steps of 1, 2, 4 .. 64 rows are captured
 # for them beside the batch-size buckets.
 TAIL_MAX = 64
 
@@ -243,7 +243,7 @@ class SlotDecoder:
         self.model, self.cache, self.capture = model, cache, capture
         self.buckets = buckets(max_batch)
         self.tail_max = tail_max
-        self.tail_buckets = sorted(set(self.buckets) | set(buckets(tail_max)[4:]))  # 16, 32..
+        self.tail_buckets = sorted(set(self.buckets) | set(buckets(tail_max)))  # 1, 2, 4 .. 64
         self.vocab = model.config.vocab_size  # (a CUDA-ready packed head keeps no .weight)
         self.steps: dict[tuple[int, SamplerPlan | None], SlotStep] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None

@@ -84,8 +84,10 @@ def reference(m, prompt, n, params=None):
     return out
 
 
-def run_all(eng, reqs, timeout=120):
-    """Submit every request at once; wait for all to finish. -> per request: its events."""
+def run_all(eng, reqs, timeout=600):
+    """Submit every request at once; wait for all to finish. -> per request: its events.
+    (The fixed-shape steps under the Triton interpreter take minutes on a loaded 2-core CPU:
+    test_continuous_batching_matches_generate[fixed], -m long, 213 s.)"""
     got = {r.id: [] for r in reqs}
     done = threading.Semaphore(0)
 
