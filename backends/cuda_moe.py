@@ -32,7 +32,9 @@ from mlxrun.quant.triton_kernels import (
     GEMV_WARPS,
     SCALE_ROWS,
     QLinear,
+    _decode_tile,
     _gemv_step,
+    _group_scale,
     _load_step,
     pdl_args,
     prepare,
@@ -534,6 +536,142 @@ def _launch(x, ids, out, rw, w1, b1, w2, b2, x_div, o, gated, scaled):
     )  # fmt: skip
 
 
+@triton.jit
+def _moe_tile_dot(acc, x_tile, w_ptr, s_ptr, b_ptr, rn, n_mask, kb, KW, KG,
+                  MODE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
+                  BN: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """acc [BM, BN] += x_tile [BM, NG*G] @ (rows rn of W, k-step kb)^T: the weight tile
+    decoded in registers (fp32, then x's dtype) as _gemm_kernel's per-element path."""
+    EPW: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = G // EPW
+    g_idx = kb * NG + tl.arange(0, NG)
+    g_mask = g_idx < KG
+    w_ptrs = w_ptr + rn[:, None, None] * KW + g_idx[None, :, None] * WPG
+    w_ptrs += tl.arange(0, WPG)[None, None, :]
+    words = tl.load(w_ptrs, mask=n_mask[:, None, None] & g_mask[None, :, None], other=0)
+    s_offs = ((rn // 8) * (KG * 8) + (rn % 8))[:, None] + g_idx[None, :] * 8
+    scale, bias = _group_scale(s_ptr, b_ptr, s_offs, n_mask[:, None] & g_mask[None, :], MODE)
+    wv = _decode_tile(words.to(tl.uint32, bitcast=True), scale, bias, MODE, BITS, EPW)
+    w_tile = tl.reshape(wv, [BN, NG * G])
+    if UPCAST:  # the interpreter multiplies bf16 tiles as raw uint16: go through fp32
+        return tl.dot(x_tile.to(tl.float32), tl.trans(w_tile), acc)
+    if x_tile.dtype == tl.float32:
+        return tl.dot(x_tile, tl.trans(w_tile), acc, input_precision="tf32x3")
+    return tl.dot(x_tile, tl.trans(w_tile.to(x_tile.dtype)), acc)
+
+
+@triton.jit
+def _moe_grouped(X, IDS, SLOTS, OUT, RW, W, S, B, BIAS1, BIAS2, N, K, X_DIV, limit, alpha,
+                 MODE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                 GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 SCALED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr,
+                 UPCAST: tl.constexpr):  # fmt: skip
+    """Tile t = program 0 of the padded expert-sorted slot list SLOTS (BM entries a tile,
+    every tile one expert's, -1 for padding; a tile starting with -1 is past the end):
+    OUT[slot, rows] for those slots and BN rows (program 1), as _moe_qgemv computes them,
+    each weight tile decoded once for the tile's slots and multiplied on tensor cores."""
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slots = tl.load(SLOTS + t * BM + tl.arange(0, BM))
+    first = tl.max(tl.where(tl.arange(0, BM) == 0, slots, -1), axis=0)
+    if first >= 0:
+        valid = slots >= 0
+        slot = tl.where(valid, slots, 0).to(tl.int64)
+        e = tl.load(IDS + first).to(tl.int64)
+        EPW: tl.constexpr = 32 // BITS
+        KW = K // EPW
+        KG = K // G
+        if GATED:
+            R = 2 * N
+        else:
+            R = N
+        w_ptr = W + e * R * KW
+        s_ptr = S + e * R * KG
+        b_ptr = B + e * R * KG
+        rn = pid_n * BN + tl.arange(0, BN)
+        n_mask = rn < N
+        BK: tl.constexpr = NG * G
+        rk = tl.arange(0, BK)
+        x_rows = X + (slot // X_DIV)[:, None] * K
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, BK)):
+            k_idx = kb * BK + rk
+            x_tile = tl.load(x_rows + k_idx[None, :], mask=valid[:, None] & (k_idx < K)[None, :],
+                             other=0.0)  # fmt: skip
+            acc = _moe_tile_dot(acc, x_tile, w_ptr, s_ptr, b_ptr, rn, n_mask, kb, KW, KG,
+                                MODE, BITS, G, NG, BN, UPCAST)  # fmt: skip
+            if GATED:  # the up rows, N further on
+                acc_u = _moe_tile_dot(acc_u, x_tile, w_ptr, s_ptr, b_ptr, rn + N, n_mask, kb,
+                                      KW, KG, MODE, BITS, G, NG, BN, UPCAST)  # fmt: skip
+        m2 = valid[:, None] & n_mask[None, :]
+        if HAS_BIAS:
+            acc += tl.load(BIAS1 + e * N + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc_u += tl.load(BIAS2 + e * N + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            g = acc
+            if ACT == 0:
+                y = g / (1.0 + tl.exp(-g)) * acc_u
+            else:
+                g = tl.minimum(g, limit)
+                u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+                y = (u + 1.0) * g / (1.0 + tl.exp(-alpha * g))
+        else:
+            y = acc
+            if SCALED:
+                y = y * tl.load(RW + slot, mask=valid, other=0.0).to(tl.float32)[:, None]
+        tl.store(OUT + slot[:, None] * N + rn[None, :], y.to(OUT.dtype.element_ty), mask=m2)
+
+
+GROUPED_BM = 16  # slots a tile: the tensor cores' narrowest M
+
+
+def _slot_tiles(flat: torch.Tensor, num_experts: int, bm: int) -> torch.Tensor:
+    """Slots (S,) int32 expert ids -> the padded expert-sorted slot list (P,) int32: each
+    expert's slots in order, padded with -1 to a multiple of bm, experts in order, then -1 to
+    P = S + E*(bm-1) rounded up to bm (the most any routing needs). Static shapes, no host
+    sync: capturable."""
+    S = flat.numel()
+    dev = flat.device
+    e = flat.long()
+    order = torch.argsort(e, stable=True)
+    se = e[order]
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev)
+    counts.scatter_add_(0, e, torch.ones_like(e))
+    start = torch.cumsum(counts, 0) - counts
+    padded = (counts + bm - 1) // bm * bm
+    pstart = torch.cumsum(padded, 0) - padded
+    pos = pstart[se] + torch.arange(S, device=dev) - start[se]
+    total = (S + num_experts * (bm - 1) + bm - 1) // bm * bm
+    out = torch.full((total,), -1, dtype=torch.int32, device=dev)
+    out[pos] = order.to(torch.int32)
+    return out
+
+
+def _glaunch(x, ids, tiles, out, rw, p: PackedExperts, b1, b2, x_div, o, scaled):
+    w = p.w
+    bias = b1 is not None
+    bn = 64
+    ng = max(1, 64 // w.group_size)
+    grid = (tiles.numel() // GROUPED_BM, triton.cdiv(p.n, bn))
+    _moe_grouped[grid](
+        x, ids, tiles, out, rw, w.weight, w.scales,
+        w.biases if w.biases is not None else w.scales, b1 if bias else out,
+        b2 if (bias and p.gated) else out, p.n, p.k, x_div, o.swiglu_limit, o.swiglu_alpha,
+        MODE=_MODE_ID[w.mode], BITS=w.bits, G=w.group_size, GATED=p.gated,
+        ACT=0 if o.act == "silu" else 1, HAS_BIAS=bias, SCALED=scaled, BM=GROUPED_BM, BN=bn,
+        NG=ng, UPCAST=x.device.type != "cuda", num_warps=4,
+    )  # fmt: skip
+
+
+def grouped_wins(slots: int, o) -> bool:
+    """Whether the grouped kernel runs a decode step: where the experts hit get two or more
+    slots each on average (each weight tile then decoded once for several slots, against
+    once a slot). A guess, not yet timed (benchmarks/moe_kernels.py --path)."""
+    return slots >= 2 * o.num_experts
+
+
 def _expert_rows(p: PackedExperts, j: int) -> QLinear:
     """Expert j's rows of a PackedExperts as a QLinear of its own (views, no copy)."""
     w = p.w
@@ -581,9 +719,10 @@ def moe_grouped(x, ids, weights, e, o):
     return y.view(T, k, H).sum(dim=1).to(x.dtype)
 
 
-def moe_experts(x, ids, weights, e, o):
+def moe_experts(x, ids, weights, e, o, grouped: bool | None = None):
     """x (T, H), ids (T, k) int, routing weights (T, k) -> (T, H): the top-k experts of
-    every token, weighted and summed, in two launches."""
+    every token, weighted and summed, in two launches. Packed experts: per slot
+    (_moe_qgemv), or grouped by expert (_moe_grouped) where `grouped` (None: grouped_wins)."""
     T, H = x.shape
     k = ids.shape[1]
     x = x.contiguous()
@@ -592,11 +731,16 @@ def moe_experts(x, ids, weights, e, o):
     h = torch.empty((T * k, o.intermediate_size), dtype=x.dtype, device=x.device)
     y = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
     packed = prepared(e)
-    if packed is not None:
+    if packed is None:
+        _launch(x, flat, h, rw, e.gate, e.gate_bias, e.up, e.up_bias, k, o, True, False)
+        _launch(h, flat, y, rw, e.down, e.down_bias, None, None, 1, o, False, True)
+    elif grouped if grouped is not None else grouped_wins(T * k, o):
+        gu, dn = packed
+        tiles = _slot_tiles(flat, o.num_experts, GROUPED_BM)
+        _glaunch(x, flat, tiles, h, rw, gu, e.gate_bias, e.up_bias, k, o, False)
+        _glaunch(h, flat, tiles, y, rw, dn, e.down_bias, None, 1, o, True)
+    else:
         gu, dn = packed
         _qlaunch(x, flat, h, rw, gu, e.gate_bias, e.up_bias, k, o, False)
         _qlaunch(h, flat, y, rw, dn, e.down_bias, None, 1, o, True)
-    else:
-        _launch(x, flat, h, rw, e.gate, e.gate_bias, e.up, e.up_bias, k, o, True, False)
-        _launch(h, flat, y, rw, e.down, e.down_bias, None, None, 1, o, False, True)
     return y.view(T, k, H).sum(dim=1).to(x.dtype)

@@ -4,6 +4,7 @@ step actually reads, against the copy bandwidth measured in the same run.
     python3 benchmarks/moe_kernels.py                                  # ~3 min on an H100
     python3 benchmarks/moe_kernels.py --shape gpt-oss-20b --formats mxfp4 --batch 1
     python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --warps auto,1,2,4   # A/B
+    python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --path slot,grouped --batch 8,16,32,64
     TRITON_INTERPRET=1 python3 benchmarks/moe_kernels.py --tiny        # CPU: values only
 
 Shapes: gpt-oss-20b (32 experts, top-4, hidden = intermediate = 2880, biases, clamped
@@ -19,6 +20,9 @@ a call: every distinct expert its tokens picked, gate + up + down (codes, scales
 expert biases) once, plus x and the output: what the roofline of `mlxrun bench` counts.
 `route+us` adds the router (cuda_moe.route on random logits; ids of the other columns are
 drawn by torch beforehand).
+Packed formats' rows take the decode path moe_experts picks (per slot below 2 slots an
+expert, else grouped by expert: cuda_moe.grouped_wins); --path slot,grouped times both
+(format/s, format/g), --warps the per-slot kernel's warps a program (format/w2).
 `per-slot` times the kernel that reads each slot's expert on its own (`_moe_gemv`, the path
 before the packed one) on the same weights and routes, for comparison in the same process;
 `err` is the packed result's relative difference from it.
@@ -235,6 +239,11 @@ def row(shape, name, o, layers, stored, batch, calls, bw, slots) -> str:
 
 
 _CHOOSE = cm.choose_qconfig
+_WINS = cm.grouped_wins
+
+
+def _forced(grouped: bool):
+    return lambda slots, o: grouped
 
 
 def _with_warps(warps: str):
@@ -252,6 +261,8 @@ def main() -> None:
     ap.add_argument("--batch", default="1,8,32")
     ap.add_argument("--calls", type=int, default=48, help="calls a graph (distinct routes)")
     ap.add_argument("--no-per-slot", action="store_true", help="skip the per-slot kernel")
+    ap.add_argument("--path", default="auto",
+                    help="packed experts' decode path to time: auto,slot,grouped (a row each)")  # fmt: skip
     ap.add_argument("--warps", default="auto",
                     help="packed kernel's warps a program to time, e.g. auto,1,2,4 (a row each)")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="CPU values check (TRITON_INTERPRET=1)")
@@ -283,12 +294,15 @@ def main() -> None:
             for e in layers:  # the repack is made on first use: before any capture
                 cm.prepared(e)
             for batch in [int(b) for b in a.batch.split(",")]:
-                for warps in a.warps.split(",") if fmt is not None else ["auto"]:
-                    cm.choose_qconfig = _with_warps(warps)
-                    label = name if warps == "auto" else f"{name}/w{warps}"
-                    print(row(shape, label, o, layers, stored, batch, a.calls, bw,
-                              not a.no_per_slot), flush=True)  # fmt: skip
-                cm.choose_qconfig = _CHOOSE
+                for path in a.path.split(",") if fmt is not None else ["auto"]:
+                    cm.grouped_wins = _WINS if path == "auto" else _forced(path == "grouped")
+                    for warps in a.warps.split(",") if fmt is not None else ["auto"]:
+                        cm.choose_qconfig = _with_warps(warps)
+                        label = name + ("" if path == "auto" else f"/{path[0]}")
+                        label += "" if warps == "auto" else f"/w{warps}"
+                        print(row(shape, label, o, layers, stored, batch, a.calls, bw,
+                                  not a.no_per_slot), flush=True)  # fmt: skip
+                cm.choose_qconfig, cm.grouped_wins = _CHOOSE, _WINS
             del layers, stored, one
             torch.cuda.empty_cache()
 
