@@ -1,6 +1,6 @@
-"""The Triton MoE decode kernels (backends/cuda_moe.py) against the plain torch expert path
-(backends/torch_moe.py), for dense experts and every packed format, with and without
-biases, SiLU and gpt-oss's clamped SwiGLU. Under TRITON_INTERPRET=1 at tiny sizes without a
+"""The Triton MoE kernels (backends/cuda_moe.py, cuda_moe_kernels.py) against the plain
+torch expert path (backends/torch_moe.py), for dense experts and every packed format, with
+and without biases, SiLU and gpt-oss's clamped SwiGLU. Under TRITON_INTERPRET=1 at tiny sizes without a
 GPU."""
 
 import importlib
@@ -16,6 +16,7 @@ if not HAS_CUDA:
 pytest.importorskip("triton", reason="triton is not installed")
 
 import mlxrun.backends.cuda_moe as cm  # noqa: E402
+import mlxrun.backends.cuda_moe_kernels as ck  # noqa: E402
 import mlxrun.quant.triton_kernels as tk  # noqa: E402
 from mlxrun.backends import torch_moe  # noqa: E402
 from mlxrun.backends.base import QuantizedWeight  # noqa: E402
@@ -23,10 +24,14 @@ from mlxrun.moe import Experts, MoEOptions  # noqa: E402
 from mlxrun.quant.formats import QuantSpec  # noqa: E402
 from mlxrun.quant.reference import quantize  # noqa: E402
 
+# imported earlier without the interpreter: decorate again, callees first (the packed
+# kernels call the dense GEMV's k-step; cuda_moe takes the kernels by name)
 if not HAS_CUDA and type(tk._gemv_step).__name__ != "InterpretedFunction":
-    tk = importlib.reload(tk)  # the packed kernel calls its k-step: both interpreted
+    tk = importlib.reload(tk)
+    ck = importlib.reload(ck)
     cm = importlib.reload(cm)
-elif not HAS_CUDA and type(cm._moe_qgemv).__name__ != "InterpretedFunction":
+elif not HAS_CUDA and type(ck._moe_qgemv).__name__ != "InterpretedFunction":
+    ck = importlib.reload(ck)
     cm = importlib.reload(cm)
 
 DEV = "cuda" if HAS_CUDA else "cpu"
