@@ -3,6 +3,8 @@ step actually reads, against the copy bandwidth measured in the same run.
 
     python3 benchmarks/moe_kernels.py                                  # ~3 min on an H100
     python3 benchmarks/moe_kernels.py --shape gpt-oss-20b --formats mxfp4 --batch 1
+    python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --warps auto,1,2,4   # A/B
+    python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --path slot,grouped --batch 8,16,32,64
     TRITON_INTERPRET=1 python3 benchmarks/moe_kernels.py --tiny        # CPU: values only
 
 Shapes: gpt-oss-20b (32 experts, top-4, hidden = intermediate = 2880, biases, clamped
@@ -18,6 +20,9 @@ a call: every distinct expert its tokens picked, gate + up + down (codes, scales
 expert biases) once, plus x and the output: what the roofline of `mlxrun bench` counts.
 `route+us` adds the router (cuda_moe.route on random logits; ids of the other columns are
 drawn by torch beforehand).
+Packed formats' rows take the decode path moe_experts picks (per slot below 2 slots an
+expert, else grouped by expert: cuda_moe.grouped_wins); --path slot,grouped times both
+(format/s, format/g), --warps the per-slot kernel's warps a program (format/w2).
 `per-slot` times the kernel that reads each slot's expert on its own (`_moe_gemv`, the path
 before the packed one) on the same weights and routes, for comparison in the same process;
 `err` is the packed result's relative difference from it.
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import math
 import os
 import sys
@@ -221,7 +227,7 @@ def row(shape, name, o, layers, stored, batch, calls, bw, slots) -> str:
     us = events_ms(graphed(packed, calls)) * 1e3 / calls
     rus = events_ms(graphed(routed, calls)) * 1e3 / calls
     gbs = nbytes / us / 1e3
-    line = (f"{shape:<14} {name:<6} {batch:>5} {used:>7.1f} {nbytes / 1e6:>7.1f} "
+    line = (f"{shape:<14} {name:<9} {batch:>5} {used:>7.1f} {nbytes / 1e6:>7.1f} "
             f"{us:>8.1f} {gbs:>6.0f} {100 * gbs * 1e9 / bw:>5.1f}% {rus:>8.1f}")  # fmt: skip
     if slots:
         sus = events_ms(graphed(slot, calls)) * 1e3 / calls
@@ -232,6 +238,21 @@ def row(shape, name, o, layers, stored, batch, calls, bw, slots) -> str:
     return line
 
 
+_CHOOSE = cm.choose_qconfig
+_WINS = cm.grouped_wins
+
+
+def _forced(grouped: bool):
+    return lambda slots, o: grouped
+
+
+def _with_warps(warps: str):
+    """choose_qconfig, or the same with `warps` warps a program (for A/B rows)."""
+    if warps == "auto":
+        return _CHOOSE
+    return lambda p: dataclasses.replace(_CHOOSE(p), warps=int(warps))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -240,6 +261,10 @@ def main() -> None:
     ap.add_argument("--batch", default="1,8,32")
     ap.add_argument("--calls", type=int, default=48, help="calls a graph (distinct routes)")
     ap.add_argument("--no-per-slot", action="store_true", help="skip the per-slot kernel")
+    ap.add_argument("--path", default="auto",
+                    help="packed experts' decode path to time: auto,slot,grouped (a row each)")  # fmt: skip
+    ap.add_argument("--warps", default="auto",
+                    help="packed kernel's warps a program to time, e.g. auto,1,2,4 (a row each)")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="CPU values check (TRITON_INTERPRET=1)")
     a = ap.parse_args()
     if a.tiny:
@@ -250,7 +275,7 @@ def main() -> None:
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e9:.0f} GB/s (read + write), "
           f"L2 {l2 >> 20} MiB")  # fmt: skip
-    print(f"{'shape':<14} {'format':<6} {'batch':>5} {'experts':>7} {'MB':>7} "
+    print(f"{'shape':<14} {'format':<9} {'batch':>5} {'experts':>7} {'MB':>7} "
           f"{'us':>8} {'GB/s':>6} {'%copy':>6} {'route+us':>8} {'per-slot us':>11} "
           f"{'%copy':>6} {'err':>8}")  # fmt: skip
     for shape in a.shape.split(","):
@@ -269,8 +294,15 @@ def main() -> None:
             for e in layers:  # the repack is made on first use: before any capture
                 cm.prepared(e)
             for batch in [int(b) for b in a.batch.split(",")]:
-                print(row(shape, name, o, layers, stored, batch, a.calls, bw,
-                          not a.no_per_slot), flush=True)  # fmt: skip
+                for path in a.path.split(",") if fmt is not None else ["auto"]:
+                    cm.grouped_wins = _WINS if path == "auto" else _forced(path == "grouped")
+                    for warps in a.warps.split(",") if fmt is not None else ["auto"]:
+                        cm.choose_qconfig = _with_warps(warps)
+                        label = name + ("" if path == "auto" else f"/{path[0]}")
+                        label += "" if warps == "auto" else f"/w{warps}"
+                        print(row(shape, label, o, layers, stored, batch, a.calls, bw,
+                                  not a.no_per_slot), flush=True)  # fmt: skip
+                cm.choose_qconfig, cm.grouped_wins = _CHOOSE, _WINS
             del layers, stored, one
             torch.cuda.empty_cache()
 

@@ -1,6 +1,6 @@
-"""The Triton MoE decode kernels (backends/cuda_moe.py) against the plain torch expert path
-(backends/torch_moe.py), for dense experts and every packed format, with and without
-biases, SiLU and gpt-oss's clamped SwiGLU. Under TRITON_INTERPRET=1 at tiny sizes without a
+"""The Triton MoE kernels (backends/cuda_moe.py, cuda_moe_kernels.py) against the plain
+torch expert path (backends/torch_moe.py), for dense experts and every packed format, with
+and without biases, SiLU and gpt-oss's clamped SwiGLU. Under TRITON_INTERPRET=1 at tiny sizes without a
 GPU."""
 
 import importlib
@@ -16,17 +16,24 @@ if not HAS_CUDA:
 pytest.importorskip("triton", reason="triton is not installed")
 
 import mlxrun.backends.cuda_moe as cm  # noqa: E402
-import mlxrun.quant.triton_gemv as tg  # noqa: E402
+import mlxrun.backends.cuda_moe_kernels as ck  # noqa: E402
+import mlxrun.quant.triton_gemm as tgm  # noqa: E402
+import mlxrun.quant.triton_gemv as tk  # noqa: E402
 from mlxrun.backends import torch_moe  # noqa: E402
 from mlxrun.backends.base import QuantizedWeight  # noqa: E402
 from mlxrun.moe import Experts, MoEOptions  # noqa: E402
 from mlxrun.quant.formats import QuantSpec  # noqa: E402
 from mlxrun.quant.reference import quantize  # noqa: E402
 
-if not HAS_CUDA and type(tg._gemv_step).__name__ != "InterpretedFunction":
-    tg = importlib.reload(tg)  # the packed kernel calls its k-step: both interpreted
+# imported earlier without the interpreter: decorate again, callees first (the packed
+# kernels call the dense GEMV's k-step; cuda_moe takes the kernels by name)
+if not HAS_CUDA and type(tk._gemv_step).__name__ != "InterpretedFunction":
+    tk = importlib.reload(tk)
+    tgm = importlib.reload(tgm)
+    ck = importlib.reload(ck)
     cm = importlib.reload(cm)
-elif not HAS_CUDA and type(cm._moe_qgemv).__name__ != "InterpretedFunction":
+elif not HAS_CUDA and type(ck._moe_qgemv).__name__ != "InterpretedFunction":
+    ck = importlib.reload(ck)
     cm = importlib.reload(cm)
 
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -170,5 +177,29 @@ def test_grouped_matches_torch_experts(fmt):
     assert int((ids == 0).sum()) == 8 and int((ids != 0).sum()) == 8
     want = (torch_moe._gathered(x, ids, e, o) * weights.unsqueeze(-1)).sum(1)
     got = cm.moe_grouped(x, ids, weights, e, o)
+    err = float((got - want).norm() / want.norm())
+    assert err < 1e-5, err
+
+
+@pytest.mark.parametrize("fmt", GROUPED)
+def test_grouped_decode_kernel(fmt):
+    """The capturable grouped kernel (_moe_grouped: slots sorted and padded by expert on the
+    device, tensor-core tiles) against the torch expert path; an unused expert, one with a
+    single slot and one with more slots than a tile's 16."""
+    rng = np.random.default_rng(4)
+    o = MoEOptions(E, K, I, "topk_softmax", act="swiglu_clamped", bias=True, swiglu_limit=0.6)
+    w = {n: (0.2 * rng.standard_normal(s)).astype(np.float32)
+         for n, s in (("gate", (E, I, H)), ("up", (E, I, H)), ("down", (E, H, I)))}  # fmt: skip
+    e = Experts(None, *(_stack(w[n], fmt) for n in ("gate", "up", "down")))
+    for n, width in (("gate_bias", I), ("up_bias", I), ("down_bias", H)):
+        setattr(e, n, torch.from_numpy(0.3 * rng.standard_normal((E, width))).float().to(DEV))
+    T2 = 18
+    x = torch.from_numpy(rng.standard_normal((T2, H))).float().to(DEV)
+    ids = torch.tensor([[0, 1]] * 17 + [[2, 0]], device=DEV)  # 0: 18 slots, 1: 17, 2: 1, 3: 0
+    weights = torch.softmax(torch.from_numpy(rng.standard_normal((T2, K))).float(), -1).to(DEV)
+    want = (torch_moe._gathered(x, ids, e, o) * weights.unsqueeze(-1)).sum(1)
+    tiles = cm._slot_tiles(ids.reshape(-1).to(torch.int32), E, cm.GROUPED_BM)
+    assert tiles.numel() == 96 and sorted(t for t in tiles.tolist() if t >= 0) == list(range(36))
+    got = cm.moe_experts(x, ids, weights, e, o, grouped=True)
     err = float((got - want).norm() / want.norm())
     assert err < 1e-5, err

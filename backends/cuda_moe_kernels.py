@@ -1,0 +1,399 @@
+"""The Triton kernels of mixture-of-experts on CUDA; backends/cuda_moe.py launches them.
+
+- `_moe_qgemv`: one slot (token, j) a program, packed experts, the dense GEMV's k-step
+  (quant/triton_kernels.py) on the expert's rows found from the slot's id;
+- `_moe_grouped`: one expert's tile of up to 16 slots a program, its weight tile decoded
+  once and multiplied on tensor cores (decode batches);
+- `_moe_gemv`: one slot a program, dense (or canonical packed) experts read as stored;
+- `_route_kernel`: a token's top-k experts and their weights.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mlxrun.quant.triton_gemm import _decode_tile
+from mlxrun.quant.triton_gemv import _gemv_step, _group_scale, _load_step
+from mlxrun.quant.triton_launch import tlc
+
+
+@triton.jit
+def _e4m3(b):
+    """E4M3 byte codes (int32) -> float32 (NaN codes not expected: the loader refuses them)."""
+    e = (b >> 3) & 15
+    m = (b & 7).to(tl.float32)
+    mag = tl.where(e == 0, m * 0.001953125, (1.0 + m * 0.125) * tl.exp2((e - 7).to(tl.float32)))
+    return tl.where((b & 128) != 0, -mag, mag)
+
+
+@triton.jit
+def _e2m1(q):
+    """E2M1 nibbles (int32) -> float32: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives."""
+    mag = q & 7
+    e = mag >> 1
+    m = (mag & 1).to(tl.float32)
+    v = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * tl.exp2((e - 1).to(tl.float32)))
+    return tl.where((q & 8) != 0, -v, v)
+
+
+@triton.jit
+def _tile(W, S, B, e, rows, rmask, w0, N, KW, KG, MODE: tl.constexpr, BITS: tl.constexpr,
+          G: tl.constexpr, BW: tl.constexpr):  # fmt: skip
+    """Weights (BLOCK_N, BW, PER) float32 of expert e, rows `rows`: words w0..w0+BW of each
+    row (PER = 32 // BITS values a word; dense: BW values, PER 1). Each word is loaded once
+    and its values taken by shifts, so a k-step is BW loads a row, not BW * PER."""
+    PER: tl.constexpr = 32 // BITS
+    wi = w0 + tl.arange(0, BW)
+    m2 = rmask[:, None] & (wi < KW)[None, :]
+    base = (e * N + rows[:, None]).to(tl.int64)
+    # one return at the end: Triton compiles the code after a constexpr-true `if ...: return`
+    # too, and the shifts below do not type-check on a dense (float) W
+    if MODE == 0:
+        w = tl.load(W + base * KW + wi[None, :], mask=m2, other=0.0)
+        out = w.to(tl.float32)[:, :, None]
+    else:
+        word = tl.load(W + base * KW + wi[None, :], mask=m2, other=0)
+        q = (word[:, :, None] >> (tl.arange(0, PER) * BITS)[None, None, :]) & ((1 << BITS) - 1)
+        WPG: tl.constexpr = G // PER  # words a group
+        gi = base * KG + (wi // WPG)[None, :]
+        if MODE == 1:  # affine: scale * q + bias
+            sc = tl.load(S + gi, mask=m2, other=0.0).to(tl.float32)[:, :, None]
+            b = tl.load(B + gi, mask=m2, other=0.0).to(tl.float32)[:, :, None]
+            out = q.to(tl.float32) * sc + b
+        else:
+            code = tl.load(S + gi, mask=m2, other=0).to(tl.int32)
+            if MODE == 3:  # nvfp4: E4M3 scale
+                scale = _e4m3(code)
+            else:  # E8M0: a power of two
+                scale = tl.exp2((code - 127).to(tl.float32))
+            if MODE == 4:
+                out = _e4m3(q) * scale[:, :, None]
+            else:
+                out = _e2m1(q) * scale[:, :, None]
+    return out
+
+
+@triton.jit
+def _moe_gemv(X, IDS, OUT, RW, W1, S1, B1, BIAS1, W2, S2, B2, BIAS2, N, K, X_DIV, limit, alpha,
+              MODE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, GATED: tl.constexpr,
+              ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
+              BLOCK_N: tl.constexpr, BW: tl.constexpr):  # fmt: skip
+    """OUT[s, rows] for slot s = program 0: x = X[s // X_DIV] (K,), expert IDS[s].
+    GATED: act(x @ W1[e]^T + b1) * (x @ W2[e]^T + b2); else x @ W1[e]^T + b1, times RW[s]
+    when SCALED. A k-step covers BW words (BW * PER inputs) of each of BLOCK_N rows."""
+    PER: tl.constexpr = 32 // BITS
+    s = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    e = tl.load(IDS + s).to(tl.int64)
+    xrow = X + (s // X_DIV).to(tl.int64) * K
+    KW = K // PER
+    KG = K // G
+    acc1 = tl.zeros((BLOCK_N,), tl.float32)
+    acc2 = tl.zeros((BLOCK_N,), tl.float32)
+    for w0 in range(0, KW, BW):
+        k = w0 * PER + tl.arange(0, BW * PER)
+        x = tl.load(xrow + k, mask=k < K, other=0.0).to(tl.float32)
+        x = tl.reshape(x, (BW, PER))[None, :, :]  # input k = word * PER + position
+        w = _tile(W1, S1, B1, e, rows, rmask, w0, N, KW, KG, MODE, BITS, G, BW)
+        acc1 += tl.sum(tl.sum(w * x, axis=2), axis=1)
+        if GATED:
+            w = _tile(W2, S2, B2, e, rows, rmask, w0, N, KW, KG, MODE, BITS, G, BW)
+            acc2 += tl.sum(tl.sum(w * x, axis=2), axis=1)
+    if HAS_BIAS:
+        acc1 += tl.load(BIAS1 + e * N + rows, mask=rmask, other=0.0).to(tl.float32)
+        if GATED:
+            acc2 += tl.load(BIAS2 + e * N + rows, mask=rmask, other=0.0).to(tl.float32)
+    y = acc1
+    if GATED:
+        if ACT == 0:  # SiLU(gate) * up
+            y = acc1 / (1.0 + tl.exp(-acc1)) * acc2
+        else:  # gpt-oss: gate clamped above, up both sides, (up + 1) * gate * sigmoid(a*gate)
+            g = tl.minimum(acc1, limit)
+            u = tl.minimum(tl.maximum(acc2, -limit), limit)
+            y = (u + 1.0) * g / (1.0 + tl.exp(-alpha * g))
+    if SCALED:
+        y = y * tl.load(RW + s).to(tl.float32)
+    tl.store(OUT + s.to(tl.int64) * N + rows, y.to(OUT.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def _moe_qgemv(X, IDS, OUT, RW, W, S, B, BIAS1, BIAS2, N, K, X_DIV, limit, alpha,
+               MODE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, GATED: tl.constexpr,
+               ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
+               BLOCK_N: tl.constexpr, KSTEPS: tl.constexpr, PREFETCH: tl.constexpr,
+               EVEN: tl.constexpr, KWC: tl.constexpr, WARPS: tl.constexpr,
+               PDL: tl.constexpr = False):  # fmt: skip
+    """OUT[s, rows] for slot s = program 0: x = X[s // X_DIV] (K,), expert e = IDS[s].
+
+    W, S, B: a QLinear's repacked words, row-tiled scales and biases of all experts, expert e
+    at rows e*R.. (R = 2N when GATED: its N gate rows, then its N up rows; else R = N).
+    GATED: act(gate + b1) * (up + b2) for BLOCK_N // 2 outputs (16: 8 gate rows and their 8
+    up rows as _gemv_step's two halves; 8: 4 and 4 in one half, as qmatmul's silu tiles);
+    else BLOCK_N rows of x @ W[e]^T + b1, times RW[s] when SCALED.
+    One k-step is 4 words of each row a lane (lanes along K, WARPS warps), KSTEPS of them
+    (no split-K: the slots already give enough programs). EVEN: no row or K masks (whole
+    row blocks and k-steps; KWC = the words a row, else 0).
+    PDL: the expert id and x come from earlier kernels, so nothing is loaded before the wait.
+    """
+    HALVES: tl.constexpr = 2 if BLOCK_N == 16 else 1
+    LANES: tl.constexpr = 32 * WARPS
+    EPW: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = G // EPW
+    TWO: tl.constexpr = WPG < 4  # nvfp4: a lane's words 0,1 and 2,3 are in two groups
+    s = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if PDL:
+        tlc.gdc_wait()
+        tlc.gdc_launch_dependents()
+    e = tl.load(IDS + s).to(tl.int64)
+    KG = K // G
+    if KWC > 0:
+        KW = KWC
+    else:
+        KW = K // EPW
+    if GATED:
+        R = 2 * N
+    else:
+        R = N
+    w_ptr = W + e * R * KW
+    s_ptr = S + e * R * KG  # tiles of 8 rows: expert e's start at tile e*R/8 (R % 8 == 0)
+    b_ptr = B + e * R * KG
+    if GATED and HALVES == 2:
+        rn = pid_n * 8 + tl.arange(0, 8)
+        rn_h = rn + N
+        n_mask = rn < N
+        n_mask_h = n_mask
+    elif GATED:
+        r8 = tl.arange(0, 8)
+        r4 = pid_n * 4 + r8 % 4
+        rn = r4 + (r8 // 4) * N
+        rn_h = rn  # unused
+        n_mask = r4 < N
+        n_mask_h = n_mask
+    else:
+        rn = pid_n * BLOCK_N + tl.arange(0, 8)
+        rn_h = rn + 8
+        n_mask = rn < N
+        n_mask_h = rn_h < N
+    rkw = tl.arange(0, 4 * LANES)
+    lane = tl.arange(0, LANES)
+    s_row = (rn // 8) * (KG * 8) + (rn % 8)
+    s_row_h = (rn_h // 8) * (KG * 8) + (rn_h % 8)
+    # the lanes' x inputs and groups, as _gemv_kernel sets them up
+    if TWO:
+        x_pair0 = (2 * lane[:, None] + tl.arange(0, 2)[None, :]) * (G // 2)
+        g_pair = 2 * lane[:, None] + tl.arange(0, 2)[None, :]
+    else:
+        xl = (lane // (WPG // 4)) * (G // 2) + (2 * lane) % (WPG // 2)
+        x_pair0 = tl.multiple_of(xl, 2)[:, None] + tl.arange(0, 2)[None, :]
+        g_pair = (lane // (WPG // 4))[:, None] + 0 * tl.arange(0, 2)[None, :]
+    g_a = (4 * lane) // WPG
+    g_b = (4 * lane + 2) // WPG
+    x_base = X + (s // X_DIV).to(tl.int64) * K
+    acc = tl.zeros([8, LANES], dtype=tl.float32)
+    acc_h = tl.zeros([8, LANES], dtype=tl.float32)
+    if PREFETCH:  # each step's words in flight while the previous step computes
+        wa = _load_step(w_ptr, rn, n_mask, rkw, 0, KW, EVEN, MODE, LANES)
+        wa_h = wa
+        if HALVES == 2:
+            wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, 0, KW, EVEN, MODE, LANES)
+        for j in range(0, KSTEPS // 2):
+            kb = 2 * j
+            wb = _load_step(w_ptr, rn, n_mask, rkw, kb + 1, KW, EVEN, MODE, LANES)
+            wb_h = wb
+            if HALVES == 2:
+                wb_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb + 1, KW, EVEN, MODE, LANES)
+            acc, acc_h = _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a,
+                                    g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr, KG,
+                                    MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
+            kn = tl.minimum(kb + 2, KSTEPS - 1)  # past the end: reload the last (unused)
+            wa = _load_step(w_ptr, rn, n_mask, rkw, kn, KW, EVEN, MODE, LANES)
+            wa_h = wa
+            if HALVES == 2:
+                wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kn, KW, EVEN, MODE, LANES)
+            acc, acc_h = _gemv_step(acc, acc_h, wb, wb_h, kb + 1, x_base, x_pair0, g_pair,
+                                    g_a, g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr,
+                                    KG, MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
+        if KSTEPS % 2 == 1:
+            acc, acc_h = _gemv_step(acc, acc_h, wa, wa_h, KSTEPS - 1, x_base, x_pair0, g_pair,
+                                    g_a, g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr,
+                                    KG, MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
+    else:
+        for kb in range(0, KSTEPS):
+            wa = _load_step(w_ptr, rn, n_mask, rkw, kb, KW, EVEN, MODE, LANES)
+            wa_h = wa
+            if HALVES == 2:
+                wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb, KW, EVEN, MODE, LANES)
+            acc, acc_h = _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a,
+                                    g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr, KG,
+                                    MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
+    # decoded products carry 2^-49 (affine), 2^-20 (fp8) or 2^-26 (fp4)
+    if MODE == 0:
+        C: tl.constexpr = 562949953421312.0
+    elif MODE == 3:
+        C: tl.constexpr = 1.0
+    else:
+        C: tl.constexpr = 67108864.0
+    out = tl.sum(acc, axis=1) * C  # [8]
+    out_row = OUT + s.to(tl.int64) * N
+    if GATED:
+        if HALVES == 2:
+            g = out
+            u = tl.sum(acc_h, axis=1) * C
+            rg = pid_n * 8 + tl.arange(0, 8)
+        else:
+            g, u = tl.split(tl.trans(tl.reshape(out, [2, 4])))  # rows 0-3 gate, 4-7 up
+            rg = pid_n * 4 + tl.arange(0, 4)
+        m = rg < N
+        if HAS_BIAS:
+            g += tl.load(BIAS1 + e * N + rg, mask=m, other=0.0).to(tl.float32)
+            u += tl.load(BIAS2 + e * N + rg, mask=m, other=0.0).to(tl.float32)
+        if ACT == 0:  # SiLU(gate) * up
+            y = g / (1.0 + tl.exp(-g)) * u
+        else:  # gpt-oss: gate clamped above, up both sides, (up + 1) * gate * sigmoid(a*gate)
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+            y = (u + 1.0) * g / (1.0 + tl.exp(-alpha * g))
+        tl.store(out_row + rg, y.to(OUT.dtype.element_ty), mask=m)
+    else:
+        if HAS_BIAS:
+            out += tl.load(BIAS1 + e * N + rn, mask=n_mask, other=0.0).to(tl.float32)
+        if SCALED:
+            out = out * tl.load(RW + s).to(tl.float32)
+        tl.store(out_row + rn, out.to(OUT.dtype.element_ty), mask=n_mask)
+        if HALVES == 2:
+            out_h = tl.sum(acc_h, axis=1) * C
+            if HAS_BIAS:
+                out_h += tl.load(BIAS1 + e * N + rn_h, mask=n_mask_h, other=0.0).to(tl.float32)
+            if SCALED:
+                out_h = out_h * tl.load(RW + s).to(tl.float32)
+            tl.store(out_row + rn_h, out_h.to(OUT.dtype.element_ty), mask=n_mask_h)
+
+
+@triton.jit
+def _route_kernel(L, WOUT, IDS, E, TOP_K: tl.constexpr, KP: tl.constexpr,
+                  BLOCK_E: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
+                  NORM: tl.constexpr):  # fmt: skip
+    """Token t = program 0: its E router logits L[t] -> the top-k experts IDS[t] (int32,
+    best first) and their weights WOUT[t] (float32), as torch_moe.route computes them:
+    SOFTMAX_FIRST: softmax over all E in fp32, the k largest, renormalised to sum 1 when
+    NORM; else the k largest logits, softmax over those k. k rounds of max + the lowest
+    index holding it (KP: k rounded up to a power of two)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    m = offs < E
+    z = tl.load(L + t * E + offs, mask=m, other=float("-inf")).to(tl.float32)
+    if SOFTMAX_FIRST:
+        p = tl.exp(z - tl.max(z, axis=0))
+        v = tl.where(m, p / tl.sum(p, axis=0), -1.0)
+    else:
+        v = z
+    slot = tl.arange(0, KP)
+    vals = tl.zeros([KP], tl.float32)
+    ids = tl.zeros([KP], tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(v, axis=0)
+        idx = tl.min(tl.where(v == best, offs, BLOCK_E), axis=0)
+        vals = tl.where(slot == j, best, vals)
+        ids = tl.where(slot == j, idx, ids)
+        v = tl.where(offs == idx, float("-inf"), v)
+    km = slot < TOP_K
+    if SOFTMAX_FIRST:
+        w = vals
+        if NORM:
+            w = w / tl.sum(tl.where(km, w, 0.0), axis=0)
+    else:  # vals[0] is the largest
+        ex = tl.where(km, tl.exp(vals - tl.max(tl.where(km, vals, float("-inf")), axis=0)), 0.0)
+        w = ex / tl.sum(ex, axis=0)
+    tl.store(WOUT + t * TOP_K + slot, w, mask=km)
+    tl.store(IDS + t * TOP_K + slot, ids, mask=km)
+
+
+@triton.jit
+def _moe_tile_dot(acc, x_tile, w_ptr, s_ptr, b_ptr, rn, n_mask, kb, KW, KG,
+                  MODE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
+                  BN: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """acc [BM, BN] += x_tile [BM, NG*G] @ (rows rn of W, k-step kb)^T: the weight tile
+    decoded in registers (fp32, then x's dtype) as _gemm_kernel's per-element path."""
+    EPW: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = G // EPW
+    g_idx = kb * NG + tl.arange(0, NG)
+    g_mask = g_idx < KG
+    w_ptrs = w_ptr + rn[:, None, None] * KW + g_idx[None, :, None] * WPG
+    w_ptrs += tl.arange(0, WPG)[None, None, :]
+    words = tl.load(w_ptrs, mask=n_mask[:, None, None] & g_mask[None, :, None], other=0)
+    s_offs = ((rn // 8) * (KG * 8) + (rn % 8))[:, None] + g_idx[None, :] * 8
+    scale, bias = _group_scale(s_ptr, b_ptr, s_offs, n_mask[:, None] & g_mask[None, :], MODE)
+    wv = _decode_tile(words.to(tl.uint32, bitcast=True), scale, bias, MODE, BITS, EPW)
+    w_tile = tl.reshape(wv, [BN, NG * G])
+    if UPCAST:  # the interpreter multiplies bf16 tiles as raw uint16: go through fp32
+        return tl.dot(x_tile.to(tl.float32), tl.trans(w_tile), acc)
+    if x_tile.dtype == tl.float32:
+        return tl.dot(x_tile, tl.trans(w_tile), acc, input_precision="tf32x3")
+    return tl.dot(x_tile, tl.trans(w_tile.to(x_tile.dtype)), acc)
+
+
+@triton.jit
+def _moe_grouped(X, IDS, SLOTS, OUT, RW, W, S, B, BIAS1, BIAS2, N, K, X_DIV, limit, alpha,
+                 MODE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                 GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 SCALED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr,
+                 UPCAST: tl.constexpr):  # fmt: skip
+    """Tile t = program 0 of the padded expert-sorted slot list SLOTS (BM entries a tile,
+    every tile one expert's, -1 for padding; a tile starting with -1 is past the end):
+    OUT[slot, rows] for those slots and BN rows (program 1), as _moe_qgemv computes them,
+    each weight tile decoded once for the tile's slots and multiplied on tensor cores."""
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slots = tl.load(SLOTS + t * BM + tl.arange(0, BM))
+    first = tl.max(tl.where(tl.arange(0, BM) == 0, slots, -1), axis=0)
+    if first >= 0:
+        valid = slots >= 0
+        slot = tl.where(valid, slots, 0).to(tl.int64)
+        e = tl.load(IDS + first).to(tl.int64)
+        EPW: tl.constexpr = 32 // BITS
+        KW = K // EPW
+        KG = K // G
+        if GATED:
+            R = 2 * N
+        else:
+            R = N
+        w_ptr = W + e * R * KW
+        s_ptr = S + e * R * KG
+        b_ptr = B + e * R * KG
+        rn = pid_n * BN + tl.arange(0, BN)
+        n_mask = rn < N
+        BK: tl.constexpr = NG * G
+        rk = tl.arange(0, BK)
+        x_rows = X + (slot // X_DIV)[:, None] * K
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, BK)):
+            k_idx = kb * BK + rk
+            x_tile = tl.load(x_rows + k_idx[None, :], mask=valid[:, None] & (k_idx < K)[None, :],
+                             other=0.0)  # fmt: skip
+            acc = _moe_tile_dot(acc, x_tile, w_ptr, s_ptr, b_ptr, rn, n_mask, kb, KW, KG,
+                                MODE, BITS, G, NG, BN, UPCAST)  # fmt: skip
+            if GATED:  # the up rows, N further on
+                acc_u = _moe_tile_dot(acc_u, x_tile, w_ptr, s_ptr, b_ptr, rn + N, n_mask, kb,
+                                      KW, KG, MODE, BITS, G, NG, BN, UPCAST)  # fmt: skip
+        m2 = valid[:, None] & n_mask[None, :]
+        if HAS_BIAS:
+            acc += tl.load(BIAS1 + e * N + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc_u += tl.load(BIAS2 + e * N + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            g = acc
+            if ACT == 0:
+                y = g / (1.0 + tl.exp(-g)) * acc_u
+            else:
+                g = tl.minimum(g, limit)
+                u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+                y = (u + 1.0) * g / (1.0 + tl.exp(-alpha * g))
+        else:
+            y = acc
+            if SCALED:
+                y = y * tl.load(RW + slot, mask=valid, other=0.0).to(tl.float32)[:, None]
+        tl.store(OUT + slot[:, None] * N + rn[None, :], y.to(OUT.dtype.element_ty), mask=m2)
