@@ -607,6 +607,127 @@ if triton is not None:
                                 SPLIT_K)  # fmt: skip
 
 
+if triton is not None:
+
+    @triton.jit
+    def _tile_scales(s_ptr, b_ptr, rn, g_idx, smask, KS, KIND: tl.constexpr):
+        """fp32 scale d*sc and bias -dmin*m [BN, NG] of rows rn and sub-blocks g_idx (Q6_K:
+        d*sc only). Exact in fp32."""
+        if KIND == 2:
+            sc = tl.load(s_ptr + rn[:, None] * KS + g_idx[None, :], mask=smask, other=0)
+            d = tl.load(b_ptr + rn[:, None] * (KS // 16) + (g_idx // 16)[None, :], mask=smask,
+                        other=0.0)  # fmt: skip
+            scale = d.to(tl.float32) * sc.to(tl.float32)
+            bias = scale  # unused: the codes carry their - 32
+        else:
+            s16 = s_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
+            scm = tl.load(s16 + rn[:, None] * KS + g_idx[None, :], mask=smask, other=0)
+            scm = scm.to(tl.uint32)
+            b32 = b_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+            dd = tl.load(b32 + rn[:, None] * (KS // 8) + (g_idx // 8)[None, :], mask=smask,
+                         other=0)  # fmt: skip
+            d = (dd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            dmin = (dd >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            sc = ((scm & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            mn = ((scm >> 8) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            scale = d * sc
+            bias = -(dmin * mn)
+        return scale, bias
+
+    @triton.jit
+    def _kq_tile_gemm_kernel(
+        x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, KS, stride_xm,
+        stride_ym, stride_wn, KIND: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, NG: tl.constexpr, SPLIT_K: tl.constexpr,
+        KB_PER_SPLIT: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
+        SWAP: tl.constexpr, EVEN_N: tl.constexpr = False, EVEN_K: tl.constexpr = False,
+        PDL: tl.constexpr = False,
+    ):  # fmt: skip
+        """y[M, N] = x[M, K] @ W^T on tensor cores: triton_kernels._gemm_kernel (its
+        grouped tile order, split-K, SWAP: the W tile as the register operand) with each
+        W tile of NG sub-blocks decoded in registers from the K-quant planes: the low
+        nibbles in the int4 group-transposed order (_decode_tile's), Q5_K/Q6_K's high bits
+        from their word per sub-block, then q * d*sc - dmin*m (Q6_K: (q - 32) * d*sc) in
+        fp32, rounded to x's dtype. KS: sub-blocks a row."""
+        G: tl.constexpr = 16 if KIND == 2 else 32  # a sub-block
+        WPG: tl.constexpr = G // 8
+        BK: tl.constexpr = NG * G
+        KW = K // 8
+        if PDL:
+            tlc.gdc_wait()
+            tlc.gdc_launch_dependents()
+        pid = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        num_m = tl.cdiv(M, BLOCK_M)
+        num_n = tl.cdiv(N, BLOCK_N)
+        width = GROUP_M * num_n
+        first_m = (pid // width) * GROUP_M
+        gsize = min(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % width) % gsize
+        pid_n = (pid % width) // gsize
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask = rm < M
+        n_mask = (rn < N) | EVEN_N
+        rg = tl.arange(0, NG)
+        rw = tl.arange(0, WPG)
+        rk = tl.arange(0, BK)
+        # field 8w + i of a high word: weight i*WPG + w of the sub-block ([8, WPG] order)
+        hpos = tl.arange(0, 8)[:, None] + 8 * rw[None, :]
+        if SWAP:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        kb0 = pid_k * KB_PER_SPLIT
+        for j in range(0, KB_PER_SPLIT):
+            kb = kb0 + j
+            g_idx = kb * NG + rg
+            g_mask = (g_idx < KS) | EVEN_K
+            row = w_ptr + rn[:, None, None] * stride_wn
+            wmask = n_mask[:, None, None] & g_mask[None, :, None]
+            words = tl.load(row + g_idx[None, :, None] * WPG + rw[None, None, :], mask=wmask,
+                            other=0).to(tl.uint32, bitcast=True)  # fmt: skip
+            smask = n_mask[:, None] & g_mask[None, :]
+            k_idx = kb * BK + rk
+            x_tile = tl.load(
+                x_ptr + rm[:, None] * stride_xm + k_idx[None, :],
+                mask=m_mask[:, None] & ((k_idx[None, :] < K) | EVEN_K),
+                other=0.0,
+            )
+            t = words[:, :, None, :] >> (tl.arange(0, 8) * 4)[None, None, :, None]
+            c = t & 15  # [BN, NG, 8, WPG]: weight i*WPG + w at [.., i, w]
+            if KIND != 0:
+                hw = tl.load(w_ptr + rn[:, None] * stride_wn + KW + g_idx[None, :], mask=smask,
+                             other=0).to(tl.uint32, bitcast=True)  # fmt: skip
+                h = (hw[:, :, None, None] >> (hpos * KIND)[None, None, :, :]) & ((1 << KIND) - 1)
+                c = c | (h << 4)
+            OFF: tl.constexpr = 8388640.0 if KIND == 2 else 8388608.0  # 2^23 (+ 32: Q6_K)
+            q = (c | 0x4B000000).to(tl.float32, bitcast=True) - OFF
+            scale, bias = _tile_scales(s_ptr, b_ptr, rn, g_idx, smask, KS, KIND)
+            if KIND == 2:
+                wv = q * scale[:, :, None, None]
+            else:
+                wv = q * scale[:, :, None, None] + bias[:, :, None, None]
+            w_tile = tl.reshape(wv, [BLOCK_N, BK]).to(x_tile.dtype)
+            if UPCAST:  # the interpreter multiplies bf16 tiles as raw uint16: go through fp32
+                x_tile = x_tile.to(tl.float32)
+                w_tile = w_tile.to(tl.float32)
+            if SWAP:
+                if x_tile.dtype == tl.float32 and not UPCAST:
+                    acc = tl.dot(w_tile, tl.trans(x_tile), acc, input_precision="tf32x3")
+                else:
+                    acc = tl.dot(w_tile, tl.trans(x_tile), acc)
+            elif x_tile.dtype == tl.float32 and not UPCAST:
+                acc = tl.dot(x_tile, tl.trans(w_tile), acc, input_precision="tf32x3")
+            else:
+                acc = tl.dot(x_tile, tl.trans(w_tile), acc)
+        if SWAP:
+            acc = tl.trans(acc)
+        tk._splitk_epilogue(
+            acc, y_ptr, part_ptr, cnt_ptr, rm, rn, M, N, stride_ym, M * N, pid, pid_k, SPLIT_K
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class KQConfig:
     """Launch parameters: kernel "gemv" (block_n rows, sb super-blocks a k-step) or "gemm"
@@ -693,6 +814,46 @@ def _lane_gemv(x2, w: KQLinear, y, silu: bool, cfg: tk.KernelConfig | None) -> N
     )  # fmt: skip
 
 
+def tile_gemm_config(m: int, w: KQLinear, device, x_dtype) -> tk.KernelConfig:
+    """Launch parameters of _kq_tile_gemm_kernel: triton_kernels.choose_config's for the
+    affine GEMM (its H100 measurements) with k-steps of 128 weights (4 sub-blocks of 32 or
+    8 of 16), W as the register operand (swap)."""
+    sms = tk._num_sms(device)
+    ng = 8 if w.kind == "Q6_K" else 4
+    if device.type == "cpu":  # interpreter: small tiles keep the CPU tests fast
+        bm, bn, warps, stages = 16, 32, 4, 1
+    elif x_dtype == torch.float32:  # tf32x3 needs 3 MMAs and hi/lo operands: small tiles
+        bm, bn, warps, stages = 16, 64, 4, 3
+    elif m <= 64:  # a few sequences: W's 128 rows the wgmma's wide side, split K to a wave
+        bm, bn, warps, stages = (32 if m <= 32 else 64), 128, 4, 4
+    else:
+        bm, bn, warps, stages = 128, 128, 8, 3
+    ksteps = math.ceil(w.k / 128)
+    tiles = math.ceil(m / bm) * math.ceil(w.n / bn)
+    sk = tk._split_even(tiles, ksteps, sms, 1.0) if tiles < sms else 1
+    return tk.KernelConfig("gemm", bm, bn, sk, ng, warps, stages, swap=device.type != "cpu")
+
+
+def _tile_gemm(x2, w: KQLinear, y, cfg: tk.KernelConfig | None) -> None:
+    m = x2.shape[0]
+    cfg = cfg or tile_gemm_config(m, w, x2.device, x2.dtype)
+    sub = gb.KQUANTS[w.kind][1]
+    ksteps = math.ceil(w.k / (cfg.ng * sub))
+    per = math.ceil(ksteps / cfg.split_k)
+    split = math.ceil(ksteps / per)  # no empty splits
+    tiles = math.ceil(m / cfg.block_m) * math.ceil(w.n / cfg.block_n)
+    part = torch.empty((split, m, w.n), dtype=torch.float32, device=x2.device) if split > 1 else y
+    cnt = tk._counters(x2.device, tiles) if split > 1 else y
+    _kq_tile_gemm_kernel[(tiles, split)](
+        x2, w.weight, w.scales, w.biases, y, part, cnt, m, w.n, w.k, w.k // sub, x2.stride(0),
+        y.stride(0), w.weight.stride(0), KIND=KINDS[w.kind], BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, NG=cfg.ng, SPLIT_K=split, KB_PER_SPLIT=per, GROUP_M=cfg.group_m,
+        UPCAST=x2.device.type != "cuda", SWAP=cfg.swap, EVEN_N=w.n % cfg.block_n == 0,
+        EVEN_K=w.k % (cfg.ng * sub) == 0 and ksteps % per == 0, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **tk.pdl_args(x2.device),
+    )  # fmt: skip
+
+
 def silu_fusable(x: torch.Tensor, w: KQLinear) -> bool:
     """Whether kqmatmul(x, w, silu=True) runs: w = [gate; up] with N/2 a multiple of 4, and
     at most GEMV_MAX_M rows of x (the GEMV)."""
@@ -731,6 +892,9 @@ def kqmatmul(
             cfg = tk.KernelConfig("gemv", 1, 8, config.split_k, num_warps=config.num_warps)
         _lane_gemv(x2, w, y, silu, cfg)
         return y.reshape(*lead, y.shape[-1])
+    if m > tk.GEMV_MAX_M and not isinstance(config, KQConfig):
+        _tile_gemm(x2, w, y, config)
+        return y.reshape(*lead, w.n)
     cfg = config or choose_kq_config(m, w, x.device)
     nb = w.k // QK
     kw = w.k // 8

@@ -90,11 +90,17 @@ def test_kqmatmul_equals_dequantized_product(kind, m, dtype):
 
 @pytest.mark.parametrize(
     "cfg",
-    [kq.KQConfig("gemv", 1, 16, 1, 3, 4), kq.KQConfig("gemm", 16, 32, 1, 2, 4)],
-    ids=["gemv-split3", "gemm-split2"],
+    [
+        kq.KQConfig("gemv", 1, 16, 1, 3, 4),
+        kq.KQConfig("gemm", 16, 32, 1, 2, 4),
+        tk.KernelConfig("gemm", 16, 32, 2, ng=4, num_warps=4, swap=True),
+    ],
+    ids=["tile-gemv-split3", "gemm-split2", "tile-gemm-swap-split2"],
 )
 def test_split_k(cfg):
-    """Split-K partials summed by the last program; the second call reuses the tickets."""
+    """Split-K partials summed by the last program; the second call reuses the tickets.
+    The tile GEMV and the per-super-block GEMM (KQConfig: kept for A/B timing) and the
+    tile GEMM with W as the first dot operand (swap)."""
     w, ref = _case("Q5_K", 16, 5, seed=3)
     x = torch.randn(1 if cfg.kernel == "gemv" else 17, w.k).to(torch.float32)
     for _ in range(2):
