@@ -88,7 +88,7 @@ def compile_gemm(kind: str, bm: int, bn: int, warps: int, stages: int, n=4096, k
 
 
 def report_gemm(kind: str, hist: bool) -> None:
-    bm, bn, warps, stages = 32, 128, 4, 4  # tile_gemm_config at M=32, bf16
+    bm, bn, warps, stages = 32, 128, 8, 4  # tile_gemm_config at M=32, bf16
     sass, res = sass_of(compile_gemm(kind, bm, bn, warps, stages))
     body = main_loop(parse(sass))
     regs = re.search(r"REG:(\d+)", res).group(1)

@@ -704,6 +704,12 @@ if triton is not None:
             OFF: tl.constexpr = 8388640.0 if KIND == 2 else 8388608.0  # 2^23 (+ 32: Q6_K)
             q = (c | 0x4B000000).to(tl.float32, bitcast=True) - OFF
             scale, bias = _tile_scales(s_ptr, b_ptr, rn, g_idx, smask, KS, KIND)
+            if not UPCAST:  # an opaque move: else Triton redoes the scale products per weight
+                # in the dot operand's layout (sm_90 SASS, Q4_K at M=32: 18.6 -> 9.9 a weight)
+                scale = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [scale],
+                                                  dtype=tl.float32, is_pure=False, pack=1)  # fmt: skip
+                bias = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [bias],
+                                                 dtype=tl.float32, is_pure=False, pack=1)  # fmt: skip
             if KIND == 2:
                 wv = q * scale[:, :, None, None]
             else:
@@ -825,7 +831,9 @@ def tile_gemm_config(m: int, w: KQLinear, device, x_dtype) -> tk.KernelConfig:
     elif x_dtype == torch.float32:  # tf32x3 needs 3 MMAs and hi/lo operands: small tiles
         bm, bn, warps, stages = 16, 64, 4, 3
     elif m <= 64:  # a few sequences: W's 128 rows the wgmma's wide side, split K to a wave
-        bm, bn, warps, stages = (32 if m <= 32 else 64), 128, 4, 4
+        # 8 warps: the decoded tile in 64 registers a thread (4 warps spilled; SASS for sm_90,
+        # Q4_K/Q5_K/Q6_K, instructions a weight decoded: 9.9 / 14.6 / 15.0, no spills)
+        bm, bn, warps, stages = (32 if m <= 32 else 64), 128, 8, 4
     else:
         bm, bn, warps, stages = 128, 128, 8, 3
     ksteps = math.ceil(w.k / 128)
