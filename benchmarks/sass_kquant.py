@@ -27,11 +27,12 @@ from sass_count import main_loop, opcode_histogram, parse, sass_of  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+import mlxrun.quant.kquant_kernels as kk  # noqa: E402
 import mlxrun.quant.triton_kquant as kq  # noqa: E402
 
 
 def compile_gemv(kind: str, warps: int, n=4096, k=4096, x="bf16", silu=False):
-    fn = kq._kq_lane_gemv_kernel
+    fn = kk._kq_lane_gemv_kernel
     sw = kq._shapes(kind, n, k)["weight"][1]
     ks = k // (16 if kind == "Q6_K" else 32)
     ints = dict(N=n, KS=ks, stride_xm=k, stride_ym=n, stride_w=sw)
@@ -60,7 +61,7 @@ def compile_gemv(kind: str, warps: int, n=4096, k=4096, x="bf16", silu=False):
 def compile_gemm(kind: str, bm: int, bn: int, warps: int, stages: int, n=4096, k=4096,
                  x="bf16", swap=True):  # fmt: skip
     """The tile GEMM (_kq_tile_gemm_kernel) as kqmatmul launches it at batch 32 (M=32)."""
-    fn = kq._kq_tile_gemm_kernel
+    fn = kk._kq_tile_gemm_kernel
     sw = kq._shapes(kind, n, k)["weight"][1]
     ks = k // (16 if kind == "Q6_K" else 32)
     ints = dict(M=32, N=n, K=k, KS=ks, stride_xm=k, stride_ym=n, stride_wn=sw)

@@ -19,13 +19,15 @@ if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
 pytest.importorskip("triton", reason="triton is not installed")
 
+import mlxrun.quant.kquant_kernels as kk  # noqa: E402
 import mlxrun.quant.triton_kernels as tk  # noqa: E402
 import mlxrun.quant.triton_kquant as kq  # noqa: E402
 from mlxrun.quant import gguf_blocks as gb  # noqa: E402
 from tests.test_gguf_blocks import random_rows  # noqa: E402
 
-if not HAS_CUDA and type(kq._kq_gemv_kernel).__name__ != "InterpretedFunction":
+if not HAS_CUDA and type(kk._kq_lane_gemv_kernel).__name__ != "InterpretedFunction":
     tk = importlib.reload(tk)  # imported earlier without the interpreter: decorate again
+    kk = importlib.reload(kk)
     kq = importlib.reload(kq)
 
 DEV = "cuda" if HAS_CUDA else "cpu"
