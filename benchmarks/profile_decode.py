@@ -220,7 +220,8 @@ def _cfg_name(c) -> str:
 def _kquant_configs(kind: str, m: int, warps) -> list:
     """Launches to sweep for a K-quant: the lane GEMV (the int4 GEMV's loop: 8 rows, warps,
     split-K), against the tile GEMV it replaced (16 or 32 rows x super-blocks a step,
-    split-K; "1x16 s2 sb2"), or the GEMM's tiles."""
+    split-K; "1x16 s2 sb2"); or the tile GEMM's tiles ("32x128 s1 swap ... ng4"), against
+    the per-super-block GEMM it replaced (no "swap")."""
     from mlxrun.quant import triton_kernels as tk
     from mlxrun.quant import triton_kquant as kq
 
@@ -236,10 +237,16 @@ def _kquant_configs(kind: str, m: int, warps) -> list:
             for sb in (1, 2)
             for sk in (1, 4)
         ]
-    return [
-        kq.KQConfig("gemm", bm, bn, 1, sk, nw)
-        for bm, bn, nw in ((32, 64, 8), (64, 64, 8), (32, 128, 8), (64, 128, 8))
+    ng = 8 if kind == "Q6_K" else 4  # k-steps of 128 weights
+    tile = [
+        tk.KernelConfig("gemm", bm, 128, sk, ng, nw, st, swap=True)
+        for bm, nw, st in ((32, 8, 4), (32, 4, 4), (64, 8, 4), (32, 8, 3))
         for sk in (1, 2, 4)
+    ]
+    return tile + [  # the per-super-block GEMM before it
+        kq.KQConfig("gemm", bm, bn, 1, sk, nw)
+        for bm, bn, nw in ((32, 64, 8), (32, 128, 8))
+        for sk in (1, 4)
     ]
 
 
