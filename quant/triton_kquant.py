@@ -347,9 +347,13 @@ def kqmatmul(
     y = torch.empty((m, w.n // 2 if silu else w.n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*lead, y.shape[-1])
-    # the lane GEMV unless a config asks for the tile GEMV (block_n 16 or 32: for A/B timing)
-    lane = config is None or (config.kernel == "gemv" and config.block_n == 8)
-    if m <= tk.GEMV_MAX_M and lane:
+    # a KQConfig (other than an 8-row GEMV) asks for the kernels the lane GEMV and the tile
+    # GEMM replaced, for A/B timing
+    old = isinstance(config, KQConfig) and not (config.kernel == "gemv" and config.block_n == 8)
+    kernel = config.kernel if config is not None else "gemv" if m <= tk.GEMV_MAX_M else "gemm"
+    if silu and (old or kernel != "gemv"):
+        raise ValueError("kqmatmul: silu needs the lane GEMV")
+    if not old and kernel == "gemv":
         if x2.dtype == torch.bfloat16 and (x2.data_ptr() % 4 or (m > 1 and x2.stride(0) % 2)):
             x2 = x2.clone()  # the GEMV reads bf16 x as uint32 pairs: 4-byte aligned rows
         cfg = None
@@ -357,7 +361,7 @@ def kqmatmul(
             cfg = tk.KernelConfig("gemv", 1, 8, config.split_k, num_warps=config.num_warps)
         _lane_gemv(x2, w, y, silu, cfg)
         return y.reshape(*lead, y.shape[-1])
-    if m > tk.GEMV_MAX_M and not isinstance(config, KQConfig):
+    if not old:
         _tile_gemm(x2, w, y, config)
         return y.reshape(*lead, w.n)
     cfg = config or choose_kq_config(m, w, x.device)
