@@ -227,9 +227,10 @@ def _kquant_configs(kind: str, m: int, warps) -> list:
 
     if m <= tk.GEMV_MAX_M:
         lane = [
-            tk.KernelConfig("gemv", 1, 8, sk, num_warps=nw)
+            tk.KernelConfig("gemv", 1, 8, sk, num_warps=nw, prefetch=pf)
             for nw in sorted({*warps, 1, 2, 4})
             for sk in (1, 2, 4, 8, 16)
+            for pf in (True, False)
         ]
         return lane + [
             kq.KQConfig("gemv", 1, bn, sb, sk, 4)

@@ -14,6 +14,7 @@ program, whole k-steps: a lane handles 4 low-nibble words (and their high bits) 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import sys
@@ -31,7 +32,7 @@ import mlxrun.quant.kquant_kernels as kk  # noqa: E402
 import mlxrun.quant.triton_kquant as kq  # noqa: E402
 
 
-def compile_gemv(kind: str, warps: int, n=4096, k=4096, x="bf16", silu=False):
+def compile_gemv(kind: str, warps: int, n=4096, k=4096, x="bf16", silu=False, prefetch=True):
     fn = kk._kq_lane_gemv_kernel
     sw = kq._shapes(kind, n, k)["weight"][1]
     ks = k // (16 if kind == "Q6_K" else 32)
@@ -39,7 +40,7 @@ def compile_gemv(kind: str, warps: int, n=4096, k=4096, x="bf16", silu=False):
     ptrs = dict(x_ptr=f"*{x}", w_ptr="*i32", s_ptr="*i8" if kind == "Q6_K" else "*u8",
                 b_ptr="*fp16", y_ptr=f"*{x}", part_ptr="*fp32", cnt_ptr="*i32")  # fmt: skip
     params = dict(M=1, KIND=kq.KINDS[kind], SPLIT_K=1, KB_PER_SPLIT=8, EVEN=True, KW=k // 8,
-                  SW=sw, PDL=True, SILU=silu, WARPS=warps)  # fmt: skip
+                  SW=sw, PDL=True, SILU=silu, WARPS=warps, PREFETCH=prefetch)  # fmt: skip
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in ptrs:
@@ -111,19 +112,20 @@ def main() -> None:
         for kind in a.kinds.split(","):
             report_gemm(kind, a.hist)
         return
-    for kind in a.kinds.split(","):
-        for warps in a.warps.split(","):
-            sass, res = sass_of(compile_gemv(kind, int(warps)))
-            body = main_loop(parse(sass))
-            per_step = len(body) / 2  # two k-steps an iteration
-            regs = re.search(r"REG:(\d+)", res).group(1)
-            spill = int(re.search(r"STACK:(\d+)", res).group(1)) + int(
-                re.search(r"LOCAL:(\d+)", res).group(1)
-            )
-            print(f"{kind} 8 rows, {warps} warps: {len(body)} loop instructions, "
-                  f"{per_step / 256:.2f} a weight, {regs} registers, {spill} B spilled")  # fmt: skip
-            if a.hist:
-                print(" ", opcode_histogram(body))
+    runs = [(kd, int(wp)) for kd in a.kinds.split(",") for wp in a.warps.split(",")]
+    for (kind, warps), pf in itertools.product(runs, (True, False)):
+        sass, res = sass_of(compile_gemv(kind, warps, prefetch=pf))
+        body = main_loop(parse(sass))
+        per_step = len(body) / (2 if pf else 1)  # prefetch: two k-steps an iteration
+        regs = re.search(r"REG:(\d+)", res).group(1)
+        spill = int(re.search(r"STACK:(\d+)", res).group(1)) + int(
+            re.search(r"LOCAL:(\d+)", res).group(1)
+        )
+        mode = "" if pf else ", no prefetch"
+        print(f"{kind} 8 rows, {warps} warps{mode}: {len(body)} loop instructions, "
+              f"{per_step / 256:.2f} a weight, {regs} registers, {spill} B spilled")  # fmt: skip
+        if a.hist:
+            print(" ", opcode_histogram(body))
 
 
 if __name__ == "__main__":

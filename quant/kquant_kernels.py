@@ -354,7 +354,7 @@ if triton is not None:
         x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, KS, stride_xm, stride_ym,
         stride_w, KIND: tl.constexpr, SPLIT_K: tl.constexpr, KB_PER_SPLIT: tl.constexpr,
         EVEN: tl.constexpr, KW: tl.constexpr, SW: tl.constexpr = 0, PDL: tl.constexpr = False,
-        SILU: tl.constexpr = False, WARPS: tl.constexpr = 1,
+        SILU: tl.constexpr = False, WARPS: tl.constexpr = 1, PREFETCH: tl.constexpr = True,
     ):  # fmt: skip
         """K-quant GEMV, y[m, N] = x[m, K] @ W^T for one row m of x, laid out as
         triton_kernels._gemv_kernel (read its docstring): 8 rows a program, WARPS warps,
@@ -399,24 +399,35 @@ if triton is not None:
         if PDL:  # the weights do not depend on the previous kernel; x does
             tlc.gdc_wait()
             tlc.gdc_launch_dependents()
-        # two k-steps an iteration, each one's words loaded a step ahead (no register copies)
-        for j in range(0, KB_PER_SPLIT // 2):
-            kb = kb0 + 2 * j
-            wb = tk._load_step(w_ptr, rn, n_mask, rkw, kb + 1, swn, EVEN, 0, LANES)
-            hb = wb
-            if KIND != 0:
-                hb = _lane_hi(w_ptr, rn, n_mask, rkw, kb + 1, swn, KW, KS, KIND, EVEN, LANES)
-            acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, rn, n_mask, s_ptr, b_ptr,
+        if PREFETCH:
+            # two k-steps an iteration, each one's words loaded a step ahead (no register copies)
+            for j in range(0, KB_PER_SPLIT // 2):
+                kb = kb0 + 2 * j
+                wb = tk._load_step(w_ptr, rn, n_mask, rkw, kb + 1, swn, EVEN, 0, LANES)
+                hb = wb
+                if KIND != 0:
+                    hb = _lane_hi(w_ptr, rn, n_mask, rkw, kb + 1, swn, KW, KS, KIND, EVEN, LANES)
+                acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, rn, n_mask, s_ptr, b_ptr,
+                                 KS, KIND, EVEN, LANES)  # fmt: skip
+                kn = tl.minimum(kb + 2, kb_last)  # past the last step: reload it, never used
+                wa = tk._load_step(w_ptr, rn, n_mask, rkw, kn, swn, EVEN, 0, LANES)
+                if KIND != 0:
+                    ha = _lane_hi(w_ptr, rn, n_mask, rkw, kn, swn, KW, KS, KIND, EVEN, LANES)
+                acc = _lane_step(acc, wb, hb, kb + 1, x_base, x_pair0, lane, rn, n_mask, s_ptr,
+                                 b_ptr, KS, KIND, EVEN, LANES)  # fmt: skip
+            if KB_PER_SPLIT % 2 == 1:
+                acc = _lane_step(acc, wa, ha, kb_last, x_base, x_pair0, lane, rn, n_mask, s_ptr,
+                                 b_ptr, KS, KIND, EVEN, LANES)  # fmt: skip
+        else:  # each step's words loaded in the step: fewer registers, more resident warps
+            acc = _lane_step(acc, wa, ha, kb0, x_base, x_pair0, lane, rn, n_mask, s_ptr, b_ptr,
                              KS, KIND, EVEN, LANES)  # fmt: skip
-            kn = tl.minimum(kb + 2, kb_last)  # past the last step: reload it, never used
-            wa = tk._load_step(w_ptr, rn, n_mask, rkw, kn, swn, EVEN, 0, LANES)
-            if KIND != 0:
-                ha = _lane_hi(w_ptr, rn, n_mask, rkw, kn, swn, KW, KS, KIND, EVEN, LANES)
-            acc = _lane_step(acc, wb, hb, kb + 1, x_base, x_pair0, lane, rn, n_mask, s_ptr,
-                             b_ptr, KS, KIND, EVEN, LANES)  # fmt: skip
-        if KB_PER_SPLIT % 2 == 1:
-            acc = _lane_step(acc, wa, ha, kb_last, x_base, x_pair0, lane, rn, n_mask, s_ptr,
-                             b_ptr, KS, KIND, EVEN, LANES)  # fmt: skip
+            for j in range(1, KB_PER_SPLIT):
+                kb = kb0 + j
+                wa = tk._load_step(w_ptr, rn, n_mask, rkw, kb, swn, EVEN, 0, LANES)
+                if KIND != 0:
+                    ha = _lane_hi(w_ptr, rn, n_mask, rkw, kb, swn, KW, KS, KIND, EVEN, LANES)
+                acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, rn, n_mask, s_ptr,
+                                 b_ptr, KS, KIND, EVEN, LANES)  # fmt: skip
         out = tl.sum(acc, axis=1) * 562949953421312.0  # [8]: undo the decode's 2^-49
         tile = m * tl.num_programs(1) + pid_n
         if SILU:

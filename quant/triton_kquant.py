@@ -251,7 +251,11 @@ def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
         sk = near
     if warps == 1 and tiles < 8 * sms and ksteps / sk > 4:
         sk = math.ceil(ksteps / 4)
-    return tk.KernelConfig("gemv", 1, 8, sk, num_warps=warps)
+    # Q6_K without the next step's words in flight: 168 registers, no spills, 5.62
+    # instructions a weight, against 255 registers, ~300 B spilled, 5.90 with them (SASS for
+    # sm_90; the faster one on a GPU not measured yet: profile_decode.py --linears sweeps both)
+    prefetch = w.kind != "Q6_K"
+    return tk.KernelConfig("gemv", 1, 8, sk, num_warps=warps, prefetch=prefetch)
 
 
 def _lane_gemv(x2, w: KQLinear, y, silu: bool, cfg: tk.KernelConfig | None) -> None:
@@ -272,7 +276,8 @@ def _lane_gemv(x2, w: KQLinear, y, silu: bool, cfg: tk.KernelConfig | None) -> N
     kk._kq_lane_gemv_kernel[(m, tiles, split)](
         x2, w.weight, w.scales, w.biases, y, part, cnt, m, w.n, ks, x2.stride(0), y.stride(0),
         w.weight.stride(0), KIND=KINDS[w.kind], SPLIT_K=split, KB_PER_SPLIT=per, EVEN=even,
-        KW=kw, SW=sw if even else 0, SILU=silu, WARPS=cfg.num_warps, num_warps=cfg.num_warps,
+        KW=kw, SW=sw if even else 0, SILU=silu, WARPS=cfg.num_warps, PREFETCH=cfg.prefetch,
+        num_warps=cfg.num_warps,
         **tk.pdl_args(x2.device),
     )  # fmt: skip
 
@@ -357,8 +362,11 @@ def kqmatmul(
         if x2.dtype == torch.bfloat16 and (x2.data_ptr() % 4 or (m > 1 and x2.stride(0) % 2)):
             x2 = x2.clone()  # the GEMV reads bf16 x as uint32 pairs: 4-byte aligned rows
         cfg = None
-        if config is not None:  # a KQConfig's (or KernelConfig's) split and warps
-            cfg = tk.KernelConfig("gemv", 1, 8, config.split_k, num_warps=config.num_warps)
+        if config is not None:  # a KQConfig's (or KernelConfig's) split, warps, prefetch
+            pf = getattr(config, "prefetch", w.kind != "Q6_K")
+            cfg = tk.KernelConfig(
+                "gemv", 1, 8, config.split_k, num_warps=config.num_warps, prefetch=pf
+            )
         _lane_gemv(x2, w, y, silu, cfg)
         return y.reshape(*lead, y.shape[-1])
     if not old:

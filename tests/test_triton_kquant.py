@@ -122,9 +122,10 @@ def test_lane_gemv_configs_and_silu(kind):
     n, nb = 16, 8  # 8 gate rows (2 tiles of 4 gate + 4 up); K = 2048: 256 words a row
     w, ref = _case(kind, n, nb, seed=21)
     gen = torch.Generator().manual_seed(4)
-    runs = ((2, 1, 1), (1, 2, 3)) if kind == "Q4_K" else ((2, 1, 1),)
-    for sk, nw, m in runs:
-        cfg = kq.KQConfig("gemv", 1, 8, 1, sk, nw)
+    # with and without the next step's words in flight (Q6_K's default is without)
+    runs = ((2, 1, 1, True), (1, 2, 3, False)) if kind == "Q4_K" else ((2, 1, 1, True),)
+    for sk, nw, m, pf in runs:
+        cfg = tk.KernelConfig("gemv", 1, 8, sk, num_warps=nw, prefetch=pf)
         x = torch.randn(m, w.k, generator=gen).bfloat16()
         y = kq.kqmatmul(x.to(DEV), w, cfg)
         _check(y, x, ref)
