@@ -13,7 +13,7 @@ and M=batch, inside a CUDA graph that cycles through enough copies of the weight
 nothing stays in L2 between calls, as in a real step; our kernel's configs and cuBLAS bf16;
 GB/s of the weight's bytes and their % of the device-to-device copy bandwidth. Formats are
 benchmarks/kernels.py's, GGUF K-quants included (q4_k, q5_k, q6_k: random blocks in
-quant/triton_kquant.py's layout), e.g. on the H100 (~3 min):
+quant/triton_kquant.py's layout), e.g. on the H100 (minutes: the compiles dominate):
 
     python3 benchmarks/profile_decode.py --linears --formats affine4g64,q4_k,q6_k,q5_k \
         --batch 1,32
@@ -220,27 +220,27 @@ def _cfg_name(c) -> str:
 def _kquant_configs(kind: str, m: int, warps) -> list:
     """Launches to sweep for a K-quant: the lane GEMV (the int4 GEMV's loop: 8 rows, warps,
     split-K), against the tile GEMV it replaced (16 or 32 rows x super-blocks a step,
-    split-K; "1x16 s2 sb2"), or the GEMM's tiles."""
+    split-K; "1x16 s2 sb2"); or the tile GEMM's tiles ("32x128 s1 swap ... ng4"), against
+    the per-super-block GEMM it replaced (no "swap")."""
     from mlxrun.quant import triton_kernels as tk
     from mlxrun.quant import triton_kquant as kq
 
     if m <= tk.GEMV_MAX_M:
+        pf = kind != "Q6_K"  # lane_config's choice; the other one at 4 warps
         lane = [
-            tk.KernelConfig("gemv", 1, 8, sk, num_warps=nw)
+            tk.KernelConfig("gemv", 1, 8, sk, num_warps=nw, prefetch=pf)
             for nw in sorted({*warps, 1, 2, 4})
-            for sk in (1, 2, 4, 8, 16)
+            for sk in (1, 2, 4, 8)
         ]
-        return lane + [
-            kq.KQConfig("gemv", 1, bn, sb, sk, 4)
-            for bn in (16, 32)
-            for sb in (1, 2)
-            for sk in (1, 4)
-        ]
-    return [
-        kq.KQConfig("gemm", bm, bn, 1, sk, nw)
-        for bm, bn, nw in ((32, 64, 8), (64, 64, 8), (32, 128, 8), (64, 128, 8))
+        lane += [tk.KernelConfig("gemv", 1, 8, sk, num_warps=4, prefetch=not pf) for sk in (1, 2)]
+        return lane + [kq.KQConfig("gemv", 1, 32, 2, sk, 4) for sk in (1, 4)]
+    ng = 8 if kind == "Q6_K" else 4  # k-steps of 128 weights
+    tile = [
+        tk.KernelConfig("gemm", bm, 128, sk, ng, nw, st, swap=True)
+        for bm, nw, st in ((32, 8, 4), (32, 4, 4), (64, 8, 4))
         for sk in (1, 2, 4)
     ]
+    return tile + [kq.KQConfig("gemm", 32, 64, 1, sk, 8) for sk in (1, 4)]  # the one before
 
 
 def attention(cfg, batches: list[int], context: int) -> None:

@@ -3,6 +3,7 @@ needed: instructions of the k-loop per weight element, registers, spills.
 
     python benchmarks/sass_kquant.py                          # Q4_K, Q5_K, Q6_K; 1, 2, 4 warps
     python benchmarks/sass_kquant.py --kinds Q6_K --warps 2 --hist
+    python benchmarks/sass_kquant.py --gemm                   # the tile GEMM at M=32
 
 The GEMV is _kq_lane_gemv_kernel (the int4 GEMV's loop), compiled as sass_count.py compiles
 the affine GEMV (pointers divisible by 16, PDL on), for a 4096x4096 weight, 8 rows a
@@ -13,6 +14,7 @@ program, whole k-steps: a lane handles 4 low-nibble words (and their high bits) 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import sys
@@ -26,18 +28,19 @@ from sass_count import main_loop, opcode_histogram, parse, sass_of  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+import mlxrun.quant.kquant_kernels as kk  # noqa: E402
 import mlxrun.quant.triton_kquant as kq  # noqa: E402
 
 
-def compile_gemv(kind: str, warps: int, n=4096, k=4096, x="bf16", silu=False):
-    fn = kq._kq_lane_gemv_kernel
+def compile_gemv(kind: str, warps: int, n=4096, k=4096, x="bf16", silu=False, prefetch=True):
+    fn = kk._kq_lane_gemv_kernel
     sw = kq._shapes(kind, n, k)["weight"][1]
     ks = k // (16 if kind == "Q6_K" else 32)
     ints = dict(N=n, KS=ks, stride_xm=k, stride_ym=n, stride_w=sw)
     ptrs = dict(x_ptr=f"*{x}", w_ptr="*i32", s_ptr="*i8" if kind == "Q6_K" else "*u8",
                 b_ptr="*fp16", y_ptr=f"*{x}", part_ptr="*fp32", cnt_ptr="*i32")  # fmt: skip
     params = dict(M=1, KIND=kq.KINDS[kind], SPLIT_K=1, KB_PER_SPLIT=8, EVEN=True, KW=k // 8,
-                  SW=sw, PDL=True, SILU=silu, WARPS=warps)  # fmt: skip
+                  SW=sw, PDL=True, SILU=silu, WARPS=warps, PREFETCH=prefetch)  # fmt: skip
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in ptrs:
@@ -56,25 +59,73 @@ def compile_gemv(kind: str, warps: int, n=4096, k=4096, x="bf16", silu=False):
     )
 
 
+def compile_gemm(kind: str, bm: int, bn: int, warps: int, stages: int, n=4096, k=4096,
+                 x="bf16", swap=True):  # fmt: skip
+    """The tile GEMM (_kq_tile_gemm_kernel) as kqmatmul launches it at batch 32 (M=32)."""
+    fn = kk._kq_tile_gemm_kernel
+    sw = kq._shapes(kind, n, k)["weight"][1]
+    ks = k // (16 if kind == "Q6_K" else 32)
+    ints = dict(M=32, N=n, K=k, KS=ks, stride_xm=k, stride_ym=n, stride_wn=sw)
+    ptrs = dict(x_ptr=f"*{x}", w_ptr="*i32", s_ptr="*i8" if kind == "Q6_K" else "*u8",
+                b_ptr="*fp16", y_ptr=f"*{x}", part_ptr="*fp32", cnt_ptr="*i32")  # fmt: skip
+    params = dict(KIND=kq.KINDS[kind], BLOCK_M=bm, BLOCK_N=bn, NG=8 if kind == "Q6_K" else 4,
+                  SPLIT_K=1, KB_PER_SPLIT=32, GROUP_M=8, UPCAST=False, SWAP=swap, EVEN_N=True,
+                  EVEN_K=True, PDL=True)  # fmt: skip
+    sig, consts, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in ptrs:
+            sig[name] = ptrs[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ints:
+            sig[name] = "i32"
+            if ints[name] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "constexpr"
+            consts[name] = params[name]
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
+    )
+
+
+def report_gemm(kind: str, hist: bool) -> None:
+    bm, bn, warps, stages = 32, 128, 8, 4  # tile_gemm_config at M=32, bf16
+    sass, res = sass_of(compile_gemm(kind, bm, bn, warps, stages))
+    body = main_loop(parse(sass))
+    regs = re.search(r"REG:(\d+)", res).group(1)
+    per = bn * 128 / (32 * warps)  # weights a thread decodes a k-step (128 of K)
+    print(f"{kind} GEMM {bm}x{bn} swap, {warps} warps, {stages} stages: {len(body)} loop "
+          f"instructions, {len(body) / per:.2f} a weight decoded, {regs} registers")  # fmt: skip
+    if hist:
+        print(" ", opcode_histogram(body))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kinds", default="Q4_K,Q5_K,Q6_K")
     ap.add_argument("--warps", default="1,2,4")
     ap.add_argument("--hist", action="store_true", help="print the loop's opcode histogram")
+    ap.add_argument("--gemm", action="store_true", help="the tile GEMM at M=32 instead")
     a = ap.parse_args()
-    for kind in a.kinds.split(","):
-        for warps in a.warps.split(","):
-            sass, res = sass_of(compile_gemv(kind, int(warps)))
-            body = main_loop(parse(sass))
-            per_step = len(body) / 2  # two k-steps an iteration
-            regs = re.search(r"REG:(\d+)", res).group(1)
-            spill = int(re.search(r"STACK:(\d+)", res).group(1)) + int(
-                re.search(r"LOCAL:(\d+)", res).group(1)
-            )
-            print(f"{kind} 8 rows, {warps} warps: {len(body)} loop instructions, "
-                  f"{per_step / 256:.2f} a weight, {regs} registers, {spill} B spilled")  # fmt: skip
-            if a.hist:
-                print(" ", opcode_histogram(body))
+    if a.gemm:
+        for kind in a.kinds.split(","):
+            report_gemm(kind, a.hist)
+        return
+    runs = [(kd, int(wp)) for kd in a.kinds.split(",") for wp in a.warps.split(",")]
+    for (kind, warps), pf in itertools.product(runs, (True, False)):
+        sass, res = sass_of(compile_gemv(kind, warps, prefetch=pf))
+        body = main_loop(parse(sass))
+        per_step = len(body) / (2 if pf else 1)  # prefetch: two k-steps an iteration
+        regs = re.search(r"REG:(\d+)", res).group(1)
+        spill = int(re.search(r"STACK:(\d+)", res).group(1)) + int(
+            re.search(r"LOCAL:(\d+)", res).group(1)
+        )
+        mode = "" if pf else ", no prefetch"
+        print(f"{kind} 8 rows, {warps} warps{mode}: {len(body)} loop instructions, "
+              f"{per_step / 256:.2f} a weight, {regs} registers, {spill} B spilled")  # fmt: skip
+        if a.hist:
+            print(" ", opcode_histogram(body))
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ dmin fp16 per super-block of 256 (quant/gguf_blocks.py). `prepare_kquant` re-lay
 blocks out once at load, the same fields in planes the kernels load as whole tiles, per row
 of K = 256 * nb weights:
 
-- weight int32 [N, K/8 + K*HB/32]: the low 4 bits of every code (word w: weights 8w..8w+7 at
-  nibbles 0..7), then the HB high bits (Q5_K 1, Q6_K 2; word v: weights (32/HB)*v + i at
-  bits HB*i);
+- weight int32 [N, K/8 + K*HB/32]: the low 4 bits of every code, a sub-block of S weights
+  (32; Q6_K 16) in WPS = S/8 words, weight i*WPS + w at nibble i of word w (the affine
+  int4 kernels' group-transposed order), then the HB high bits (Q5_K 1, Q6_K 2), one word a
+  sub-block, weight i*WPS + w at bits HB*(8w + i);
 - scales uint8 [N, K/16]: (sc, m) of each sub-block of 32 (Q4_K, Q5_K), or int8 sc of each
   sub-block of 16 (Q6_K);
 - biases float16 [N, 2*nb]: (d, dmin) of each super-block, or [N, nb]: d (Q6_K).
@@ -18,11 +19,10 @@ Bits per weight held, against the file: Q4_K 4.625 (4.5), Q5_K 5.625 (5.5), Q6_K
 are exact in fp32 (d * sc: an 11-bit significand times a 6- or 8-bit integer), so a kernel's
 result differs from the dequantized fp32 product only by the order of its fp32 sums.
 
-`kqmatmul(x, w)`: up to GEMV_MAX_M rows of x run the CUDA-core GEMV (per sub-block the dot
-of codes and x, then scale * dot + bias * sum(x): one scale multiply per 16 or 32 weights),
-split along K where the row blocks alone leave SMs idle (the partials summed by the last
-program, triton_kernels._split_sum); more rows run a tensor-core GEMM that decodes each
-weight tile in registers to x's dtype.
+`kqmatmul(x, w)` launches the kernels of quant/kquant_kernels.py: up to GEMV_MAX_M rows of x
+run the GEMV (the affine int4 GEMV's loop: per lane and row one FFMA chain over a sub-block,
+then dot * d*sc - dmin*m * sum(x); split-K, PDL, and silu=True for a joint [gate; up]), more
+rows the tensor-core GEMM that decodes each weight tile in registers to x's dtype.
 """
 
 from __future__ import annotations
@@ -34,14 +34,11 @@ import numpy as np
 
 from mlxrun.errors import MlxrunError
 from mlxrun.quant import gguf_blocks as gb
-from mlxrun.quant import triton_gemv as tg
+from mlxrun.quant import kquant_kernels as kk
 from mlxrun.quant import triton_kernels as tk
 from mlxrun.quant import triton_launch as tch
 
 torch = tk.torch
-triton = tk.triton
-tl = tk.tl
-tlc = tk.tlc
 
 KINDS = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}
 HIGH_BITS = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}  # bits of each code above the low nibble
@@ -195,420 +192,6 @@ def concat(parts: list[KQLinear]) -> KQLinear | None:
     return KQLinear(*joint, p0.kind, sum(p.n for p in parts), p0.k)
 
 
-# ----------------------------------------------------------------------------- kernels
-
-if triton is not None:
-
-    @triton.jit
-    def _kq_load(w_ptr, rn, n_mask, kb, stride_w, KW, KB, KIND: tl.constexpr, NS: tl.constexpr):
-        """Words of k-step kb (NS sub-blocks) of rows rn: low nibbles [BN, NS, WPS] (WPS words
-        a sub-block) and high bits [BN, NS] (one word a sub-block; lo again for Q4_K, unused).
-        KW: low-nibble words a row; KB: super-blocks a row."""
-        S: tl.constexpr = 16 if KIND == 2 else 32
-        WPS: tl.constexpr = S // 8
-        rs = kb * NS + tl.arange(0, NS)  # sub-blocks of the row
-        smask = n_mask[:, None] & (rs < KB * (256 // S))[None, :]
-        base = w_ptr + rn[:, None] * stride_w + rs[None, :] * WPS
-        rw = tl.arange(0, WPS)[None, None, :]
-        lo = tl.load(base[:, :, None] + rw, mask=smask[:, :, None], other=0)
-        if KIND == 0:
-            hi = lo
-        else:
-            hi = tl.load(w_ptr + rn[:, None] * stride_w + KW + rs[None, :], mask=smask, other=0)
-        return lo, hi
-
-    @triton.jit
-    def _kq_codes(lo, hi, KIND: tl.constexpr):
-        """Words from _kq_load -> codes as fp32 [BN, NS, WPS, 8] (Q6_K: q - 32), weight
-        8w + i of each sub-block at [.., w, i]. The integer code goes into the mantissa of
-        2^23 (an OR and a subtract, no int->float conversion, a quarter-rate instruction).
-        Every index past the row block stays in one thread's registers: the sums over a
-        sub-block need no shuffles."""
-        S: tl.constexpr = 16 if KIND == 2 else 32
-        WPS: tl.constexpr = S // 8
-        lo = lo.to(tl.uint32, bitcast=True)
-        c = (lo[:, :, :, None] >> (tl.arange(0, 8) * 4)[None, None, None, :]) & 15
-        if KIND != 0:
-            hi = hi.to(tl.uint32, bitcast=True)
-            pos = tl.arange(0, WPS)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [WPS, 8]
-            h = (hi[:, :, None, None] >> (pos * KIND)[None, None, :, :]) & ((1 << KIND) - 1)
-            c = c | (h << 4)
-        OFF: tl.constexpr = 8388640.0 if KIND == 2 else 8388608.0  # 2^23 (+ 32 for Q6_K)
-        return (c | 0x4B000000).to(tl.float32, bitcast=True) - OFF
-
-    @triton.jit
-    def _kq_pos(lo, hi, I: tl.constexpr, KIND: tl.constexpr):
-        """Code q of nibble position I of the words lo [BN, NS, WPS] (hi [BN, NS, 1]: the
-        high words) as the fp32 q * 2^-149: an integer below 2^23 read as a float is that
-        denormal, so the code needs no conversion (no int->float, a quarter-rate
-        instruction, and no subtract); x comes pre-multiplied by 2^100. Weight I*WPS + w of
-        each sub-block. A static position keeps every word's codes in its thread."""
-        WPS: tl.constexpr = 2 if KIND == 2 else 4
-        c = (lo.to(tl.uint32, bitcast=True) >> (4 * I)) & 15
-        if KIND != 0:
-            sh = (tl.arange(0, WPS) * 8 + I) * KIND  # bit field 8w + I of the high word
-            h = (hi.to(tl.uint32, bitcast=True) >> sh[None, None, :]) & ((1 << KIND) - 1)
-            c = c | (h << 4)
-        return c.to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _kq_x(x_ptr, kb, KB, KIND: tl.constexpr, NS: tl.constexpr):
-        """x of k-step kb as fp32 [NS, WPS, 8], the codes' order."""
-        S: tl.constexpr = 16 if KIND == 2 else 32
-        WPS: tl.constexpr = S // 8
-        rs = kb * NS + tl.arange(0, NS)
-        off = (rs[:, None] * S + tl.arange(0, WPS)[None, :] * 8)[:, :, None] + tl.arange(0, 8)
-        mask = (rs < KB * (256 // S))[:, None, None]
-        return tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
-
-    @triton.jit
-    def _kq_scales(s_ptr, b_ptr, rn, n_mask, kb, KB, KIND: tl.constexpr, NS: tl.constexpr):
-        """Per sub-block fp32 scale d*sc and bias -dmin*m [BN, NS] of k-step kb (bias 0 for
-        Q6_K); KB: super-blocks a row. Both products are exact in fp32."""
-        SPB: tl.constexpr = 16 if KIND == 2 else 8  # sub-blocks per super-block
-        rs = kb * NS + tl.arange(0, NS)
-        smask = n_mask[:, None] & (rs < KB * SPB)[None, :]
-        sb = rs // SPB  # each sub-block loads its super-block's d (a cached line)
-        if KIND == 2:
-            sc = tl.load(s_ptr + rn[:, None] * (KB * 16) + rs[None, :], mask=smask, other=0)
-            d = tl.load(b_ptr + rn[:, None] * KB + sb[None, :], mask=smask, other=0.0)
-            scale = d.to(tl.float32) * sc.to(tl.float32)
-            bias = scale  # unused
-        else:
-            sp = s_ptr + rn[:, None] * (KB * 16) + rs[None, :] * 2
-            sc = tl.load(sp, mask=smask, other=0).to(tl.float32)
-            mn = tl.load(sp + 1, mask=smask, other=0).to(tl.float32)
-            bp = b_ptr + rn[:, None] * (KB * 2) + sb[None, :] * 2
-            d = tl.load(bp, mask=smask, other=0.0).to(tl.float32)
-            dmin = tl.load(bp + 1, mask=smask, other=0.0).to(tl.float32)
-            scale = d * sc
-            bias = -(dmin * mn)
-        return scale, bias
-
-    @triton.jit
-    def _kq_gemv_kernel(
-        x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, N, KW, KB, stride_xm, stride_ym,
-        stride_w, KIND: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
-        SPLIT_K: tl.constexpr, KB_PER_SPLIT: tl.constexpr, PDL: tl.constexpr = False,
-    ):  # fmt: skip
-        """y[m, rows] = x[m] @ W[rows]^T for one row m of x (program axis 0), BLOCK_N rows
-        (axis 1) and one split of K (axis 2), SB super-blocks a k-step. Each k-step's words
-        are loaded one step ahead (their loads overlap the previous step's arithmetic); per
-        sub-block: scale * dot(codes, x) + bias * sum(x), summed over K at the end."""
-        NS: tl.constexpr = SB * (16 if KIND == 2 else 8)
-        m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        pid_k = tl.program_id(2)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = rn < N
-        kb0 = pid_k * KB_PER_SPLIT
-        lo, hi = _kq_load(w_ptr, rn, n_mask, kb0, stride_w, KW, KB, KIND, NS)
-        if PDL:  # the weights do not depend on the previous kernel; x does
-            tlc.gdc_wait()
-            tlc.gdc_launch_dependents()
-        acc = tl.zeros([BLOCK_N, NS], dtype=tl.float32)
-        xm = x_ptr + m * stride_xm
-        for j in range(0, KB_PER_SPLIT):
-            kb = kb0 + j
-            # the last step reloads itself (a cache hit), not the next split's first step
-            nxt = tl.minimum(kb + 1, kb0 + KB_PER_SPLIT - 1)
-            lo_n, hi_n = _kq_load(w_ptr, rn, n_mask, nxt, stride_w, KW, KB, KIND, NS)
-            S: tl.constexpr = 16 if KIND == 2 else 32
-            WPS: tl.constexpr = S // 8
-            rs = kb * NS + tl.arange(0, NS)
-            xo = (rs[:, None] * S + tl.arange(0, WPS)[None, :])[None, :, :]  # [1, NS, WPS]
-            xmask = (rs < KB * (256 // S))[None, :, None]
-            hi3 = hi[:, :, None]
-            p = tl.zeros([BLOCK_N, NS, WPS], dtype=tl.float32)
-            xsum = tl.zeros([1, NS, WPS], dtype=tl.float32)
-            for i in tl.static_range(8):  # weights i*WPS + w: WPS consecutive inputs
-                xr = tl.load(xm + xo + i * WPS, mask=xmask, other=0.0).to(tl.float32)
-                if KIND == 0 and i < 6:
-                    # Q4_K: the nibble masked in place (bits 4i..4i+3 < 24) is the float
-                    # q * 2^(4i-149): one LOP3 a weight, no shift; x carries 2^(100-4i)
-                    x = xr * (1.2676506002282294e30 / (1 << (4 * i)))
-                    f = (lo.to(tl.uint32, bitcast=True) & (15 << (4 * i))).to(
-                        tl.float32, bitcast=True
-                    )
-                else:  # 2^100: products q * x * 2^-49 stay normal
-                    x = xr * 1.2676506002282294e30
-                    f = _kq_pos(lo, hi3, i, KIND)
-                p += f * x
-                xsum += xr
-            dot = tl.sum(p, axis=2) * 562949953421312.0  # [BN, NS] * 2^49: sum of q * x
-            xs = tl.sum(xsum, axis=2)  # [1, NS]: sum of x
-            scale, bias = _kq_scales(s_ptr, b_ptr, rn, n_mask, kb, KB, KIND, NS)
-            if KIND == 2:  # codes q - 32
-                acc += scale * (dot - 32.0 * xs)
-            else:
-                acc += dot * scale + bias * xs
-            lo, hi = lo_n, hi_n
-        out = tl.sum(acc, axis=1)
-        y_ptrs = y_ptr + m * stride_ym + rn
-        if SPLIT_K == 1:
-            tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=n_mask)
-        else:
-            p_ptrs = part_ptr + m * N + rn
-            tile = m * tl.num_programs(1) + pid_n
-            last, total = tg._split_sum(out, p_ptrs, n_mask, cnt_ptr, tile, pid_k,
-                                        tl.num_programs(0) * N, SPLIT_K)  # fmt: skip
-            if last:
-                tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=n_mask)
-
-    @triton.jit
-    def _kq_gemm_kernel(
-        x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, KW, KB, stride_xm,
-        stride_ym, stride_w, KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLIT_K: tl.constexpr, KB_PER_SPLIT: tl.constexpr, UPCAST: tl.constexpr,
-    ):  # fmt: skip
-        """y[M, N] = x @ W^T on tensor cores, one super-block a k-step: each W tile is
-        decoded in registers (q * scale + bias in fp32, then x's dtype)."""
-        NS: tl.constexpr = 16 if KIND == 2 else 8  # sub-blocks of one super-block
-        S: tl.constexpr = 256 // NS
-        pid = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        num_n = tl.cdiv(N, BLOCK_N)
-        pid_m = pid // num_n
-        pid_n = pid % num_n
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_mask = rm < M
-        n_mask = rn < N
-        K = KB * 256
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for j in range(0, KB_PER_SPLIT):
-            kb = pid_k * KB_PER_SPLIT + j
-            lo, hi = _kq_load(w_ptr, rn, n_mask, kb, stride_w, KW, KB, KIND, NS)
-            q = _kq_codes(lo, hi, KIND)  # [BN, NS, WPS, 8]
-            scale, bias = _kq_scales(s_ptr, b_ptr, rn, n_mask, kb, KB, KIND, NS)
-            if KIND == 2:
-                w = q * scale[:, :, None, None]
-            else:
-                w = q * scale[:, :, None, None] + bias[:, :, None, None]
-            # column t of the W tile (sub-block s, word w, nibble i) is weight s*S + i*WPS + w
-            t = tl.arange(0, 256)
-            rk = kb * 256 + (t // S) * S + (t % 8) * (S // 8) + (t % S) // 8
-            xt = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
-                         mask=m_mask[:, None] & (rk < K)[None, :], other=0.0)  # fmt: skip
-            wt = tl.reshape(w, [BLOCK_N, 256])
-            if UPCAST:  # the interpreter multiplies bf16 tiles as raw uint16: go through fp32
-                acc = tl.dot(xt.to(tl.float32), tl.trans(wt), acc)
-            elif xt.dtype == tl.float32:
-                acc = tl.dot(xt, tl.trans(wt), acc, input_precision="tf32x3")
-            else:
-                acc = tl.dot(xt, tl.trans(wt.to(xt.dtype)), acc)
-        tg._splitk_epilogue(acc, y_ptr, part_ptr, cnt_ptr, rm, rn, M, N, stride_ym, M * N, pid,
-                            pid_k, SPLIT_K)  # fmt: skip
-
-
-if triton is not None:
-
-    @triton.jit
-    def _lane_hi(w_ptr, rn, n_mask, rkw, kb, stride_w, KW, KS, KIND: tl.constexpr,
-                 EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
-        """The high-bit words of lane l's 32 weights of k-step kb, one per low word w, with
-        word w's bits at bit HB*i for its position i (Q5_K: one word a sub-block of 32,
-        shifted by 8w; Q6_K: one a sub-block of 16, words 0, 1 its two halves): 4 x [8,
-        LANES] uint32. Loaded as _load_step loads the low words (each high word once per
-        low word it serves: cached) so that they land in the low words' registers layout
-        (no shared-memory conversion). KS: sub-blocks a row."""
-        PER: tl.constexpr = 4 if KIND == 1 else 2  # low words a high word serves
-        hw = kb * (4 * LANES // PER) + rkw // PER
-        ptrs = w_ptr + rn[:, None] * stride_w + KW + hw[None, :]
-        if EVEN:
-            h = tl.load(ptrs)
-        else:
-            mask = n_mask[:, None] & (hw < KS)[None, :]  # one high word a sub-block
-            h = tl.load(ptrs, mask=mask, other=0)
-        h0, h1, h2, h3 = tg._gemv_words(h, LANES)  # (copies: the loads of h1, h3 are dead)
-        if KIND == 1:
-            return h0, h0 >> 8, h0 >> 16, h0 >> 24
-        else:
-            return h0, h0 >> 16, h2, h2 >> 16
-
-    @triton.jit
-    def _lane_hi_fma(p, pb, h0, h1, h2, h3, x0, x1, x2, x3, I: tl.constexpr, KIND: tl.constexpr):
-        """p (pb: words 2, 3 for Q6_K) += the high bits of position I times 16 * x: the bits
-        masked in place are the float h * 2^(HB*I - 149); x (from _gemv_x4, times
-        2^(100-SH)) is scaled to 16 * x * 2^(100 - HB*I), so the products carry 2^-49 as the
-        low nibbles' do."""
-        HB: tl.constexpr = KIND
-        if I < 6:
-            SH: tl.constexpr = 4 * I
-        else:
-            SH: tl.constexpr = 0
-        C: tl.constexpr = float(2 ** (4 + SH - HB * I))
-        M: tl.constexpr = ((1 << HB) - 1) << (HB * I)
-        f0 = (h0 & M).to(tl.float32, bitcast=True)
-        f1 = (h1 & M).to(tl.float32, bitcast=True)
-        f2 = (h2 & M).to(tl.float32, bitcast=True)
-        f3 = (h3 & M).to(tl.float32, bitcast=True)
-        if KIND == 2:
-            p = p + f0 * (x0 * C)[None, :] + f1 * (x1 * C)[None, :]
-            pb = pb + f2 * (x2 * C)[None, :] + f3 * (x3 * C)[None, :]
-        else:
-            p = p + f0 * (x0 * C)[None, :] + f1 * (x1 * C)[None, :] + f2 * (x2 * C)[None, :]
-            p = p + f3 * (x3 * C)[None, :]
-        return p, pb
-
-    @triton.jit
-    def _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, rn, n_mask, s_ptr, b_ptr, KS,
-                   KIND: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
-        """One k-step of _kq_lane_gemv_kernel: acc [8, LANES] += lane l's 32 weights of each
-        row (low nibbles: 4 words of wa [8, 4*LANES]; high bits: ha from _lane_hi) times x,
-        with its sub-blocks' scales. The low-nibble plane is in the affine int4 order of
-        groups of 32 (Q6_K: 16), so the decode, x loads and FFMA chains are
-        triton_kernels' GEMV functions, unchanged. Q4_K, Q5_K: dot * d*sc - dmin*m * sum(x);
-        Q6_K, per sub-block of 16: (dot - 32 sum(x)) * d*sc."""
-        TWO: tl.constexpr = KIND == 2  # Q6_K: words 0, 1 and 2, 3 are two sub-blocks
-        w0, w1, w2, w3 = tg._gemv_words(wa, LANES)
-        if KIND != 0:
-            h0, h1, h2, h3 = ha
-        p = tl.zeros([8, LANES], dtype=tl.float32)
-        pb = tl.zeros([8, LANES], dtype=tl.float32)
-        xo = x_pair0 + kb * (LANES * 16)  # 16 input pairs a lane
-        if KIND == 2:
-            sub = (kb * LANES + lane)[:, None] * 2 + tl.arange(0, 2)[None, :]
-            xmask = sub < KS
-        else:
-            sub = kb * LANES + lane
-            xmask = (sub < KS)[:, None]
-        xs_a = tl.zeros([LANES], dtype=tl.float32)  # sums of the lane's inputs * 2^-49
-        xs_b = tl.zeros([LANES], dtype=tl.float32)  # (words 2, 3 apart for Q6_K)
-        PS: tl.constexpr = 1 if KIND == 2 else 2  # input pairs between positions
-        for i in tl.static_range(6):
-            x0, x1, x2, x3 = tg._gemv_x4(x_base, xo + i * PS, xmask, i, 0, 4, EVEN)
-            p, pb = tg._gemv_fma(p, pb, w0, w1, w2, w3, x0, x1, x2, x3, i, 0, 4, TWO)
-            if KIND != 0:
-                p, pb = _lane_hi_fma(p, pb, h0, h1, h2, h3, x0, x1, x2, x3, i, KIND)
-            xs_a += (x0 + x1) * (1.401298464324817e-45 * (1 << (4 * i)))  # undoes 2^(100-4i)
-            xs_b += (x2 + x3) * (1.401298464324817e-45 * (1 << (4 * i)))
-        # positions 6, 7 as the affine kernel reads them: w >> 24 = q6 + 16*q7 with x6, and
-        # w >> 28 = q7 with x7 - 16*x6 (cancels the 16*q7 term)
-        y0, y1, y2, y3 = tg._gemv_x4(x_base, xo + 6 * PS, xmask, 6, 0, 4, EVEN)
-        z0, z1, z2, z3 = tg._gemv_x4(x_base, xo + 7 * PS, xmask, 7, 0, 4, EVEN)
-        if KIND != 0:
-            p, pb = _lane_hi_fma(p, pb, h0, h1, h2, h3, y0, y1, y2, y3, 6, KIND)
-            p, pb = _lane_hi_fma(p, pb, h0, h1, h2, h3, z0, z1, z2, z3, 7, KIND)
-        xs_a += (y0 + y1 + z0 + z1) * 1.401298464324817e-45
-        xs_b += (y2 + y3 + z2 + z3) * 1.401298464324817e-45
-        z0 = z0 - 16.0 * y0
-        z1 = z1 - 16.0 * y1
-        z2 = z2 - 16.0 * y2
-        z3 = z3 - 16.0 * y3
-        p, pb = tg._gemv_fma(p, pb, w0, w1, w2, w3, y0, y1, y2, y3, 6, 0, 4, TWO)
-        p, pb = tg._gemv_fma(p, pb, w0, w1, w2, w3, z0, z1, z2, z3, 7, 0, 4, TWO)
-        if KIND == 2:
-            # int8 sc of the lane's two sub-blocks of 16, d of their super-block
-            s0 = (kb * LANES + lane) * 2  # the first of the two
-            smask = n_mask[:, None] & (s0 < KS)[None, :]
-            sp = s_ptr + rn[:, None] * KS + s0[None, :]
-            sa = tl.load(sp, mask=smask, other=0).to(tl.float32)
-            sb = tl.load(sp + 1, mask=smask, other=0).to(tl.float32)
-            sbk = (kb * LANES + lane) // 8  # super-block (16 sub-blocks)
-            d = tl.load(b_ptr + rn[:, None] * (KS // 16) + sbk[None, :], mask=smask, other=0.0)
-            d = d.to(tl.float32)
-            acc = (
-                acc + (p - 32.0 * xs_a[None, :]) * (d * sa) + (pb - 32.0 * xs_b[None, :]) * (d * sb)
-            )
-        else:
-            # (sc, m) of the sub-block as one uint16, (d, dmin) of its super-block as one
-            # word: 8 rows x 2 loads a lane per 256 weights
-            smask = n_mask[:, None] & (sub < KS)[None, :]
-            s16 = s_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
-            scm = tl.load(s16 + rn[:, None] * KS + sub[None, :], mask=smask, other=0)
-            scm = scm.to(tl.uint32)
-            b32 = b_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
-            dd = tl.load(b32 + rn[:, None] * (KS // 8) + (sub // 8)[None, :], mask=smask, other=0)
-            d = (dd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-            dmin = (dd >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-            # 6-bit integers into the mantissa of 2^23: exact, no int->float conversion
-            sc = ((scm & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            mn = ((scm >> 8) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            acc = acc + p * (d * sc) - (dmin * mn) * (xs_a + xs_b)[None, :]
-        return acc
-
-    @triton.jit
-    def _kq_lane_gemv_kernel(
-        x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, KS, stride_xm, stride_ym,
-        stride_w, KIND: tl.constexpr, SPLIT_K: tl.constexpr, KB_PER_SPLIT: tl.constexpr,
-        EVEN: tl.constexpr, KW: tl.constexpr, SW: tl.constexpr = 0, PDL: tl.constexpr = False,
-        SILU: tl.constexpr = False, WARPS: tl.constexpr = 1,
-    ):  # fmt: skip
-        """K-quant GEMV, y[m, N] = x[m, K] @ W^T for one row m of x, laid out as
-        triton_kernels._gemv_kernel (read its docstring): 8 rows a program, WARPS warps,
-        lane l taking 32 weights (4 low-nibble words, and for Q5_K / Q6_K their high bits)
-        of every row per k-step of 128*WARPS words, one FFMA chain per row and lane, lanes
-        summed once at the end; split-K programs (axis 2) summed by the last one; PDL;
-        SILU (W = [gate; up]): rows 0-3 of a tile are gate rows, 4-7 their up rows, and
-        y = silu(gate) * up. KS: sub-blocks a row; KW: low-nibble words a row (K/8);
-        SW: the row stride in words as a constant (EVEN), or 0 (stride_w).
-        The scale products d*sc and dmin*m are exact in fp32 (an 11-bit significand times
-        a 6- or 8-bit integer)."""
-        LANES: tl.constexpr = 32 * WARPS
-        m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        pid_k = tl.program_id(2)
-        if SW > 0:
-            swn = SW
-        else:
-            swn = stride_w
-        r8 = tl.arange(0, 8)
-        if SILU:
-            rn = pid_n * 4 + r8 % 4 + (r8 // 4) * (N // 2)
-        else:
-            rn = pid_n * 8 + r8
-        n_mask = rn < N
-        rkw = tl.arange(0, 4 * LANES)
-        lane = tl.arange(0, LANES)
-        if KIND == 2:  # pairs of x (uint32 units): sub-blocks 2l, 2l+1 of 16 inputs
-            x_pair0 = (2 * lane[:, None] + tl.arange(0, 2)[None, :]) * 8
-        else:  # sub-block l of 32 inputs
-            x_pair0 = (lane * 16)[:, None] + tl.arange(0, 2)[None, :]
-        x_base = x_ptr + m * stride_xm
-        acc = tl.zeros([8, LANES], dtype=tl.float32)
-        kb0 = pid_k * KB_PER_SPLIT
-        kb_last = kb0 + KB_PER_SPLIT - 1
-        # the low-nibble words are the first KW of a row: _load_step's mask (k < row
-        # stride) reads the high words past K, never used (x is masked to 0 there)
-        wa = tg._load_step(w_ptr, rn, n_mask, rkw, kb0, swn, EVEN, 0, LANES)
-        ha = wa
-        if KIND != 0:
-            ha = _lane_hi(w_ptr, rn, n_mask, rkw, kb0, swn, KW, KS, KIND, EVEN, LANES)
-        if PDL:  # the weights do not depend on the previous kernel; x does
-            tlc.gdc_wait()
-            tlc.gdc_launch_dependents()
-        # two k-steps an iteration, each one's words loaded a step ahead (no register copies)
-        for j in range(0, KB_PER_SPLIT // 2):
-            kb = kb0 + 2 * j
-            wb = tg._load_step(w_ptr, rn, n_mask, rkw, kb + 1, swn, EVEN, 0, LANES)
-            hb = wb
-            if KIND != 0:
-                hb = _lane_hi(w_ptr, rn, n_mask, rkw, kb + 1, swn, KW, KS, KIND, EVEN, LANES)
-            acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, rn, n_mask, s_ptr, b_ptr,
-                             KS, KIND, EVEN, LANES)  # fmt: skip
-            kn = tl.minimum(kb + 2, kb_last)  # past the last step: reload it, never used
-            wa = tg._load_step(w_ptr, rn, n_mask, rkw, kn, swn, EVEN, 0, LANES)
-            if KIND != 0:
-                ha = _lane_hi(w_ptr, rn, n_mask, rkw, kn, swn, KW, KS, KIND, EVEN, LANES)
-            acc = _lane_step(acc, wb, hb, kb + 1, x_base, x_pair0, lane, rn, n_mask, s_ptr,
-                             b_ptr, KS, KIND, EVEN, LANES)  # fmt: skip
-        if KB_PER_SPLIT % 2 == 1:
-            acc = _lane_step(acc, wa, ha, kb_last, x_base, x_pair0, lane, rn, n_mask, s_ptr,
-                             b_ptr, KS, KIND, EVEN, LANES)  # fmt: skip
-        out = tl.sum(acc, axis=1) * 562949953421312.0  # [8]: undo the decode's 2^-49
-        tile = m * tl.num_programs(1) + pid_n
-        if SILU:
-            g, u = tl.split(tl.trans(tl.reshape(out, [2, 4])))  # rows 0-3 gate, 4-7 up
-            rg = pid_n * 4 + tl.arange(0, 4)
-            tg._silu_epilogue(g, u, y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr, rg,
-                              rg + N // 2, N, M * N, tile, pid_k, SPLIT_K)  # fmt: skip
-        else:
-            tg._splitk_epilogue(out[None, :], y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr,
-                                tl.arange(0, 1), rn, 1, N, 0, M * N, tile, pid_k,
-                                SPLIT_K)  # fmt: skip
-
-
 @dataclasses.dataclass(frozen=True)
 class KQConfig:
     """Launch parameters: kernel "gemv" (block_n rows, sb super-blocks a k-step) or "gemm"
@@ -658,7 +241,9 @@ def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
     sms = tk._num_sms(device)
     kw = w.k // 8
     warps = 1
-    while warps < tch.GEMV_WARPS and 256 * warps <= kw:
+    # Q6_K on one warp: on the H100 its 6144x4096 GEMV took 228.8 us with the warps split
+    # (2-4) and 14.1 us on one (profile_decode.py --linears; 4096x14336: 38.1 against 31.2)
+    while warps < tch.GEMV_WARPS and 256 * warps <= kw and w.kind != "Q6_K":
         warps *= 2
     ksteps = math.ceil(kw / (128 * warps))
     tiles = m * math.ceil(w.n / 8)
@@ -669,7 +254,11 @@ def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
         sk = near
     if warps == 1 and tiles < 8 * sms and ksteps / sk > 4:
         sk = math.ceil(ksteps / 4)
-    return tk.KernelConfig("gemv", 1, 8, sk, num_warps=warps)
+    # Q6_K without the next step's words in flight: 168 registers, no spills, 5.62
+    # instructions a weight, against 255 registers, ~300 B spilled, 5.90 with them (SASS for
+    # sm_90; the faster one on a GPU not measured yet: profile_decode.py --linears sweeps both)
+    prefetch = w.kind != "Q6_K"
+    return tk.KernelConfig("gemv", 1, 8, sk, num_warps=warps, prefetch=prefetch)
 
 
 def _lane_gemv(x2, w: KQLinear, y, silu: bool, cfg: tk.KernelConfig | None) -> None:
@@ -687,11 +276,54 @@ def _lane_gemv(x2, w: KQLinear, y, silu: bool, cfg: tk.KernelConfig | None) -> N
     part = torch.empty((split, m, w.n), dtype=torch.float32, device=x2.device) if split > 1 else y
     cnt = tk._counters(x2.device, m * tiles) if split > 1 else y
     ks = w.k // gb.KQUANTS[w.kind][1]
-    _kq_lane_gemv_kernel[(m, tiles, split)](
+    kk._kq_lane_gemv_kernel[(m, tiles, split)](
         x2, w.weight, w.scales, w.biases, y, part, cnt, m, w.n, ks, x2.stride(0), y.stride(0),
         w.weight.stride(0), KIND=KINDS[w.kind], SPLIT_K=split, KB_PER_SPLIT=per, EVEN=even,
-        KW=kw, SW=sw if even else 0, SILU=silu, WARPS=cfg.num_warps, num_warps=cfg.num_warps,
+        KW=kw, SW=sw if even else 0, SILU=silu, WARPS=cfg.num_warps, PREFETCH=cfg.prefetch,
+        num_warps=cfg.num_warps,
         **tk.pdl_args(x2.device),
+    )  # fmt: skip
+
+
+def tile_gemm_config(m: int, w: KQLinear, device, x_dtype) -> tk.KernelConfig:
+    """Launch parameters of _kq_tile_gemm_kernel: triton_kernels.choose_config's for the
+    affine GEMM (its H100 measurements) with k-steps of 128 weights (4 sub-blocks of 32 or
+    8 of 16), W as the register operand (swap)."""
+    sms = tk._num_sms(device)
+    ng = 8 if w.kind == "Q6_K" else 4
+    if device.type == "cpu":  # interpreter: small tiles keep the CPU tests fast
+        bm, bn, warps, stages = 16, 32, 4, 1
+    elif x_dtype == torch.float32:  # tf32x3 needs 3 MMAs and hi/lo operands: small tiles
+        bm, bn, warps, stages = 16, 64, 4, 3
+    elif m <= 64:  # a few sequences: W's 128 rows the wgmma's wide side, split K to a wave
+        # 8 warps: the decoded tile in 64 registers a thread (4 warps spilled; SASS for sm_90,
+        # Q4_K/Q5_K/Q6_K, instructions a weight decoded: 9.9 / 14.6 / 15.0, no spills)
+        bm, bn, warps, stages = (32 if m <= 32 else 64), 128, 8, 4
+    else:
+        bm, bn, warps, stages = 128, 128, 8, 3
+    ksteps = math.ceil(w.k / 128)
+    tiles = math.ceil(m / bm) * math.ceil(w.n / bn)
+    sk = tch._split_even(tiles, ksteps, sms, 1.0) if tiles < sms else 1
+    return tk.KernelConfig("gemm", bm, bn, sk, ng, warps, stages, swap=device.type != "cpu")
+
+
+def _tile_gemm(x2, w: KQLinear, y, cfg: tk.KernelConfig | None) -> None:
+    m = x2.shape[0]
+    cfg = cfg or tile_gemm_config(m, w, x2.device, x2.dtype)
+    sub = gb.KQUANTS[w.kind][1]
+    ksteps = math.ceil(w.k / (cfg.ng * sub))
+    per = math.ceil(ksteps / cfg.split_k)
+    split = math.ceil(ksteps / per)  # no empty splits
+    tiles = math.ceil(m / cfg.block_m) * math.ceil(w.n / cfg.block_n)
+    part = torch.empty((split, m, w.n), dtype=torch.float32, device=x2.device) if split > 1 else y
+    cnt = tk._counters(x2.device, tiles) if split > 1 else y
+    kk._kq_tile_gemm_kernel[(tiles, split)](
+        x2, w.weight, w.scales, w.biases, y, part, cnt, m, w.n, w.k, w.k // sub, x2.stride(0),
+        y.stride(0), w.weight.stride(0), KIND=KINDS[w.kind], BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, NG=cfg.ng, SPLIT_K=split, KB_PER_SPLIT=per, GROUP_M=cfg.group_m,
+        UPCAST=x2.device.type != "cuda", SWAP=cfg.swap, EVEN_N=w.n % cfg.block_n == 0,
+        EVEN_K=w.k % (cfg.ng * sub) == 0 and ksteps % per == 0, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **tk.pdl_args(x2.device),
     )  # fmt: skip
 
 
@@ -723,16 +355,26 @@ def kqmatmul(
     y = torch.empty((m, w.n // 2 if silu else w.n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*lead, y.shape[-1])
-    # the lane GEMV unless a config asks for the tile GEMV (block_n 16 or 32: for A/B timing)
-    lane = config is None or (config.kernel == "gemv" and config.block_n == 8)
-    if m <= tk.GEMV_MAX_M and lane:
+    # a KQConfig (other than an 8-row GEMV) asks for the kernels the lane GEMV and the tile
+    # GEMM replaced, for A/B timing
+    old = isinstance(config, KQConfig) and not (config.kernel == "gemv" and config.block_n == 8)
+    kernel = config.kernel if config is not None else "gemv" if m <= tk.GEMV_MAX_M else "gemm"
+    if silu and (old or kernel != "gemv"):
+        raise ValueError("kqmatmul: silu needs the lane GEMV")
+    if not old and kernel == "gemv":
         if x2.dtype == torch.bfloat16 and (x2.data_ptr() % 4 or (m > 1 and x2.stride(0) % 2)):
             x2 = x2.clone()  # the GEMV reads bf16 x as uint32 pairs: 4-byte aligned rows
         cfg = None
-        if config is not None:  # a KQConfig's (or KernelConfig's) split and warps
-            cfg = tk.KernelConfig("gemv", 1, 8, config.split_k, num_warps=config.num_warps)
+        if config is not None:  # a KQConfig's (or KernelConfig's) split, warps, prefetch
+            pf = getattr(config, "prefetch", w.kind != "Q6_K")
+            cfg = tk.KernelConfig(
+                "gemv", 1, 8, config.split_k, num_warps=config.num_warps, prefetch=pf
+            )
         _lane_gemv(x2, w, y, silu, cfg)
         return y.reshape(*lead, y.shape[-1])
+    if not old:
+        _tile_gemm(x2, w, y, config)
+        return y.reshape(*lead, w.n)
     cfg = config or choose_kq_config(m, w, x.device)
     nb = w.k // QK
     kw = w.k // 8
@@ -749,13 +391,13 @@ def kqmatmul(
     cnt = tk._counters(x.device, m * tiles if cfg.kernel == "gemv" else tiles) if split > 1 else y
     args = (x2, w.weight, w.scales, w.biases, y, part, cnt)
     if cfg.kernel == "gemv":
-        _kq_gemv_kernel[grid](
+        kk._kq_gemv_kernel[grid](
             *args, w.n, kw, nb, x2.stride(0), y.stride(0), w.weight.stride(0),
             KIND=KINDS[w.kind], BLOCK_N=cfg.block_n, SB=cfg.sb, SPLIT_K=split,
             KB_PER_SPLIT=per, num_warps=cfg.num_warps, **tk.pdl_args(x.device),
         )  # fmt: skip
     else:
-        _kq_gemm_kernel[grid](
+        kk._kq_gemm_kernel[grid](
             *args, m, w.n, kw, nb, x2.stride(0), y.stride(0), w.weight.stride(0),
             KIND=KINDS[w.kind], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=split,
             KB_PER_SPLIT=per, UPCAST=x.device.type != "cuda", num_warps=cfg.num_warps,

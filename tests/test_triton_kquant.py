@@ -19,16 +19,19 @@ if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
 pytest.importorskip("triton", reason="triton is not installed")
 
+import mlxrun.quant.kquant_kernels as kk  # noqa: E402
+import mlxrun.quant.triton_gemm as tgm  # noqa: E402
+import mlxrun.quant.triton_gemv as tg  # noqa: E402
 import mlxrun.quant.triton_kernels as tk  # noqa: E402
 import mlxrun.quant.triton_kquant as kq  # noqa: E402
 from mlxrun.quant import gguf_blocks as gb  # noqa: E402
 from tests.test_gguf_blocks import random_rows  # noqa: E402
 
-if not HAS_CUDA and type(kq._kq_gemv_kernel).__name__ != "InterpretedFunction":
-    # imported earlier without the interpreter: decorate again (the kernels tk re-exports first)
-    for part in ("triton_gemv", "triton_gemm"):
-        importlib.reload(importlib.import_module(f"mlxrun.quant.{part}"))
+if not HAS_CUDA and type(kk._kq_lane_gemv_kernel).__name__ != "InterpretedFunction":
+    tg = importlib.reload(tg)  # imported earlier without the interpreter: decorate again,
+    tgm = importlib.reload(tgm)  # the kernels the K-quant kernels call first
     tk = importlib.reload(tk)
+    kk = importlib.reload(kk)
     kq = importlib.reload(kq)
 
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -93,11 +96,17 @@ def test_kqmatmul_equals_dequantized_product(kind, m, dtype):
 
 @pytest.mark.parametrize(
     "cfg",
-    [kq.KQConfig("gemv", 1, 16, 1, 3, 4), kq.KQConfig("gemm", 16, 32, 1, 2, 4)],
-    ids=["gemv-split3", "gemm-split2"],
+    [
+        kq.KQConfig("gemv", 1, 16, 1, 3, 4),
+        kq.KQConfig("gemm", 16, 32, 1, 2, 4),
+        tk.KernelConfig("gemm", 16, 32, 2, ng=4, num_warps=4, swap=True),
+    ],
+    ids=["tile-gemv-split3", "gemm-split2", "tile-gemm-swap-split2"],
 )
 def test_split_k(cfg):
-    """Split-K partials summed by the last program; the second call reuses the tickets."""
+    """Split-K partials summed by the last program; the second call reuses the tickets.
+    The tile GEMV and the per-super-block GEMM (KQConfig: kept for A/B timing) and the
+    tile GEMM with W as the first dot operand (swap)."""
     w, ref = _case("Q5_K", 16, 5, seed=3)
     x = torch.randn(1 if cfg.kernel == "gemv" else 17, w.k).to(torch.float32)
     for _ in range(2):
@@ -117,9 +126,10 @@ def test_lane_gemv_configs_and_silu(kind):
     n, nb = 16, 8  # 8 gate rows (2 tiles of 4 gate + 4 up); K = 2048: 256 words a row
     w, ref = _case(kind, n, nb, seed=21)
     gen = torch.Generator().manual_seed(4)
-    runs = ((2, 1, 1), (1, 2, 3)) if kind == "Q4_K" else ((2, 1, 1),)
-    for sk, nw, m in runs:
-        cfg = kq.KQConfig("gemv", 1, 8, 1, sk, nw)
+    # with and without the next step's words in flight (Q6_K's default is without)
+    runs = ((2, 1, 1, True), (1, 2, 3, False)) if kind == "Q4_K" else ((2, 1, 1, True),)
+    for sk, nw, m, pf in runs:
+        cfg = tk.KernelConfig("gemv", 1, 8, sk, num_warps=nw, prefetch=pf)
         x = torch.randn(m, w.k, generator=gen).bfloat16()
         y = kq.kqmatmul(x.to(DEV), w, cfg)
         _check(y, x, ref)
@@ -265,8 +275,7 @@ def test_bench_q4_k_m_shape_model():
     4 layers here), held in the kernels' layout at their bits a weight; other backends and
     checkpoints are skipped with the reason."""
     from mlxrun.backends.torch_backend import TorchBackend
-    from mlxrun.bench import KQuantMix, _mix_skip, build_random, weight_bytes
-    from mlxrun.bench_models import _Source
+    from mlxrun.bench import KQuantMix, _mix_skip, _Source, build_random, weight_bytes
     from mlxrun.config import ModelConfig
 
     cfg = ModelConfig.from_dict(
