@@ -161,11 +161,11 @@ def test_decode_attention_reads_quantized_cache(kind):
 
 
 def _logits(m, ids, kind):
-    m.transformer.kv_quant = kind
+    m.kv_quant = kind
     try:
         return m.logits(ids)
     finally:
-        m.transformer.kv_quant = None
+        m.kv_quant = None
 
 
 @pytest.mark.parametrize("backend", ["cpu", "mlx"])
