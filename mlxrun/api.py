@@ -142,6 +142,19 @@ class Model:
     def __repr__(self) -> str:
         return f"<mlxrun.Model {self.source} on {self.backend.describe()}>"
 
+    @property
+    def kv_quant(self) -> str | None:
+        """The KV cache's format for the caches made from now on: 'int8', 'fp8' or None."""
+        return self.transformer.kv_quant
+
+    @kv_quant.setter
+    def kv_quant(self, value: str | None) -> None:
+        from .kvquant import check_head_dim, parse_kv_quant  # noqa: PLC0415
+
+        kv = parse_kv_quant(value)
+        check_head_dim(kv, self.config.head_dim, self.backend.name)
+        self.transformer.kv_quant = kv
+
     def _ids(self, prompt: Prompt, system: str | None, chat: bool | None) -> list[int]:
         """Text, token ids or chat messages -> the prompt's token ids."""
         if isinstance(prompt, str):

@@ -161,11 +161,11 @@ def test_decode_attention_reads_quantized_cache(kind):
 
 
 def _logits(m, ids, kind):
-    m.transformer.kv_quant = kind
+    m.kv_quant = kind
     try:
         return m.logits(ids)
     finally:
-        m.transformer.kv_quant = None
+        m.kv_quant = None
 
 
 @pytest.mark.parametrize("backend", ["cpu", "mlx"])
@@ -226,6 +226,8 @@ def test_cuda_code_path_with_quantized_cache(tiny, kind):
 
 @pytest.mark.parametrize("backend", ["cpu", "mlx"])
 def test_kv_bytes_count_what_the_cache_allocates(tiny, backend):
+    from mlxrun import bench
+
     if backend == "mlx":
         mx = pytest.importorskip("mlx.core")
     m = mlxrun.load(str(tiny), backend=backend, dtype="float32", progress=False)
@@ -241,6 +243,7 @@ def test_kv_bytes_count_what_the_cache_allocates(tiny, backend):
             mx.eval(cache.keys, cache.values)
             held = sum(a.nbytes for kv in cache.keys + cache.values for a in kv)
         assert t.kv_bytes(2, 16) == held
+        assert bench.kv_ratio(t) * full == pytest.approx(held)  # bench's KV bytes a step
         assert t.kv_bytes(2, 16) < full / 3.4  # float32 -> ~1.06 bytes a value
     t.kv_quant = None
     # bf16 on CUDA: half the bytes, scales included (llama3.1-8b shape: 128 values a head)
@@ -329,3 +332,19 @@ def test_engine_slot_cache_quantized(tiny, backend):
     for p, out in zip(ps, outs):
         want = [int(t[0]) for t in generate_step(m.transformer, [p], SamplingParams(), 3)]
         assert [e.token for e in out] == want
+
+
+@pytest.mark.long  # ~12 s on 2 loaded cores; bench.kv_ratio is checked above in CI
+def test_bench_rows_count_quantized_kv_bytes(monkeypatch):
+    """bench --kv-quant: a row per format, the KV bytes a step reads at the stored size
+    (shape:tiny, float32, head_dim 16: 1 + 4/16 bytes a value against 4)."""
+    from mlxrun import bench
+
+    monkeypatch.setitem(bench.COPY_BYTES, "cpu", 32 << 20)  # a smaller copy: fast
+    r = bench.run_bench("shape:tiny", ["cpu"], ["none"], prompt_tokens=16, gen_tokens=3,
+                        reps=1, progress=False, kv_quants=[None, "int8"])  # fmt: skip
+    plain, q = r.rows
+    assert (plain.kv_quant, q.kv_quant) == ("none", "int8")
+    assert q.kv_bytes_per_step == round(plain.kv_bytes_per_step * 1.25 / 4)
+    assert q.bytes_per_token == q.weight_bytes_per_step + q.kv_bytes_per_step
+    assert "none kv-int8" in bench.format_report(r)
