@@ -462,16 +462,18 @@ def test_a_slow_compile_is_refused_while_other_requests_complete(tiny_app, monke
             gate.wait(120)
 
     monkeypatch.setattr(Engine, "grammars", lambda self: Held())
-    c = tiny_app(compile_seconds=0.05)
     body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 2, "temperature": 0}
     fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}
-    try:
-        r = c.post("/v1/completions", json={**body, "response_format": fmt})
-        assert r.status_code == 400, r.text
-        err = r.json()["error"]
-        assert err["code"] == "compile_timeout" and "0.05 s" in err["message"]
-        r = c.post("/v1/completions", json=body)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
-        assert not gate.is_set()  # the first compilation was still running
-    finally:
-        gate.set()
+    # one event loop for both requests, as a server has (without `with`, the test client
+    # closes a loop per request, and closing waits for the held compilation's thread)
+    with tiny_app(compile_seconds=0.05) as c:
+        try:
+            r = c.post("/v1/completions", json={**body, "response_format": fmt})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["code"] == "compile_timeout" and "0.05 s" in err["message"]
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+            assert not gate.is_set()  # the first compilation was still running
+        finally:
+            gate.set()
