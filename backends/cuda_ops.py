@@ -167,12 +167,12 @@ def _rope_qkv_kernel(
             x2 = tl.load(src + HALF + i, mask=m, other=0.0).to(tl.float32)
             _store_codes(dst, vs_ptr + cb * ssb + h * ssh + slot, i, m, x1, x2, HALF, QUANT)
     else:
+        # (the destinations stay in their branches below: a quantized cache's pointer type
+        # differs from q's, and Triton cannot merge the two after an if)
         if hh < NH:
             src = q_ptr + b * sqb + hh * sqh + t * sqt
-            dst = qo_ptr + ((b * NH + hh) * T + t) * (2 * HALF)
         else:
             src = k_ptr + b * skb + (hh - NH) * skh + t * skt
-            dst = ko_ptr + cb * sob + (hh - NH) * soh + slot * sot
         x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF + i, mask=m, other=0.0).to(tl.float32)
         ang = tl.load(pos_ptr + b * spb + t).to(tl.float32) * tl.load(inv_ptr + i, mask=m)
@@ -184,14 +184,20 @@ def _rope_qkv_kernel(
         b1 = (-x2 * s).to(dt).to(tl.float32)
         a2 = (x2 * c).to(dt).to(tl.float32)
         b2 = (x1 * s).to(dt).to(tl.float32)
-        if QUANT == 0 or hh < NH:
-            tl.store(dst + i, (a1 + b1).to(dt), mask=m)
-            tl.store(dst + HALF + i, (a2 + b2).to(dt), mask=m)
-        else:  # a rotated key, quantized as the model dtype holds it
-            y1 = (a1 + b1).to(dt).to(tl.float32)
-            y2 = (a2 + b2).to(dt).to(tl.float32)
-            sdst = ks_ptr + cb * ssb + (hh - NH) * ssh + slot
-            _store_codes(dst, sdst, i, m, y1, y2, HALF, QUANT)
+        if hh < NH:
+            qdst = qo_ptr + ((b * NH + hh) * T + t) * (2 * HALF)
+            tl.store(qdst + i, (a1 + b1).to(dt), mask=m)
+            tl.store(qdst + HALF + i, (a2 + b2).to(dt), mask=m)
+        else:
+            kdst = ko_ptr + cb * sob + (hh - NH) * soh + slot * sot
+            if QUANT == 0:
+                tl.store(kdst + i, (a1 + b1).to(dt), mask=m)
+                tl.store(kdst + HALF + i, (a2 + b2).to(dt), mask=m)
+            else:  # a rotated key, quantized as the model dtype holds it
+                y1 = (a1 + b1).to(dt).to(tl.float32)
+                y2 = (a2 + b2).to(dt).to(tl.float32)
+                sdst = ks_ptr + cb * ssb + (hh - NH) * ssh + slot
+                _store_codes(kdst, sdst, i, m, y1, y2, HALF, QUANT)
 
 
 @triton.jit
