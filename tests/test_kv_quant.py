@@ -226,7 +226,7 @@ def test_cuda_code_path_with_quantized_cache(tiny, kind):
 
 @pytest.mark.parametrize("backend", ["cpu", "mlx"])
 def test_kv_bytes_count_what_the_cache_allocates(tiny, backend):
-    from mlxrun import bench
+    from mlxrun import bench_models as bench
 
     if backend == "mlx":
         mx = pytest.importorskip("mlx.core")
@@ -338,9 +338,9 @@ def test_engine_slot_cache_quantized(tiny, backend):
 def test_bench_rows_count_quantized_kv_bytes(monkeypatch):
     """bench --kv-quant: a row per format, the KV bytes a step reads at the stored size
     (shape:tiny, float32, head_dim 16: 1 + 4/16 bytes a value against 4)."""
-    from mlxrun import bench
+    from mlxrun import bench, bench_timing
 
-    monkeypatch.setitem(bench.COPY_BYTES, "cpu", 32 << 20)  # a smaller copy: fast
+    monkeypatch.setitem(bench_timing.COPY_BYTES, "cpu", 32 << 20)  # a smaller copy: fast
     r = bench.run_bench("shape:tiny", ["cpu"], ["none"], prompt_tokens=16, gen_tokens=3,
                         reps=1, progress=False, kv_quants=[None, "int8"])  # fmt: skip
     plain, q = r.rows
