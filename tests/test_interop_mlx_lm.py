@@ -81,9 +81,10 @@ def test_mlxrun_runs_mlx_lm_quantized_checkpoint(dense, ids, tmp_path, mode, gro
     "source,quant,group,stored",
     [
         ("dense", "int4", 64, ("affine", 4, 64)),
-        ("dense", "int4", 32, ("affine", 4, 32)),
-        ("dense", "fp4", None, ("mxfp4", 4, 32)),
-        # fp8 and nvfp4 take 15-25 s each on 2 cores: -m long (mxfp8 read back runs above)
+        # g32, fp4, fp8 and nvfp4 take 10-25 s each on 2 cores: -m long (group 64 and the
+        # GGUF run by default; mxfp8 read back runs above; the formats' logits: test_quantized)
+        pytest.param("dense", "int4", 32, ("affine", 4, 32), marks=pytest.mark.long),
+        pytest.param("dense", "fp4", None, ("mxfp4", 4, 32), marks=pytest.mark.long),
         pytest.param("dense", "fp8", None, ("mxfp8", 8, 32), marks=pytest.mark.long),
         pytest.param("dense", "nvfp4", None, ("nvfp4", 4, 16), marks=pytest.mark.long),
         # the Q4_1 GGUF itself: linears copied as stored, the Q8_0 embedding re-quantized

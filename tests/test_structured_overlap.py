@@ -57,6 +57,7 @@ def smol_cpu():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~27 s on 2 cores; on a GPU the captured steps' test covers the split
 def test_split_fixed_steps_equal_eager_steps(smol_cpu):
     """The engine's fixed steps, split for constrained rows (run uncaptured on the CPU),
     give the eager steps' tokens: two constrained rows (greedy, seeded) beside a free one

@@ -362,6 +362,7 @@ def test_smollm2_three_ranks_equal_one_process(tmp_path):
 GENERATE = ["-m", "mlxrun", "generate", "--dtype", "float32", "--no-chat", "--max-tokens", "6"]
 
 
+@pytest.mark.long  # ~9 s: two torchrun processes; the gloo and ring tests stay by default
 def test_cli_under_torchrun_prints_once(tiny_dir):
     """`torchrun -m mlxrun generate`: rank 0 alone prints, the one-process answer."""
     d = str(tiny_dir("llama_gqa_tied")[0])
@@ -399,6 +400,7 @@ def test_error_on_split_ends_every_rank_with_one_line(tiny_dir):
     assert "exited with code 1" in out, out[-3000:]
 
 
+@pytest.mark.long  # ~9 s: two server ranks under torchrun
 def test_serve_over_two_ranks_answers_as_one_process(tiny_dir):
     """`torchrun -m mlxrun serve` (gloo): rank 0 serves, both ranks step together; three
     concurrent clients each get the one-process greedy text; SIGTERM to the launcher ends
