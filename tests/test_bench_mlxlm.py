@@ -37,7 +37,14 @@ def _model(which: str):
 
 
 @pytest.mark.parametrize(
-    "which", ["none", "int4", "fp4", "int4+head8", pytest.param("smollm2", marks=(pytest.mark.slow, pytest.mark.long))]
+    "which",
+    [
+        "none",
+        "int4",
+        "fp4",
+        "int4+head8",
+        pytest.param("smollm2", marks=(pytest.mark.slow, pytest.mark.long)),
+    ],
 )
 def test_mlx_lm_model_on_our_arrays_matches_ours(which):
     m = _model(which)

@@ -266,7 +266,8 @@ _ALL_RINGS = pytest.mark.cuda if torch.cuda.is_available() else pytest.mark.long
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=_ALL_RINGS) for n in SLIDING]  # ~9 s each on 2 cores
+    "name",
+    [pytest.param(n, marks=_ALL_RINGS) for n in SLIDING],  # ~9 s each on 2 cores
 )
 def test_window_ring_fixed_steps_serve_transformers_tokens(root, name):
     """The engine's fixed-shape steps over rings of window + chunk - 1 = 9 slots (CUDA graphs
