@@ -10,14 +10,7 @@ import weakref
 
 import numpy as np
 
-from mlxrun.backends.base import (
-    QuantizedWeight,
-    causal_mask_np,
-    positions_np,
-    ring_capacity,
-    ring_mask_np,
-    ring_slices,
-)
+from mlxrun.backends.base import QuantizedWeight, ring_capacity
 from mlxrun.errors import MlxrunError
 from mlxrun.weights import Tensor
 
@@ -27,17 +20,16 @@ try:
 except ImportError:  # reported by get_backend with the extra to install
     torch = None
 if torch is not None:
+    from mlxrun.backends.cuda_graph import GraphDecoder
     from mlxrun.backends.slot_graph import RowMask, SlotRows
+    from mlxrun.backends.torch_cache import CAUSAL as CAUSAL
+    from mlxrun.backends.torch_cache import StaticCache
 
 _DTYPES = ("float32", "bfloat16", "float16")
 # MLXRUN_SILU_IN_GEMV=0 runs SiLU-multiply as its own kernel again (for A/B timing)
 _SILU_IN_GEMV = os.environ.get("MLXRUN_SILU_IN_GEMV", "1") != "0"
 # MLXRUN_DENSE_GEMV=0 leaves batch-1 bf16/fp16 products to cuBLAS (for A/B timing)
 _DENSE_GEMV = os.environ.get("MLXRUN_DENSE_GEMV", "1") != "0"
-
-
-# A plain causal mask from slot 0: SDPA applies it itself (flash attention), no mask tensor.
-CAUSAL = "causal"
 
 
 # transformers' hidden_act names (config.ACTIVATIONS); gelu_new is the tanh approximation
@@ -48,261 +40,6 @@ _ACT = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "relu": lambda x: F.relu(x),
 }
-
-
-class StaticCache:
-    """Preallocated KV cache: per layer k, v (B, kv_heads, max_len, D) written at `offset`.
-
-    Eager passes read the filled prefix. In graph mode (CUDA-graph decode) the write
-    position lives on the device in `pos`, writes go through index_copy_ and attention spans
-    the whole buffer under a mask, so one captured step serves every position. The mask and
-    the rope positions are buffers that `advance` moves on with `pos` (with `fused`, one
-    Triton kernel: building them per step took three launches more).
-
-    With `windows` (each layer's attention window or None) and `chunk` (the most tokens a
-    pass brings), a sliding-window layer holds a ring of window + chunk - 1 slots
-    (base.ring_capacity), position p at slot p % capacity, and its mask follows the ring.
-    """
-
-    def __init__(self, num_layers, batch, kv_heads, head_dim, max_len, dtype, device, fused=False,
-                 windows=None, chunk=None):  # fmt: skip
-        windows = windows or [None] * num_layers
-        self.caps = [ring_capacity(w, max_len, chunk) for w in windows]
-        self._cap_of = {w: c for w, c in zip(windows, self.caps)}
-        self.chunk = chunk
-
-        def buf(cap):
-            return torch.zeros((batch, kv_heads, cap, head_dim), dtype=dtype, device=device)
-
-        self.keys = [buf(c) for c in self.caps]
-        self.values = [buf(c) for c in self.caps]
-        self.max_len = max_len
-        self.offset = 0
-        self.device = device
-        self.graph = False
-        self.pos = torch.zeros(1, dtype=torch.int64, device=device)  # graph mode only
-        self._zero = torch.zeros(1, dtype=torch.int64, device=device)
-        self._slots = torch.arange(max_len, device=device)
-        self._pads = self._key_ok = self._mask = self._positions = None
-        self._windowed: dict[int, torch.Tensor] = {}  # window -> graph-mode sliding mask
-        self._ring_pos: dict[int, torch.Tensor] = {}  # capacity -> graph-mode pos % capacity
-        self._ring_slot: dict[int, torch.Tensor] = {}  # capacity -> this eager pass's slot
-        self._fused = fused
-
-    def reset(self) -> None:
-        """Empty again for a new generation. Stale keys and values may stay: every read is
-        of the filled prefix, or masked to it in graph mode."""
-        self.offset = 0
-        self.graph = False
-        self._ring_slot.clear()
-
-    def enter_graph(self, pads: np.ndarray | None) -> None:
-        self.graph = True
-        self.pos.fill_(self.offset)
-        pad = (
-            torch.zeros(len(self.keys[0]), dtype=torch.int64)
-            if pads is None
-            else torch.from_numpy(pads.astype(np.int64))
-        ).to(self.device)  # (B,)
-        key_ok = self._slots[None, :] >= pad[:, None]  # (B, max_len)
-        if self._pads is None:
-            self._pads, self._key_ok = pad, key_ok
-            self._mask, self._positions = key_ok.clone(), pad.clone().view(-1, 1)
-        else:  # a captured graph reads these very tensors: update them in place
-            self._pads.copy_(pad)
-            self._key_ok.copy_(key_ok)
-        self.rewind()
-
-    def rewind(self) -> None:
-        """Graph mode: the device-side position, mask and rope positions at `offset` again
-        (after warm-up or capture runs moved them on)."""
-        self.pos.fill_(self.offset)
-        self._follow_pos()
-
-    def _follow_pos(self) -> None:
-        """The mask and rope positions of a query at slot pos (in place: a graph reads them)."""
-        # keys <= pos that are not padding
-        torch.logical_and(self._key_ok, self._slots[None, :] <= self.pos, out=self._mask)
-        torch.sub(self.pos, self._pads, out=self._positions[:, 0])
-        for w, m in self._windowed.items():
-            cap = self._cap_of[w]
-            if cap == self.max_len:  # and within the window: slot > pos - w
-                torch.logical_and(self._mask, self._slots[None, :] > self.pos - w, out=m)
-            else:  # a ring: slot s holds position pos - d, d = (pos - s) mod cap
-                d = torch.remainder(self.pos - self._slots[:cap], cap)
-                p = self.pos - d
-                ok = (d < w)[None, :] & (p[None, :] >= self._pads[:, None])
-                m.copy_(ok)
-        for cap, r in self._ring_pos.items():
-            torch.remainder(self.pos, cap, out=r)
-
-    def mask(self, length, pads, window=None):
-        if self.graph:
-            if window is None:
-                return self._mask[:, None, None, :]
-            if window not in self._windowed:  # made in a warm-up pass, before the capture
-                cap = self._cap_of[window]
-                self._windowed[window] = torch.empty_like(self._mask[:, :cap])
-                self._follow_pos()
-            return self._windowed[window][:, None, None, :]
-        cap = self._cap_of.get(window, self.max_len)
-        if cap < self.max_len and self.offset + length > cap:
-            m = ring_mask_np(self.offset, length, pads, window, cap)
-            return torch.from_numpy(m).to(self.device)
-        plain = window is None or self.offset + length <= window
-        if self.offset == 0 and length > 1 and (pads is None or not pads.any()) and plain:
-            return CAUSAL
-        m = causal_mask_np(self.offset, length, pads, window)
-        return None if m is None else torch.from_numpy(m).to(self.device)
-
-    def positions(self, length, pads):
-        if self.graph:
-            return self._positions  # (B, 1)
-        return torch.from_numpy(positions_np(self.offset, length, pads)).to(self.device)
-
-    def update_and_fetch(self, layer, k, v):
-        cap = self.caps[layer]
-        if self.graph:
-            at = self.pos if cap == self.max_len else self._ring(cap)
-            self.keys[layer].index_copy_(2, at, k)
-            self.values[layer].index_copy_(2, at, v)
-        elif cap < self.max_len:
-            self._check(k.shape[2], cap)
-            for s, t, n in ring_slices(self.offset, k.shape[2], cap):
-                self.keys[layer][:, :, s : s + n] = k[:, :, t : t + n]
-                self.values[layer][:, :, s : s + n] = v[:, :, t : t + n]
-        else:
-            kd, vd, _ = self.slots(layer, k.shape[2])
-            kd[:, :, : k.shape[2]] = k
-            vd[:, :, : v.shape[2]] = v
-        return self.fetch(layer, k.shape[2])
-
-    def _ring(self, cap: int) -> torch.Tensor:
-        """Graph mode: the device slot pos % cap of a ring (made before the capture)."""
-        if cap not in self._ring_pos:
-            self._ring_pos[cap] = torch.remainder(self.pos, cap)
-        return self._ring_pos[cap]
-
-    def _check(self, length: int, cap: int) -> None:
-        if self.offset + length > self.max_len:
-            raise MlxrunError(
-                f"the KV cache holds {self.max_len} positions and generation "
-                f"needs {self.offset + length}; raise the context / max tokens"
-            )
-        # a longer pass would overwrite keys that its own first queries still see
-        assert length <= self.chunk, "a pass longer than the cache's chunk"
-
-    def slots(self, layer: int, length: int):
-        """(keys, values, slot): where `length` new positions of `layer` go, position t at
-        index (slot[0] + t) mod the buffer's length along dim 2 (slot a device int64, so a
-        captured graph reads it; the modulus wraps a sliding-window layer's ring)."""
-        cap = self.caps[layer]
-        if self.graph:
-            return self.keys[layer], self.values[layer], self.pos
-        if cap < self.max_len:
-            self._check(length, cap)
-            slot = self._ring_slot.get(cap)
-            if slot is None:  # one host-to-device copy per ring size and pass
-                slot = self._ring_slot[cap] = torch.tensor([self.offset % cap], device=self.device)
-            return self.keys[layer], self.values[layer], slot
-        end = self.offset + length
-        if end > self.max_len:
-            raise MlxrunError(
-                f"the KV cache holds {self.max_len} positions and generation "
-                f"needs {end}; raise the context / max tokens"
-            )
-        o = self.offset
-        return self.keys[layer][:, :, o:], self.values[layer][:, :, o:], self._zero
-
-    def fetch(self, layer: int, length: int):
-        """The keys and values to attend to once `length` new positions are written: the
-        filled prefix, or a whole ring once it has wrapped (its mask says which)."""
-        if self.graph:  # the whole buffer, masked to the filled prefix
-            return self.keys[layer], self.values[layer]
-        end = min(self.offset + length, self.caps[layer])
-        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
-
-    def advance(self, n: int) -> None:
-        if self.graph:  # recorded in the graph; the host offset is kept by the caller
-            if self._fused and n == 1 and not self._windowed:  # the kernel moves one mask
-                from .cuda_ops import graph_advance  # noqa: PLC0415
-
-                graph_advance(self.pos, self._pads, self._key_ok, self._mask, self._positions)
-            else:
-                self.pos += n
-                self._follow_pos()
-        else:
-            self.offset += n
-            self._ring_slot.clear()
-
-
-class GraphDecoder:
-    """Decode steps replayed from one captured CUDA graph, greedy or through a sampler.
-
-    Capturing removes the per-kernel launch cost (hundreds of launches per token), which
-    otherwise dominates batch-1 decode. The graph reads the tokens from a static buffer and
-    writes their argmax back into it, so consecutive steps need no copy in or out between
-    replays (each was a launch of its own on the GPU's timeline). `__call__` returns a view
-    of that buffer: valid until the next call, which overwrites it (the decode loop queues
-    its host copy first, through `TorchBackend.start`).
-    """
-
-    def __init__(
-        self, model, cache: StaticCache, batch: int, pads: np.ndarray | None, sampler=None
-    ):
-        self.model, self.cache, self.busy = model, cache, True
-        self.sampler = sampler  # its options and state are tensors the graph reads
-        cache.enter_graph(pads)
-        dev = cache.device
-        self.tok = torch.zeros((batch, 1), dtype=torch.int64, device=dev)
-        saved = sampler.save() if sampler is not None else None
-        self.ok = torch.ones((batch,), dtype=torch.bool, device=dev)  # rows' logits finite
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up runs (autotuning, workspaces) before capture
-            for _ in range(2):
-                self._step(pads)
-                cache.rewind()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self._step(pads)
-        cache.rewind()
-        if sampler is not None:  # the warm-up and capture runs moved its counters on
-            sampler.restore(saved)
-
-    @property
-    def plan(self):
-        return None if self.sampler is None else self.sampler.plan
-
-    def _step(self, pads):
-        be = self.model.be
-        logits = self.model(self.tok, self.cache, pads, last_only=True)
-        if self.sampler is not None:
-            self.tok.copy_(self.sampler(logits).view(-1, 1))
-        elif be.triton_kernels:
-            from .cuda_ops import argmax  # noqa: PLC0415
-
-            argmax(logits, out=self.tok.view(-1))
-        else:
-            self.tok.copy_(be.argmax(logits).view(-1, 1))
-        self.ok.copy_(be.finite_rows(logits))
-
-    @property
-    def finite(self):
-        """The last replay's `finite_rows` (B,) bool: a fresh view, as start() keys on it."""
-        return self.ok.view(-1)
-
-    def __call__(self, y):
-        if y.data_ptr() != self.tok.data_ptr():
-            self.tok.copy_(y.view(-1, 1))
-        self.graph.replay()
-        self.cache.offset += 1
-        return self.tok.view(-1)
-
-    def close(self) -> None:
-        """The generation is over: the graph and its cache may serve the next one."""
-        self.busy = False
 
 
 def _expandable_segments() -> None:
