@@ -41,6 +41,8 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
+from profile_decode import _events_ms as events_ms  # noqa: E402  (this script's directory)
+from profile_decode import _graphed as graphed  # noqa: E402
 
 import mlxrun.backends.cuda_moe as cm  # noqa: E402
 from mlxrun.backends import torch_moe  # noqa: E402
@@ -144,37 +146,6 @@ def copy_bandwidth() -> float:
     dst = torch.empty_like(src)
     ms = events_ms(lambda: dst.copy_(src), 20)
     return 2 * src.numel() / (ms * 1e-3)
-
-
-def events_ms(fn, reps: int = 20) -> float:
-    """Median ms of fn() by CUDA events (as benchmarks/profile_decode.py times)."""
-    fn()
-    torch.cuda.synchronize()
-    pairs = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        pairs.append((a, b))
-    torch.cuda.synchronize()
-    ms = sorted(a.elapsed_time(b) for a, b in pairs)
-    return ms[len(ms) // 2]
-
-
-def graphed(fn, calls: int):
-    """A CUDA graph of fn(0), ..., fn(calls - 1) (warmed up first); returns its replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(min(calls, 3)):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(i)
-    return g.replay
 
 
 def run_tiny() -> None:
