@@ -81,9 +81,12 @@ for step in "$@"; do
         timeout $(tm 300) mlxrun bench -m shape:llama3.1-8b --backends cuda --quant int4 \
             --prompt-tokens 32768 --gen-tokens 128 --reps 2 \
             --json "$OUT/r/long-32k.json" 2>"$OUT/r/long.err" | tail -3 ;;
-    kquant)  # llama.cpp's Q4_K_M layout against int4, one run
-        timeout $(tm 300) mlxrun bench -m shape:llama3-8b --backends cuda --quant int4,q4_k_m --batch 1 $B8 \
-            --json "$OUT/r/kquant.json" 2>"$OUT/r/kquant.err" | tail -4 ;;
+    kquant)  # llama.cpp's Q4_K_M and Q6_K layouts against int4, batch 1 and 32
+        timeout $(tm 240) mlxrun bench -m shape:llama3-8b --backends cuda --quant int4,q4_k_m,q6_k --batch 1 $B8 \
+            --json "$OUT/r/kquant.json" 2>"$OUT/r/kquant.err" | tail -5
+        timeout $(tm 200) mlxrun bench -m shape:llama3-8b --backends cuda --quant int4,q4_k_m --batch 32 \
+            --prompt-tokens 512 --gen-tokens 64 --reps 2 \
+            --json "$OUT/r/kquant-b32.json" 2>>"$OUT/r/kquant.err" | tail -4 ;;
     structured)  # a nested-object schema against free decode, batch 1 and 32; compile times
         timeout $(tm 300) python3 benchmarks/structured_decode.py --model shape:llama3-8b --backend cuda \
             --quant int4 --batch 1,32 --gen-tokens 128 --json "$OUT/r/structured.json" \
