@@ -179,34 +179,36 @@ class StreamingDetokenizer:
     """Turns a growing token list into text pieces.
 
     Decoding token by token would split multi-byte characters (an emoji spans several byte
-    tokens) and lose the spaces some tokenizers attach to the next token, so it re-decodes
-    the tokens since the last safe point and emits only text that can no longer change.
+    tokens) and lose the spaces some tokenizers attach to the next token. So each new token
+    is decoded together with the few tokens before it: the text of tokens[prefix:] minus the
+    text of tokens[prefix:read] is the new piece (a space or a strip at the window's start
+    affects both alike), and the window moves up once a piece is out. Work per token stays
+    constant however long the sequence grows (re-decoding it all made a 32-stream server
+    host-bound within a few hundred tokens).
     """
 
     def __init__(self, tokenizer: Tokenizer):
         self._tk = tokenizer
         self._tokens: list[int] = []
-        self._start = 0  # tokens before this index are flushed
-        self._emitted = ""  # text of tokens[_start:] already given out
+        self._prefix = 0  # the window's start: context for the next piece, not re-emitted
+        self._read = 0  # tokens before this index are in `text`
         self.text = ""
 
     def add(self, token: int) -> str:
         """Add a token; return the new text that is now final (maybe empty)."""
         self._tokens.append(token)
-        cur = self._tk.decode(self._tokens[self._start :])
-        if cur.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
+        done = self._tk.decode(self._tokens[self._prefix : self._read])
+        cur = self._tk.decode(self._tokens[self._prefix :])
+        if len(cur) <= len(done) or cur.endswith("\ufffd"):  # incomplete UTF-8: wait
             return ""
-        piece = cur[len(self._emitted) :]
-        self._emitted = cur
-        if cur.endswith("\n"):  # nothing merges across a newline: restart the window
-            self._start = len(self._tokens)
-            self._emitted = ""
+        piece = cur[len(done) :]
+        self._prefix, self._read = self._read, len(self._tokens)
         self.text += piece
         return piece
 
     def flush(self) -> str:
-        cur = self._tk.decode(self._tokens[self._start :])
-        piece = cur[len(self._emitted) :]
-        self._emitted = cur
+        done = self._tk.decode(self._tokens[self._prefix : self._read])
+        piece = self._tk.decode(self._tokens[self._prefix :])[len(done) :]
+        self._prefix = self._read = len(self._tokens)
         self.text += piece
         return piece

@@ -704,3 +704,26 @@ def test_convert_failure_leaves_nothing(tmp_path, synthetic, monkeypatch):
     with pytest.raises(MlxrunError, match="No space left"):
         convert(str(synthetic[0]), str(dest / "out"), progress=False)
     assert list(dest.iterdir()) == []
+
+
+@pytest.mark.parametrize("which", ["synthetic", "real"])
+def test_streaming_detokenizer_pieces_and_window(which, synthetic, request):
+    """Token by token, the streamed pieces join to the whole decode (multi-byte characters,
+    leading spaces, both tokenizer kinds), and each step decodes a few tokens only, however
+    long the text has grown."""
+    from mlxrun.tokenizer import Tokenizer
+
+    if which == "real":
+        m = request.getfixturevalue("real")
+    else:
+        m = read_gguf(synthetic[0])
+    tk = Tokenizer.from_json(m.tokenizer_json, m.tokenizer_config, set())
+    seen = []
+    real_decode = tk.decode
+    tk.decode = lambda ids, **kw: (seen.append(len(ids)), real_decode(ids, **kw))[1]
+    text = " ".join(t.replace("\n", " ") for t in TEXTS) * 3  # ~2k tokens, no newline
+    ids = tk.encode(text, add_special_tokens=False)
+    detok = tk.detokenizer()
+    pieces = [detok.add(t) for t in ids] + [detok.flush()]
+    assert "".join(pieces) == detok.text == real_decode(ids)
+    assert len(ids) > 1000 and max(seen) <= 8, (len(ids), max(seen))
