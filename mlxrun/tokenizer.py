@@ -65,6 +65,16 @@ class Tokenizer:
         self.eos_token_ids = eos
         self.bos_token_id = None if self.bos_token is None else tok.token_to_id(self.bos_token)
         self.vocab_size = tok.get_vocab_size()
+        # Generated text keeps special tokens where the model's replies carry their
+        # structure in them (gpt-oss's harmony channels, `keep_markup`); else they are dropped.
+        self.markup = False
+
+    def keep_markup(self, ends: tuple[str, ...] = ()) -> None:
+        """Keep special tokens in generated text from now on, and end generation on each
+        token of `ends` this vocabulary has (gpt-oss's `<|call|>` is not its EOS in every
+        checkpoint, yet a call ends the turn)."""
+        self.markup = True
+        self.eos_token_ids |= {i for t in ends if (i := self._tok.token_to_id(t)) is not None}
 
     @classmethod
     def from_dir(cls, path: Path, eos_ids: set[int]) -> Tokenizer:
@@ -104,7 +114,11 @@ class Tokenizer:
         BOS (the chat template writes its own, so chat prompts pass False)."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool | None = None) -> str:
+        """ids -> text; special tokens are dropped unless the model keeps its markup
+        (`keep_markup`) or `skip_special_tokens` is False."""
+        if skip_special_tokens is None:
+            skip_special_tokens = not self.markup
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
@@ -171,8 +185,9 @@ class Tokenizer:
         ]
         return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
 
-    def detokenizer(self) -> StreamingDetokenizer:
-        return StreamingDetokenizer(self)
+    def detokenizer(self, markup: bool | None = None) -> StreamingDetokenizer:
+        """A streaming detokenizer; `markup` keeps special tokens (None: as `self.markup`)."""
+        return StreamingDetokenizer(self, self.markup if markup is None else markup)
 
 
 class StreamingDetokenizer:
@@ -183,8 +198,9 @@ class StreamingDetokenizer:
     the tokens since the last safe point and emits only text that can no longer change.
     """
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, markup: bool = False):
         self._tk = tokenizer
+        self._skip = not markup  # drop special tokens from the text
         self._tokens: list[int] = []
         self._start = 0  # tokens before this index are flushed
         self._emitted = ""  # text of tokens[_start:] already given out
@@ -193,7 +209,7 @@ class StreamingDetokenizer:
     def add(self, token: int) -> str:
         """Add a token; return the new text that is now final (maybe empty)."""
         self._tokens.append(token)
-        cur = self._tk.decode(self._tokens[self._start :])
+        cur = self._tk.decode(self._tokens[self._start :], self._skip)
         if cur.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
             return ""
         piece = cur[len(self._emitted) :]
@@ -205,7 +221,7 @@ class StreamingDetokenizer:
         return piece
 
     def flush(self) -> str:
-        cur = self._tk.decode(self._tokens[self._start :])
+        cur = self._tk.decode(self._tokens[self._start :], self._skip)
         piece = cur[len(self._emitted) :]
         self._emitted = cur
         self.text += piece
