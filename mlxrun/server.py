@@ -211,8 +211,9 @@ class Server:
         A format with channels (harmony) is read even without tools: its markup and its
         reasoning are not content."""
         tools = body.get("tools")
-        plain = ToolReply("none", self.tool_parser, [], False)
-        plain = plain if self.tool_parser in CHANNELS else None
+        # (an answer constrained by response_format or grammar is written without markup)
+        channels = self.tool_parser in CHANNELS and constraint is None
+        plain = ToolReply("none", self.tool_parser, [], False) if channels else None
         if tools is None and body.get("tool_choice") is None:
             return None, plain, constraint
         try:

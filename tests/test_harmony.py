@@ -398,3 +398,11 @@ def test_served_required_and_named_tool_choice_are_constrained(served):
         _, _, calls, finish = _streamed(c, **kw, tool_choice=choice, **extra)
         assert finish == "tool_calls"
         assert calls == [{"name": call.function.name, "arguments": call.function.arguments}]
+    # a response_format answer is written without markup: all of it is content
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"],
+        "additionalProperties": False}}}  # fmt: skip
+    body = dict(model="tiny", messages=msgs, max_tokens=20, temperature=0, response_format=fmt)
+    ch = c.chat.completions.create(**body).choices[0]
+    assert ch.finish_reason == "stop" and json.loads(ch.message.content)["a"] in (1, 2)
+    assert _streamed(c, **body) == (ch.message.content, "", [], "stop")
