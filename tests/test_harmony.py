@@ -257,6 +257,20 @@ def test_markup_is_kept_for_gpt_oss_only(gpt_oss):
     assert "".join(det.add(t) for t in ids) + det.flush() == other.decode(ids)
 
 
+def test_the_python_api_returns_the_markup(gpt_oss):
+    """`stream`, `generate` and batched `generate_many` on gpt-oss give the generated tokens'
+    text with their special tokens (the random weights write <|endoftext|> and <|start|>
+    within 40 greedy tokens of this prompt)."""
+    rs = list(gpt_oss.stream([5, 6, 7, 8], max_tokens=40, chat=False))
+    toks = [r.token for r in rs if r.token not in gpt_oss.tokenizer.eos_token_ids]
+    assert any(t >= 256 for t in toks), "the random model wrote no special token: reseed"
+    text = gpt_oss.tokenizer.decode(toks, skip_special_tokens=False)
+    assert "".join(r.text for r in rs) == text and "<|" in text
+    assert gpt_oss.generate([5, 6, 7, 8], max_tokens=40, chat=False) == text
+    (r,), _ = gpt_oss.generate_many([[5, 6, 7, 8]], max_tokens=40, chat=False)
+    assert r.text == text
+
+
 def test_calls_and_tool_results_round_trip_through_the_template(gpt_oss):
     """An assistant's tool_calls and the tool's result go through the gpt-oss template;
     the call it writes reads back (harmony parser) as the same call."""
