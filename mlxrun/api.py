@@ -557,6 +557,7 @@ def _load(
         vocab=None if tp == 1 else vocab_shard(cfg, tp, group.rank),
     )
     transformer.kv_quant = kv
+    _reply_format(ckpt.tokenizer, cfg.model_type)
     notes = ckpt.notes + auto_note + notes
     if spec is not None:  # a quantized source keeps its group size when none was asked
         spec = target_spec(spec, ckpt.config.quantization, group_size is not None)
@@ -566,6 +567,16 @@ def _load(
     )
     m.expanded = packed and key == "none"
     return m
+
+
+def _reply_format(tokenizer, model_type: str) -> None:
+    """A model whose replies are written in special tokens (gpt-oss's harmony channels)
+    keeps them in its generated text, and ends on each token that ends a reply."""
+    from .tools import MARKUP, parser_name  # noqa: PLC0415
+
+    fmt = parser_name(tokenizer.chat_template, model_type)
+    if fmt in MARKUP:
+        tokenizer.keep_markup(MARKUP[fmt])
 
 
 def _planned(t) -> tuple[tuple[int, ...], str]:

@@ -84,6 +84,7 @@ class Request:
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # None: off; k: the chosen token's and the top k
     constraint: Constraint | None = None  # a JSON schema, regex or grammar to follow
+    markup: bool | None = None  # keep special tokens in the text (None: as the tokenizer)
     on_event: Callable[[Event], None] | None = None
     id: int = field(default_factory=lambda: next(_ids))
     cancelled: bool = False  # as the engine sees it
@@ -107,7 +108,7 @@ class _Seq:
         self.done = cached  # prompt tokens whose k, v are in the slot
         self.history = list(req.prompt)  # for the repetition penalty
         self.seed = row_seed(req.params)  # one per request: its draws ignore batch-mates
-        self.detok = tokenizer.detokenizer()
+        self.detok = tokenizer.detokenizer(req.markup)
         self.stops = [s for s in req.stop if s]
         self.n = 0  # tokens generated
         self.sent = 0  # characters of detok.text already handed out

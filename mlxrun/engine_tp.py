@@ -34,6 +34,7 @@ def to_wire(req) -> dict:
         "stop": req.stop,
         "logprobs": req.logprobs,
         "constraint": None if req.constraint is None else asdict(req.constraint),
+        "markup": req.markup,  # the text decides where a stop string ends it
     }
 
 
@@ -46,6 +47,7 @@ def from_wire(d: dict, make):
         stop=d["stop"],
         logprobs=d["logprobs"],
         constraint=None if d["constraint"] is None else Constraint(**d["constraint"]),
+        markup=d.get("markup"),
         id=d["id"],
     )
 

@@ -18,7 +18,7 @@ from .errors import MlxrunError
 from .phases import now
 from .sampling import SamplingParams
 from .structured import COMPILE_SECONDS, Constraint
-from .tools import check_choice, check_tools, parser_name, template_messages
+from .tools import CHANNELS, MARKUP, check_choice, check_tools, parser_name, template_messages
 from .tools_stream import ToolReply
 
 try:
@@ -207,10 +207,15 @@ class Server:
         self.tool_parser = parser_name(self.tok.chat_template, mt, tool_parser)
 
     def tools(self, body: dict, constraint: Constraint | None):
-        """(tools for the template or None, ToolReply or None, the answer's constraint)."""
+        """(tools for the template or None, ToolReply or None, the answer's constraint).
+        A format with channels (harmony) is read even without tools: its markup and its
+        reasoning are not content."""
         tools = body.get("tools")
+        # (an answer constrained by response_format or grammar is written without markup)
+        channels = self.tool_parser in CHANNELS and constraint is None
+        plain = ToolReply("none", self.tool_parser, [], False) if channels else None
         if tools is None and body.get("tool_choice") is None:
-            return None, None, constraint
+            return None, plain, constraint
         try:
             tools = check_tools(tools if tools is not None else [])
             choice = check_choice(body.get("tool_choice"), tools)
@@ -218,7 +223,7 @@ class Server:
             raise BadRequest(str(e), param="tools") from None
         parallel = _get(body, "parallel_tool_calls", bool, True)
         if choice == "none" or not tools:
-            return tools or None, None, constraint
+            return tools or None, plain, constraint
         reply = ToolReply(choice, self.tool_parser, tools, parallel)
         if reply.constraint is not None and constraint is not None:
             raise BadRequest("a required or named tool_choice cannot be combined with "
@@ -288,6 +293,8 @@ class Server:
         if max_tokens is None:  # OpenAI's default: as long as the context allows
             max_tokens = max(1, self.engine.context - len(ids))
         req = Request(ids, params, max_tokens, stop, logprobs)
+        if chat and self.tool_parser in MARKUP:  # the parser reads the special tokens
+            req.markup = True
         try:
             self.engine.check(req)
         except MlxrunError as e:
@@ -487,10 +494,13 @@ def serve_app(server: Server):
             choice["message"] = {"role": "assistant", "content": text}
             if reply is not None:
                 content, calls = reply.final(text, last.finish_reason)
+                choice["message"]["content"] = content
                 if calls:
                     choice["message"] = {"role": "assistant", "content": content or None,
                                          "tool_calls": [c.openai() for c in calls]}  # fmt: skip
                     choice["finish_reason"] = "tool_calls"
+                if reasoning := reply.reasoning(text):  # as vLLM returns gpt-oss's analysis
+                    choice["message"]["reasoning_content"] = reasoning
             choice["logprobs"] = server.chat_logprobs(got) if req.logprobs is not None else None
         else:
             choice["text"] = text
@@ -502,10 +512,13 @@ def serve_app(server: Server):
     async def sse(req, events, head, chat, include_usage, reply):
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta_text: str | None, evs: list[Event], finish: str | None, first=False):
+        def chunk(delta_text: str | None, evs: list[Event], finish: str | None, first=False,
+                  reasoning: str = ""):  # fmt: skip
             c: dict = {"index": 0, "finish_reason": finish}
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else {}
+                if reasoning:
+                    delta["reasoning_content"] = reasoning
                 if delta_text:
                     delta["content"] = delta_text
                 c["delta"] = delta
@@ -551,14 +564,16 @@ def serve_app(server: Server):
                         rest, calls = tools.finish(ev.finish_reason)
                         text += rest
                         if calls:
-                            if text:
-                                yield chunk(text, [ev], None)
+                            thought = tools.reasoning()
+                            if text or thought:
+                                yield chunk(text, [ev], None, reasoning=thought)
                                 text = ""
                             for c in call_chunks(calls):
                                 yield c
                             finish = "tool_calls"
-                    if text or finish or ev.logprob is not None:
-                        yield chunk(text, [ev], finish)
+                    thought = tools.reasoning()
+                    if text or thought or finish or ev.logprob is not None:
+                        yield chunk(text, [ev], finish, reasoning=thought)
                 elif ev.text or ev.finish_reason or ev.logprob is not None:
                     yield chunk(ev.text, [ev], _finish(ev) if ev.finish_reason else None)
                 if req.phases.first_sent is None:  # (a chunk is on its way once yielded)

@@ -65,6 +65,16 @@ class Tokenizer:
         self.eos_token_ids = eos
         self.bos_token_id = None if self.bos_token is None else tok.token_to_id(self.bos_token)
         self.vocab_size = tok.get_vocab_size()
+        # Generated text keeps special tokens where the model's replies carry their
+        # structure in them (gpt-oss's harmony channels, `keep_markup`); else they are dropped.
+        self.markup = False
+
+    def keep_markup(self, ends: tuple[str, ...] = ()) -> None:
+        """Keep special tokens in generated text from now on, and end generation on each
+        token of `ends` this vocabulary has (gpt-oss's `<|call|>` is not its EOS in every
+        checkpoint, yet a call ends the turn)."""
+        self.markup = True
+        self.eos_token_ids |= {i for t in ends if (i := self._tok.token_to_id(t)) is not None}
 
     @classmethod
     def from_dir(cls, path: Path, eos_ids: set[int]) -> Tokenizer:
@@ -104,7 +114,11 @@ class Tokenizer:
         BOS (the chat template writes its own, so chat prompts pass False)."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool | None = None) -> str:
+        """ids -> text; special tokens are dropped unless the model keeps its markup
+        (`keep_markup`) or `skip_special_tokens` is False."""
+        if skip_special_tokens is None:
+            skip_special_tokens = not self.markup
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
@@ -171,8 +185,9 @@ class Tokenizer:
         ]
         return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
 
-    def detokenizer(self) -> StreamingDetokenizer:
-        return StreamingDetokenizer(self)
+    def detokenizer(self, markup: bool | None = None) -> StreamingDetokenizer:
+        """A streaming detokenizer; `markup` keeps special tokens (None: as `self.markup`)."""
+        return StreamingDetokenizer(self, self.markup if markup is None else markup)
 
 
 class StreamingDetokenizer:
@@ -187,8 +202,9 @@ class StreamingDetokenizer:
     host-bound within a few hundred tokens).
     """
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, markup: bool = False):
         self._tk = tokenizer
+        self._skip = not markup  # drop special tokens from the text
         self._tokens: list[int] = []
         self._prefix = 0  # the window's start: context for the next piece, not re-emitted
         self._read = 0  # tokens before this index are in `text`
@@ -197,8 +213,8 @@ class StreamingDetokenizer:
     def add(self, token: int) -> str:
         """Add a token; return the new text that is now final (maybe empty)."""
         self._tokens.append(token)
-        done = self._tk.decode(self._tokens[self._prefix : self._read])
-        cur = self._tk.decode(self._tokens[self._prefix :])
+        done = self._tk.decode(self._tokens[self._prefix : self._read], self._skip)
+        cur = self._tk.decode(self._tokens[self._prefix :], self._skip)
         if len(cur) <= len(done) or cur.endswith("\ufffd"):  # incomplete UTF-8: wait
             return ""
         piece = cur[len(done) :]
@@ -207,8 +223,8 @@ class StreamingDetokenizer:
         return piece
 
     def flush(self) -> str:
-        done = self._tk.decode(self._tokens[self._prefix : self._read])
-        piece = self._tk.decode(self._tokens[self._prefix :])[len(done) :]
+        done = self._tk.decode(self._tokens[self._prefix : self._read], self._skip)
+        piece = self._tk.decode(self._tokens[self._prefix :], self._skip)[len(done) :]
         self._prefix = self._read = len(self._tokens)
         self.text += piece
         return piece

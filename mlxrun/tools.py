@@ -217,16 +217,123 @@ def parse_mistral(text: str) -> tuple[str, list[ToolCall]]:
     return content, calls
 
 
+# gpt-oss's "harmony" format: an answer is messages, each a header (channel, recipient)
+# and a body, e.g. `<|channel|>analysis<|message|>...<|end|>` then
+# `<|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{..}`
+# `<|call|>` or `<|start|>assistant<|channel|>final<|message|>...<|return|>`. The prompt
+# ends with `<|start|>assistant`, so the first header has no `<|start|>` of its own.
+HARMONY_ENDS = ("<|end|>", "<|call|>", "<|return|>")
+_HARMONY_MARKS = HARMONY_ENDS + ("<|start|>",)
+
+
+@dataclass(frozen=True)
+class HarmonyMessage:
+    channel: str  # "analysis", "commentary", "final"; "" if the header names none
+    recipient: str  # "functions.NAME" for a call, else ""
+    body: str
+    complete: bool  # its end token came (or the answer ended)
+
+    @property
+    def call(self) -> ToolCall | None:
+        """The call this message makes, or None (not a call, or arguments that are not a
+        JSON object)."""
+        if not self.recipient:
+            return None
+        try:
+            args = json.loads(self.body)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(args, dict):
+            return None
+        name = self.recipient.removeprefix("functions.")
+        return ToolCall(name, json.dumps(args, ensure_ascii=False))
+
+
+def harmony_messages(text: str, ended: bool = True) -> list[HarmonyMessage]:
+    """The messages of an answer in the harmony format. While it is still being written
+    (`ended` False) the last message may be incomplete, and a header not yet closed by
+    `<|message|>` is left out; so is one cut short at the end. Text with no markup at all
+    is one final message."""
+    if ended and "<|message|>" not in text and "<|channel|>" not in text:
+        return [HarmonyMessage("final", "", text, True)] if text else []
+    out = []
+    segs = text.split("<|start|>")
+    for k, seg in enumerate(segs):
+        header, sep, body = seg.partition("<|message|>")
+        if not sep:
+            continue
+        ends = [i for e in HARMONY_ENDS if (i := body.find(e)) >= 0]
+        complete = bool(ends) or ended or k < len(segs) - 1  # (a next message: this one is over)
+        body = body[: min(ends)] if ends else body
+        ch = re.search(r"<\|channel\|>\s*([A-Za-z_]+)", header)
+        to = re.search(r"\bto=([^\s<]+)", header)
+        out.append(HarmonyMessage(ch[1] if ch else "", to[1] if to else "", body, complete))
+    return out
+
+
+def _unsure_tail(body: str) -> int:
+    """How many characters at the end of a growing body may be the start of an end token."""
+    for k in range(min(len(body), max(map(len, _HARMONY_MARKS)) - 1), 0, -1):
+        if any(m.startswith(body[-k:]) for m in _HARMONY_MARKS):
+            return k
+    return 0
+
+
+def harmony_read(
+    text: str, ended: bool = True, calls: bool = True
+) -> tuple[str, str, list[ToolCall]]:
+    """(content, reasoning, calls) of a harmony answer: content is the final channel's text
+    (and commentary meant for the user, and the body of a malformed call); reasoning the
+    analysis channel's; calls one per message to `functions.NAME` whose body is a JSON
+    object (with `calls` False, their bodies are content). While the answer is being
+    written (`ended` False), only what can no longer change: a message's text stops
+    short of what may be the start of its end token, and nothing after a call that has
+    not ended is read."""
+    content, reasoning, out = [], [], []
+    for m in harmony_messages(text, ended):
+        body = m.body
+        if not m.complete:
+            body = body[: len(body) - _unsure_tail(body)]
+        if m.recipient:
+            if not m.complete:
+                break  # a call or, if its JSON turns out malformed, content: not known yet
+            c = m.call if calls else None
+            if c is not None:
+                out.append(c)
+            else:
+                content.append(body)
+            continue
+        (reasoning if m.channel == "analysis" else content).append(body)
+        if not m.complete:
+            break
+    return "".join(content), "".join(reasoning), out
+
+
+def parse_harmony(text: str) -> tuple[str, list[ToolCall]]:
+    """gpt-oss: the final channel's text is content, each message to functions.NAME a call
+    (the analysis channel is reasoning: `harmony_read`)."""
+    content, _, calls = harmony_read(text)
+    return content, calls
+
+
 PARSERS: dict[str, Callable[[str], tuple[str, list[ToolCall]]]] = {
     "hermes": parse_hermes,
     "llama3_json": parse_llama3_json,
     "mistral": parse_mistral,
+    "harmony": parse_harmony,
 }
+# formats written in special tokens: generated text keeps them for the parser to read, and
+# generation ends on these tokens too (a call or the final answer ends the turn; <|end|>
+# ends one message of it)
+MARKUP = {"harmony": ("<|call|>", "<|return|>")}
+# formats with channels: text -> (content, reasoning, calls), as `harmony_read`
+CHANNELS = {"harmony": harmony_read}
 # where a tool call starts in each format: streamed text is held from there on
 MARKERS = {"hermes": ("<tool_call>",), "llama3_json": ("<|python_tag|>", "{"),
-           "mistral": ("[TOOL_CALLS]",)}  # fmt: skip
+           "mistral": ("[TOOL_CALLS]",), "harmony": ()}  # fmt: skip
 _BY_TYPE = {"qwen2": "hermes", "qwen3": "hermes", "qwen2_moe": "hermes", "qwen3_moe": "hermes",
-            "llama": "llama3_json", "mistral": "mistral", "mixtral": "mistral"}  # fmt: skip
+            "llama": "llama3_json", "mistral": "mistral", "mixtral": "mistral",
+            "gpt_oss": "harmony"}  # fmt: skip
 
 
 def parser_name(template: str | None, model_type: str, override: str | None = None) -> str:
@@ -239,6 +346,8 @@ def parser_name(template: str | None, model_type: str, override: str | None = No
             )
         return override
     t = template or ""
+    if "<|channel|>" in t and "<|message|>" in t:
+        return "harmony"
     if "<tool_call>" in t:
         return "hermes"
     if "[TOOL_CALLS]" in t:
@@ -251,6 +360,8 @@ def parser_name(template: str | None, model_type: str, override: str | None = No
 def parse(name: str, text: str) -> tuple[str, list[ToolCall]]:
     """(content, calls) of an answer in parser `name`'s format; a malformed call is content."""
     content, calls = PARSERS[name](text)
+    if name in MARKUP:  # the content is the answer's text without its markup
+        return content, calls
     return (content, calls) if calls else (text, [])
 
 

@@ -3,12 +3,14 @@ the formats; this holds back streamed text that may turn out to be a call)."""
 
 from __future__ import annotations
 
-from .tools import MARKERS, ToolCall, call_constraint, constrained_calls, parse
+from .tools import CHANNELS, MARKERS, ToolCall, call_constraint, constrained_calls, parse
 
 
 class ToolReply:
-    """One request's tool settings: choice ("auto", "required" or a function dict), the
-    model's parser, and the constraint a required or named choice puts on the answer."""
+    """One request's tool settings: choice ("auto", "none", "required" or a function dict),
+    the model's parser, and the constraint a required or named choice puts on the answer.
+    A format with channels (gpt-oss's harmony) is read even without tools, as its markup
+    and reasoning are never content."""
 
     def __init__(self, choice, parser: str, tools: list[dict], parallel: bool):
         self.choice, self.parser = choice, parser
@@ -20,9 +22,20 @@ class ToolReply:
         if self.constraint is not None:
             calls = constrained_calls(text, self.choice) if finish == "stop" else None
             return (text, []) if not calls else ("", calls)
+        if self.parser in CHANNELS:
+            content, _, calls = CHANNELS[self.parser](text, calls=self.choice != "none")
+            return content, calls
         return parse(self.parser, text)
 
-    def streamer(self) -> ToolStream:
+    def reasoning(self, text: str) -> str:
+        """The reasoning channel's text of a finished answer ("" if the format has none)."""
+        if self.constraint is not None or self.parser not in CHANNELS:
+            return ""
+        return CHANNELS[self.parser](text)[1]
+
+    def streamer(self) -> ToolStream | ChannelStream:
+        if self.constraint is None and self.parser in CHANNELS:
+            return ChannelStream(self)
         return ToolStream(self)
 
 
@@ -63,6 +76,10 @@ class ToolStream:
         out, self.sent = self.text[self.sent : at], at
         return out
 
+    def reasoning(self) -> str:
+        """The reasoning that can be sent now: none in these formats."""
+        return ""
+
     def finish(self, reason: str | None) -> tuple[str, list[ToolCall]]:
         """(the rest of the content, the calls) once the answer has ended."""
         content, calls = self.reply.final(self.text, reason)
@@ -70,3 +87,41 @@ class ToolStream:
             return self.text[self.sent :], []
         done = self.text[: self.sent]
         return (content[len(done) :] if content.startswith(done) else ""), calls
+
+
+def _rest(whole: str, sent: str) -> str:
+    return whole[len(sent) :] if whole.startswith(sent) else ""
+
+
+class ChannelStream:
+    """Streamed text of a format with channels (harmony) in, content and reasoning out: a
+    message's text goes out once its header says where it belongs, less a tail that may
+    be the start of its end token; a call's text is held until the answer ends."""
+
+    def __init__(self, reply: ToolReply):
+        self.reply, self.read = reply, CHANNELS[reply.parser]
+        self.text, self.content, self.thought = "", "", ""  # what was sent of each
+        self._thinking = ""  # reasoning not yet taken by `reasoning()`
+
+    def feed(self, piece: str) -> str:
+        """The content that can be sent now (the reasoning: `reasoning()`)."""
+        self.text += piece
+        content, thought, _ = self.read(self.text, ended=False, calls=self.reply.choice != "none")
+        out = _rest(content, self.content)
+        self.content += out
+        new = _rest(thought, self.thought)
+        self.thought += new
+        self._thinking += new
+        return out
+
+    def reasoning(self) -> str:
+        """The reasoning that can be sent now."""
+        out, self._thinking = self._thinking, ""
+        return out
+
+    def finish(self, reason: str | None) -> tuple[str, list[ToolCall]]:
+        """(the rest of the content, the calls) once the answer has ended; the rest of the
+        reasoning is then `reasoning()`."""
+        content, calls = self.reply.final(self.text, reason)
+        self._thinking += _rest(self.reply.reasoning(self.text), self.thought)
+        return _rest(content, self.content), calls

@@ -720,7 +720,7 @@ def test_streaming_detokenizer_pieces_and_window(which, synthetic, request):
     tk = Tokenizer.from_json(m.tokenizer_json, m.tokenizer_config, set())
     seen = []
     real_decode = tk.decode
-    tk.decode = lambda ids, **kw: (seen.append(len(ids)), real_decode(ids, **kw))[1]
+    tk.decode = lambda ids, *a, **kw: (seen.append(len(ids)), real_decode(ids, *a, **kw))[1]
     text = " ".join(t.replace("\n", " ") for t in TEXTS) * 3  # ~2k tokens, no newline
     ids = tk.encode(text, add_special_tokens=False)
     detok = tk.detokenizer()
