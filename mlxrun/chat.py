@@ -12,6 +12,7 @@ from collections.abc import Callable
 from .engine import Engine, Request
 from .sampling import SamplingParams
 from .structured import Constraint
+from .tools import harmony_read
 
 HELP = "Commands: /reset (forget the conversation), /system TEXT, /quit. Ctrl-C stops an answer."
 
@@ -68,17 +69,43 @@ def chat_loop(
             continue
         req = Request(ids, params, min(max_tokens, budget), constraint=constraint)
         answer = []
+        shown = Shown(write) if tok.markup else None
         events = engine.stream(req)
         try:
             for ev in events:
                 answer.append(ev.text)
-                write(ev.text)
+                if shown is None:
+                    write(ev.text)
+                else:
+                    shown.update("".join(answer), ended=False)
         except KeyboardInterrupt:
             write(" [stopped]")
         finally:
             events.close()  # cancels the request if it is still running
+        reply = "".join(answer) if shown is None else shown.update("".join(answer), ended=True)
         write("\n")
         history += [
             {"role": "user", "content": text},
-            {"role": "assistant", "content": "".join(answer)},
+            {"role": "assistant", "content": reply},
         ]
+
+
+class Shown:
+    """A harmony answer (gpt-oss) on the terminal: its reasoning marked as such, then the
+    final answer; the markup itself is never shown, and only the final answer is kept as
+    the assistant's turn (the template drops earlier turns' reasoning anyway)."""
+
+    def __init__(self, write: Callable[[str], None]):
+        self.write, self.content, self.thought = write, "", ""
+
+    def update(self, text: str, ended: bool) -> str:
+        content, thought, _ = harmony_read(text, ended=ended, calls=False)
+        if len(thought) > len(self.thought):
+            self.write(("(thinking) " if not self.thought else "") + thought[len(self.thought) :])
+            self.thought = thought
+        if len(content) > len(self.content):
+            self.write(
+                ("\n" if self.thought and not self.content else "") + content[len(self.content) :]
+            )
+            self.content = content
+        return content

@@ -420,3 +420,30 @@ def test_served_required_and_named_tool_choice_are_constrained(served):
     ch = c.chat.completions.create(**body).choices[0]
     assert ch.finish_reason == "stop" and json.loads(ch.message.content)["a"] in (1, 2)
     assert _streamed(c, **body) == (ch.message.content, "", [], "stop")
+
+
+def test_chat_shows_reasoning_and_keeps_only_the_answer(gpt_oss, monkeypatch):
+    """`mlxrun chat` on gpt-oss: no markup on the terminal, the reasoning marked, and the
+    assistant turn kept as the final answer alone (the next prompt is built from it)."""
+    import mlxrun.engine as engine_mod
+    from mlxrun.chat import chat_loop
+    from mlxrun.engine import Engine
+    from mlxrun.sampling import SamplingParams
+
+    tk = gpt_oss.tokenizer
+    answer = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hi there"
+    script = tk.encode(answer, add_special_tokens=False) + [RETURN]
+    monkeypatch.setattr(engine_mod, "sample_rows", lambda be, logits, seqs: (
+        np.array([script[s.n] for s in seqs], np.int64), [None] * len(seqs)))  # fmt: skip
+    eng = Engine(gpt_oss.transformer, tk, max_batch=1, context=1536, fixed_steps=False)
+    out: list[str] = []
+    lines = iter(["Hello", "/quit"])
+    try:
+        conv = chat_loop(eng, SamplingParams(), 64, read=lambda _: next(lines), write=out.append)
+    finally:
+        eng.close()
+    shown = "".join(out)
+    assert (
+        "<|" not in shown and "(thinking) Think." in shown and shown.rstrip().endswith("Hi there")
+    )
+    assert conv[-1] == {"role": "assistant", "content": "Hi there"}
