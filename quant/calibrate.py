@@ -14,6 +14,9 @@ tr(E H E^T) for a weight error E, computed from H rather than from the activatio
 - gptq: the same scales and group parameters, then the codes chosen column by column with
   the rounding error fed forward to the columns not yet quantized (GPTQ, static groups).
 
+A layer of experts (mixture-of-experts models): attention as above, each expert on the
+tokens the router sends to it (quant/calibrate_moe.py); the router stays as stored.
+
 The numerical work runs in numpy float32/float64 on the host; the backend only runs the
 layer forward passes.
 """
@@ -338,6 +341,13 @@ class _Recorder:
         self._keep(gate, x)
         return self._be.gated_mlp(x, gate, up, act, biases)
 
+    def moe_sum(self, x, logits, experts, opts):
+        """A layer of experts: its input and router logits, as float32 (tokens, -1)."""
+        for a, key in ((x, "moe_x"), (logits, "moe_logits")):
+            a = self._be.to_numpy(a)
+            self.seen.setdefault(key, []).append(a.reshape(-1, a.shape[-1]).astype(np.float32))
+        return self._be.moe_sum(x, logits, experts, opts)
+
 
 class _Stats:
     """Running H = X^T X (float64), sum |x| per channel, and up to `keep` input rows (an
@@ -364,10 +374,12 @@ class _Stats:
 
 
 def _layer(be, w: dict, ln_in, ln_post, extra: dict):
-    """A dense Layer on `be` from float32 numpy weights."""
+    """A Layer on `be` from float32 numpy weights (a layer of experts has no MLP linears:
+    its experts come in `extra`)."""
     from mlxrun.model import Layer  # noqa: PLC0415
 
-    return Layer(be.array(ln_in), be.array(ln_post), *(be.array(w[k]) for k in LINEARS), **extra)
+    mats = (be.array(w[k]) if k in w else None for k in LINEARS)
+    return Layer(be.array(ln_in), be.array(ln_post), *mats, **extra)
 
 
 def _run(shell, L, hs: np.ndarray, chunk: int, rec: _Recorder | None):
@@ -376,7 +388,7 @@ def _run(shell, L, hs: np.ndarray, chunk: int, rec: _Recorder | None):
     shell's recording backend)."""
     be, cfg = shell.be, shell.config
     new = np.empty_like(hs)
-    stats: dict[int, _Stats] = {}
+    stats: dict = {}
     T = hs.shape[1]
     for s in range(0, len(hs), chunk):
         h = be.array(hs[s : s + chunk])
@@ -387,6 +399,9 @@ def _run(shell, L, hs: np.ndarray, chunk: int, rec: _Recorder | None):
         new[s : s + chunk] = be.to_numpy(hn)
         if rec is not None:
             for key, xs in rec.seen.items():
+                if isinstance(key, str):  # a layer of experts' inputs, kept whole
+                    stats.setdefault(key, []).extend(xs)
+                    continue
                 st = stats.setdefault(key, _Stats())
                 for x_ in xs:
                     st.add(x_, max(1, len(hs) * T // st.keep))
@@ -394,10 +409,12 @@ def _run(shell, L, hs: np.ndarray, chunk: int, rec: _Recorder | None):
     return new, stats
 
 
-def _names(i: int) -> dict[str, str]:
+def _names(i: int, moe: bool = False) -> dict[str, str]:
+    """Layer i's linears by path (a layer of experts: attention only)."""
     p = f"model.layers.{i}"
     out = {k: f"{p}.self_attn.{k}" for k in LINEARS[:4]}
-    out.update({k: f"{p}.mlp.{k}" for k in LINEARS[4:]})
+    if not moe:
+        out.update({k: f"{p}.mlp.{k}" for k in LINEARS[4:]})
     return out
 
 
@@ -457,15 +474,16 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
             "--calibrate does not run sliding-window models yet; convert without it "
             "(round to nearest)"
         )
-    if cfg.moe is not None:
+    if cfg.moe is not None and opts.target_bpw is not None:
         raise MlxrunError(
-            "--calibrate does not run mixture-of-experts models yet; convert without it "
-            "(round to nearest)"
+            "--target-bpw does not run mixture-of-experts models yet; calibrate at one "
+            "width (drop --target-bpw)"
         )
-    if cfg.hidden_size % spec.group_size or cfg.intermediate_size % spec.group_size:
+    inter = cfg.intermediate_size if cfg.moe is None else cfg.moe.intermediate_size
+    if cfg.hidden_size % spec.group_size or inter % spec.group_size:
         raise MlxrunError(
             f"calibration needs the hidden size {cfg.hidden_size} and intermediate size "
-            f"{cfg.intermediate_size} to be multiples of the group size {spec.group_size}; "
+            f"{inter} to be multiples of the group size {spec.group_size}; "
             "choose a smaller --group-size"
         )
     ids = ckpt.tokenizer.encode(calib_text(opts.data), add_special_tokens=False)
@@ -494,11 +512,42 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
             out[f"{path}.{k}"] = stored(path, v) if v.dtype == np.float32 else Tensor.from_numpy(v)
         return grid.values(q)
 
+    def codes(w, h, sp, clip=True) -> tuple[Grid, np.ndarray]:
+        """w's grid and codes, calibrated against h (None: rounded to nearest)."""
+        if h is None:
+            grid = make_grid(w, sp, dtype)
+            return grid, grid.codes(w)
+        grid = make_grid(w, sp, dtype, search_clip(w, h, sp, dtype) if clip else None)
+        return grid, gptq_codes(w, h, grid) if opts.method == "gptq" else grid.codes(w)
+
     def quantize(path, w, h, sp, clip=True) -> np.ndarray:
-        shrink = search_clip(w, h, sp, dtype) if clip else None
-        grid = make_grid(w, sp, dtype, shrink)
-        q = gptq_codes(w, h, grid) if opts.method == "gptq" else grid.codes(w)
-        return put(path, grid, q)
+        return put(path, *codes(w, h, sp, clip))
+
+    def experts(i: int, x: np.ndarray, logits: np.ndarray, ew: dict, router):
+        """Layer i's experts calibrated and stored (stacked, mlx-lm's layout); returns them
+        packed on the backend, as the loader will run them."""
+        from mlxrun.moe import Experts, expert_names  # noqa: PLC0415
+        from mlxrun.quant.calibrate_moe import experts as calibrated  # noqa: PLC0415
+
+        nonlocal few
+        o, n = cfg.moe, expert_names(cfg.model_type, f"model.layers.{i}")
+        parts, k = calibrated(
+            ew, x, logits, o,
+            lambda w, h: codes(w, h, spec),
+            lambda w, rows, m: search_scales([w], rows, m, spec, dtype, opts.grid),
+            2 * spec.group_size,
+        )  # fmt: skip
+        few += k
+        packed = []
+        for proj, arrays in parts.items():
+            for leaf, v in arrays.items():
+                key = f"{n.stacked}.{proj}.{leaf}"
+                out[key] = stored("", v) if v.dtype == np.float32 else Tensor.from_numpy(v)
+            packed.append(be.quantized(
+                *(out.get(f"{n.stacked}.{proj}.{leaf}") for leaf in ("weight", "scales", "biases")),
+                spec.mode, spec.bits, spec.group_size, embedding=True,
+            ))  # fmt: skip
+        return Experts(router, *packed)
 
     # The embedding is quantized at its own group size (mlx-lm's AWQ uses g32) by rounding
     # first, for the layers' inputs; with a tied head it is re-done at the end against
@@ -518,9 +567,23 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
     hs = emb[wins]  # residual stream [samples, T, hidden], float32 on the host
     notes = []
 
+    few = 0  # experts rounded to nearest for want of calibration tokens
+    consumed: set[str] = set()  # transformers' per-expert tensors, stored stacked instead
+
+    def expert_stacks(i: int) -> dict[str, np.ndarray]:
+        """Layer i's router and stacked experts as float32: {"router": (E, H), "gate_proj":
+        (E, I, H), "up_proj": (E, I, H), "down_proj": (E, H, I)}, from either layout."""
+        from mlxrun.moe import expert_names, stack_per_expert  # noqa: PLC0415
+
+        n, tmp = expert_names(cfg.model_type, f"model.layers.{i}"), dict(t)
+        consumed.update(stack_per_expert(tmp, n, cfg.moe.num_experts))
+        stacks = {k: tmp[f"{n.stacked}.{k}.weight"].float32() for k in LINEARS[4:]}
+        return {"router": tmp[f"{n.router}.weight"].float32(), **stacks}
+
     def load(i: int):
         """Layer i's names, float32 matrices, norms and the Layer's extra arguments."""
-        names = _names(i)
+        moe = cfg.moe is not None and cfg.moe.is_moe(i)
+        names = _names(i, moe)
         p = f"model.layers.{i}"
         w = {k: f32(f"{n}.weight") for k, n in names.items()}
         ln_in, ln_post = (
@@ -534,6 +597,12 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
         for k in ("q_norm", "k_norm"):
             if f"{p}.self_attn.{k}.weight" in t:
                 extra[k] = be.array(f32(f"{p}.self_attn.{k}.weight"))
+        if moe:
+            from mlxrun.moe import Experts  # noqa: PLC0415
+
+            ew = expert_stacks(i)
+            extra["moe"] = Experts(*(be.array(ew[k]) for k in ("router", *LINEARS[4:])))
+            w["experts"] = ew  # not a linear: _layer takes the experts from `extra`
         return names, p, w, ln_in, ln_post, extra
 
     specs: dict[str, QuantSpec] = {}  # per-linear widths other than the spec's
@@ -562,17 +631,30 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
         _, stats = _run(shell_rec, L, hs, chunk, rec)
         h_qkv, m_qkv, x_qkv = stats[id(L.q_proj)].result()
         h_o, _, _ = stats[id(L.o_proj)].result()
-        h_gu, m_gu, x_gu = stats[id(L.gate_proj)].result()
-        h_d, m_d, x_d = stats[id(L.down_proj)].result()
-        del stats
         # scales: q/k/v (folded into the input norm), down (into up's rows), gate/up
         qkv = [w["q_proj"], w["k_proj"], w["v_proj"]]
         s1 = search_scales(qkv, x_qkv, m_qkv, [sp[k] for k in LINEARS[:3]], dtype, opts.grid)
+        ln_in = ln_in / s1
+        if L.moe is not None:  # experts: attention as below, then calibrate_moe
+            ew = w.pop("experts")
+            xs = (np.concatenate(stats.pop(k)) for k in ("moe_x", "moe_logits"))
+            extra["moe"] = experts(i, *xs, ew, extra["moe"].router)
+            del stats
+            wq = {}
+            for k in LINEARS[:4]:
+                ws, hk = (w[k], h_o) if k == "o_proj" else (w[k] * s1, h_qkv / np.outer(s1, s1))
+                wq[k] = quantize(names[k], ws, hk, sp[k], clip=k not in NO_CLIP)
+            out[f"{p}.input_layernorm.weight"] = stored("", ln_in)
+            hs, _ = _run(shell, _layer(be, wq, ln_in, ln_post, extra), hs, chunk, None)
+            continue
+        h_gu, m_gu, x_gu = stats[id(L.gate_proj)].result()
+        h_d, m_d, x_d = stats[id(L.down_proj)].result()
+        del stats
         s2 = search_scales([w["down_proj"]], x_d, m_d, sp["down_proj"], dtype, opts.grid)
         w["up_proj"] = w["up_proj"] / s2[:, None]
         gu = [w["gate_proj"], w["up_proj"]]
         s3 = search_scales(gu, x_gu, m_gu, [sp["gate_proj"], sp["up_proj"]], dtype, opts.grid)
-        ln_in, ln_post = ln_in / s1, ln_post / s3
+        ln_post = ln_post / s3
         scaled = {
             "q_proj": s1,
             "k_proj": s1,
@@ -613,8 +695,16 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
     if not cfg.tie_word_embeddings:
         emb_grid = make_grid(f32("model.embed_tokens.weight"), espec, dtype)
         put("model.embed_tokens", emb_grid, emb_grid.codes(f32("model.embed_tokens.weight")))
-    for name, x in t.items():  # the rest (other norms, q/k/v biases) as stored
+    for name, x in t.items():  # the rest (other norms, q/k/v biases, routers) as stored
         path, _, leaf = name.rpartition(".")
+        if name in consumed:
+            continue
         if name not in out and not (leaf == "weight" and f"{path}.scales" in out):
             out[name] = x
+    if cfg.moe is not None:
+        total = cfg.moe.num_experts * sum(map(cfg.moe.is_moe, range(cfg.num_hidden_layers)))
+        notes.append(
+            f"experts calibrated on the tokens routed to them; {few} of {total} saw fewer "
+            f"than {2 * spec.group_size} calibration tokens and were rounded to nearest"
+        )
     return out, block, notes
