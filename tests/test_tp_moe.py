@@ -100,3 +100,22 @@ def test_moe_division_rules_name_the_counts_that_work(tiny_moe_dirs):
     assert 32 in stored_groups(big, tensors)
     with pytest.raises(MlxrunError, match=r"down_proj's 16 inputs a rank are not whole groups"):
         check(big, 4, stored_groups(big, tensors))
+
+
+def test_plan_counts_a_ranks_share_of_the_experts():
+    """Qwen3-30B-A3B's shape over 2 ranks: each expert projection holds half its rows (or
+    columns), and the plan's weight bytes are the rank's tensors' (int4: 16.01 GiB whole,
+    8.02 GiB a rank)."""
+    from mlxrun.planning import model_shapes, plan
+
+    cfg, shapes = model_shapes("shape:qwen3-30b-a3b")
+    half = shard_shapes(shapes, 2, cfg)
+    p = "model.layers.0.mlp.switch_mlp"
+    assert half[f"{p}.gate_proj.weight"][0] == (128, 384, 2048)
+    assert half[f"{p}.down_proj.weight"][0] == (128, 2048, 384)
+    assert half["model.layers.0.mlp.gate.weight"] == shapes["model.layers.0.mlp.gate.weight"]
+    rank = plan("shape:qwen3-30b-a3b", backend="cpu", dtype="bfloat16", tp=2, context=1024)
+    assert rank.footprint.weight_bytes == sum(2 * int(np.prod(s)) for s, _ in half.values())
+    q = [plan("shape:qwen3-30b-a3b", quant="int4", backend="cpu", dtype="bfloat16", tp=n,
+              context=1024).footprint.weight_bytes for n in (1, 2)]  # fmt: skip
+    assert q[1] == pytest.approx(q[0] / 2, rel=0.01)
