@@ -12,7 +12,8 @@ import pytest
 import mlxrun
 from mlxrun.convert import convert
 from mlxrun.moe import MoEOptions
-from mlxrun.quant.calibrate import CalibOptions, make_grid, search_scales
+from mlxrun.quant.calib_search import make_grid, search_clip, search_scales
+from mlxrun.quant.calibrate import CalibOptions
 from mlxrun.quant.calibrate_moe import experts, routed
 from mlxrun.quant.formats import resolve
 
@@ -43,8 +44,6 @@ def test_experts_see_their_tokens_and_starved_ones_round_to_nearest():
     assert (routed(logits, k) == 3).any(-1).sum() == 10
 
     def codes(m, h):
-        from mlxrun.quant.calibrate import search_clip
-
         grid = make_grid(
             m, SPEC, "float32", None if h is None else search_clip(m, h, SPEC, "float32")
         )
