@@ -119,6 +119,10 @@ class Backend(Protocol):
         self, x: Array, logits: Array, experts, opts
     ) -> Array: ...  # x (B, T, H), router logits (B, T, E), mlxrun.moe.Experts and
     # MoEOptions -> (B, T, H): each token's top-k experts, weighted by the routing, summed
+    def moe_sum(
+        self, x: Array, logits: Array, experts, opts
+    ) -> Array: ...  # moe with every expert split by its intermediate rows over the ranks:
+    # the partial outputs summed over them (as linear_sum; it may come back in float32)
     def argmax(self, logits: Array) -> Array: ...
     def finite_rows(self, logits: Array) -> Array: ...  # (B, V) -> (B,) bool: no NaN or inf
     def thread_binder(self) -> Any: ...  # () -> None: gives a new thread this one's device

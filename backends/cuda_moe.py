@@ -302,8 +302,9 @@ def _expert_rows(p: PackedExperts, j: int) -> QLinear:
                                scales=w.scales[j * t : (j + 1) * t], biases=b, n=r)  # fmt: skip
 
 
-def moe_grouped(x, ids, weights, e, o):
-    """Many slots (prefill): x (T, H), ids (T, k), routing weights (T, k) -> (T, H).
+def moe_grouped(x, ids, weights, e, o, out_dtype=None):
+    """Many slots (prefill): x (T, H), ids (T, k), routing weights (T, k) -> (T, H) in
+    `out_dtype` (x's when None; float32: a tensor-parallel rank's unrounded partial sums).
 
     Slots sorted by expert; each expert that was hit runs as two quantized matmuls over its
     tokens (qmatmul: the tensor-core GEMM that decodes weight tiles in registers, past 4
@@ -336,13 +337,14 @@ def moe_grouped(x, ids, weights, e, o):
         out[sl] = d * rw[sl, None]
     y = torch.empty_like(out)
     y[order] = out
-    return y.view(T, k, H).sum(dim=1).to(x.dtype)
+    return y.view(T, k, H).sum(dim=1).to(out_dtype or x.dtype)
 
 
-def moe_experts(x, ids, weights, e, o, grouped: bool | None = None):
-    """x (T, H), ids (T, k) int, routing weights (T, k) -> (T, H): the top-k experts of
-    every token, weighted and summed, in two launches. Packed experts: per slot
-    (_moe_qgemv), or grouped by expert (_moe_grouped) where `grouped` (None: grouped_wins)."""
+def moe_experts(x, ids, weights, e, o, grouped: bool | None = None, out_dtype=None):
+    """x (T, H), ids (T, k) int, routing weights (T, k) -> (T, H) in `out_dtype` (as
+    moe_grouped's): the top-k experts of every token, weighted and summed, in two launches.
+    Packed experts: per slot (_moe_qgemv), or grouped by expert (_moe_grouped) where
+    `grouped` (None: grouped_wins)."""
     T, H = x.shape
     k = ids.shape[1]
     x = x.contiguous()
@@ -363,4 +365,4 @@ def moe_experts(x, ids, weights, e, o, grouped: bool | None = None):
         gu, dn = packed
         _qlaunch(x, flat, h, rw, gu, e.gate_bias, e.up_bias, k, o, False)
         _qlaunch(h, flat, y, rw, dn, e.down_bias, None, 1, o, True)
-    return y.view(T, k, H).sum(dim=1).to(x.dtype)
+    return y.view(T, k, H).sum(dim=1).to(out_dtype or x.dtype)

@@ -330,6 +330,11 @@ class MLXBackend:
         g, u = self.linears(x, (gate, up), biases)
         return _ACT[act](g) * u
 
+    def moe_sum(self, x, logits, e, o):
+        """moe over experts split by their intermediate rows (mlxrun/shard.py), summed over
+        the ranks in the model's dtype, as linear_sum's products are."""
+        return self.all_sum(self.moe(x, logits, e, o))
+
     def moe(self, x, logits, e, o):
         """x (B, T, H), router logits (B, T, E) -> the routing-weighted sum of each token's
         top-k experts (B, T, H), through mx.gather_mm / mx.gather_qmm as mlx-lm's

@@ -517,6 +517,17 @@ class TorchBackend:
 
         return moe(x, logits, experts, opts, kernel=self.triton_kernels)
 
+    def moe_sum(self, x, logits, experts, opts):
+        """moe over experts split by their intermediate rows (mlxrun/shard.py), summed over
+        the ranks: each rank's expert outputs are fp32 partial sums, as linear_sum's."""
+        if self.group is None or self.group.size == 1:
+            return self.moe(x, logits, experts, opts)
+        from .torch_moe import moe  # noqa: PLC0415
+
+        return self.all_sum(
+            moe(x, logits, experts, opts, kernel=self.triton_kernels, out_dtype=torch.float32)
+        )
+
     def argmax(self, logits):
         if self.triton_kernels and logits.dim() == 2:
             from .cuda_ops import argmax  # noqa: PLC0415

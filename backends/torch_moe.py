@@ -62,18 +62,19 @@ def _take(w, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return dequantize(rows(w.weight), rows(w.scales), b, w.mode, w.bits, w.group_size, dtype)
 
 
-def _gathered(x, ids, e: Experts, o: MoEOptions):
-    """x (N, H), ids (N, k) -> expert outputs (N, k, H)."""
+def _gathered(x, ids, e: Experts, o: MoEOptions, dt=None):
+    """x (N, H), ids (N, k) -> expert outputs (N, k, H) in dtype `dt` (x's when None)."""
+    dt = dt or x.dtype
     N, k = ids.shape
     flat = ids.reshape(-1)
     xs = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # (N*k, H, 1)
 
     def apply(w, b, inp):
-        y = torch.bmm(_take(w, flat, x.dtype), inp).squeeze(-1)
+        y = torch.bmm(_take(w, flat, inp.dtype), inp).squeeze(-1)
         return y if b is None else y + b[flat]
 
     h = expert_act(apply(e.gate, e.gate_bias, xs), apply(e.up, e.up_bias, xs), o)
-    return apply(e.down, e.down_bias, h.unsqueeze(-1)).view(N, k, -1)
+    return apply(e.down, e.down_bias, h.to(dt).unsqueeze(-1)).view(N, k, -1)
 
 
 def _one(w, b, sel, inp):
@@ -82,13 +83,14 @@ def _one(w, b, sel, inp):
     return y if b is None else y + b[sel]
 
 
-def _grouped(x, ids, e: Experts, o: MoEOptions):
+def _grouped(x, ids, e: Experts, o: MoEOptions, dt=None):
+    dt = dt or x.dtype
     N, k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=o.num_experts).tolist()  # the one host sync
     xs = x[order // k]  # (N*k, H), grouped by expert
-    out = torch.empty_like(xs)
+    out = torch.empty(xs.shape, dtype=dt, device=xs.device)
     start = 0
     for j, c in enumerate(counts):
         if not c:
@@ -96,18 +98,26 @@ def _grouped(x, ids, e: Experts, o: MoEOptions):
         sl, sel = slice(start, start + c), torch.tensor([j], device=x.device)
         start += c
         g, u = (_one(w, b, sel, xs[sl]) for w, b in ((e.gate, e.gate_bias), (e.up, e.up_bias)))
-        out[sl] = _one(e.down, e.down_bias, sel, expert_act(g, u, o))
+        out[sl] = _one(e.down, e.down_bias, sel, expert_act(g, u, o).to(dt))
     y = torch.empty_like(out)
     y[order] = out
     return y.view(N, k, -1)
 
 
 def moe(
-    x: torch.Tensor, logits: torch.Tensor, e: Experts, o: MoEOptions, kernel: bool = False
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    e: Experts,
+    o: MoEOptions,
+    kernel: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x (B, T, H), router logits (B, T, E) -> the weighted sum of the top-k experts'
-    outputs (B, T, H). kernel: run the Triton kernels (backends/cuda_moe.py) for up to
-    KERNEL_MAX_SLOTS token slots."""
+    outputs (B, T, H), in `out_dtype` (x's when None; float32 for a tensor-parallel rank:
+    its down products and their sum stay unrounded partial sums, as torch_tp.py explains).
+    kernel: run the Triton kernels (backends/cuda_moe.py) for up to KERNEL_MAX_SLOTS token
+    slots."""
+    dt = out_dtype or x.dtype
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     logits = logits.reshape(-1, logits.shape[-1])
@@ -116,11 +126,11 @@ def moe(
 
         if x2.shape[0] * o.top_k <= KERNEL_MAX_SLOTS:
             w, ids = cuda_moe.route(logits, o)
-            return cuda_moe.moe_experts(x2, ids, w, e, o).view(shape)
+            return cuda_moe.moe_experts(x2, ids, w, e, o, out_dtype=out_dtype).view(shape)
         if cuda_moe.prepared(e) is not None:  # packed experts: grouped quantized matmuls
             w, ids = route(logits, o)
-            return cuda_moe.moe_grouped(x2, ids, w, e, o).view(shape)
+            return cuda_moe.moe_grouped(x2, ids, w, e, o, out_dtype).view(shape)
     w, ids = route(logits, o)
     run = _gathered if ids.numel() <= GATHER_MAX_SLOTS else _grouped
-    y = run(x2, ids, e, o)  # (N, k, H)
+    y = run(x2, ids, e, o, dt)  # (N, k, H)
     return (y * w.to(y.dtype).unsqueeze(-1)).sum(dim=1).view(shape)

@@ -3,6 +3,7 @@ process: a random Llama-shaped checkpoint (written once with transformers into D
 tokens in bfloat16 on CUDA (or float32 on the CPU).
 
     python benchmarks/tp_greedy_equal.py --make DIR            # the checkpoint
+    python benchmarks/tp_greedy_equal.py --make --moe DIR      # or a Qwen3-MoE one
     python benchmarks/tp_greedy_equal.py DIR                   # one process
     torchrun --nproc-per-node 2 benchmarks/tp_greedy_equal.py DIR
     # a real model (SmolLM2 splits over 3 ranks), its answer to a chat message:
@@ -25,17 +26,30 @@ from mlxrun.generate import generate_step
 from mlxrun.sampling import SamplingParams
 
 
-def make(path: Path) -> None:
+def make(path: Path, moe: bool = False) -> None:
     import torch  # noqa: PLC0415
-    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+    from transformers import (  # noqa: PLC0415
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
-        num_key_value_heads=8, vocab_size=4096, max_position_embeddings=1024,
-        tie_word_embeddings=False, rope_theta=500000.0,
+    shape = dict(
+        hidden_size=1024, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
+        vocab_size=4096, max_position_embeddings=1024, tie_word_embeddings=False,
+        rope_theta=500000.0,
     )  # fmt: skip
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    if moe:  # 16 experts of 512 rows, 4 a token: every expert split over 2 or 4 ranks
+        cfg = Qwen3MoeConfig(**shape, head_dim=64, intermediate_size=2816, num_experts=16,
+                             num_experts_per_tok=4, moe_intermediate_size=512,
+                             norm_topk_prob=True)  # fmt: skip
+        model = Qwen3MoeForCausalLM(cfg)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**shape, intermediate_size=2816))
+    cfg = model.config
+    model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
     from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: PLC0415
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, cfg.vocab_size)}
@@ -48,6 +62,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dir", type=Path)
     ap.add_argument("--make", action="store_true")
+    ap.add_argument(
+        "--moe", action="store_true", help="with --make: a Qwen3-MoE checkpoint instead of Llama"
+    )
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, else float32")
@@ -56,7 +73,7 @@ def main() -> None:
     )
     a = ap.parse_args()
     if a.make:
-        make(a.dir)
+        make(a.dir, a.moe)
         return
     dtype = a.dtype or ("bfloat16" if a.backend == "cuda" else "float32")
     m = mlxrun.load(str(a.dir), backend=a.backend, dtype=dtype, progress=False)

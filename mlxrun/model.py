@@ -149,7 +149,9 @@ class Transformer:
         h, x = be.add_rms_norm(h, o, L.post_attention_layernorm, c.rms_norm_eps)
         if L.moe is not None:
             e = L.moe
-            y = be.moe(x, be.linear(x, e.router, e.router_bias), e, c.moe)  # (B, T, hidden)
+            # the router is whole on every rank (the same experts picked); each expert's rows
+            # are split, so the output is summed over the ranks as down_proj's is
+            y = be.moe_sum(x, be.linear(x, e.router, e.router_bias), e, c.moe)  # (B, T, H)
             h, x = be.add_rms_norm(h, y, nxt, c.rms_norm_eps)
             return h, x
         mlp_b = None if L.gate_bias is None else (L.gate_bias, L.up_bias)

@@ -8,6 +8,12 @@ Megatron's split, as gpt-fast's tp.py and mlx-lm's shard_linear do it:
 - o and down are split by input columns: each rank's product is a partial sum of the
   full output, which the model adds across ranks with the backend's `all_sum` (two a
   layer);
+- a mixture-of-experts layer splits every expert as the dense MLP is split: each rank
+  holds all experts' slice of gate/up rows (moe_intermediate / ranks) and the matching
+  columns of down, so its expert outputs are partial sums too, added by the same one
+  `all_sum` (`Backend.moe_sum`); the router (and its bias) is replicated, so every rank
+  picks the same experts; the experts' down bias is held by rank 0 (zeros on the others)
+  so the sum adds it once;
 - the embedding and the head are split by vocabulary rows (`vocab_shard`): a rank looks
   up the ids in its rows and the ranks sum the lookups, and it computes its slice of the
   logits, which the ranks all-gather; a vocabulary that does not divide is padded with
@@ -23,6 +29,7 @@ Slices are numpy views of the memory-mapped files: a rank reads only its shard's
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -38,6 +45,30 @@ _ROWS = re.compile(
     r"\.((self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.(weight|scales|biases|bias)|self_attn\.sinks)$"
 )
 _COLS = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.(weight|scales|biases)$")
+# Experts (mlxrun/moe.py), in each stored layout: (pattern, split axis)
+_EXPERTS = tuple(
+    (re.compile(p), axis)
+    for p, axis in (
+        # transformers' per-expert tensors: gate/up (I, H) by rows, down (H, I) by columns
+        (r"\.experts\.\d+\.(gate_proj|up_proj|w1|w3)\.(weight|scales|biases|bias)$", 0),
+        (r"\.experts\.\d+\.(down_proj|w2)\.(weight|scales|biases)$", -1),
+        # mlx-lm's stacks: gate/up (E, I, H[/..]) and their biases (E, I), down (E, H, I)
+        (r"\.(switch_mlp|experts)\.(gate|up)_proj\.(weight|scales|biases|bias)$", 1),
+        (r"\.(switch_mlp|experts)\.down_proj\.(weight|scales|biases)$", -1),
+        # gpt-oss as transformers stores it: gate_up_proj (E, H, 2I) and its bias (E, 2I)
+        # hold gate and up interleaved along the last axis, so a contiguous piece of it is
+        # the same rows of both; down_proj (E, I, H) is stored input first
+        (r"\.experts\.gate_up_proj(_bias)?$", -1),
+        (r"\.experts\.down_proj$", 1),
+        # OpenAI's MXFP4 release: *_blocks (E, out, in/32, 16), *_scales (E, out, in/32)
+        (r"\.experts\.gate_up_proj_(blocks|scales)$", 1),
+        (r"\.experts\.down_proj_blocks$", -2),
+        (r"\.experts\.down_proj_scales$", -1),
+    )
+)
+# the experts' down biases (E, H): added once to the sum, so rank 0 holds them, the others
+# zeros (in every layout: stacked, per expert, gpt-oss's fused)
+_DOWN_BIAS = re.compile(r"\.(switch_mlp|experts)\.(\d+\.)?(down_proj|w2)(\.bias|_bias)$")
 # split by vocabulary rows when `vocab_shard` says so (a stored tied lm_head with them)
 _VOCAB = re.compile(r"^(model\.embed_tokens|lm_head)\.(weight|scales|biases)$")
 
@@ -87,12 +118,24 @@ def vocab_rows(name: str, data: np.ndarray, v: VocabShard) -> np.ndarray:
 
 
 def split_axis(name: str) -> int | None:
-    """The axis of tensor `name` split across ranks (0 rows, -1 columns), None: replicated."""
+    """The axis of tensor `name` split across ranks (0 rows, -1 columns; a stack of experts
+    by its own axis: 1, -1 or -2), None: replicated."""
     if _ROWS.search(name):
         return 0
     if _COLS.search(name):
         return -1
+    for pattern, axis in _EXPERTS:
+        if pattern.search(name):
+            return axis
     return None
+
+
+def _inputs_split(name: str) -> bool:
+    """Whether `name` is the packed scales of a layer split by input (o, down, the experts'
+    down): a rank's columns must be whole groups of it."""
+    if name.endswith("down_proj_scales"):  # OpenAI's MXFP4 down: split by groups (axis -1)
+        return split_axis(name) == -1
+    return name.endswith(".scales") and split_axis(name) == -1
 
 
 def stored_groups(cfg: ModelConfig, names) -> set[int]:
@@ -102,7 +145,9 @@ def stored_groups(cfg: ModelConfig, names) -> set[int]:
 
     out = set()
     for name in names:
-        if name.endswith(".scales") and split_axis(name) == -1:
+        if name.endswith("_scales") and _inputs_split(name):
+            out.add(32)  # MXFP4's group, whatever config.json's quantization_config says
+        elif _inputs_split(name):
             spec = layer_spec(cfg.quantization or {}, name[: -len(".scales")])
             if spec is not None:
                 out.add(spec.group_size)
@@ -112,26 +157,29 @@ def stored_groups(cfg: ModelConfig, names) -> set[int]:
 def problems(cfg: ModelConfig, tp: int, groups: set[int]) -> list[str]:
     """What stops `cfg` splitting over `tp` ranks, as phrases (empty: it splits)."""
     c = cfg
-    counts = [
-        f"{n} {what}"
-        for what, n in (
-            ("attention heads", c.num_attention_heads),
-            ("KV heads", c.num_key_value_heads),
-            ("MLP rows (intermediate size)", c.intermediate_size),
-        )
-        if n % tp
-    ]
+    dims = [("attention heads", c.num_attention_heads), ("KV heads", c.num_key_value_heads)]
+    inputs = [("o_proj", c.num_attention_heads // tp * c.head_dim)]
+    if _dense_mlp(c):
+        dims.append(("MLP rows (intermediate size)", c.intermediate_size))
+        inputs.append(("down_proj", c.intermediate_size // tp))
+    if c.moe is not None:
+        dims.append(("expert rows (moe intermediate size)", c.moe.intermediate_size))
+        inputs.append(("the experts' down_proj", c.moe.intermediate_size // tp))
+    counts = [f"{n} {what}" for what, n in dims if n % tp]
     if counts:
         return [f"{_and(counts)} do not divide by {tp}"]
     why = []
     for g in sorted(groups):
-        for what, n in (
-            ("o_proj", c.num_attention_heads // tp * c.head_dim),
-            ("down_proj", c.intermediate_size // tp),
-        ):
+        for what, n in inputs:
             if n % g:
                 why.append(f"{what}'s {n} inputs a rank are not whole groups of {g}")
     return why
+
+
+def _dense_mlp(c: ModelConfig) -> bool:
+    """Whether some layer runs the dense MLP (a MoE config's intermediate_size may name only
+    its experts' size, or dense layers it does not have)."""
+    return c.moe is None or not all(c.moe.is_moe(i) for i in range(c.num_hidden_layers))
 
 
 def _and(xs: list[str]) -> str:
@@ -148,11 +196,6 @@ def check(cfg: ModelConfig, tp: int, groups: set[int]) -> None:
     """Raise MlxrunError, naming the counts that work, when `tp` ranks cannot split `cfg`."""
     if tp < 1:
         raise MlxrunError(f"--tp must be at least 1, got {tp}")
-    if tp > 1 and cfg.moe is not None:
-        raise MlxrunError(
-            f"cannot split a mixture-of-experts model ({cfg.model_type}) over ranks yet; "
-            "run it on one device (--tp 1)"
-        )
     why = problems(cfg, tp, groups)
     if why:
         ok = ", ".join(
@@ -166,14 +209,19 @@ def check(cfg: ModelConfig, tp: int, groups: set[int]) -> None:
 
 
 def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
-    """The config one rank's model is built with: its heads, KV heads and MLP rows."""
+    """The config one rank's model is built with: its heads, KV heads, MLP rows and every
+    expert's rows."""
     if tp == 1:
         return cfg
+    moe = cfg.moe
+    if moe is not None:
+        moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // tp)
     return cfg.replace(
         num_attention_heads=cfg.num_attention_heads // tp,
         num_key_value_heads=cfg.num_key_value_heads // tp,
         intermediate_size=cfg.intermediate_size // tp,
         head_dim=cfg.head_dim,  # explicit: hidden / heads no longer gives it
+        moe=moe,
     )
 
 
@@ -185,12 +233,19 @@ def piece(n: int, tp: int, rank: int, name: str) -> slice:
     return slice(rank * step, (rank + 1) * step)
 
 
+def take(data: np.ndarray, axis: int, tp: int, rank: int, name: str) -> np.ndarray:
+    """Rank `rank`'s equal part of `data` along `axis` (a view)."""
+    ax = axis % data.ndim
+    return data[(slice(None),) * ax + (piece(data.shape[ax], tp, rank, name),)]
+
+
 def shard_tensors(
     tensors: dict[str, Tensor], tp: int, rank: int, vocab: VocabShard | None = None
 ) -> dict[str, Tensor]:
     """Rank `rank`'s slices of every tensor (views, nothing read; `vocab_rows` copies
-    the last rank's padded rows); others shared as is. `vocab`: the embedding and head's
-    split (`vocab_shard`), None to keep them whole."""
+    the last rank's padded rows, and ranks past 0 hold zeros for the experts' down bias);
+    others shared as is. `vocab`: the embedding and head's split (`vocab_shard`), None to
+    keep them whole."""
     if tp == 1:
         return tensors
     out = {}
@@ -198,12 +253,12 @@ def shard_tensors(
         axis = split_axis(name)
         if vocab is not None and _VOCAB.match(name):
             out[name] = Tensor(t.dtype, vocab_rows(name, t.data, vocab))
+        elif _DOWN_BIAS.search(name):
+            out[name] = t if rank == 0 else Tensor(t.dtype, np.zeros(t.shape, t.data.dtype))
         elif axis is None:
             out[name] = t
-        elif axis == 0:
-            out[name] = Tensor(t.dtype, t.data[piece(t.shape[0], tp, rank, name)])
         else:
-            out[name] = Tensor(t.dtype, t.data[..., piece(t.shape[-1], tp, rank, name)])
+            out[name] = Tensor(t.dtype, take(t.data, axis, tp, rank, name))
     return out
 
 

@@ -14,8 +14,11 @@ tr(E H E^T) for a weight error E, computed from H rather than from the activatio
 - gptq: the same scales and group parameters, then the codes chosen column by column with
   the rounding error fed forward to the columns not yet quantized (GPTQ, static groups).
 
-The numerical work runs in numpy float32/float64 on the host; the backend only runs the
-layer forward passes.
+A layer of experts (mixture-of-experts models): attention as above, each expert on the
+tokens the router sends to it (quant/calibrate_moe.py); the router stays as stored.
+
+The numerical work runs in numpy float32/float64 on the host (quant/calib_search.py: the
+group grids, the searches, GPTQ); the backend only runs the layer forward passes.
 """
 
 from __future__ import annotations
@@ -28,17 +31,15 @@ from pathlib import Path
 import numpy as np
 
 from mlxrun.errors import MlxrunError
-from mlxrun.quant.formats import QuantSpec
-from mlxrun.quant.reference import (
-    e2m1_decode,
-    e2m1_encode,
-    e4m3_decode,
-    e4m3_encode,
-    e8m0_encode,
-    e8m0_exponent,
-    pack,
-    round_to,
+from mlxrun.quant.calib_search import (
+    Grid,
+    fake_quant,
+    gptq_codes,
+    make_grid,
+    search_clip,
+    search_scales,
 )
+from mlxrun.quant.formats import QuantSpec
 
 METHODS = ("awq", "gptq")
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -136,171 +137,6 @@ def calib_windows(ids: list[int], opts: CalibOptions) -> np.ndarray:
     return w[np.sort(pick)]
 
 
-# ---------------------------------------------------------------- group grids
-
-
-@dataclass
-class Grid:
-    """Per-group quantization parameters of one [out, in] matrix in `spec`'s format:
-    affine: scale, bias [out, groups] (float32 values of the stored dtype); float modes:
-    the stored scale bytes [out, groups] and their float32 values."""
-
-    spec: QuantSpec
-    dtype: str
-    scale: np.ndarray
-    bias: np.ndarray | None = None
-    sbytes: np.ndarray | None = None
-
-    def codes(self, w: np.ndarray, cols: slice | None = None) -> np.ndarray:
-        """Nearest codes for weights w [out, k] (columns `cols` of the matrix; None: all)."""
-        g = self.spec.group_size
-        idx = np.arange(w.shape[1]) + (cols.start if cols else 0)
-        s = self.scale[:, idx // g]
-        if self.spec.mode == "affine":
-            n = (1 << self.spec.bits) - 1
-            b = self.bias[:, idx // g]
-            with np.errstate(divide="ignore", invalid="ignore"):
-                q = np.rint((w - b) / s)
-            return np.clip(np.nan_to_num(q), 0, n).astype(np.uint32)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            x = round_to(w / s, self.dtype)
-        return (e2m1_encode(x) if self.spec.bits == 4 else e4m3_encode(x)).astype(np.uint32)
-
-    def values(self, q: np.ndarray, cols: slice | None = None) -> np.ndarray:
-        """Dequantized float32 values of codes q [out, k] (as the float32 backends compute
-        them)."""
-        g = self.spec.group_size
-        idx = np.arange(q.shape[1]) + (cols.start if cols else 0)
-        s = self.scale[:, idx // g]
-        if self.spec.mode == "affine":
-            return q.astype(np.float32) * s + self.bias[:, idx // g]
-        v = e2m1_decode(q) if self.spec.bits == 4 else e4m3_decode(q)
-        return (v * s).astype(np.float32)
-
-    def tensors(self, q: np.ndarray) -> dict[str, np.ndarray]:
-        """Codes [out, in] -> the stored {"weight", "scales"[, "biases"]} (float32 scales
-        and biases, or uint16 bfloat16 bits / float16 per `dtype`; see `_store_float`)."""
-        out = {"weight": pack(q, self.spec.bits)}
-        if self.spec.mode == "affine":
-            out["scales"], out["biases"] = self.scale, self.bias
-        else:
-            out["scales"] = self.sbytes
-        return out
-
-
-def make_grid(w: np.ndarray, spec: QuantSpec, dtype: str, shrink=None) -> Grid:
-    """Group parameters for w [out, in] as `mx.quantize` computes them from the values,
-    after shrinking each group's range by `shrink` [out, groups] (1: MLX's own)."""
-    g = spec.group_size
-    wg = w.reshape(w.shape[0], -1, g)
-    shrink = np.ones(wg.shape[:2], np.float32) if shrink is None else shrink
-    if spec.mode == "affine":
-        from mlxrun.quant.reference import _affine_params  # noqa: PLC0415
-
-        lo = wg.min(-1) * shrink
-        hi = wg.max(-1) * shrink
-        s, b = _affine_params(lo[..., None], hi[..., None], spec.bits)
-        return Grid(spec, dtype, round_to(s[..., 0], dtype), round_to(b[..., 0], dtype))
-    amax = np.abs(wg).max(-1) * shrink
-    s = round_to(amax / np.float32(6.0 if spec.bits == 4 else 448.0), dtype)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        if spec.mode == "nvfp4":
-            sb = e4m3_encode(s)
-            val = e4m3_decode(sb)
-        else:
-            sb = e8m0_encode(s)
-            val = np.ldexp(np.float32(1.0), e8m0_exponent(s)).astype(np.float32)
-    return Grid(spec, dtype, val.astype(np.float32), None, sb)
-
-
-def fake_quant(w: np.ndarray, spec: QuantSpec, dtype: str, shrink=None) -> np.ndarray:
-    """w [out, in] rounded to nearest in `spec` (optionally clipped): float32 values."""
-    grid = make_grid(w, spec, dtype, shrink)
-    return grid.values(grid.codes(w))
-
-
-# ---------------------------------------------------------------- searches
-
-
-def output_error(e: np.ndarray, h: np.ndarray) -> float:
-    """tr(E H E^T): the summed squared output error of weight error E [out, in] on the
-    inputs whose Gram matrix is H [in, in]."""
-    return float(np.einsum("oi,oi->", e @ h, e))
-
-
-def sample_error(e: np.ndarray, x: np.ndarray) -> float:
-    """Mean squared output error of weight error E [out, in] over input rows x [n, in]:
-    an estimate of tr(E H E^T) at n*out*in operations instead of in*out*in."""
-    return float(((x @ e.T) ** 2).sum() / len(x))
-
-
-def search_scales(ws: list[np.ndarray], x: np.ndarray, xmean: np.ndarray, specs, dtype, grid):
-    """Per input channel scales s [in] for the matrices `ws` (one shared input): the
-    s = xmean^a (a in [0, 1), `grid` steps, normalised to geometric mean ~1) whose rounded
-    W*s, divided back by s, gives the least total output error on the input rows x
-    [n, in]. a = 0 (s = 1) is plain rounding, so the result is never worse than that on
-    these inputs. specs: one QuantSpec per matrix of `ws` (or one for all)."""
-    specs = specs if isinstance(specs, list | tuple) else [specs] * len(ws)
-    best, best_s = None, np.ones_like(xmean)
-    for k in range(grid):
-        s = np.maximum(xmean ** (k / grid), 1e-4).astype(np.float32)
-        s = s / np.sqrt(s.max() * s.min())
-        err = 0.0
-        for w, spec in zip(ws, specs, strict=True):
-            err += sample_error(fake_quant(w * s, spec, dtype) / s - w, x)
-        if best is None or err < best:
-            best, best_s = err, s
-    return best_s
-
-
-def search_clip(w: np.ndarray, h: np.ndarray, spec, dtype, steps: int = 10) -> np.ndarray:
-    """Per group range shrink [out, groups] in {1, 0.95, ..., 0.55}: the one with the least
-    output error of the group, error_g^T H_gg error_g (H's diagonal block of the group)."""
-    g = spec.group_size
-    out, n = w.shape
-    hb = np.stack([h[i : i + g, i : i + g] for i in range(0, n, g)])  # [groups, g, g]
-    best_err = np.full((out, n // g), np.inf, np.float32)
-    best = np.ones((out, n // g), np.float32)
-    for k in range(steps):
-        p = np.float32(1.0 - 0.05 * k)
-        shrink = np.full((out, n // g), p, np.float32)
-        e = (fake_quant(w, spec, dtype, shrink) - w).reshape(out, n // g, g).transpose(1, 0, 2)
-        err = (np.matmul(e, hb) * e).sum(-1).T  # [out, groups]; a batched BLAS product
-        better = err < best_err
-        best_err = np.where(better, err, best_err)
-        best = np.where(better, p, best)
-    return best
-
-
-def gptq_codes(w: np.ndarray, h: np.ndarray, grid: Grid, block: int = 128) -> np.ndarray:
-    """Codes [out, in] for w on a fixed `grid`, chosen column by column with each column's
-    rounding error spread over the later columns by the inverse Hessian (GPTQ)."""
-    w = w.astype(np.float32).copy()
-    n = w.shape[1]
-    h = h.astype(np.float64).copy()
-    dead = np.diag(h) == 0
-    h[dead, dead] = 1.0
-    w[:, dead] = 0.0
-    h[np.diag_indices(n)] += 0.01 * np.mean(np.diag(h))
-    # upper Cholesky factor of H^-1: row i holds the update weights for columns after i
-    hinv = np.linalg.cholesky(np.linalg.inv(h)).T.astype(np.float32)
-    q = np.zeros(w.shape, np.uint32)
-    for i0 in range(0, n, block):
-        i1 = min(i0 + block, n)
-        wb = w[:, i0:i1].copy()
-        err = np.zeros_like(wb)
-        hb = hinv[i0:i1, i0:i1]
-        for j in range(i1 - i0):
-            col = slice(i0 + j, i0 + j + 1)
-            qj = grid.codes(wb[:, j : j + 1], col)
-            q[:, i0 + j] = qj[:, 0]
-            e = (wb[:, j] - grid.values(qj, col)[:, 0]) / hb[j, j]
-            wb[:, j + 1 :] -= np.outer(e, hb[j, j + 1 :])
-            err[:, j] = e
-        w[:, i1:] -= err @ hinv[i0:i1, i1:]
-    return q
-
-
 # ---------------------------------------------------------------- the model, layer by layer
 
 
@@ -338,6 +174,13 @@ class _Recorder:
         self._keep(gate, x)
         return self._be.gated_mlp(x, gate, up, act, biases)
 
+    def moe_sum(self, x, logits, experts, opts):
+        """A layer of experts: its input and router logits, as float32 (tokens, -1)."""
+        for a, key in ((x, "moe_x"), (logits, "moe_logits")):
+            a = self._be.to_numpy(a)
+            self.seen.setdefault(key, []).append(a.reshape(-1, a.shape[-1]).astype(np.float32))
+        return self._be.moe_sum(x, logits, experts, opts)
+
 
 class _Stats:
     """Running H = X^T X (float64), sum |x| per channel, and up to `keep` input rows (an
@@ -364,10 +207,12 @@ class _Stats:
 
 
 def _layer(be, w: dict, ln_in, ln_post, extra: dict):
-    """A dense Layer on `be` from float32 numpy weights."""
+    """A Layer on `be` from float32 numpy weights (a layer of experts has no MLP linears:
+    its experts come in `extra`)."""
     from mlxrun.model import Layer  # noqa: PLC0415
 
-    return Layer(be.array(ln_in), be.array(ln_post), *(be.array(w[k]) for k in LINEARS), **extra)
+    mats = (be.array(w[k]) if k in w else None for k in LINEARS)
+    return Layer(be.array(ln_in), be.array(ln_post), *mats, **extra)
 
 
 def _run(shell, L, hs: np.ndarray, chunk: int, rec: _Recorder | None):
@@ -376,7 +221,7 @@ def _run(shell, L, hs: np.ndarray, chunk: int, rec: _Recorder | None):
     shell's recording backend)."""
     be, cfg = shell.be, shell.config
     new = np.empty_like(hs)
-    stats: dict[int, _Stats] = {}
+    stats: dict = {}
     T = hs.shape[1]
     for s in range(0, len(hs), chunk):
         h = be.array(hs[s : s + chunk])
@@ -387,6 +232,9 @@ def _run(shell, L, hs: np.ndarray, chunk: int, rec: _Recorder | None):
         new[s : s + chunk] = be.to_numpy(hn)
         if rec is not None:
             for key, xs in rec.seen.items():
+                if isinstance(key, str):  # a layer of experts' inputs, kept whole
+                    stats.setdefault(key, []).extend(xs)
+                    continue
                 st = stats.setdefault(key, _Stats())
                 for x_ in xs:
                     st.add(x_, max(1, len(hs) * T // st.keep))
@@ -394,10 +242,12 @@ def _run(shell, L, hs: np.ndarray, chunk: int, rec: _Recorder | None):
     return new, stats
 
 
-def _names(i: int) -> dict[str, str]:
+def _names(i: int, moe: bool = False) -> dict[str, str]:
+    """Layer i's linears by path (a layer of experts: attention only)."""
     p = f"model.layers.{i}"
     out = {k: f"{p}.self_attn.{k}" for k in LINEARS[:4]}
-    out.update({k: f"{p}.mlp.{k}" for k in LINEARS[4:]})
+    if not moe:
+        out.update({k: f"{p}.mlp.{k}" for k in LINEARS[4:]})
     return out
 
 
@@ -457,15 +307,16 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
             "--calibrate does not run sliding-window models yet; convert without it "
             "(round to nearest)"
         )
-    if cfg.moe is not None:
+    if cfg.moe is not None and opts.target_bpw is not None:
         raise MlxrunError(
-            "--calibrate does not run mixture-of-experts models yet; convert without it "
-            "(round to nearest)"
+            "--target-bpw does not run mixture-of-experts models yet; calibrate at one "
+            "width (drop --target-bpw)"
         )
-    if cfg.hidden_size % spec.group_size or cfg.intermediate_size % spec.group_size:
+    inter = cfg.intermediate_size if cfg.moe is None else cfg.moe.intermediate_size
+    if cfg.hidden_size % spec.group_size or inter % spec.group_size:
         raise MlxrunError(
             f"calibration needs the hidden size {cfg.hidden_size} and intermediate size "
-            f"{cfg.intermediate_size} to be multiples of the group size {spec.group_size}; "
+            f"{inter} to be multiples of the group size {spec.group_size}; "
             "choose a smaller --group-size"
         )
     ids = ckpt.tokenizer.encode(calib_text(opts.data), add_special_tokens=False)
@@ -494,11 +345,42 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
             out[f"{path}.{k}"] = stored(path, v) if v.dtype == np.float32 else Tensor.from_numpy(v)
         return grid.values(q)
 
+    def codes(w, h, sp, clip=True) -> tuple[Grid, np.ndarray]:
+        """w's grid and codes, calibrated against h (None: rounded to nearest)."""
+        if h is None:
+            grid = make_grid(w, sp, dtype)
+            return grid, grid.codes(w)
+        grid = make_grid(w, sp, dtype, search_clip(w, h, sp, dtype) if clip else None)
+        return grid, gptq_codes(w, h, grid) if opts.method == "gptq" else grid.codes(w)
+
     def quantize(path, w, h, sp, clip=True) -> np.ndarray:
-        shrink = search_clip(w, h, sp, dtype) if clip else None
-        grid = make_grid(w, sp, dtype, shrink)
-        q = gptq_codes(w, h, grid) if opts.method == "gptq" else grid.codes(w)
-        return put(path, grid, q)
+        return put(path, *codes(w, h, sp, clip))
+
+    def experts(i: int, x: np.ndarray, logits: np.ndarray, ew: dict, router):
+        """Layer i's experts calibrated and stored (stacked, mlx-lm's layout); returns them
+        packed on the backend, as the loader will run them."""
+        from mlxrun.moe import Experts, expert_names  # noqa: PLC0415
+        from mlxrun.quant.calibrate_moe import experts as calibrated  # noqa: PLC0415
+
+        nonlocal few
+        o, n = cfg.moe, expert_names(cfg.model_type, f"model.layers.{i}")
+        parts, k = calibrated(
+            ew, x, logits, o,
+            lambda w, h: codes(w, h, spec),
+            lambda w, rows, m: search_scales([w], rows, m, spec, dtype, opts.grid),
+            2 * spec.group_size,
+        )  # fmt: skip
+        few += k
+        packed = []
+        for proj, arrays in parts.items():
+            for leaf, v in arrays.items():
+                key = f"{n.stacked}.{proj}.{leaf}"
+                out[key] = stored("", v) if v.dtype == np.float32 else Tensor.from_numpy(v)
+            packed.append(be.quantized(
+                *(out.get(f"{n.stacked}.{proj}.{leaf}") for leaf in ("weight", "scales", "biases")),
+                spec.mode, spec.bits, spec.group_size, embedding=True,
+            ))  # fmt: skip
+        return Experts(router, *packed)
 
     # The embedding is quantized at its own group size (mlx-lm's AWQ uses g32) by rounding
     # first, for the layers' inputs; with a tied head it is re-done at the end against
@@ -518,9 +400,23 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
     hs = emb[wins]  # residual stream [samples, T, hidden], float32 on the host
     notes = []
 
+    few = 0  # experts rounded to nearest for want of calibration tokens
+    consumed: set[str] = set()  # transformers' per-expert tensors, stored stacked instead
+
+    def expert_stacks(i: int) -> dict[str, np.ndarray]:
+        """Layer i's router and stacked experts as float32: {"router": (E, H), "gate_proj":
+        (E, I, H), "up_proj": (E, I, H), "down_proj": (E, H, I)}, from either layout."""
+        from mlxrun.moe import expert_names, stack_per_expert  # noqa: PLC0415
+
+        n, tmp = expert_names(cfg.model_type, f"model.layers.{i}"), dict(t)
+        consumed.update(stack_per_expert(tmp, n, cfg.moe.num_experts))
+        stacks = {k: tmp[f"{n.stacked}.{k}.weight"].float32() for k in LINEARS[4:]}
+        return {"router": tmp[f"{n.router}.weight"].float32(), **stacks}
+
     def load(i: int):
         """Layer i's names, float32 matrices, norms and the Layer's extra arguments."""
-        names = _names(i)
+        moe = cfg.moe is not None and cfg.moe.is_moe(i)
+        names = _names(i, moe)
         p = f"model.layers.{i}"
         w = {k: f32(f"{n}.weight") for k, n in names.items()}
         ln_in, ln_post = (
@@ -534,6 +430,12 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
         for k in ("q_norm", "k_norm"):
             if f"{p}.self_attn.{k}.weight" in t:
                 extra[k] = be.array(f32(f"{p}.self_attn.{k}.weight"))
+        if moe:
+            from mlxrun.moe import Experts  # noqa: PLC0415
+
+            ew = expert_stacks(i)
+            extra["moe"] = Experts(*(be.array(ew[k]) for k in ("router", *LINEARS[4:])))
+            w["experts"] = ew  # not a linear: _layer takes the experts from `extra`
         return names, p, w, ln_in, ln_post, extra
 
     specs: dict[str, QuantSpec] = {}  # per-linear widths other than the spec's
@@ -562,17 +464,30 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
         _, stats = _run(shell_rec, L, hs, chunk, rec)
         h_qkv, m_qkv, x_qkv = stats[id(L.q_proj)].result()
         h_o, _, _ = stats[id(L.o_proj)].result()
-        h_gu, m_gu, x_gu = stats[id(L.gate_proj)].result()
-        h_d, m_d, x_d = stats[id(L.down_proj)].result()
-        del stats
         # scales: q/k/v (folded into the input norm), down (into up's rows), gate/up
         qkv = [w["q_proj"], w["k_proj"], w["v_proj"]]
         s1 = search_scales(qkv, x_qkv, m_qkv, [sp[k] for k in LINEARS[:3]], dtype, opts.grid)
+        ln_in = ln_in / s1
+        if L.moe is not None:  # experts: attention as below, then calibrate_moe
+            ew = w.pop("experts")
+            xs = (np.concatenate(stats.pop(k)) for k in ("moe_x", "moe_logits"))
+            extra["moe"] = experts(i, *xs, ew, extra["moe"].router)
+            del stats
+            wq = {}
+            for k in LINEARS[:4]:
+                ws, hk = (w[k], h_o) if k == "o_proj" else (w[k] * s1, h_qkv / np.outer(s1, s1))
+                wq[k] = quantize(names[k], ws, hk, sp[k], clip=k not in NO_CLIP)
+            out[f"{p}.input_layernorm.weight"] = stored("", ln_in)
+            hs, _ = _run(shell, _layer(be, wq, ln_in, ln_post, extra), hs, chunk, None)
+            continue
+        h_gu, m_gu, x_gu = stats[id(L.gate_proj)].result()
+        h_d, m_d, x_d = stats[id(L.down_proj)].result()
+        del stats
         s2 = search_scales([w["down_proj"]], x_d, m_d, sp["down_proj"], dtype, opts.grid)
         w["up_proj"] = w["up_proj"] / s2[:, None]
         gu = [w["gate_proj"], w["up_proj"]]
         s3 = search_scales(gu, x_gu, m_gu, [sp["gate_proj"], sp["up_proj"]], dtype, opts.grid)
-        ln_in, ln_post = ln_in / s1, ln_post / s3
+        ln_post = ln_post / s3
         scaled = {
             "q_proj": s1,
             "k_proj": s1,
@@ -613,8 +528,16 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
     if not cfg.tie_word_embeddings:
         emb_grid = make_grid(f32("model.embed_tokens.weight"), espec, dtype)
         put("model.embed_tokens", emb_grid, emb_grid.codes(f32("model.embed_tokens.weight")))
-    for name, x in t.items():  # the rest (other norms, q/k/v biases) as stored
+    for name, x in t.items():  # the rest (other norms, q/k/v biases, routers) as stored
         path, _, leaf = name.rpartition(".")
+        if name in consumed:
+            continue
         if name not in out and not (leaf == "weight" and f"{path}.scales" in out):
             out[name] = x
+    if cfg.moe is not None:
+        total = cfg.moe.num_experts * sum(map(cfg.moe.is_moe, range(cfg.num_hidden_layers)))
+        notes.append(
+            f"experts calibrated on the tokens routed to them; {few} of {total} saw fewer "
+            f"than {2 * spec.group_size} calibration tokens and were rounded to nearest"
+        )
     return out, block, notes

@@ -162,3 +162,43 @@ def tiny_dir(tmp_path_factory):
 
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+# Tiny mixture-of-experts checkpoints for the tensor-parallel tests: 64 rows an expert
+# (32 a rank over two: whole groups of 32 for int4 g32 and MXFP4); vocabulary 96 > hidden 64,
+# so the ranks split it too.
+_MOE_BASE = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=96,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+TINY_MOE = {
+    # renormalised top-k; layer 1 a dense MLP
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                      intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[1]),
+    # biases on router and experts, sinks, the clamped SwiGLU, a window of 8 on layer 0
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
+                    sliding_window=8, swiglu_limit=0.5),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dirs(tmp_path_factory):
+    """name -> checkpoint dir (str): TINY_MOE in transformers' layouts (qwen3_moe one tensor
+    an expert, gpt_oss fused), and gpt-oss's experts in MXFP4 as OpenAI ships them
+    ("gpt_oss_openai") and as mlx-lm stores them ("gpt_oss_mlx_lm")."""
+    from .test_moe import _gpt_oss_mxfp4
+
+    root = tmp_path_factory.mktemp("tiny_moe")
+    out = {
+        mt: write_random(root / mt, mt, {**_MOE_BASE, **kw}, 0, std=0.2)[0]
+        for mt, kw in TINY_MOE.items()
+    }
+    out["gpt_oss_openai"], out["gpt_oss_mlx_lm"], _ = _gpt_oss_mxfp4(out["gpt_oss"], root)
+    return {k: str(v) for k, v in out.items()}

@@ -1,6 +1,6 @@
-"""Calibrated quantization (quant/calibrate.py): lower output error than rounding to nearest
-at the same bytes, stored bytes in MLX's layout, and `mlxrun convert --calibrate` output that
-mlx-lm loads with the logits mlxrun computes."""
+"""Calibrated quantization (quant/calibrate.py, its numerics in quant/calib_search.py): lower
+output error than rounding to nearest at the same bytes, stored bytes in MLX's layout, and
+`mlxrun convert --calibrate` output that mlx-lm loads with the logits mlxrun computes."""
 
 from __future__ import annotations
 
@@ -11,10 +11,7 @@ import pytest
 
 from mlxrun.cli import main
 from mlxrun.convert import convert
-from mlxrun.quant.calibrate import (
-    CalibOptions,
-    calib_text,
-    calib_windows,
+from mlxrun.quant.calib_search import (
     fake_quant,
     gptq_codes,
     make_grid,
@@ -22,6 +19,7 @@ from mlxrun.quant.calibrate import (
     search_clip,
     search_scales,
 )
+from mlxrun.quant.calibrate import CalibOptions, calib_text, calib_windows
 from mlxrun.quant.formats import resolve
 
 from .test_cli_errors import assert_one_line_error, run_cli

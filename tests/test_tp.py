@@ -1,7 +1,8 @@
 """Tensor parallelism: shards against the whole tensors, the division rules, and models
 split over two (or three) processes started by the platforms' launchers (torchrun with
 gloo, mlx.launch with the ring backend on loopback), whose logits and greedy text must
-equal the one-process run's."""
+equal the one-process run's (mixture-of-experts models among them: one launch a test, as
+starting the ranks costs more than running them; their shards: tests/test_tp_moe.py)."""
 
 from __future__ import annotations
 
@@ -260,6 +261,11 @@ def _compare(jobs: list[dict], out: Path) -> None:
         want = [m.config.vocab_size if v is None else v.rows] * 2  # embedding, head
         assert [json.loads(p.read_text()) for p in ranks] == [want] * len(ranks), job
         assert rel_err(np.load(out / f"{i}.npy"), m.logits(job["ids"])) <= 1e-5, job
+        o = m.config.moe
+        if o is not None:  # each rank held its share of every expert's rows
+            got = [json.loads(p.read_text()) for p in sorted(out.glob(f"{i}.rank*.experts"))]
+            want = [o.num_experts, o.intermediate_size // len(ranks), m.config.hidden_size]
+            assert got == [want] * len(ranks), job
         texts = {p.read_text() for p in out.glob(f"{i}.rank*.txt")}
         assert texts == {(out / f"{i}.txt").read_text()}, job  # every rank drew the same
         if job.get("temperature"):
@@ -303,36 +309,60 @@ def _odd_jobs(odd_vocab, backend: str, cases) -> list[dict]:
     ]  # fmt: skip
 
 
-def test_gloo_two_ranks_equal_one_process(tiny_dir, odd_vocab, tmp_path):
+def _moe_jobs(tiny_moe_dirs, backend: str, cases) -> list[dict]:
+    return _jobs(lambda name: (tiny_moe_dirs[name],), backend, cases)
+
+
+def test_gloo_two_ranks_equal_one_process(tiny_dir, odd_vocab, tiny_moe_dirs, tmp_path):
     """Dense GQA with a tied head, int4 g32 quantized on load, and q/k/v biases (qwen2);
-    a vocabulary of 97 (padded to 98) with an untied int4 head."""
-    jobs = _jobs(
-        tiny_dir,
-        "cpu",
-        [
-            ("llama_gqa_tied", {}),
-            ("llama_gqa_tied", {"quant": "int4", "group_size": 32}),
-            ("qwen2_bias", {}),
-        ],
-    ) + _odd_jobs(odd_vocab, "cpu", [(False, {"quant": "int4", "group_size": 32})])
+    a vocabulary of 97 (padded to 98) with an untied int4 head. Mixture-of-experts, every
+    expert's rows split: Qwen3-MoE int4 g32 (a rank's slices quantized on load), gpt-oss
+    (biases, sinks, the clamped SwiGLU) dense in transformers' fused layout and in
+    OpenAI's stored MXFP4."""
+    jobs = (
+        _jobs(
+            tiny_dir,
+            "cpu",
+            [
+                ("llama_gqa_tied", {}),
+                ("llama_gqa_tied", {"quant": "int4", "group_size": 32}),
+                ("qwen2_bias", {}),
+            ],
+        )
+        + _odd_jobs(odd_vocab, "cpu", [(False, {"quant": "int4", "group_size": 32})])
+        + _moe_jobs(
+            tiny_moe_dirs,
+            "cpu",
+            [
+                ("qwen3_moe", {"quant": "int4", "group_size": 32}),
+                ("gpt_oss", {}),
+                ("gpt_oss_openai", {}),
+            ],
+        )
+    )
     _run_split(_torchrun(2), jobs, tmp_path / "out")
     _compare(jobs, tmp_path / "out")
 
 
-def test_mlx_ring_two_ranks_equal_one_process(tiny_dir, odd_vocab, tmp_path):
+def test_mlx_ring_two_ranks_equal_one_process(tiny_dir, odd_vocab, tiny_moe_dirs, tmp_path):
     """Dense with an untied head and q/k norms (qwen3, head_dim 32), int4 g64, and sampled
     text (temperature 1, no seed) that all ranks must agree on; a vocabulary of 97 (padded
-    to 98) with a tied dense head."""
+    to 98) with a tied dense head. Mixture-of-experts: Qwen3-MoE dense (mx.gather_mm over
+    a rank's rows) and gpt-oss's MXFP4 experts in mlx-lm's stacked layout (gather_qmm)."""
     pytest.importorskip("mlx.core")
-    jobs = _jobs(
-        tiny_dir,
-        "mlx",
-        [
-            ("qwen3_qknorm", {}),
-            ("qwen3_qknorm", {"quant": "int4"}),
-            ("qwen3_qknorm", {"temperature": 1.0}),  # no seed given: the ranks share one
-        ],
-    ) + _odd_jobs(odd_vocab, "mlx", [(True, {})])
+    jobs = (
+        _jobs(
+            tiny_dir,
+            "mlx",
+            [
+                ("qwen3_qknorm", {}),
+                ("qwen3_qknorm", {"quant": "int4"}),
+                ("qwen3_qknorm", {"temperature": 1.0}),  # no seed given: the ranks share one
+            ],
+        )
+        + _odd_jobs(odd_vocab, "mlx", [(True, {})])
+        + _moe_jobs(tiny_moe_dirs, "mlx", [("qwen3_moe", {}), ("gpt_oss_mlx_lm", {})])
+    )
     _run_split(_mlx_launch(2), jobs, tmp_path / "out")
     _compare(jobs, tmp_path / "out")
 

@@ -1,7 +1,7 @@
 """Run by tests/test_tp.py under torchrun or mlx.launch: each job loads a model split over
 the launcher's ranks and rank 0 saves its logits and text for the test to compare with the
 one-process run; every rank saves its text (sampled text must agree across ranks) and
-how many vocabulary rows its embedding and head hold.
+how many vocabulary rows its embedding and head hold (and its experts' shape).
 
 usage: tp_worker.py JOBS_JSON OUT_DIR
 """
@@ -44,6 +44,9 @@ def main() -> None:
         # the vocabulary rows this rank holds (the split, or the whole table)
         rows = m.transformer.embed.shape[0], m.transformer.head.shape[0]
         (out / f"{i}.rank{env_rank()}.rows").write_text(json.dumps(rows))
+        moe = [L.moe for L in m.transformer.layers if L.moe is not None]
+        if moe:  # the experts' (E, rows, hidden) this rank holds
+            (out / f"{i}.rank{env_rank()}.experts").write_text(json.dumps(moe[0].gate.shape))
 
 
 if __name__ == "__main__":

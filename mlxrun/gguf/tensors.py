@@ -53,6 +53,11 @@ def _pick(
     if axis is None:
         return data, perm
     tp, rank = shard
+    if axis not in (0, -1):  # a stack of experts: mlxrun.shard splits it by another axis
+        raise MlxrunError(
+            f"{name}: a GGUF's experts do not split over ranks yet; convert the model to "
+            "safetensors (mlxrun convert) or run it on one device"
+        )
     if axis == 0:
         rows = np.arange(data.shape[0]) if perm is None else perm
         return data[rows[piece(len(rows), tp, rank, name)]], None

@@ -1,0 +1,121 @@
+"""Tensor parallelism for mixture-of-experts models: every expert split by its intermediate
+rows as the dense MLP is, the router replicated. Shards of each stored expert layout
+against the whole tensors, and the division rules. The split models themselves run in
+tests/test_tp.py's launches (tiny random Qwen3-MoE and gpt-oss, conftest.tiny_moe_dirs)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mlxrun.config import ModelConfig
+from mlxrun.errors import MlxrunError
+from mlxrun.moe import MoEOptions, expert_names, fused_experts, stack_per_expert
+from mlxrun.shard import (
+    check,
+    shard_config,
+    shard_shapes,
+    shard_tensors,
+    stored_groups,
+    vocab_shard,
+)
+from mlxrun.weights import load_safetensors
+
+
+def _cfg(d: str) -> ModelConfig:
+    import json
+    from pathlib import Path
+
+    return ModelConfig.from_dict(json.loads((Path(d) / "config.json").read_text()))
+
+
+def _stacked(tensors: dict, cfg: ModelConfig, layer: int) -> dict[str, np.ndarray]:
+    """The stacked experts the loader builds from `tensors` ({gate_proj.weight: (E, I, H)
+    ...}, packed parts and biases alike), as numpy arrays."""
+    t = dict(tensors)
+    n = expert_names(cfg.model_type, f"model.layers.{layer}")
+    used = set(stack_per_expert(t, n, cfg.moe.num_experts)) | set(fused_experts(t, n))
+    pre = n.stacked + "."
+    return {
+        k[len(pre) :]: np.asarray(v.data)
+        for k, v in t.items()
+        if k.startswith(pre) and k not in used
+    }
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "gpt_oss_openai", "gpt_oss_mlx_lm"])
+def test_expert_shards_are_the_whole_experts_rows(tiny_moe_dirs, name):
+    """Each layout's rank slices, stacked as the loader stacks them: gate/up (and their
+    biases) are rows [r*I/2, (r+1)*I/2) of every whole expert, down its matching columns
+    (packed: whole groups of words and scales); the down bias is rank 0's alone. The plan's
+    shapes are the rank's."""
+    d = tiny_moe_dirs[name]
+    tensors, _ = load_safetensors(f"{d}/model.safetensors")
+    cfg = _cfg(d)
+    whole = _stacked(tensors, cfg, 0)
+    assert whole, name
+    I = cfg.moe.intermediate_size  # noqa: E741
+    check(cfg, 2, stored_groups(cfg, tensors))
+    shapes = shard_shapes({k: (v.shape, v.dtype) for k, v in tensors.items()}, 2, cfg)
+    for rank in range(2):
+        part = shard_tensors(tensors, 2, rank, vocab_shard(cfg, 2, rank))
+        for k, t in part.items():
+            assert shapes[k][0] == t.shape, k
+        got = _stacked(part, cfg, 0)
+        assert got.keys() == whole.keys()
+        rows = slice(rank * I // 2, (rank + 1) * I // 2)
+        for k, a in got.items():
+            w = whole[k]
+            if k == "down_proj.bias":
+                assert np.array_equal(a, w if rank == 0 else np.zeros_like(w)) and w.any()
+            elif k.startswith("down_proj."):  # (E, H, I*bits/32 or I/G): columns
+                step = w.shape[-1] // 2
+                assert np.array_equal(a, w[..., rank * step : (rank + 1) * step]), k
+            else:
+                assert np.array_equal(a, w[:, rows]), k
+        router = f"model.layers.0.{expert_names(cfg.model_type, '').router[1:]}.weight"
+        assert part[router] is tensors[router]  # replicated
+
+
+def test_moe_division_rules_name_the_counts_that_work(tiny_moe_dirs):
+    """Expert rows must divide by the ranks, and a rank's share of the experts' down inputs
+    must be whole quantization groups; the rank's config holds its expert rows."""
+    cfg = _cfg(tiny_moe_dirs["qwen3_moe"])
+    assert shard_config(cfg, 2).moe.intermediate_size == 32
+    assert shard_config(cfg, 2).intermediate_size == 32  # the dense layer's rows
+    wide = cfg.replace(num_attention_heads=12, num_key_value_heads=6)
+    with pytest.raises(MlxrunError, match=r"^cannot split .*: 40 expert rows \(moe intermediate "
+                                          r"size\) do not divide by 3; rank counts that work: 1, 2$"):  # fmt: skip
+        check(wide.replace(moe=MoEOptions(4, 2, 40)), 3, set())
+    with pytest.raises(
+        MlxrunError,
+        match=r"the experts' down_proj's 48 inputs a rank are not whole groups of 32; "
+        r"rank counts that work: 1, 3 \(or pick a --group-size",
+    ):
+        check(wide.replace(moe=MoEOptions(4, 2, 96)), 2, {32})
+    # OpenAI's MXFP4 down scales count as groups of 32 (64 rows over 4 ranks: 16 a rank)
+    d = tiny_moe_dirs["gpt_oss_openai"]
+    tensors, _ = load_safetensors(f"{d}/model.safetensors")
+    big = _cfg(d).replace(num_attention_heads=8, num_key_value_heads=4)
+    assert 32 in stored_groups(big, tensors)
+    with pytest.raises(MlxrunError, match=r"down_proj's 16 inputs a rank are not whole groups"):
+        check(big, 4, stored_groups(big, tensors))
+
+
+def test_plan_counts_a_ranks_share_of_the_experts():
+    """Qwen3-30B-A3B's shape over 2 ranks: each expert projection holds half its rows (or
+    columns), and the plan's weight bytes are the rank's tensors' (int4: 16.01 GiB whole,
+    8.02 GiB a rank)."""
+    from mlxrun.planning import model_shapes, plan
+
+    cfg, shapes = model_shapes("shape:qwen3-30b-a3b")
+    half = shard_shapes(shapes, 2, cfg)
+    p = "model.layers.0.mlp.switch_mlp"
+    assert half[f"{p}.gate_proj.weight"][0] == (128, 384, 2048)
+    assert half[f"{p}.down_proj.weight"][0] == (128, 2048, 384)
+    assert half["model.layers.0.mlp.gate.weight"] == shapes["model.layers.0.mlp.gate.weight"]
+    rank = plan("shape:qwen3-30b-a3b", backend="cpu", dtype="bfloat16", tp=2, context=1024)
+    assert rank.footprint.weight_bytes == sum(2 * int(np.prod(s)) for s, _ in half.values())
+    q = [plan("shape:qwen3-30b-a3b", quant="int4", backend="cpu", dtype="bfloat16", tp=n,
+              context=1024).footprint.weight_bytes for n in (1, 2)]  # fmt: skip
+    assert q[1] == pytest.approx(q[0] / 2, rel=0.01)
