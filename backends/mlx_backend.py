@@ -330,6 +330,9 @@ class MLXBackend:
         g, u = self.linears(x, (gate, up), biases)
         return _ACT[act](g) * u
 
+    def sigmoid(self, x):
+        return mx.sigmoid(x)
+
     def moe(self, x, logits, e, o):
         """x (B, T, H), router logits (B, T, E) -> the routing-weighted sum of each token's
         top-k experts (B, T, H), through mx.gather_mm / mx.gather_qmm as mlx-lm's
