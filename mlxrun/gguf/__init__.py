@@ -5,7 +5,8 @@ a tokenizer.json rebuilt from the GGUF metadata; `mlxrun.convert` writes them as
 that the safetensors loader (and mlx-lm) reads.
 
 - `meta`: opening the file, metadata keys -> config.json (per-architecture prefixes)
-- `names`: the architectures read (llama incl. Mistral, qwen2, qwen3) and their tensor names
+- `names`: the architectures read (llama incl. Mistral, qwen2, qwen3, gemma3, and the
+  mixture-of-experts qwen3moe and qwen2moe) and their tensor names
 - `tensors`: block types -> canonical packed layers where exact, else dense (with a note)
 - `tokenizer`: tokenizer.json, tokenizer_config (chat template) and generation_config
 Block numerics live in `mlxrun.quant.gguf_blocks`.
@@ -59,9 +60,10 @@ def read_gguf(
     meta = Meta(reader, path)
     name = meta.get("general.architecture")
     arch = arch_of(path, name)
-    if meta.get(f"{name}.expert_count", 0):
+    if meta.get(f"{name}.expert_count", 0) and arch.norm_topk is None:
         raise MlxrunError(
-            f"{path}: mixture-of-experts {name} GGUFs are not supported; use a dense model"
+            f"{path}: mixture-of-experts {name} GGUFs are not supported (mlxrun reads "
+            "qwen3moe and qwen2moe ones); use a dense model"
         )
     check_keys(path, meta, name)
     raw = {t.name: t for t in reader.tensors}

@@ -218,6 +218,10 @@ def config(path: Path, meta: Meta, raw: dict, arch: str, hf: tuple[str, str]) ->
         cfg["eos_token_id"] = eos
     if hf[0] == "gemma3_text":
         cfg.update(_gemma3(meta, arch, cfg))
+    from .names import ARCHS  # noqa: PLC0415
+
+    if arch in ARCHS and ARCHS[arch].norm_topk is not None:
+        cfg.update(moe_config(path, meta, arch, ARCHS[arch].norm_topk))
     dense = [t.tensor_type.name for t in raw.values() if len(t.shape) == 2]
     cfg["torch_dtype"] = {"F32": "float32", "BF16": "bfloat16"}.get(
         Counter(dense).most_common(1)[0][0] if dense else "F16", "float16"
@@ -245,6 +249,22 @@ def _gemma3(meta: Meta, arch: str, cfg: dict) -> dict:
     }
     cfg.pop("hidden_act")
     cfg.pop("mlp_bias")
+    return out
+
+
+def moe_config(path: Path, meta: Meta, arch: str, norm_topk: bool) -> dict:
+    """The MoE keys of config.json from llama.cpp's `{arch}.expert_*` keys: experts, top k,
+    an expert's width (and a shared expert's, where the architecture has one), and whether
+    the k routing weights are renormalised (`norm_topk` unless the file says)."""
+    out = {
+        "num_experts": int(one(path, meta, f"{arch}.expert_count")),
+        "num_experts_per_tok": int(one(path, meta, f"{arch}.expert_used_count")),
+        "moe_intermediate_size": int(one(path, meta, f"{arch}.expert_feed_forward_length")),
+        "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", norm_topk)),
+    }
+    shared = meta.get(f"{arch}.expert_shared_feed_forward_length")
+    if shared is not None:
+        out["shared_expert_intermediate_size"] = int(shared)
     return out
 
 

@@ -93,6 +93,12 @@ def convert(
         hf = hf_name(path, arch, name)
         kind = t.tensor_type.name
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF shapes are [in, out]
+        if hf.endswith(".shared_expert_gate.weight") and len(shape) == 1:
+            shape = (1, shape[0])  # llama.cpp keeps this (1, hidden) linear as a vector
+        # stacked experts (E, out, in): unpacked as E*out rows, then given their E axis
+        lead = shape[:-2] if len(shape) == 3 else ()
+        if lead and shard is not None:
+            raise MlxrunError(f"{path}: a mixture-of-experts GGUF cannot be split over ranks yet")
         perm = None
         if arch.permute_qk and name.endswith((".attn_q.weight", ".attn_k.weight")):
             n = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
@@ -110,6 +116,8 @@ def convert(
             w, scales, biases = gb.to_affine(data, kind)
             if perm is not None:
                 w, scales, biases = w[perm], scales[perm], biases[perm]
+            if lead:
+                w, scales, biases = (a.reshape(*lead, -1, a.shape[-1]) for a in (w, scales, biases))
             sdt = gb.AFFINE[kind][1]
             out[hf] = Tensor("U32", w)
             out[f"{module}.scales"] = Tensor(sdt, scales)
@@ -123,7 +131,7 @@ def convert(
         if picked:
             data = np.asarray(t.data).reshape(-1, t.data.shape[-1])
             data, perm = _pick(hf, data, perm, shard, _block_bytes(t), vocab)
-            shape = (data.shape[0], shape[1] * data.shape[1] // t.data.shape[-1])
+            shape = (data.shape[0], shape[-1] * data.shape[1] // t.data.shape[-1])
             data = gb.dequantize(data, kind)
             e = expanded.setdefault(kind, [0, 0, 0])
             e[0], e[1], e[2] = e[0] + 1, e[1] + int(t.n_bytes), e[2] + data.nbytes
@@ -135,13 +143,13 @@ def convert(
             if arch.norm_shift and hf.endswith("norm.weight"):  # stored as 1 + w (Gemma)
                 f32 = Tensor(kind, data).float32() if kind != "F32" else data
                 data, kind = f32.astype(np.float32) - np.float32(arch.norm_shift), "F32"
-        data = data.reshape(shape)
+        data = data.reshape(shape if not (picked and lead) else (*lead, -1, shape[-1]))
         if not picked:
             data, perm = _pick(hf, data, perm, shard, 1, vocab)
         if perm is not None:
             data = data[perm]
         out[hf] = Tensor(kind, data)
-        if data.ndim == 2:
+        if data.ndim in (2, 3):
             bits[module] = None
     return out, bits, _notes(relaid, expanded)
 

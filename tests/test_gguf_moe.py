@@ -1,0 +1,201 @@
+"""Mixture-of-experts GGUFs (qwen3moe, qwen2moe) written with the `gguf` package from tiny
+random transformers models, as llama.cpp lays them out (experts stacked experts-first in
+ffn_*_exps, the router in ffn_gate_inp, the shared expert in ffn_*_shexp and its gate a
+vector): logits within 1e-4 of transformers' own GGUF loader and greedy tokens equal on
+torch-cpu and MLX, in F32/F16 and with quantized experts (Q8_0, Q4_K kept packed; Q6_K
+expanded with the import's note)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import mlxrun
+from mlxrun.backends.base import QuantizedWeight
+from mlxrun.errors import MlxrunError
+from mlxrun.generate import generate_step
+from mlxrun.gguf import read_gguf
+from mlxrun.quant.gguf_encode import q4_k, q6_k
+from mlxrun.sampling import SamplingParams
+
+from .conftest import rel_err
+from .test_gguf_archs import TEMPLATE, byte_vocab
+
+Q = gguf.GGMLQuantizationType
+H, I, S, E, K = 256, 256, 512, 4, 2  # widths of whole 256-weight K-quant blocks
+ARCHS = {  # GGUF architecture -> transformers model type and its MoE config
+    "qwen3moe": ("qwen3_moe", dict(norm_topk_prob=True, head_dim=64)),
+    "qwen2moe": ("qwen2_moe", dict(norm_topk_prob=False, shared_expert_intermediate_size=S)),
+}
+# experts in Q4_K (packed, exact affine), Q8_0 (packed) and Q6_K (no packed expert kernel:
+# expanded at load); attention and the shared expert in Q8_0, F16 or F32 elsewhere
+QUANT = dict(ffn_gate_exps="Q4_K", ffn_up_exps="Q8_0", ffn_down_exps="Q6_K", attn="Q8_0")
+
+
+def _hf_random(arch: str, seed: int = 0):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    mt, kw = ARCHS[arch]
+    cfg = AutoConfig.for_model(
+        mt, hidden_size=H, intermediate_size=I, moe_intermediate_size=I, num_experts=E,
+        num_experts_per_tok=K, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=len(byte_vocab()[0]), max_position_embeddings=512,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=1e6, **kw,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_((0.2 if n.endswith("bias") else 0.06) * torch.randn_like(p))
+    return model
+
+
+def _encode(a: np.ndarray, kind: str) -> tuple[np.ndarray, object]:
+    """float32 (..., n) -> (what GGUFWriter.add_tensor takes, raw_dtype)."""
+    if kind in ("F32", "F16"):
+        return a.astype(np.float32 if kind == "F32" else np.float16), None
+    if kind in ("Q4_K", "Q6_K"):
+        enc = {"Q4_K": q4_k, "Q6_K": q6_k}[kind](a.reshape(-1, a.shape[-1]))
+        return enc.reshape(*a.shape[:-1], -1), Q[kind]
+    return gguf.quants.quantize(a, Q[kind]), Q[kind]
+
+
+def write_moe_gguf(path, arch: str, hf, types: dict) -> None:
+    """The transformers model `hf` as llama.cpp's converter writes an `arch` GGUF."""
+    sd = {k: v.numpy() for k, v in hf.state_dict().items()}
+    c = hf.config
+    tokens, merges, ttypes = byte_vocab()
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(512)
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(I)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    if arch == "qwen3moe":
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_expert_count(E)
+    w.add_expert_used_count(K)
+    w.add_expert_feed_forward_length(I)
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(S)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(ttypes)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(len(tokens) - 3)
+    w.add_eos_token_id(len(tokens) - 1)
+    w.add_add_bos_token(False)
+    w.add_chat_template(TEMPLATE)
+
+    def put(name, a, kind="F32"):
+        data, raw = _encode(np.ascontiguousarray(a, np.float32), kind)
+        w.add_tensor(name, data, raw_dtype=raw)
+
+    put("token_embd.weight", sd["model.embed_tokens.weight"], types.get("attn", "F16"))
+    put("output.weight", sd["lm_head.weight"], types.get("attn", "F16"))
+    put("output_norm.weight", sd["model.norm.weight"])
+    for i in range(c.num_hidden_layers):
+        p, b = f"model.layers.{i}", f"blk.{i}"
+        for g, hf_n in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"),
+                        ("attn_output", "o_proj")):  # fmt: skip
+            put(f"{b}.{g}.weight", sd[f"{p}.self_attn.{hf_n}.weight"], types.get("attn", "F16"))
+            if f"{p}.self_attn.{hf_n}.bias" in sd:
+                put(f"{b}.{g}.bias", sd[f"{p}.self_attn.{hf_n}.bias"])
+        put(f"{b}.attn_norm.weight", sd[f"{p}.input_layernorm.weight"])
+        put(f"{b}.ffn_norm.weight", sd[f"{p}.post_attention_layernorm.weight"])
+        if arch == "qwen3moe":
+            put(f"{b}.attn_q_norm.weight", sd[f"{p}.self_attn.q_norm.weight"])
+            put(f"{b}.attn_k_norm.weight", sd[f"{p}.self_attn.k_norm.weight"])
+        put(f"{b}.ffn_gate_inp.weight", sd[f"{p}.mlp.gate.weight"])  # llama.cpp keeps F32
+        gu, down = sd[f"{p}.mlp.experts.gate_up_proj"], sd[f"{p}.mlp.experts.down_proj"]
+        for g, a in (("ffn_gate_exps", gu[:, :I]), ("ffn_up_exps", gu[:, I:]),
+                     ("ffn_down_exps", down)):  # fmt: skip
+            put(f"{b}.{g}.weight", a, types.get(g, "F16"))  # (E, out, in)
+        if arch == "qwen2moe":
+            for g, hf_n in (("ffn_gate_shexp", "gate_proj"), ("ffn_up_shexp", "up_proj"),
+                            ("ffn_down_shexp", "down_proj")):  # fmt: skip
+                put(f"{b}.{g}.weight", sd[f"{p}.mlp.shared_expert.{hf_n}.weight"],
+                    types.get("attn", "F16"))  # fmt: skip
+            put(f"{b}.ffn_gate_inp_shexp.weight", sd[f"{p}.mlp.shared_expert_gate.weight"][0])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module", params=[(a, q) for a in ARCHS for q in ("f16", "quant")])
+def moe_file(request, tmp_path_factory):
+    """(path, arch, "f16" or "quant", transformers model from the file by its own GGUF
+    loader, fp32, and the source model the file was written from)."""
+    from transformers import AutoModelForCausalLM
+
+    arch, q = request.param
+    d = tmp_path_factory.mktemp(f"gguf-{arch}-{q}")
+    path = d / f"{arch}.gguf"
+    src = _hf_random(arch)
+    write_moe_gguf(path, arch, src, QUANT if q == "quant" else {})
+    # transformers' GGUF config map has no expert_(shared_)feed_forward_length: given here
+    extra = dict(moe_intermediate_size=I, norm_topk_prob=ARCHS[arch][1]["norm_topk_prob"])
+    if arch == "qwen2moe":
+        extra["shared_expert_intermediate_size"] = S
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(d), gguf_file=path.name, dtype=torch.float32, local_files_only=True, **extra
+    ).eval()
+    return path, arch, q, hf, src
+
+
+def test_moe_gguf_matches_transformers_gguf_loader(moe_file):
+    path, arch, q, hf, src = moe_file
+    ids = np.random.default_rng(3).integers(0, 259, size=24)
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)[None]).logits[0].numpy()
+        want = hf.generate(torch.tensor(ids)[None], max_new_tokens=4, min_new_tokens=4,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    want = want[0, len(ids) :].tolist()
+    for backend in ("cpu", "mlx"):
+        m = mlxrun.load(str(path), backend=backend, dtype="float32", progress=False)
+        assert rel_err(m.logits(ids), ref) < 1e-4, backend
+        steps = generate_step(m.transformer, [ids.tolist()], SamplingParams(), max_tokens=4)
+        assert [int(t[0]) for t in steps] == want, backend
+    c = m.transformer.config
+    o = c.moe
+    assert (c.model_type, o.num_experts, o.top_k, o.intermediate_size) == (ARCHS[arch][0], E, K, I)
+    assert o.norm_topk is (arch == "qwen3moe")
+    assert o.shared_intermediate_size == (S if arch == "qwen2moe" else 0)
+    e = m.transformer.layers[0].moe
+    if q == "quant":  # Q4_K and Q8_0 experts stay packed with their E axis; Q6_K expands
+        assert isinstance(e.gate, QuantizedWeight) and isinstance(e.up, QuantizedWeight)
+        assert (e.gate.bits, e.up.bits, tuple(e.gate.weight.shape)) == (4, 8, (E, I, H // 8))
+        assert not isinstance(e.down, QuantizedWeight)
+        assert any("Q6_K x2" in n for n in m.notes), m.notes
+    else:
+        assert not isinstance(e.gate, QuantizedWeight) and tuple(e.gate.shape) == (E, I, H)
+        # and the file holds the source model (to its F16 rounding): both loaders read the
+        # experts, router and shared expert where the source had them
+        with torch.no_grad():
+            assert rel_err(m.logits(ids), src(torch.tensor(ids)[None]).logits[0].numpy()) < 3e-3
+
+
+def test_moe_gguf_reads_its_keys_and_refuses_others(moe_file, tmp_path):
+    path, arch, q, _, _ = moe_file
+    if q != "f16":
+        pytest.skip("one file per architecture")
+    cfg = read_gguf(path).config
+    assert cfg["num_experts"] == E and cfg["moe_intermediate_size"] == I
+    # a file whose architecture mlxrun does not read names those it does
+    from mlxrun.gguf.names import arch_of
+
+    with pytest.raises(MlxrunError) as err:
+        arch_of(path, "deepseek2")
+    for a in ("qwen3moe", "qwen2moe", "llama"):
+        assert a in str(err.value)
