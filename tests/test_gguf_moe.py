@@ -1,11 +1,14 @@
-"""Mixture-of-experts GGUFs (qwen3moe, qwen2moe) written with the `gguf` package from tiny
-random transformers models, as llama.cpp lays them out (experts stacked experts-first in
-ffn_*_exps, the router in ffn_gate_inp, the shared expert in ffn_*_shexp and its gate a
-vector): logits within 1e-4 of transformers' own GGUF loader and greedy tokens equal on
-torch-cpu and MLX, in F32/F16 and with quantized experts (Q8_0, Q4_K kept packed; Q6_K
-expanded with the import's note)."""
+"""Mixture-of-experts GGUFs (qwen3moe, qwen2moe, Mixtral's llama) written with the `gguf`
+package from tiny random transformers models, as llama.cpp lays them out (experts stacked
+experts-first in ffn_*_exps, the router in ffn_gate_inp, the shared expert in ffn_*_shexp and
+its gate a vector, llama's q/k rows permuted): logits within 1e-4 of transformers' own GGUF
+loader (Mixtral: of the source model with the experts as written, which that loader does not
+read in llama files) and greedy tokens equal on torch-cpu and MLX, in F16/F32 and with
+quantized experts (Q8_0, Q4_K kept packed; Q6_K expanded with the import's note)."""
 
 from __future__ import annotations
+
+import copy
 
 import gguf
 import numpy as np
@@ -27,6 +30,7 @@ H, I, S, E, K = 256, 256, 512, 4, 2  # widths of whole 256-weight K-quant blocks
 ARCHS = {  # GGUF architecture -> transformers model type and its MoE config
     "qwen3moe": ("qwen3_moe", dict(norm_topk_prob=True, head_dim=64)),
     "qwen2moe": ("qwen2_moe", dict(norm_topk_prob=False, shared_expert_intermediate_size=S)),
+    "llama": ("mixtral", dict(num_local_experts=E)),  # Mixtral, as llama.cpp writes it
 }
 # experts in Q4_K (packed, exact affine), Q8_0 (packed) and Q6_K (no packed expert kernel:
 # expanded at load); attention and the shared expert in Q8_0, F16 or F32 elsewhere
@@ -37,8 +41,9 @@ def _hf_random(arch: str, seed: int = 0):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     mt, kw = ARCHS[arch]
+    moe = {} if mt == "mixtral" else dict(moe_intermediate_size=I, num_experts=E)
     cfg = AutoConfig.for_model(
-        mt, hidden_size=H, intermediate_size=I, moe_intermediate_size=I, num_experts=E,
+        mt, hidden_size=H, intermediate_size=I, **moe,
         num_experts_per_tok=K, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=len(byte_vocab()[0]), max_position_embeddings=512,
         rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=1e6, **kw,
@@ -64,8 +69,11 @@ def _encode(a: np.ndarray, kind: str) -> tuple[np.ndarray, object]:
     return gguf.quants.quantize(a, Q[kind]), Q[kind]
 
 
-def write_moe_gguf(path, arch: str, hf, types: dict) -> None:
-    """The transformers model `hf` as llama.cpp's converter writes an `arch` GGUF."""
+def write_moe_gguf(path, arch: str, hf, types: dict) -> dict[str, np.ndarray]:
+    """The transformers model `hf` as llama.cpp's converter writes an `arch` GGUF; returns
+    {expert parameter: its values as written (dequantized), transformers' layout}."""
+    from .test_gguf import llamacpp_permute
+
     sd = {k: v.numpy() for k, v in hf.state_dict().items()}
     c = hf.config
     tokens, merges, ttypes = byte_vocab()
@@ -83,11 +91,12 @@ def write_moe_gguf(path, arch: str, hf, types: dict) -> None:
     w.add_layer_norm_rms_eps(1e-6)
     w.add_expert_count(E)
     w.add_expert_used_count(K)
-    w.add_expert_feed_forward_length(I)
+    if arch != "llama":  # llama.cpp's Mixtral: an expert is feed_forward_length wide
+        w.add_expert_feed_forward_length(I)
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(S)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
+    w.add_tokenizer_pre("llama-bpe" if arch == "llama" else "qwen2")
     w.add_token_list(tokens)
     w.add_token_types(ttypes)
     w.add_token_merges(merges)
@@ -99,15 +108,23 @@ def write_moe_gguf(path, arch: str, hf, types: dict) -> None:
     def put(name, a, kind="F32"):
         data, raw = _encode(np.ascontiguousarray(a, np.float32), kind)
         w.add_tensor(name, data, raw_dtype=raw)
+        return data.astype(np.float32) if raw is None else gguf.quants.dequantize(data, raw)
 
-    put("token_embd.weight", sd["model.embed_tokens.weight"], types.get("attn", "F16"))
-    put("output.weight", sd["lm_head.weight"], types.get("attn", "F16"))
+    dense = "F32" if arch == "llama" else "F16"  # llama: F32, so the source is the reference
+    written = {}
+
+    put("token_embd.weight", sd["model.embed_tokens.weight"], types.get("attn", dense))
+    put("output.weight", sd["lm_head.weight"], types.get("attn", dense))
     put("output_norm.weight", sd["model.norm.weight"])
     for i in range(c.num_hidden_layers):
         p, b = f"model.layers.{i}", f"blk.{i}"
         for g, hf_n in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"),
                         ("attn_output", "o_proj")):  # fmt: skip
-            put(f"{b}.{g}.weight", sd[f"{p}.self_attn.{hf_n}.weight"], types.get("attn", "F16"))
+            a = sd[f"{p}.self_attn.{hf_n}.weight"]
+            if arch == "llama" and g in ("attn_q", "attn_k"):  # llama.cpp's rope row order
+                a = llamacpp_permute(a, c.num_attention_heads if g == "attn_q" else
+                                     c.num_key_value_heads)  # fmt: skip
+            put(f"{b}.{g}.weight", a, types.get("attn", dense))
             if f"{p}.self_attn.{hf_n}.bias" in sd:
                 put(f"{b}.{g}.bias", sd[f"{p}.self_attn.{hf_n}.bias"])
         put(f"{b}.attn_norm.weight", sd[f"{p}.input_layernorm.weight"])
@@ -117,22 +134,33 @@ def write_moe_gguf(path, arch: str, hf, types: dict) -> None:
             put(f"{b}.attn_k_norm.weight", sd[f"{p}.self_attn.k_norm.weight"])
         put(f"{b}.ffn_gate_inp.weight", sd[f"{p}.mlp.gate.weight"])  # llama.cpp keeps F32
         gu, down = sd[f"{p}.mlp.experts.gate_up_proj"], sd[f"{p}.mlp.experts.down_proj"]
-        for g, a in (("ffn_gate_exps", gu[:, :I]), ("ffn_up_exps", gu[:, I:]),
-                     ("ffn_down_exps", down)):  # fmt: skip
-            put(f"{b}.{g}.weight", a, types.get(g, "F16"))  # (E, out, in)
+        got = {
+            g: put(f"{b}.{g}.weight", a, types.get(g, dense))  # (E, out, in)
+            for g, a in (("ffn_gate_exps", gu[:, :I]), ("ffn_up_exps", gu[:, I:]),
+                         ("ffn_down_exps", down))
+        }  # fmt: skip
+        written[f"{p}.mlp.experts.gate_up_proj"] = np.concatenate(
+            [got["ffn_gate_exps"], got["ffn_up_exps"]], 1
+        )
+        written[f"{p}.mlp.experts.down_proj"] = got["ffn_down_exps"]
         if arch == "qwen2moe":
             for g, hf_n in (("ffn_gate_shexp", "gate_proj"), ("ffn_up_shexp", "up_proj"),
                             ("ffn_down_shexp", "down_proj")):  # fmt: skip
                 put(f"{b}.{g}.weight", sd[f"{p}.mlp.shared_expert.{hf_n}.weight"],
-                    types.get("attn", "F16"))  # fmt: skip
+                    types.get("attn", dense))  # fmt: skip
             put(f"{b}.ffn_gate_inp_shexp.weight", sd[f"{p}.mlp.shared_expert_gate.weight"][0])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return written
 
 
-@pytest.fixture(scope="module", params=[(a, q) for a in ARCHS for q in ("f16", "quant")])
+@pytest.fixture(
+    scope="module",
+    params=[("qwen3moe", "f16"), ("qwen3moe", "quant"), ("qwen2moe", "f16"),
+            ("qwen2moe", "quant"), ("llama", "quant")],
+)  # fmt: skip
 def moe_file(request, tmp_path_factory):
     """(path, arch, "f16" or "quant", transformers model from the file by its own GGUF
     loader, fp32, and the source model the file was written from)."""
@@ -142,7 +170,17 @@ def moe_file(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(f"gguf-{arch}-{q}")
     path = d / f"{arch}.gguf"
     src = _hf_random(arch)
-    write_moe_gguf(path, arch, src, QUANT if q == "quant" else {})
+    types = QUANT if q == "quant" else {}
+    if arch == "llama":  # transformers' GGUF loader reads no experts in llama files: the
+        # reference is the source model with the experts as written (the rest is F32)
+        types = {k: v for k, v in types.items() if k != "attn"}
+        ref = copy.deepcopy(src)
+        sd = ref.state_dict()
+        for n, a in write_moe_gguf(path, arch, src, types).items():
+            sd[n].copy_(torch.from_numpy(a))
+        ref.load_state_dict(sd)
+        return path, arch, q, ref, src
+    write_moe_gguf(path, arch, src, types)
     # transformers' GGUF config map has no expert_(shared_)feed_forward_length: given here
     extra = dict(moe_intermediate_size=I, norm_topk_prob=ARCHS[arch][1]["norm_topk_prob"])
     if arch == "qwen2moe":
@@ -169,7 +207,7 @@ def test_moe_gguf_matches_transformers_gguf_loader(moe_file):
     c = m.transformer.config
     o = c.moe
     assert (c.model_type, o.num_experts, o.top_k, o.intermediate_size) == (ARCHS[arch][0], E, K, I)
-    assert o.norm_topk is (arch == "qwen3moe")
+    assert o.norm_topk is (arch != "qwen2moe")
     assert o.shared_intermediate_size == (S if arch == "qwen2moe" else 0)
     e = m.transformer.layers[0].moe
     if q == "quant":  # Q4_K and Q8_0 experts stay packed with their E axis; Q6_K expands

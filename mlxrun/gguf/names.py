@@ -112,13 +112,29 @@ ARCHS = {
 }
 
 
-def arch_of(path: Path, name: str | None) -> Arch:
-    """The `Arch` for a file's `general.architecture`, or MlxrunError naming those read."""
+# llama.cpp writes Mixtral as `llama` with experts (`llama.expert_count`): Mistral's
+# attention (q/k permuted as llama's), always-renormalised top-k routing, the experts under
+# transformers' Mixtral block names
+MIXTRAL = Arch(
+    "mixtral",
+    "MixtralForCausalLM",
+    True,
+    {**_LAYER, **{k: "block_sparse_moe." + v[len("mlp.") :] for k, v in _MOE.items()}},
+    reads=_MOE_KEYS,
+    norm_topk=True,
+)
+
+
+def arch_of(path: Path, name: str | None, experts: int = 0) -> Arch:
+    """The `Arch` for a file's `general.architecture` (`experts`: its `{arch}.expert_count`),
+    or MlxrunError naming those read."""
+    if name == "llama" and experts:
+        return MIXTRAL
     if name not in ARCHS:
         raise MlxrunError(
             f"{path}: GGUF architecture {name!r} is not supported: mlxrun reads "
-            f"{', '.join(ARCHS)} GGUFs (Mistral's are llama; gemma3 is Gemma 3's text model; "
-            "qwen3moe and qwen2moe are Qwen3-MoE and Qwen2-MoE)"
+            f"{', '.join(ARCHS)} GGUFs (Mistral's and Mixtral's are llama; gemma3 is Gemma 3's "
+            "text model; qwen3moe and qwen2moe are Qwen3-MoE and Qwen2-MoE)"
         )
     return ARCHS[name]
 
