@@ -158,8 +158,8 @@ def write_moe_gguf(path, arch: str, hf, types: dict) -> dict[str, np.ndarray]:
 
 @pytest.fixture(
     scope="module",
-    params=[("qwen3moe", "f16"), ("qwen3moe", "quant"), ("qwen2moe", "f16"),
-            ("qwen2moe", "quant"), ("llama", "quant")],
+    params=[pytest.param(("qwen3moe", "f16"), marks=pytest.mark.long), ("qwen3moe", "quant"),
+            ("qwen2moe", "f16"), ("qwen2moe", "quant"), ("llama", "quant")],
 )  # fmt: skip
 def moe_file(request, tmp_path_factory):
     """(path, arch, "f16" or "quant", transformers model from the file by its own GGUF
@@ -247,3 +247,153 @@ def test_unsupported_gguf_architecture_names_the_moe_ones(tmp_path):
     assert "\n" not in msg and "deepseek2" in msg
     for a in ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen2moe"):
         assert f"{a}," in msg or f"{a} " in msg
+
+
+def write_gpt_oss_gguf(path, hf) -> dict[str, np.ndarray]:
+    """The tiny gpt-oss `hf` as llama.cpp's converter writes it: experts MXFP4 (gate and up
+    split from the interleaved gate_up_proj), biases split alike, sinks as attn_sinks.weight,
+    YaRN and the window as keys. Returns {expert parameter: its values as written}."""
+    sd = {k: v.numpy() for k, v in hf.state_dict().items()}
+    c = hf.config
+    rp = c.rope_parameters
+    tokens, merges, ttypes = byte_vocab()
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(I)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(rp["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_expert_count(E)
+    w.add_expert_used_count(K)
+    w.add_expert_feed_forward_length(I)
+    w.add_sliding_window(c.sliding_window)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rp["factor"])
+    w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-4o")
+    w.add_token_list(tokens)
+    w.add_token_types(ttypes)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(len(tokens) - 3)
+    w.add_eos_token_id(len(tokens) - 1)
+    w.add_add_bos_token(False)
+    w.add_chat_template(TEMPLATE)
+
+    def put(name, a, kind=None):
+        a = np.ascontiguousarray(a, np.float32)
+        if kind is None:
+            w.add_tensor(name, a)
+            return a
+        data = gguf.quants.quantize(a, kind)
+        w.add_tensor(name, data, raw_dtype=kind)
+        return gguf.quants.dequantize(data, kind)
+
+    put("token_embd.weight", sd["model.embed_tokens.weight"])
+    put("output.weight", sd["lm_head.weight"])
+    put("output_norm.weight", sd["model.norm.weight"])
+    written = {}
+    for i in range(c.num_hidden_layers):
+        p, b = f"model.layers.{i}", f"blk.{i}"
+        for g, n in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"),
+                     ("attn_output", "o_proj")):  # fmt: skip
+            put(f"{b}.{g}.weight", sd[f"{p}.self_attn.{n}.weight"])
+            put(f"{b}.{g}.bias", sd[f"{p}.self_attn.{n}.bias"])
+        put(f"{b}.attn_sinks.weight", sd[f"{p}.self_attn.sinks"])
+        put(f"{b}.attn_norm.weight", sd[f"{p}.input_layernorm.weight"])
+        put(f"{b}.post_attention_norm.weight", sd[f"{p}.post_attention_layernorm.weight"])
+        put(f"{b}.ffn_gate_inp.weight", sd[f"{p}.mlp.router.weight"])
+        put(f"{b}.ffn_gate_inp.bias", sd[f"{p}.mlp.router.bias"])
+        gu, gub = sd[f"{p}.mlp.experts.gate_up_proj"], sd[f"{p}.mlp.experts.gate_up_proj_bias"]
+        mx4 = Q.MXFP4
+        g = put(f"{b}.ffn_gate_exps.weight", np.swapaxes(gu[..., 0::2], 1, 2), mx4)
+        u = put(f"{b}.ffn_up_exps.weight", np.swapaxes(gu[..., 1::2], 1, 2), mx4)
+        d = put(f"{b}.ffn_down_exps.weight", np.swapaxes(sd[f"{p}.mlp.experts.down_proj"], 1, 2),
+                mx4)  # fmt: skip
+        put(f"{b}.ffn_gate_exps.bias", gub[:, 0::2])
+        put(f"{b}.ffn_up_exps.bias", gub[:, 1::2])
+        put(f"{b}.ffn_down_exps.bias", sd[f"{p}.mlp.experts.down_proj_bias"])
+        both = np.empty_like(gu)
+        both[..., 0::2], both[..., 1::2] = np.swapaxes(g, 1, 2), np.swapaxes(u, 1, 2)
+        written[f"{p}.mlp.experts.gate_up_proj"] = both
+        written[f"{p}.mlp.experts.down_proj"] = np.swapaxes(d, 1, 2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return written
+
+
+def test_gpt_oss_gguf_mxfp4_experts_load_as_stored(tmp_path):
+    """gpt-oss as llama.cpp writes it, MXFP4 experts: kept as MLX's mxfp4 (the file's codes
+    and scales re-laid, never re-quantized); sinks, biases, alternating windows (8, so the
+    24-token prompt crosses it) and YaRN read from the file. Reference: GptOssForCausalLM
+    holding the experts' written values (transformers' GGUF loader reads no llama.cpp
+    gpt-oss experts), logits within 1e-4 and greedy tokens equal on torch-cpu and MLX."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(
+        "gpt_oss", hidden_size=H, intermediate_size=I, num_local_experts=E,
+        num_experts_per_tok=K, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, vocab_size=len(byte_vocab()[0]),
+        max_position_embeddings=256, sliding_window=8, rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 64},
+    )  # fmt: skip
+    torch.manual_seed(1)
+    src = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for n, prm in src.named_parameters():
+            if "norm" in n:
+                prm.copy_(1 + 0.2 * torch.randn_like(prm))
+            else:
+                prm.copy_((0.2 if n.endswith(("bias", "sinks")) else 0.06) * torch.randn_like(prm))
+    path = tmp_path / "gpt-oss.gguf"
+    ref = copy.deepcopy(src)
+    sd = ref.state_dict()
+    for n, a in write_gpt_oss_gguf(path, src).items():
+        sd[n].copy_(torch.from_numpy(a))
+    ref.load_state_dict(sd)
+    ids = np.random.default_rng(4).integers(0, 259, size=24)
+    with torch.no_grad():
+        want_logits = ref(torch.tensor(ids)[None]).logits[0].numpy()
+        assert rel_err(want_logits, src(torch.tensor(ids)[None]).logits[0].numpy()) > 1e-3
+        want = ref.generate(torch.tensor(ids)[None], max_new_tokens=4, min_new_tokens=4,
+                            do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    want = want[0, len(ids) :].tolist()
+    raw = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    stored = np.asarray(raw["blk.0.ffn_down_exps.weight"].data).reshape(-1, 17)
+    for backend in ("cpu", "mlx"):
+        m = mlxrun.load(str(path), backend=backend, dtype="float32", progress=False)
+        c = m.transformer.config
+        assert (c.model_type, c.attention_sinks, c.layer_windows) == ("gpt_oss", True, (8, None))
+        e = m.transformer.layers[0].moe
+        assert (e.down.mode, e.down.group_size) == ("mxfp4", 32)
+        s = e.down.scales
+        s = s.numpy() if isinstance(s, torch.Tensor) else np.array(s)
+        assert np.array_equal(s.reshape(-1), stored[:, 0])  # the file's E8M0 bytes
+        assert rel_err(m.logits(ids), want_logits) < 1e-4, backend
+        steps = generate_step(m.transformer, [ids.tolist()], SamplingParams(), max_tokens=4)
+        assert [int(t[0]) for t in steps] == want, backend
+
+
+def test_mxfp4_relayout_is_exact():
+    """GGUF MXFP4 blocks -> MLX mxfp4 words and scales: the numpy reference (bit-exact with
+    mx.dequantize) decodes them to gguf's own dequantization, edge scales included."""
+    from mlxrun.quant import gguf_blocks as gb
+    from mlxrun.quant.formats import QuantSpec
+    from mlxrun.quant.reference import dequantize
+
+    from .test_gguf_blocks import random_rows
+
+    raw = random_rows("MXFP4", 16, 8, 5, True)
+    w, s = gb.mxfp4_to_mlx(raw)
+    got = dequantize(w, s, None, QuantSpec("mxfp4", 4, 32), dtype="float32")
+    np.testing.assert_array_equal(got, gguf.quants.dequantize(raw, Q.MXFP4))

@@ -218,6 +218,10 @@ def config(path: Path, meta: Meta, raw: dict, arch: str, hf) -> dict:
         cfg.update(_gemma3(meta, arch, cfg))
     if hf.norm_topk is not None:
         cfg.update(moe_config(path, meta, arch, hf.model_type, hf.norm_topk))
+    if hf.model_type == "gpt_oss" and rs and rs["rope_type"] == "yarn":
+        # gpt-oss's config.json ramps over the unrounded dimensions (llama.cpp rounds the
+        # ramp's ends outward); mlxrun runs the model as shipped, as transformers does
+        rs.update(beta_fast=32.0, beta_slow=1.0, truncate=False)
     dense = [t.tensor_type.name for t in raw.values() if len(t.shape) == 2]
     cfg["torch_dtype"] = {"F32": "float32", "BF16": "bfloat16"}.get(
         Counter(dense).most_common(1)[0][0] if dense else "F16", "float16"
@@ -253,6 +257,25 @@ def moe_config(path: Path, meta: Meta, arch: str, model_type: str, norm_topk: bo
     an expert's width (and a shared expert's, where the architecture has one), and whether
     the k routing weights are renormalised (`norm_topk` unless the file says)."""
     norm = bool(meta.get(f"{arch}.expert_weights_norm", norm_topk))
+    if model_type == "gpt_oss":  # as llama.cpp fixes what the file does not store
+        if norm:
+            raise MlxrunError(
+                f"{path}: {arch}.expert_weights_norm is true, but gpt-oss takes a softmax "
+                "over the top-k logits; mlxrun refuses the file"
+            )
+        window = int(meta.get(f"{arch}.attention.sliding_window", 0) or 0)
+        return {
+            "num_local_experts": int(one(path, meta, f"{arch}.expert_count")),
+            "num_experts_per_tok": int(one(path, meta, f"{arch}.expert_used_count")),
+            "intermediate_size": int(one(path, meta, f"{arch}.expert_feed_forward_length")),
+            "attention_bias": True,
+            # sliding and full layers alternate, the first sliding (llama.cpp's swa pattern 2)
+            "sliding_window": window or None,
+            "layer_types": [
+                "sliding_attention" if window and i % 2 == 0 else "full_attention"
+                for i in range(int(one(path, meta, f"{arch}.block_count")))
+            ],
+        }
     if model_type == "mixtral":  # an expert as wide as feed_forward_length; always normalised
         if not norm:
             raise MlxrunError(

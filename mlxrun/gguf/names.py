@@ -112,6 +112,27 @@ ARCHS = {
 }
 
 
+# gpt-oss: its post-attention norm is the norm before the experts; a sink logit per head;
+# biases on the attention, the router and the experts; the experts under mlp.experts
+# (mlxrun.moe.expert_names: mlx-lm's gpt-oss layout)
+_GPT_OSS = {
+    **{k: v for k, v in _LAYER.items() if not k.startswith("ffn_")},
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_sinks": "self_attn.sinks",
+    "ffn_gate_inp": "mlp.router",
+    **{k: v.replace("switch_mlp", "experts") for k, v in _MOE.items() if k != "ffn_gate_inp"},
+}
+ARCHS["gpt-oss"] = Arch(
+    "gpt_oss",
+    "GptOssForCausalLM",
+    False,
+    _GPT_OSS,
+    with_bias=("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_gate_exps",
+               "ffn_up_exps", "ffn_down_exps"),
+    reads=(*_MOE_KEYS, "attention.sliding_window"),
+    norm_topk=False,  # top k of the logits, softmax over those: nothing to renormalise
+)  # fmt: skip
+
 # llama.cpp writes Mixtral as `llama` with experts (`llama.expert_count`): Mistral's
 # attention (q/k permuted as llama's), always-renormalised top-k routing, the experts under
 # transformers' Mixtral block names
@@ -144,6 +165,8 @@ def hf_name(path: Path, arch: Arch, name: str) -> str:
     parts = name.split(".")
     kind = parts[-1]
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in arch.layer:
+        if parts[2] == "attn_sinks" and kind == "weight":  # a parameter of its own in HF
+            return f"model.layers.{parts[1]}.{arch.layer[parts[2]]}"
         if kind == "weight" or (kind == "bias" and parts[2] in arch.with_bias):
             return f"model.layers.{parts[1]}.{arch.layer[parts[2]]}.{kind}"
     elif len(parts) == 2 and parts[0] in _TOP and kind == "weight":

@@ -84,7 +84,7 @@ def convert(
     comes back as its raw blocks, `Tensor("U8", rows, block=type)` [out, row bytes], rows
     un-permuted where llama's q/k are (unsharded only)."""
     out: dict[str, Tensor] = {}
-    bits: dict[str, int | None] = {}
+    bits: dict[str, int | str | None] = {}
     relaid: Counter = Counter()  # K-quants kept packed with fp32 scales: (stored, held) bytes
     expanded: dict[str, list[int]] = {}  # type -> [tensors, stored bytes, float32 bytes]
     for name, t in raw.items():
@@ -109,6 +109,12 @@ def convert(
             out[hf] = Tensor("U8", data if perm is None else data[perm], block=kind)
             bits[module] = None
             relaid[kind, "kept"] += int(t.n_bytes)
+            continue
+        if kind == "MXFP4" and lead:  # experts (gpt-oss): MLX's mxfp4, the same bytes re-laid
+            w, scales = gb.mxfp4_to_mlx(np.asarray(t.data).reshape(-1, t.data.shape[-1]))
+            out[hf] = Tensor("U32", w.reshape(*lead, -1, w.shape[-1]))
+            out[f"{module}.scales"] = Tensor("U8", scales.reshape(*lead, -1, scales.shape[-1]))
+            bits[module] = "mxfp4"
             continue
         if kind in gb.AFFINE:
             data = np.asarray(t.data).reshape(-1, t.data.shape[-1])
@@ -149,7 +155,7 @@ def convert(
         if perm is not None:
             data = data[perm]
         out[hf] = Tensor(kind, data)
-        if data.ndim in (2, 3):
+        if data.ndim in (2, 3) and hf.endswith(".weight"):  # not gpt-oss's (E, out) biases
             bits[module] = None
     return out, bits, _notes(relaid, expanded)
 
@@ -183,16 +189,23 @@ def _notes(relaid: Counter, expanded: dict[str, list[int]]) -> list[str]:
     return notes
 
 
-def quant_block(bits: dict[str, int | None]) -> dict | None:
-    """config.json "quantization": the predominant bits, per-module overrides for the rest."""
+def quant_block(bits: dict[str, int | str | None]) -> dict | None:
+    """config.json "quantization": the predominant format, per-module overrides for the rest
+    (bits of an affine layer, or "mxfp4")."""
     counts = Counter(b for b in bits.values() if b is not None)
     if not counts:
         return None
+
+    def spec(b) -> dict[str, Any]:
+        if b == "mxfp4":
+            return {"group_size": GROUP, "bits": 4, "mode": "mxfp4"}
+        return {"group_size": GROUP, "bits": b, "mode": "affine"}
+
     main = counts.most_common(1)[0][0]
-    q: dict[str, Any] = {"group_size": GROUP, "bits": main, "mode": "affine"}
+    q: dict[str, Any] = spec(main)
     for module, b in bits.items():
         if b is None:
             q[module] = False
         elif b != main:
-            q[module] = {"group_size": GROUP, "bits": b, "mode": "affine"}
+            q[module] = spec(b)
     return q
