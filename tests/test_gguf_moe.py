@@ -245,7 +245,7 @@ def test_unsupported_gguf_architecture_names_the_moe_ones(tmp_path):
         arch_of(tmp_path / "x.gguf", "deepseek2")
     msg = str(err.value)
     assert "\n" not in msg and "deepseek2" in msg
-    for a in ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen2moe"):
+    for a in ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen2moe", "gpt-oss"):
         assert f"{a}," in msg or f"{a} " in msg
 
 

@@ -6,7 +6,8 @@ that the safetensors loader (and mlx-lm) reads.
 
 - `meta`: opening the file, metadata keys -> config.json (per-architecture prefixes)
 - `names`: the architectures read (llama incl. Mistral, qwen2, qwen3, gemma3, and the
-  mixture-of-experts qwen3moe, qwen2moe and Mixtral's llama) and their tensor names
+  mixture-of-experts qwen3moe, qwen2moe, gpt-oss and Mixtral's llama) and their tensor
+  names
 - `tensors`: block types -> canonical packed layers where exact, else dense (with a note)
 - `tokenizer`: tokenizer.json, tokenizer_config (chat template) and generation_config
 Block numerics live in `mlxrun.quant.gguf_blocks`.
@@ -64,7 +65,7 @@ def read_gguf(
     if experts and arch.norm_topk is None:
         raise MlxrunError(
             f"{path}: mixture-of-experts {name} GGUFs are not supported (mlxrun reads "
-            "qwen3moe, qwen2moe and llama (Mixtral) ones); use a dense model"
+            "qwen3moe, qwen2moe, gpt-oss and llama (Mixtral) ones); use a dense model"
         )
     check_keys(path, meta, name, arch.reads)
     raw = {t.name: t for t in reader.tensors}

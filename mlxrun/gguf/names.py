@@ -155,7 +155,8 @@ def arch_of(path: Path, name: str | None, experts: int = 0) -> Arch:
         raise MlxrunError(
             f"{path}: GGUF architecture {name!r} is not supported: mlxrun reads "
             f"{', '.join(ARCHS)} GGUFs (Mistral's and Mixtral's are llama; gemma3 is Gemma 3's "
-            "text model; qwen3moe and qwen2moe are Qwen3-MoE and Qwen2-MoE)"
+            "text model; qwen3moe, qwen2moe and gpt-oss are the mixture-of-experts Qwen3-MoE, "
+            "Qwen2-MoE and gpt-oss)"
         )
     return ARCHS[name]
 
