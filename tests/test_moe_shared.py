@@ -195,3 +195,29 @@ def test_shared_expert_options_are_checked():
     assert (o.layers, o.norm_topk) == ((False, True, False), True)  # as Qwen2MoeDecoderLayer
     assert not ModelConfig.from_dict({**d, "qkv_bias": False}).attention_bias
     assert ModelConfig.from_dict(d).attention_bias and not ModelConfig.from_dict(d).o_bias
+
+
+@pytest.mark.long
+def test_mlx_lm_interop_both_ways(tmp_path):
+    """mlxrun convert's int4 output loads in mlx-lm with the same logits, and mlx_lm.convert's
+    loads in mlxrun (mlx-lm's qwen2_moe has no dense layers: every layer sparse here)."""
+    import json
+
+    mx = pytest.importorskip("mlx.core")
+    mlx_lm = pytest.importorskip("mlx_lm")
+    from mlxrun.convert import convert
+
+    d, _ = write_random(tmp_path / "src", "qwen2_moe", BASE, 0, std=0.2)
+    cfg = json.loads((d / "config.json").read_text())  # mlx-lm's ModelArgs needs rope_theta
+    cfg.setdefault("rope_theta", cfg["rope_parameters"]["rope_theta"])
+    (d / "config.json").write_text(json.dumps(cfg))
+    ids = PROMPT[:12].tolist()
+    assert convert(str(d), str(tmp_path / "ours"), quant="int4", group_size=32,
+                   progress=False) == []  # fmt: skip
+    mlx_lm.convert(hf_path=str(d), mlx_path=str(tmp_path / "theirs"), quantize=True,
+                   q_group_size=32, q_bits=4)  # fmt: skip
+    for path in (tmp_path / "ours", tmp_path / "theirs"):
+        model, _ = mlx_lm.load(str(path))
+        want = np.array(model(mx.array([ids])).astype(mx.float32))[0]
+        m = mlxrun.load(str(path), backend="mlx", dtype="float32", progress=False)
+        assert rel_err(m.logits(ids), want) < 1e-4, path.name
