@@ -396,4 +396,6 @@ def test_mxfp4_relayout_is_exact():
     raw = random_rows("MXFP4", 16, 8, 5, True)
     w, s = gb.mxfp4_to_mlx(raw)
     got = dequantize(w, s, None, QuantSpec("mxfp4", 4, 32), dtype="float32")
-    np.testing.assert_array_equal(got, gguf.quants.dequantize(raw, Q.MXFP4))
+    with np.errstate(over="ignore"):  # the edge scales overflow to inf in both decodes
+        want = gguf.quants.dequantize(raw, Q.MXFP4)
+    np.testing.assert_array_equal(got, want)
