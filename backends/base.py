@@ -115,6 +115,7 @@ class Backend(Protocol):
     def gated_mlp(
         self, x: Array, gate, up, act: str, biases: tuple | None = None
     ) -> Array: ...  # act(x @ gate^T + bg) * (x @ up^T + bu); act one of config.ACTIVATIONS
+    def sigmoid(self, x: Array) -> Array: ...  # 1 / (1 + exp(-x)), elementwise
     def moe(
         self, x: Array, logits: Array, experts, opts
     ) -> Array: ...  # x (B, T, H), router logits (B, T, E), mlxrun.moe.Experts and

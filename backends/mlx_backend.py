@@ -335,6 +335,9 @@ class MLXBackend:
         the ranks in the model's dtype, as linear_sum's products are."""
         return self.all_sum(self.moe(x, logits, e, o))
 
+    def sigmoid(self, x):
+        return mx.sigmoid(x)
+
     def moe(self, x, logits, e, o):
         """x (B, T, H), router logits (B, T, E) -> the routing-weighted sum of each token's
         top-k experts (B, T, H), through mx.gather_mm / mx.gather_qmm as mlx-lm's

@@ -511,6 +511,9 @@ class TorchBackend:
         g, u = self.linears(x, (gate, up), biases)
         return _ACT[act](g) * u
 
+    def sigmoid(self, x):
+        return torch.sigmoid(x)
+
     def moe(self, x, logits, experts, opts):
         """The top-k experts of each token, weighted and summed (backends/torch_moe.py)."""
         from .torch_moe import moe  # noqa: PLC0415

@@ -64,6 +64,16 @@ SHAPES: dict[str, dict] = {
         rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=40960,
         tie_word_embeddings=False,
     ),
+    # Qwen1.5-MoE-A2.7B (its config.json as published, from memory): 60 experts, 4 a token,
+    # and a shared expert of 5632 every token runs (2.7B of 14.3B active)
+    "qwen1.5-moe-a2.7b": dict(
+        model_type="qwen2_moe",
+        hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632, num_experts=60, num_experts_per_tok=4,
+        norm_topk_prob=False, num_hidden_layers=24, num_attention_heads=16,
+        num_key_value_heads=16, vocab_size=151936, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=8192, tie_word_embeddings=False,
+    ),
     "gpt-oss-20b": dict(  # gpt-oss-20b: 32 experts, 4 a token (3.6B of 20.9B active)
         model_type="gpt_oss",
         hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
@@ -221,6 +231,8 @@ class _RandomWeights:
             e.gate_bias, e.up_bias = (self.be.random_normal((E, I), WEIGHT_STD, self._next())
                                       for _ in range(2))  # fmt: skip
             e.down_bias = self.be.random_normal((E, H), WEIGHT_STD, self._next())
+        if o.shared_intermediate_size:  # as stored, like the router
+            e.shared_gate = self.be.random_normal((1, H), WEIGHT_STD, self._next())
         return e
 
 
@@ -250,6 +262,9 @@ def build_random(cfg: ModelConfig, be, spec=None, seed: int = 0, vocab=None) -> 
     layers = []
     for i in range(n):
         moe = c.moe is not None and c.moe.is_moe(i)
+        # the dense MLP: the layer's, or in a MoE layer its shared expert (Qwen2-MoE)
+        width = c.moe.shared_intermediate_size if moe else I
+        ffn = "ffn_{}_shexp" if moe else "ffn_{}"
 
         def mat(out, inp, role, i=i):
             return r.matrix(out, inp, kind=kind(f"blk.{i}.{role}.weight", inp))
@@ -261,9 +276,9 @@ def build_random(cfg: ModelConfig, be, spec=None, seed: int = 0, vocab=None) -> 
             k_proj=mat(kv_out, H, "attn_k"),
             v_proj=mat(kv_out, H, "attn_v"),
             o_proj=mat(H, q_out, "attn_output"),
-            gate_proj=None if moe else mat(I, H, "ffn_gate"),
-            up_proj=None if moe else mat(I, H, "ffn_up"),
-            down_proj=None if moe else mat(H, I, "ffn_down"),
+            gate_proj=mat(width, H, ffn.format("gate")) if width else None,
+            up_proj=mat(width, H, ffn.format("up")) if width else None,
+            down_proj=mat(H, width, ffn.format("down")) if width else None,
             moe=r.experts(c) if moe else None,
         )
         if c.attention_bias:

@@ -285,6 +285,8 @@ class _Builder:
         stacked = set(self.t) - stacked  # stacks made here from per-expert tensors
         mats = {k: self.matrix(f"{n.stacked}.{k}", *d, lead=(E,)) for k, d in dims.items()}
         e = Experts(self.stored_or_dense(n.router, E, H), *mats.values())
+        if o.shared_intermediate_size:  # its MLP is the layer's (build_model); the gate here
+            e.shared_gate = self.stored_or_dense(n.shared_gate, 1, H)
         if o.bias:
             e.router_bias = self.dense(f"{n.router}.bias", (E,))
             for k, (out, _) in dims.items():
@@ -395,6 +397,14 @@ def build_model(
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}"
             moe = c.moe is not None and c.moe.is_moe(i)
+            # the dense MLP: the layer's, or in a MoE layer its shared expert (Qwen2-MoE)
+            mlp, width = f"{p}.mlp", I
+            if moe and c.moe.shared_intermediate_size:
+                from .moe import expert_names  # noqa: PLC0415
+
+                mlp = expert_names(c.model_type, p).shared
+                width = c.moe.shared_intermediate_size
+            dense_mlp = not moe or bool(c.moe.shared_intermediate_size)
             L = Layer(
                 input_layernorm=b.norm(f"{p}.input_layernorm.weight", H),
                 post_attention_layernorm=b.norm(f"{p}.{pre_mlp}.weight", H),
@@ -402,9 +412,9 @@ def build_model(
                 k_proj=b.matrix(f"{p}.self_attn.k_proj", kv_out, H),
                 v_proj=b.matrix(f"{p}.self_attn.v_proj", kv_out, H),
                 o_proj=b.matrix(f"{p}.self_attn.o_proj", H, q_out),
-                gate_proj=None if moe else b.matrix(f"{p}.mlp.gate_proj", I, H),
-                up_proj=None if moe else b.matrix(f"{p}.mlp.up_proj", I, H),
-                down_proj=None if moe else b.matrix(f"{p}.mlp.down_proj", H, I),
+                gate_proj=b.matrix(f"{mlp}.gate_proj", width, H) if dense_mlp else None,
+                up_proj=b.matrix(f"{mlp}.up_proj", width, H) if dense_mlp else None,
+                down_proj=b.matrix(f"{mlp}.down_proj", H, width) if dense_mlp else None,
                 moe=b.experts(p) if moe else None,
             )
             if c.attention_bias:

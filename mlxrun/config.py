@@ -19,6 +19,7 @@ SUPPORTED_MODEL_TYPES = (
     "qwen2",
     "qwen3",
     "qwen3_moe",
+    "qwen2_moe",
     "mixtral",
     "gpt_oss",
     "gemma3_text",
@@ -292,6 +293,13 @@ def _arch_options(mt: str, d: dict[str, Any], n: int) -> dict[str, Any]:
         opts.update(attention_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True)
         slide = d.get("use_sliding_window", False) is True
         windows = [_window_value(d, 4096) if slide else None] * n
+    elif mt == "qwen2_moe":  # Qwen2's attention: q/k/v biased (qkv_bias), o never
+        qkv = d.get("qkv_bias", True) is True
+        opts.update(attention_bias=qkv, o_bias=False, mlp_bias=False)
+        if d.get("use_sliding_window", False) is True:
+            why = "mlxrun's qwen2_moe runs full attention on every layer (as released)"
+            raise _refuse("use_sliding_window", True, why)
+        windows = [None] * n
     elif mt == "gpt_oss":  # biases on q/k/v/o, a sink per head, windows by layer_types
         opts.update(attention_bias=bias, o_bias=bias, mlp_bias=False, attention_sinks=True)
         w = _window_value(d, 128)

@@ -1,7 +1,7 @@
 """The Llama-family forward pass, written once against the backend interface.
 
 Covers Llama 1-3.2, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), and the
-mixture-of-experts Qwen3-MoE and Mixtral; the differences are switches in ModelConfig
+mixture-of-experts Qwen3-MoE, Qwen2-MoE (a shared expert), Mixtral and gpt-oss; the differences are switches in ModelConfig
 (biases on any projection, the gate activation, a sliding attention window per layer,
 experts in place of the MLP), not separate classes.
 """
@@ -27,7 +27,7 @@ class Layer:
     k_proj: Array
     v_proj: Array
     o_proj: Array
-    gate_proj: Array | None  # the dense MLP; None in a layer of experts
+    gate_proj: Array | None  # the dense MLP; None in a layer of experts (or its shared one)
     up_proj: Array | None
     down_proj: Array | None
     q_bias: Array | None = None
@@ -152,6 +152,9 @@ class Transformer:
             # the router is whole on every rank (the same experts picked); each expert's rows
             # are split, so the output is summed over the ranks as down_proj's is
             y = be.moe_sum(x, be.linear(x, e.router, e.router_bias), e, c.moe)  # (B, T, H)
+            if e.shared_gate is not None:  # Qwen2-MoE: + sigmoid(x @ g^T) * the dense MLP
+                s = be.linear_sum(be.gated_mlp(x, L.gate_proj, L.up_proj, "silu"), L.down_proj)
+                y = y + be.sigmoid(be.linear(x, e.shared_gate)) * s
             h, x = be.add_rms_norm(h, y, nxt, c.rms_norm_eps)
             return h, x
         mlp_b = None if L.gate_bias is None else (L.gate_bias, L.up_bias)

@@ -273,9 +273,11 @@ def footprint(
         n = _numel(shape)
         n_params += n
         dense += n * db
-        # a matrix, or a stack of them (MoE experts (E, out, in)); a MoE router stays as
-        # stored (build._Builder.stored_or_dense)
-        router = config.moe is not None and prefix.endswith((".gate", ".router"))
+        # a matrix, or a stack of them (MoE experts (E, out, in)); a MoE router and a shared
+        # expert's gate stay as stored (build._Builder.stored_or_dense)
+        router = config.moe is not None and prefix.endswith(
+            (".gate", ".router", ".shared_expert_gate")
+        )
         matrix = leaf == "weight" and len(shape) in (2, 3) and not router
         stack = _numel(shape[:-2]) if matrix else 1
         int4 += (

@@ -24,7 +24,7 @@ Array = Any
 
 # Routing rules, by what transformers' routers compute from the logits (E,) of one token:
 #   softmax_topk: p = softmax(logits); the k largest p (renormalised to sum 1 when the
-#                 options say so): Mixtral (always), Qwen3-MoE (norm_topk_prob)
+#                 options say so): Mixtral (always), Qwen3-MoE and Qwen2-MoE (norm_topk_prob)
 #   topk_softmax: the k largest logits, softmax over those k: gpt-oss
 ROUTINGS = ("softmax_topk", "topk_softmax")
 # Expert gates: silu(g) * u, or gpt-oss's clamped one: g' = min(g, limit),
@@ -42,6 +42,7 @@ MOE_KEYS = (
     "mlp_only_layers",
     "swiglu_limit",
     "swiglu_alpha",
+    "shared_expert_intermediate_size",
 )
 
 
@@ -59,6 +60,9 @@ class MoEOptions:
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
     layers: tuple[bool, ...] = ()  # per layer: experts (True) or the dense MLP (False)
+    # Qwen2-MoE: a shared expert, a dense gated MLP of this width that every token runs,
+    # its output scaled by sigmoid(shared_expert_gate(x)) and added; 0: none
+    shared_intermediate_size: int = 0
 
     def is_moe(self, layer: int) -> bool:
         return self.layers[layer] if self.layers else True
@@ -79,7 +83,7 @@ def _count(d: dict, key: str, *alts: str) -> int:
 def moe_options(mt: str, d: dict[str, Any], n: int) -> MoEOptions | None:
     """The MoE options of `model_type` mt read as transformers' modeling code reads them,
     or None for a dense family. One line naming the value for what mlxrun does not run."""
-    if mt not in ("qwen3_moe", "mixtral", "gpt_oss"):
+    if mt not in ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"):
         return None
     experts = _count(d, "num_experts", "num_local_experts")
     k = _count(d, "num_experts_per_tok", "experts_per_token")
@@ -87,7 +91,13 @@ def moe_options(mt: str, d: dict[str, Any], n: int) -> MoEOptions | None:
         raise MlxrunError(
             f"config.json: num_experts_per_tok ({k}) exceeds the number of experts ({experts})"
         )
-    if mt == "qwen3_moe":
+    v = d.get("shared_expert_intermediate_size")
+    if mt != "qwen2_moe" and v not in (None, 0):
+        raise MlxrunError(
+            f"config.json shared_expert_intermediate_size = {v!r}: mlxrun's {mt} model has no "
+            "shared expert (qwen2_moe has); mlxrun refuses the model"
+        )
+    if mt in ("qwen3_moe", "qwen2_moe"):  # Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer
         step = d.get("decoder_sparse_step", 1)
         if isinstance(step, bool) or not isinstance(step, int) or step < 1:
             raise MlxrunError(f"config.json: decoder_sparse_step is {step!r}; fix the config")
@@ -95,6 +105,7 @@ def moe_options(mt: str, d: dict[str, Any], n: int) -> MoEOptions | None:
         if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
             raise MlxrunError(f"config.json: mlp_only_layers is {dense!r}; expected layer numbers")
         layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
+        shared = _count(d, "shared_expert_intermediate_size") if mt == "qwen2_moe" else 0
         return MoEOptions(
             experts,
             k,
@@ -102,6 +113,7 @@ def moe_options(mt: str, d: dict[str, Any], n: int) -> MoEOptions | None:
             "softmax_topk",
             norm_topk=d.get("norm_topk_prob", False) is True,
             layers=() if all(layers) else layers,
+            shared_intermediate_size=shared,
         )
     if mt == "mixtral":  # the k weights are always renormalised
         return MoEOptions(experts, k, _count(d, "intermediate_size"), "softmax_topk", True)
@@ -124,7 +136,9 @@ def moe_options(mt: str, d: dict[str, Any], n: int) -> MoEOptions | None:
 @dataclass
 class Experts:
     """One MoE layer's weights on a backend: router (E, hidden) and the stacked experts
-    (see the module docstring); biases (E, out) where the architecture has them."""
+    (see the module docstring); biases (E, out) where the architecture has them. A shared
+    expert (Qwen2-MoE) is the layer's dense MLP (model.Layer's gate/up/down_proj); its gate
+    (1, hidden), the logit of the sigmoid that scales it, is `shared_gate`."""
 
     router: Array
     gate: Array
@@ -134,6 +148,7 @@ class Experts:
     gate_bias: Array | None = None
     up_bias: Array | None = None
     down_bias: Array | None = None
+    shared_gate: Array | None = None
 
     def arrays(self) -> list:
         return [a for a in vars(self).values() if a is not None]
@@ -147,11 +162,14 @@ class ExpertNames:
     stacked: str  # mlx-lm's layout: {stacked}.gate_proj.weight (E, out, in), ...
     per_expert: str  # transformers' layout: {per_expert}.{e}.{name}.weight (out, in)
     names: dict[str, str]  # gate_proj/up_proj/down_proj -> the per-expert name
+    shared: str = ""  # the shared expert's MLP: {shared}.gate_proj.weight ... (Qwen2-MoE)
+    shared_gate: str = ""  # its sigmoid gate, a linear hidden -> 1: {shared_gate}.weight
 
 
 # model_type -> (block, router, stacked, per-expert, per-expert projection names)
 _LAYOUTS = {
     "qwen3_moe": ("mlp", "gate", "switch_mlp", "experts", ("gate_proj", "up_proj", "down_proj")),
+    "qwen2_moe": ("mlp", "gate", "switch_mlp", "experts", ("gate_proj", "up_proj", "down_proj")),
     "mixtral": ("block_sparse_moe", "gate", "switch_mlp", "experts", ("w1", "w3", "w2")),
     # mlx-lm stacks gpt-oss's experts under mlp.experts; transformers fuses them there too
     # (fused_experts below)
@@ -163,7 +181,8 @@ def expert_names(mt: str, layer_prefix: str) -> ExpertNames:
     block, router, stacked, per, names = _LAYOUTS[mt]
     b = f"{layer_prefix}.{block}"
     ours = dict(zip(("gate_proj", "up_proj", "down_proj"), names, strict=True))
-    return ExpertNames(f"{b}.{router}", f"{b}.{stacked}", f"{b}.{per}", ours)
+    sh = (f"{b}.shared_expert", f"{b}.shared_expert_gate") if mt == "qwen2_moe" else ("", "")
+    return ExpertNames(f"{b}.{router}", f"{b}.{stacked}", f"{b}.{per}", ours, *sh)
 
 
 def stack_per_expert(tensors: dict, n: ExpertNames, num_experts: int) -> list[str]:
@@ -216,6 +235,11 @@ def layer_shapes(c, prefix: str, dtype: str) -> dict[str, tuple[tuple[int, ...],
             out[f"{n.stacked}.{k}.bias"] = (shape[:2], dtype)
     if o.bias:
         out[f"{n.router}.bias"] = ((E,), dtype)
+    S = o.shared_intermediate_size
+    if S:  # the shared expert, always run
+        for k, shape in (("gate_proj", (S, H)), ("up_proj", (S, H)), ("down_proj", (H, S))):
+            out[f"{n.shared}.{k}.weight"] = (shape, dtype)
+        out[f"{n.shared_gate}.weight"] = ((1, H), dtype)
     return out
 
 

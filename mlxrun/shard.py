@@ -196,6 +196,11 @@ def check(cfg: ModelConfig, tp: int, groups: set[int]) -> None:
     """Raise MlxrunError, naming the counts that work, when `tp` ranks cannot split `cfg`."""
     if tp < 1:
         raise MlxrunError(f"--tp must be at least 1, got {tp}")
+    if tp > 1 and cfg.moe is not None and cfg.moe.shared_intermediate_size:
+        raise MlxrunError(
+            f"cannot split a model with a shared expert ({cfg.model_type}) over ranks yet; "
+            "run it on one device (--tp 1)"
+        )
     why = problems(cfg, tp, groups)
     if why:
         ok = ", ".join(

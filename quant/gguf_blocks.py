@@ -263,6 +263,21 @@ def to_affine(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.nd
     return w, np.ascontiguousarray(scales), np.ascontiguousarray(biases)
 
 
+def mxfp4_to_mlx(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF MXFP4 rows -> MLX's mxfp4 (weight uint32 [rows, n/8], scales uint8 [rows, n/32]),
+    the same numbers: ggml's codes are twice the E2M1 values times half the E8M0 scale
+    (MXFP4_TABLE), so the codes and the scale byte carry over; only the nibble order moves
+    (ggml: value j low and j+16 high in byte j; MLX: value i at bit 4i)."""
+    nbytes, _ = BLOCKS["MXFP4"]
+    raw = np.asarray(raw, dtype=np.uint8)
+    if raw.ndim != 2 or raw.shape[1] % nbytes:
+        raise MlxrunError(f"MXFP4 rows must be whole {nbytes}-byte blocks, got {raw.shape}")
+    blk = raw.reshape(raw.shape[0], -1, nbytes)
+    q = _nibbles(blk[..., 1:])  # (rows, nb, 32) in value order
+    w = (q[..., 0::2] | (q[..., 1::2] << np.uint8(4))).reshape(raw.shape[0], -1)
+    return np.ascontiguousarray(w).view(np.uint32), np.ascontiguousarray(blk[..., 0])
+
+
 # K-quant types whose blocks the CUDA kernels read (quant/triton_kquant.py): type ->
 # (code bits, weights per sub-block)
 KQUANTS: dict[str, tuple[int, int]] = {"Q4_K": (4, 32), "Q5_K": (5, 32), "Q6_K": (6, 16)}

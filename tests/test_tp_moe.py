@@ -119,3 +119,15 @@ def test_plan_counts_a_ranks_share_of_the_experts():
     q = [plan("shape:qwen3-30b-a3b", quant="int4", backend="cpu", dtype="bfloat16", tp=n,
               context=1024).footprint.weight_bytes for n in (1, 2)]  # fmt: skip
     assert q[1] == pytest.approx(q[0] / 2, rel=0.01)
+
+
+def test_shared_expert_models_are_refused_over_ranks():
+    """Qwen2-MoE's shared expert is not split yet: one line, not a model summed twice."""
+    cfg = ModelConfig(
+        model_type="qwen2_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+        moe=MoEOptions(num_experts=4, top_k=2, intermediate_size=32, shared_intermediate_size=64),
+    )  # fmt: skip
+    with pytest.raises(MlxrunError, match="shared expert"):
+        check(cfg, 2, set())
+    check(cfg, 1, set())

@@ -5,7 +5,9 @@ a tokenizer.json rebuilt from the GGUF metadata; `mlxrun.convert` writes them as
 that the safetensors loader (and mlx-lm) reads.
 
 - `meta`: opening the file, metadata keys -> config.json (per-architecture prefixes)
-- `names`: the architectures read (llama incl. Mistral, qwen2, qwen3) and their tensor names
+- `names`: the architectures read (llama incl. Mistral, qwen2, qwen3, gemma3, and the
+  mixture-of-experts qwen3moe, qwen2moe, gpt-oss and Mixtral's llama) and their tensor
+  names
 - `tensors`: block types -> canonical packed layers where exact, else dense (with a note)
 - `tokenizer`: tokenizer.json, tokenizer_config (chat template) and generation_config
 Block numerics live in `mlxrun.quant.gguf_blocks`.
@@ -58,15 +60,17 @@ def read_gguf(
     reader = open_reader(path)
     meta = Meta(reader, path)
     name = meta.get("general.architecture")
-    arch = arch_of(path, name)
-    if meta.get(f"{name}.expert_count", 0):
+    experts = meta.get(f"{name}.expert_count", 0)
+    arch = arch_of(path, name, experts)
+    if experts and arch.norm_topk is None:
         raise MlxrunError(
-            f"{path}: mixture-of-experts {name} GGUFs are not supported; use a dense model"
+            f"{path}: mixture-of-experts {name} GGUFs are not supported (mlxrun reads "
+            "qwen3moe, qwen2moe, gpt-oss and llama (Mixtral) ones); use a dense model"
         )
-    check_keys(path, meta, name)
+    check_keys(path, meta, name, arch.reads)
     raw = {t.name: t for t in reader.tensors}
     check_types(path, reader.tensors)
-    cfg = config(path, meta, raw, name, (arch.model_type, arch.hf_class))
+    cfg = config(path, meta, raw, name, arch)
     vocab = None
     if shard is not None:  # a rank's columns are whole blocks of 32 (or 256) values
         from ..config import ModelConfig  # noqa: PLC0415

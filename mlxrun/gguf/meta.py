@@ -127,11 +127,9 @@ _NEUTRAL_KEYS = {
 }  # fmt: skip
 
 
-def check_keys(path: Path, meta: Meta, arch: str) -> None:
-    """Refuse a file whose metadata asks for arithmetic the import would not carry over."""
-    from .names import ARCHS  # noqa: PLC0415
-
-    reads = ARCHS[arch].reads if arch in ARCHS else ()
+def check_keys(path: Path, meta: Meta, arch: str, reads: tuple[str, ...] = ()) -> None:
+    """Refuse a file whose metadata asks for arithmetic the import would not carry over;
+    `reads`: the `{arch}.*` keys beyond _READ_KEYS that the architecture's import reads."""
     for key in meta.fields:
         if not key.startswith(arch + "."):
             continue  # general.*, tokenizer.*, quantize.*, split.*: no effect on the math
@@ -168,8 +166,8 @@ def one(path: Path, meta: Meta, key: str, default: Any = None) -> Any:
     return v
 
 
-def config(path: Path, meta: Meta, raw: dict, arch: str, hf: tuple[str, str]) -> dict:
-    """HF config.json from `{arch}.*` keys; hf = (model_type, architectures class)."""
+def config(path: Path, meta: Meta, raw: dict, arch: str, hf) -> dict:
+    """HF config.json from `{arch}.*` keys; hf: the `names.Arch` it runs as."""
     heads = int(one(path, meta, f"{arch}.attention.head_count"))
     hidden = int(one(path, meta, f"{arch}.embedding_length"))
     for key, v in ((f"{arch}.attention.head_count", heads), (f"{arch}.embedding_length", hidden)):
@@ -185,8 +183,8 @@ def config(path: Path, meta: Meta, raw: dict, arch: str, hf: tuple[str, str]) ->
         raise MlxrunError(f"{path}: GGUF has no token_embd.weight; re-download it")
     vocab = int(raw["token_embd.weight"].shape[1])  # GGUF shapes are [in, out]
     cfg = {
-        "architectures": [hf[1]],
-        "model_type": hf[0],
+        "architectures": [hf.hf_class],
+        "model_type": hf.model_type,
         "hidden_size": hidden,
         "intermediate_size": int(one(path, meta, f"{arch}.feed_forward_length")),
         "num_hidden_layers": int(one(path, meta, f"{arch}.block_count")),
@@ -216,8 +214,14 @@ def config(path: Path, meta: Meta, raw: dict, arch: str, hf: tuple[str, str]) ->
     eos = eos_ids(meta)
     if len(eos) > 1:
         cfg["eos_token_id"] = eos
-    if hf[0] == "gemma3_text":
+    if hf.model_type == "gemma3_text":
         cfg.update(_gemma3(meta, arch, cfg))
+    if hf.norm_topk is not None:
+        cfg.update(moe_config(path, meta, arch, hf.model_type, hf.norm_topk))
+    if hf.model_type == "gpt_oss" and rs and rs["rope_type"] == "yarn":
+        # gpt-oss's config.json ramps over the unrounded dimensions (llama.cpp rounds the
+        # ramp's ends outward); mlxrun runs the model as shipped, as transformers does
+        rs.update(beta_fast=32.0, beta_slow=1.0, truncate=False)
     dense = [t.tensor_type.name for t in raw.values() if len(t.shape) == 2]
     cfg["torch_dtype"] = {"F32": "float32", "BF16": "bfloat16"}.get(
         Counter(dense).most_common(1)[0][0] if dense else "F16", "float16"
@@ -245,6 +249,56 @@ def _gemma3(meta: Meta, arch: str, cfg: dict) -> dict:
     }
     cfg.pop("hidden_act")
     cfg.pop("mlp_bias")
+    return out
+
+
+def moe_config(path: Path, meta: Meta, arch: str, model_type: str, norm_topk: bool) -> dict:
+    """The MoE keys of config.json from llama.cpp's `{arch}.expert_*` keys: experts, top k,
+    an expert's width (and a shared expert's, where the architecture has one), and whether
+    the k routing weights are renormalised (`norm_topk` unless the file says)."""
+    norm = bool(meta.get(f"{arch}.expert_weights_norm", norm_topk))
+    if model_type == "gpt_oss":  # as llama.cpp fixes what the file does not store
+        if norm:
+            raise MlxrunError(
+                f"{path}: {arch}.expert_weights_norm is true, but gpt-oss takes a softmax "
+                "over the top-k logits; mlxrun refuses the file"
+            )
+        window = int(meta.get(f"{arch}.attention.sliding_window", 0) or 0)
+        return {
+            "num_local_experts": int(one(path, meta, f"{arch}.expert_count")),
+            "num_experts_per_tok": int(one(path, meta, f"{arch}.expert_used_count")),
+            "intermediate_size": int(one(path, meta, f"{arch}.expert_feed_forward_length")),
+            "attention_bias": True,
+            # sliding and full layers alternate, the first sliding (llama.cpp's swa pattern 2)
+            "sliding_window": window or None,
+            "layer_types": [
+                "sliding_attention" if window and i % 2 == 0 else "full_attention"
+                for i in range(int(one(path, meta, f"{arch}.block_count")))
+            ],
+        }
+    if model_type == "mixtral":  # an expert as wide as feed_forward_length; always normalised
+        if not norm:
+            raise MlxrunError(
+                f"{path}: {arch}.expert_weights_norm is false, but mlxrun's Mixtral always "
+                "renormalises the top-k weights; mlxrun refuses the file"
+            )
+        width = meta.get(f"{arch}.expert_feed_forward_length")
+        out = {
+            "num_local_experts": int(one(path, meta, f"{arch}.expert_count")),
+            "num_experts_per_tok": int(one(path, meta, f"{arch}.expert_used_count")),
+        }
+        if width is not None:
+            out["intermediate_size"] = int(width)
+        return out
+    out = {
+        "num_experts": int(one(path, meta, f"{arch}.expert_count")),
+        "num_experts_per_tok": int(one(path, meta, f"{arch}.expert_used_count")),
+        "moe_intermediate_size": int(one(path, meta, f"{arch}.expert_feed_forward_length")),
+        "norm_topk_prob": norm,
+    }
+    shared = meta.get(f"{arch}.expert_shared_feed_forward_length")
+    if shared is not None:
+        out["shared_expert_intermediate_size"] = int(shared)
     return out
 
 

@@ -89,7 +89,7 @@ def convert(
     comes back as its raw blocks, `Tensor("U8", rows, block=type)` [out, row bytes], rows
     un-permuted where llama's q/k are (unsharded only)."""
     out: dict[str, Tensor] = {}
-    bits: dict[str, int | None] = {}
+    bits: dict[str, int | str | None] = {}
     relaid: Counter = Counter()  # K-quants kept packed with fp32 scales: (stored, held) bytes
     expanded: dict[str, list[int]] = {}  # type -> [tensors, stored bytes, float32 bytes]
     for name, t in raw.items():
@@ -98,6 +98,12 @@ def convert(
         hf = hf_name(path, arch, name)
         kind = t.tensor_type.name
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF shapes are [in, out]
+        if hf.endswith(".shared_expert_gate.weight") and len(shape) == 1:
+            shape = (1, shape[0])  # llama.cpp keeps this (1, hidden) linear as a vector
+        # stacked experts (E, out, in): unpacked as E*out rows, then given their E axis
+        lead = shape[:-2] if len(shape) == 3 else ()
+        if lead and shard is not None:
+            raise MlxrunError(f"{path}: a mixture-of-experts GGUF cannot be split over ranks yet")
         perm = None
         if arch.permute_qk and name.endswith((".attn_q.weight", ".attn_k.weight")):
             n = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
@@ -109,12 +115,20 @@ def convert(
             bits[module] = None
             relaid[kind, "kept"] += int(t.n_bytes)
             continue
+        if kind == "MXFP4" and lead:  # experts (gpt-oss): MLX's mxfp4, the same bytes re-laid
+            w, scales = gb.mxfp4_to_mlx(np.asarray(t.data).reshape(-1, t.data.shape[-1]))
+            out[hf] = Tensor("U32", w.reshape(*lead, -1, w.shape[-1]))
+            out[f"{module}.scales"] = Tensor("U8", scales.reshape(*lead, -1, scales.shape[-1]))
+            bits[module] = "mxfp4"
+            continue
         if kind in gb.AFFINE:
             data = np.asarray(t.data).reshape(-1, t.data.shape[-1])
             data, perm = _pick(hf, data, perm, shard, _block_bytes(t), vocab)
             w, scales, biases = gb.to_affine(data, kind)
             if perm is not None:
                 w, scales, biases = w[perm], scales[perm], biases[perm]
+            if lead:
+                w, scales, biases = (a.reshape(*lead, -1, a.shape[-1]) for a in (w, scales, biases))
             sdt = gb.AFFINE[kind][1]
             out[hf] = Tensor("U32", w)
             out[f"{module}.scales"] = Tensor(sdt, scales)
@@ -128,7 +142,7 @@ def convert(
         if picked:
             data = np.asarray(t.data).reshape(-1, t.data.shape[-1])
             data, perm = _pick(hf, data, perm, shard, _block_bytes(t), vocab)
-            shape = (data.shape[0], shape[1] * data.shape[1] // t.data.shape[-1])
+            shape = (data.shape[0], shape[-1] * data.shape[1] // t.data.shape[-1])
             data = gb.dequantize(data, kind)
             e = expanded.setdefault(kind, [0, 0, 0])
             e[0], e[1], e[2] = e[0] + 1, e[1] + int(t.n_bytes), e[2] + data.nbytes
@@ -140,13 +154,13 @@ def convert(
             if arch.norm_shift and hf.endswith("norm.weight"):  # stored as 1 + w (Gemma)
                 f32 = Tensor(kind, data).float32() if kind != "F32" else data
                 data, kind = f32.astype(np.float32) - np.float32(arch.norm_shift), "F32"
-        data = data.reshape(shape)
+        data = data.reshape(shape if not (picked and lead) else (*lead, -1, shape[-1]))
         if not picked:
             data, perm = _pick(hf, data, perm, shard, 1, vocab)
         if perm is not None:
             data = data[perm]
         out[hf] = Tensor(kind, data)
-        if data.ndim == 2:
+        if data.ndim in (2, 3) and hf.endswith(".weight"):  # not gpt-oss's (E, out) biases
             bits[module] = None
     return out, bits, _notes(relaid, expanded)
 
@@ -180,16 +194,23 @@ def _notes(relaid: Counter, expanded: dict[str, list[int]]) -> list[str]:
     return notes
 
 
-def quant_block(bits: dict[str, int | None]) -> dict | None:
-    """config.json "quantization": the predominant bits, per-module overrides for the rest."""
+def quant_block(bits: dict[str, int | str | None]) -> dict | None:
+    """config.json "quantization": the predominant format, per-module overrides for the rest
+    (bits of an affine layer, or "mxfp4")."""
     counts = Counter(b for b in bits.values() if b is not None)
     if not counts:
         return None
+
+    def spec(b) -> dict[str, Any]:
+        if b == "mxfp4":
+            return {"group_size": GROUP, "bits": 4, "mode": "mxfp4"}
+        return {"group_size": GROUP, "bits": b, "mode": "affine"}
+
     main = counts.most_common(1)[0][0]
-    q: dict[str, Any] = {"group_size": GROUP, "bits": main, "mode": "affine"}
+    q: dict[str, Any] = spec(main)
     for module, b in bits.items():
         if b is None:
             q[module] = False
         elif b != main:
-            q[module] = {"group_size": GROUP, "bits": b, "mode": "affine"}
+            q[module] = spec(b)
     return q
