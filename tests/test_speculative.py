@@ -169,6 +169,8 @@ def test_bench_rows(tiny_dir):
     assert 1 <= real.tokens_per_pass <= 4 and real.spec_tps > 0 and real.plain_tps > 0
     (shape,) = run_spec_bench("shape:tiny", ["cpu"], ["none"], None, "shape:tiny", 2, 16, 4, 1)
     assert shape.draft == "model" and shape.verify_ms > 0 and shape.draft_step_ms > 0
+    assert shape.captured is False and shape.eager_verify_ms > 0 and shape.eager_draft_ms > 0
+    assert "verify of 3 tokens" in format_spec([shape]) and "eager" in format_spec([shape])
     cost = (shape.verify_ms + 2 * shape.draft_step_ms) / 1e3
     assert shape.projected_tps["0.5"] == pytest.approx((1 + 0.5 + 0.25) / cost)
     assert "same tokens: yes" in format_spec([real])
