@@ -82,9 +82,9 @@ class RowPasses:
         return tuple(sorted(self.steps))
 
     def ensure(self, sizes) -> None:
-        """Capture the steps of `sizes` not captured yet (largest first: they share a pool,
-        which the largest sizes). Call it before the cache is filled: the warm-up runs
-        write the cache's last slot."""
+        """Capture the steps of `sizes` not captured yet (largest first: they share one
+        pool, sized by the largest). Their warm-up runs write only the cache's last slot,
+        which no real position reaches."""
         for n in sorted(set(sizes) - set(self.steps), reverse=True):
             self.steps[n] = _Pass(self.model, self.view, n, None, self.capture, self.pool)
             self.at[n] = None
