@@ -150,6 +150,9 @@ class Backend(Protocol):
     def slot_decoder(
         self, model, cache: KVCache, max_batch: int
     ) -> Any: ...  # the engine's fixed-shape decode steps over a slot cache, or None
+    def spec_passes(
+        self, model, max_len: int, sizes: tuple[int, ...]
+    ) -> Any: ...  # speculative decoding's fixed-shape passes of a few tokens, or None
     def random_normal(self, shape: tuple[int, ...], std: float, seed: int) -> Array: ...
     def random_bits(self, shape: tuple[int, ...], seed: int) -> Array: ...
     def wired(self, nbytes: int) -> AbstractContextManager: ...

@@ -419,6 +419,9 @@ class MLXBackend:
     def slot_decoder(self, model, cache, max_batch: int):
         return None  # the engine's eager steps: MLX builds its graphs lazily anyway
 
+    def spec_passes(self, model, max_len: int, sizes):
+        return None  # speculative decoding's passes run as they come: lazily built anyway
+
     def random_normal(self, shape, std, seed):
         """Random weights made on the device (speed runs of big shapes need no host copy)."""
         return (mx.random.normal(shape, key=mx.random.key(seed)) * std).astype(self._dt)

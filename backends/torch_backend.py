@@ -148,6 +148,10 @@ class TorchBackend:
         self._session: GraphDecoder | None = None
         self._derived: dict = {}  # id(weight) -> (weakref to it, joint or repacked weight)
         self.timeline: list | None = None  # CUDA events of start(), while a bench sets it
+        # Speculative decoding's fixed-shape passes (spec_graph.py), kept for the next
+        # generation; `spec_rows` runs them where the Triton kernels are off (CPU tests).
+        self._spec: list = []
+        self.spec_rows = False
         self._copies: list = []  # (tensor, pinned host copy, event) queued by start()
 
     def describe(self) -> str:
@@ -589,6 +593,17 @@ class TorchBackend:
         from .slot_graph import SlotDecoder  # noqa: PLC0415
 
         return SlotDecoder(model, cache, max_batch, capture=self.cuda_graphs)
+
+    def spec_passes(self, model, max_len: int, sizes):
+        """Speculative decoding's passes over n of one sequence's tokens at any offset (n up
+        to max(sizes)), over their own batch-1 cache of at least `max_len` positions (its
+        `cache`, to prefill): captured per size on CUDA (spec_graph.py), or None to run
+        passes eagerly. The caller calls its close() when the generation ends."""
+        if not (self.triton_kernels or self.spec_rows) or model.config.rope_dynamic:
+            return None  # (dynamic rope: frequencies of each pass's length, as decode_step)
+        from .spec_graph import passes_for  # noqa: PLC0415
+
+        return passes_for(self, model, max_len, sizes)
 
     def sampler(self, plan, state):
         """A device sampler (`mlxrun.sampling`) for logits on this backend's device."""

@@ -6,10 +6,11 @@ plain and speculative, timed from the first generated token to the last: effecti
 acceptance (drafts kept / drafted) and whether the tokens are the same.
 
 Random weights (`shape:NAME`): acceptance means nothing, so this measures what a verify
-costs: one target forward over k+1 tokens (eager, as speculative decoding runs it) against
-one plain decode step (captured on CUDA), the draft's step where there is a draft model, and
-from them the tok/s to expect at a given acceptance rate a:
-tokens per pass (1 - a^(k+1)) / (1 - a), time per pass verify + k x draft step.
+costs: one target pass over k+1 tokens as speculative decoding runs it (a captured graph on
+CUDA, eager elsewhere) and, for comparison, eagerly, against one plain decode step (captured
+on CUDA); the draft's step as it runs (k steps chained, as a draft proposes) and eagerly,
+where there is a draft model; and from them the tok/s to expect at a given acceptance rate
+a: tokens per pass (1 - a^(k+1)) / (1 - a), time per pass verify + k x draft step.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .bench_report import _atomic_write
 from .errors import MlxrunError
 from .generate import generate_step
 from .sampling import SamplingParams
+from .speculative import Passes
 from .speculative import generate_step as speculative_step
 
 ACCEPTANCE = (0.5, 0.7, 0.9)  # rates the random-weight rows project tok/s at
@@ -45,10 +47,13 @@ class SpecRow:
     same_tokens: bool | None = None
     # random weights
     step_ms: float | None = None  # one plain decode step
-    verify_ms: float | None = None  # one target forward over k+1 tokens
+    verify_ms: float | None = None  # one target pass over k+1 tokens, as speculative runs it
     eager_step_ms: float | None = None  # one target forward of 1 token, eager
-    draft_step_ms: float | None = None  # one eager draft step (model drafts)
+    draft_step_ms: float | None = None  # one draft step as it runs (model drafts)
     projected_tps: dict = field(default_factory=dict)  # acceptance -> tok/s
+    captured: bool | None = None  # whether the verify and draft passes replay CUDA graphs
+    eager_verify_ms: float | None = None  # the target's forward over k+1 tokens, eager
+    eager_draft_ms: float | None = None  # one draft step, eager
 
 
 def _backend(name: str, dtype: str | None):
@@ -116,6 +121,27 @@ def _forward_ms(be, model, cache, offset: int, n: int, reps: int) -> float:
     return statistics.median(times)
 
 
+def _pass_ms(be, passes, offset: int, n: int, chain: int, reps: int) -> float:
+    """Median ms of one of `passes`' passes of n tokens at `offset`: a pass from host
+    tokens and `chain` - 1 more fed the previous one's last argmax on the device (a
+    draft's steps), then its tokens read back, over `chain`."""
+    times = []
+    for r in range(reps + 2):
+        be.synchronize()
+        t0 = time.perf_counter()
+        _, best, _ = passes([1] * n, offset)
+        out = [best]
+        for j in range(1, chain):
+            _, best, _ = passes(best[-1:], offset + j)
+            out.append(best)
+        for b in out:
+            be.to_numpy(b)
+        be.synchronize()
+        if r >= 2:
+            times.append((time.perf_counter() - t0) * 1e3 / chain)
+    return statistics.median(times)
+
+
 def _shape_rows(model, be_name, quant, spec, draft, draft_model, k, prompt_tokens, gen, reps,
                 dtype):  # fmt: skip
     be = _backend(be_name, dtype)
@@ -135,13 +161,28 @@ def _shape_rows(model, be_name, quant, spec, draft, draft_model, k, prompt_token
     )
     cache = target.make_cache(1, prompt_tokens + k + 2)
     be.to_numpy(target(be.ids(np.asarray(prompt)), cache, None, True))
-    verify = _forward_ms(be, target, cache, prompt_tokens, k + 1, reps)
+    eager_verify = _forward_ms(be, target, cache, prompt_tokens, k + 1, reps)
     one = _forward_ms(be, target, cache, prompt_tokens, 1, reps)
-    draft_ms = None
+    del cache
+    run = Passes(target, prompt_tokens + k + 2, (k + 1,))
+    try:
+        run.prefill(prompt[0])
+        verify = _pass_ms(be, run, prompt_tokens, k + 1, 1, reps)
+        captured = run.captured
+    finally:
+        run.close()
+    draft_ms = eager_draft = None
     if small is not None:
         dc = small.make_cache(1, prompt_tokens + 2)
         be.to_numpy(small(be.ids(np.asarray(prompt)), dc, None, True))
-        draft_ms = _forward_ms(be, small, dc, prompt_tokens, 1, reps)
+        eager_draft = _forward_ms(be, small, dc, prompt_tokens, 1, reps)
+        del dc
+        steps = Passes(small, prompt_tokens + k + 2, (1, 2))
+        try:
+            steps.prefill(prompt[0])
+            draft_ms = _pass_ms(be, steps, prompt_tokens, 1, k, reps)
+        finally:
+            steps.close()
     step = 1e3 / tps
     proj = {}
     for a in ACCEPTANCE:
@@ -150,6 +191,7 @@ def _shape_rows(model, be_name, quant, spec, draft, draft_model, k, prompt_token
     return SpecRow(
         be_name, quant, "model" if small is not None else "ngram", k, tps, step_ms=step,
         verify_ms=verify, eager_step_ms=one, draft_step_ms=draft_ms, projected_tps=proj,
+        captured=captured, eager_verify_ms=eager_verify, eager_draft_ms=eager_draft,
     )  # fmt: skip
 
 
@@ -230,13 +272,19 @@ def format_spec(rows: list[SpecRow]) -> str:
                 f"same tokens: {'yes' if r.same_tokens else 'NO'}"
             )
         else:
-            drafted = f", draft step {r.draft_step_ms:.2f} ms" if r.draft_step_ms else ""
+            how = "captured" if r.captured else "eager"
+            drafted = ""
+            if r.draft_step_ms:
+                drafted = f", draft step {r.draft_step_ms:.2f} ms {how}"
+                if r.captured:
+                    drafted += f" (eager {r.eager_draft_ms:.2f} ms)"
+            eager = f"eager {r.eager_verify_ms:.2f} ms, " if r.captured else ""
             proj = ", ".join(f"a={a}: {v:.1f}" for a, v in r.projected_tps.items())
             lines.append(
                 f"{head} ({r.step_ms:.2f} ms a step); verify of {r.k + 1} tokens "
-                f"{r.verify_ms:.2f} ms ({r.verify_ms / r.step_ms:.2f} steps; eager 1-token "
-                f"{r.eager_step_ms:.2f} ms, "
-                f"{(r.verify_ms - r.eager_step_ms) / r.k:.3f} ms a drafted token){drafted}; "
-                f"projected tok/s {proj}"
+                f"{r.verify_ms:.2f} ms {how} ({r.verify_ms / r.step_ms:.2f} steps; {eager}"
+                f"eager 1-token {r.eager_step_ms:.2f} ms, "
+                f"{(r.eager_verify_ms - r.eager_step_ms) / r.k:.3f} ms a drafted token eager)"
+                f"{drafted}; projected tok/s {proj}"
             )
     return "\n".join(lines)

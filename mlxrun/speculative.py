@@ -16,7 +16,10 @@ from p at the position after them. A deterministic draft (ngram) is a one-hot q.
 are the sampler's kept-set probabilities (temperature, top-k, top-p, min-p) computed on the
 host from the target's logits; greedy needs only the argmaxes, taken on the device.
 
-The verify pass runs eagerly on every backend (CUDA included: no captured graph per k).
+The target's verify pass and the draft model's steps go through `Passes`: on CUDA the
+backend's fixed-shape passes, one captured graph per pass size (backends/spec_graph.py:
+the verify's k+1, the draft's 1 and 2); elsewhere eager forward passes. Either way the
+host logic below is the same.
 """
 
 from __future__ import annotations
@@ -50,6 +53,51 @@ class DraftStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
+class Passes:
+    """Forward passes over a few consecutive tokens of one sequence, on a cache of its own:
+    the backend's fixed-shape ones where it has them (captured on CUDA), else eager.
+
+    `passes(tokens, offset)` runs tokens (a list of ints, or a device array (n,) such as a
+    previous pass's argmax) at positions offset .. offset + n - 1, n at most max(sizes),
+    -> (logits (n, V), argmax (n,), finite (n,)) on the device: the logits valid until the
+    next pass, the others the caller's. Positions past them hold stale keys, never read:
+    a rollback is the next pass's offset."""
+
+    def __init__(self, model: Transformer, max_len: int, sizes: tuple[int, ...]):
+        self.model, self.sizes = model, tuple(sizes)
+        self.fixed = model.be.spec_passes(model, max_len, self.sizes)
+        self.cache = model.make_cache(1, max_len) if self.fixed is None else self.fixed.cache
+
+    @property
+    def captured(self) -> bool:
+        """Whether the passes replay CUDA graphs."""
+        return self.fixed is not None and self.fixed.capture
+
+    def __call__(self, tokens, offset: int):
+        if self.fixed is not None:
+            return self.fixed(tokens, offset)
+        be = self.model.be
+        self.cache.offset = offset
+        if isinstance(tokens, list):
+            ids = be.ids(np.asarray(tokens, dtype=np.int64)[None])
+        else:
+            ids = tokens.reshape(1, -1)
+        rows = self.model(ids, self.cache, None)[0]  # (n, V)
+        return rows, be.argmax(rows), be.finite_rows(rows)
+
+    def prefill(self, tokens: list[int], offset: int = 0, chunk: int | None = None):
+        """Run a prompt (any length, in prefill chunks; eager) -> its last row's (logits
+        (1, V), argmax (1,), finite (1,))."""
+        self.cache.offset = offset
+        logits = feed(self.model, self.cache, tokens, chunk)
+        be = self.model.be
+        return logits, be.argmax(logits), be.finite_rows(logits)
+
+    def close(self) -> None:
+        if self.fixed is not None:
+            self.fixed.close()
+
+
 class NgramDraft:
     """Prompt-lookup drafting: find the latest earlier occurrence of the sequence's last n
     tokens (n from `max_n` down to `min_n`) and propose the tokens that followed it."""
@@ -74,6 +122,9 @@ class NgramDraft:
 
     def keep(self, n: int) -> None:
         """The sequence's first n tokens are final (nothing cached here)."""
+
+    def close(self) -> None:
+        """The generation is over."""
 
 
 def lookup(seq: np.ndarray, k: int, max_n: int, min_n: int) -> list[int]:
@@ -102,7 +153,7 @@ class ModelDraft:
         if self.k < 1:
             raise MlxrunError(f"--num-draft must be at least 1, got {self.k}")
         self.stats = DraftStats()
-        self.cache = None
+        self.passes: Passes | None = None
         self.cached = 0  # tokens of the sequence in the draft's cache
 
     def start(self, model: Transformer, prompt_len: int, max_tokens: int) -> None:
@@ -119,7 +170,10 @@ class ModelDraft:
             )
         # One position more than the target's cache: a cache of the very same shape could be
         # the one a PyTorch backend keeps for reuse, and then the target's too (self-drafting).
-        self.cache = self.model.make_cache(1, prompt_len + max_tokens + 1)
+        # Passes of 1 token (a draft step) and 2 (the catch-up after a pass that kept every
+        # draft: the last draft and the target's token).
+        self.close()
+        self.passes = Passes(self.model, prompt_len + max_tokens + 1, (1, 2))
         self.cached = 0
         self.stats = DraftStats()
 
@@ -128,35 +182,45 @@ class ModelDraft:
     ) -> tuple[list[int], np.ndarray | None]:
         """Up to k tokens after `seq`, and their draft probabilities q (k, V) when `probs`
         (logits row -> probabilities) is given; greedy (argmax, q None) otherwise."""
-        m = self.model
-        be = m.be
-        logits = feed(m, self.cache, seq[self.cached :])  # catch up: 1 token, 2 after a full hit
+        be, run = self.model.be, self.passes
+        new = seq[self.cached :]  # the prompt, then 1 token, 2 after a pass that kept all
+        if len(new) > max(run.sizes):
+            rows, best, _ = run.prefill(new, self.cached)
+        else:
+            rows, best, _ = run(new, self.cached)
         self.cached = len(seq)
         toks, qs = [], []
         for j in range(k):
-            if probs is None:
-                t = int(be.to_numpy(be.argmax(logits)).reshape(-1)[0])
+            if probs is None:  # the argmax stays on the device: steps queue without a sync
+                t = best[-1:]
             else:
-                q = probs(be.to_numpy(logits).reshape(-1))
-                t = draw(q, rng)
+                q = probs(be.to_numpy(rows[-1]).reshape(-1))
+                t = [draw(q, rng)]
                 qs.append(q)
             toks.append(t)
             if j + 1 < k:  # the last draft need not be fed: the next round starts there
-                logits = m(be.ids(np.array([[t]], dtype=np.int64)), self.cache, None, True)
+                rows, best, _ = run(t, self.cached)
                 self.cached += 1
-        return toks, (np.stack(qs) if qs else None)
+        if probs is None:
+            toks = [be.to_numpy(t).reshape(-1) for t in toks]
+        return [int(t[0]) for t in toks], (np.stack(qs) if qs else None)
 
     def keep(self, n: int) -> None:
-        """The sequence's first n tokens are final: drop cached positions past them."""
+        """The sequence's first n tokens are final: drop cached positions past them (the
+        next pass starts there and overwrites them)."""
         self.cached = min(self.cached, n)
-        self.cache.offset = self.cached
+
+    def close(self) -> None:
+        """The generation is over: the draft's passes may serve the next one."""
+        if self.passes is not None:
+            self.passes.close()
 
 
-def feed(model: Transformer, cache, toks: list[int]):
+def feed(model: Transformer, cache, toks: list[int], chunk: int | None = None):
     """Run `toks` through the model on `cache` (in prefill chunks) -> last logits (1, V)."""
     be = model.be
     ids = np.asarray(toks, dtype=np.int64)[None]
-    chunk = prefill_chunk_for(be.name, be.memory_kind, 1)
+    chunk = chunk or prefill_chunk_for(be.name, be.memory_kind, 1)
     for s in range(0, ids.shape[1], chunk):
         logits = model(be.ids(ids[:, s : s + chunk]), cache, None, last_only=True)
         if s + chunk < ids.shape[1]:
@@ -254,51 +318,52 @@ def generate_step(
     probs = target_probs(params) if sampled else None
     rng = np.random.default_rng(params.seed)
     stats = draft.stats
-    with be.wired(model.weight_bytes() + extra + model.kv_bytes(1, L + max_tokens)):
-        cache = model.make_cache(1, L + max_tokens)
-        ids = np.asarray(prompt, dtype=np.int64)[None]
-        chunk = prefill_chunk or prefill_chunk_for(be.name, be.memory_kind, 1)
-        for s in range(0, L, chunk):
-            logits = model(be.ids(ids[:, s : s + chunk]), cache, None, last_only=True)
-            if s + chunk < L:
-                be.eval(logits)
-        seq = list(prompt)
-        # rows (T, V): the target's logits at the positions of the last pass, the prefill's
-        # last (no drafts) or a verify's: seq[-1] and each draft
-        rows, drafts, q = logits, [], None
-        n_out = 0
-        while True:
-            if sampled:
-                host = be.to_numpy(rows).reshape(-1, rows.shape[-1])
-                ok = np.isfinite(host).all(-1)
-            else:
-                ok = be.to_numpy(be.finite_rows(rows)).reshape(-1).astype(bool)
-            if not ok.all():
-                raise _not_finite(n_out + int(np.flatnonzero(~ok)[0]), np.array([False]))
-            if sampled:
-                new = accept(drafts, q, np.stack([probs(r) for r in host]), rng)
-            else:  # the drafts that are the target's argmax, then the target's next
-                best = be.to_numpy(be.argmax(rows)).reshape(-1).astype(np.int64).tolist()
-                n = 0
-                while n < len(drafts) and drafts[n] == best[n]:
-                    n += 1
-                new = drafts[:n] + [best[n]]
-            kept = len(new) - 1
-            stats.accepted += kept
-            # the cache holds seq and every draft: drop the rejected drafts' positions
-            cache.offset = len(seq) + kept
-            for t in new:
-                n_out += 1
-                yield np.array([t], dtype=np.int64)
-                if n_out == max_tokens:
-                    return
-            seq.extend(new)
-            draft.keep(len(seq) - 1)
-            # the verify must not pass the context the caller asked for: at most the
-            # tokens still to come, less the one the target adds
-            k = min(draft.k, max_tokens - n_out - 1)
-            drafts, q = draft.propose(seq, k, probs, rng) if k > 0 else ([], None)
-            stats.passes += 1
-            stats.drafted += len(drafts)
-            x = be.ids(np.asarray([seq[-1], *drafts], dtype=np.int64)[None])
-            rows = model(x, cache, None)[0]  # (1 + len(drafts), V)
+    target = None
+    try:
+        with be.wired(model.weight_bytes() + extra + model.kv_bytes(1, L + max_tokens)):
+            # verify passes of k+1 tokens (fewer near the end: padded to k+1 where captured)
+            target = Passes(model, L + max_tokens, (draft.k + 1,))
+            chunk = prefill_chunk or prefill_chunk_for(be.name, be.memory_kind, 1)
+            # rows (T, V), best (T,), ok (T,): the target's logits, argmaxes and finite flags
+            # at the positions of the last pass, the prefill's last (no drafts) or a
+            # verify's: seq[-1] and each draft
+            rows, best, ok = target.prefill(prompt, 0, chunk)
+            seq = list(prompt)
+            drafts, q = [], None
+            n_out = 0
+            while True:
+                if sampled:
+                    host = be.to_numpy(rows).reshape(-1, rows.shape[-1])
+                    ok = np.isfinite(host).all(-1)
+                else:
+                    ok = be.to_numpy(ok).reshape(-1).astype(bool)
+                if not ok.all():
+                    raise _not_finite(n_out + int(np.flatnonzero(~ok)[0]), np.array([False]))
+                if sampled:
+                    new = accept(drafts, q, np.stack([probs(r) for r in host]), rng)
+                else:  # the drafts that are the target's argmax, then the target's next
+                    best = be.to_numpy(best).reshape(-1).astype(np.int64).tolist()
+                    n = 0
+                    while n < len(drafts) and drafts[n] == best[n]:
+                        n += 1
+                    new = drafts[:n] + [best[n]]
+                stats.accepted += len(new) - 1
+                for t in new:
+                    n_out += 1
+                    yield np.array([t], dtype=np.int64)
+                    if n_out == max_tokens:
+                        return
+                seq.extend(new)
+                draft.keep(len(seq) - 1)
+                # the verify must not pass the context the caller asked for: at most the
+                # tokens still to come, less the one the target adds
+                k = min(draft.k, max_tokens - n_out - 1)
+                drafts, q = draft.propose(seq, k, probs, rng) if k > 0 else ([], None)
+                stats.passes += 1
+                stats.drafted += len(drafts)
+                # from the last token on: the rejected drafts' positions are overwritten
+                rows, best, ok = target([seq[-1], *drafts], len(seq) - 1)
+    finally:
+        if target is not None:
+            target.close()
+        draft.close()

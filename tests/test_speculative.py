@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 import mlxrun
 from mlxrun.cli import main
@@ -59,16 +60,19 @@ def _tokens(m, ids, params, n, draft=None):
     return [r.token for r in stream(m.transformer, m.tokenizer, ids, params, n, draft=draft)]
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def tiny_pair(request, tmp_path_factory):
+def _pair(root, backend: str):
     """A tiny random target and a different random draft of the same vocabulary."""
-    root = tmp_path_factory.mktemp("spec")
     kw = dict(TINY["llama_gqa_tied"])
     mt = kw.pop("model_type")
     t_dir, _ = write_random(root / "target", mt, kw, seed=1)
     d_dir, _ = write_random(root / "draft", mt, dict(kw, num_hidden_layers=1), seed=2)
-    load = dict(backend=request.param, dtype="float32", progress=False)
+    load = dict(backend=backend, dtype="float32", progress=False)
     return mlxrun.load(str(t_dir), **load), mlxrun.load(str(d_dir), **load)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def tiny_pair(request, tmp_path_factory):
+    return _pair(tmp_path_factory.mktemp("spec"), request.param)
 
 
 def test_tiny_greedy_equals_plain_decode(tiny_pair):
@@ -165,6 +169,140 @@ def test_bench_rows(tiny_dir):
     assert 1 <= real.tokens_per_pass <= 4 and real.spec_tps > 0 and real.plain_tps > 0
     (shape,) = run_spec_bench("shape:tiny", ["cpu"], ["none"], None, "shape:tiny", 2, 16, 4, 1)
     assert shape.draft == "model" and shape.verify_ms > 0 and shape.draft_step_ms > 0
+    assert shape.captured is False and shape.eager_verify_ms > 0 and shape.eager_draft_ms > 0
+    assert "verify of 3 tokens" in format_spec([shape]) and "eager" in format_spec([shape])
     cost = (shape.verify_ms + 2 * shape.draft_step_ms) / 1e3
     assert shape.projected_tps["0.5"] == pytest.approx((1 + 0.5 + 0.25) / cost)
     assert "same tokens: yes" in format_spec([real])
+
+
+HAS_CUDA = torch.cuda.is_available()
+
+# The fixed-shape passes (backends/spec_graph.py): captured CUDA graphs on a GPU; on the CPU
+# the same steps run as they are, through the plain torch ops (`spec_rows`) or, with
+# `triton_kernels`, through the CUDA path's Triton kernels under the interpreter.
+PROMPT = [1, 5, 9, 14, 5, 9, 20, 33, 5, 9]
+
+
+def _drafts(t, d):
+    """k = 4: a random draft (mostly rejected), the model drafting itself (every draft kept,
+    so the catch-up feeds two tokens), prompt lookup (drafts shorter than k: padded)."""
+    return [ModelDraft(d.transformer, 4), ModelDraft(t.transformer, 4), NgramDraft(4)]
+
+
+def _steps(t, params, n, draft):
+    """The tokens of speculative_step itself: all n of them (`stream` stops at an EOS)."""
+    from mlxrun.speculative import generate_step
+
+    return [int(x[0]) for x in generate_step(t.transformer, PROMPT, params, n, draft)]
+
+
+def _check_fixed_greedy(t, d, n):
+    want = _tokens(t, PROMPT, SamplingParams(), n)
+    for draft in _drafts(t, d):
+        assert _tokens(t, PROMPT, SamplingParams(), n, draft) == want, draft.kind
+        st = draft.stats
+        assert st.drafted > 0 and 0 <= st.accepted <= st.drafted
+        if draft.kind == "model":
+            assert draft.passes.fixed is not None and {1, 2} <= set(draft.passes.fixed.steps)
+    assert draft.stats.accepted < draft.stats.drafted  # some lookups rejected: rolled back
+    held = [p for p in t.backend._spec if p.model is t.transformer]
+    assert held and all(5 in p.steps and not p.busy for p in held)
+    return want
+
+
+@pytest.fixture(scope="module")
+def fixed_cpu_pair(tmp_path_factory):
+    t, d = _pair(tmp_path_factory.mktemp("fixed"), "cpu")
+    t.backend.spec_rows = d.backend.spec_rows = True
+    return t, d
+
+
+def test_fixed_passes_greedy_equals_plain_decode(fixed_cpu_pair):
+    t, d = fixed_cpu_pair
+    want = _check_fixed_greedy(t, d, 40)
+    top1 = SamplingParams(temperature=0.9, top_k=1, seed=3)  # the sampled path, greedy again
+    assert _tokens(t, PROMPT, top1, 40, ModelDraft(d.transformer, 4)) == want
+    draft = ModelDraft(d.transformer, 4)
+    out = _steps(t, SamplingParams(temperature=1.0, seed=5), 40, draft)
+    st = draft.stats
+    assert len(out) == 40 == 1 + st.accepted + st.passes  # the prefill's, kept drafts + 1 a pass
+
+
+def test_fixed_passes_roll_back(fixed_cpu_pair):
+    """A pass of 5 tokens writes keys at all 5 positions; the next pass starts after the
+    kept ones and sees only what it overwrote, not the rejected drafts' keys. Its logits
+    equal a forward pass over the kept sequence alone (padded rows included)."""
+    from mlxrun.speculative import Passes
+
+    t, _ = fixed_cpu_pair
+    m, be = t.transformer, t.backend
+    run = Passes(m, 40, (5,))
+    try:
+        assert run.fixed is not None
+        run.prefill(PROMPT)
+        L = len(PROMPT)
+        a = be.to_numpy(run([7, 8, 9, 10, 11], L)[0])
+        b, best, ok = run([7, 30, 31], L + 1)  # 7 kept at L, the rest rejected; 2 padded
+        b, best = be.to_numpy(b), be.to_numpy(best)
+    finally:
+        run.close()
+    ref_a = t.logits(PROMPT + [7, 8, 9, 10, 11])[L:]
+    ref_b = t.logits(PROMPT + [7, 7, 30, 31])[L + 1 :]
+    assert np.abs(a - ref_a).max() < 1e-4 and np.abs(b - ref_b).max() < 1e-4
+    assert best.tolist() == ref_b.argmax(-1).tolist() and be.to_numpy(ok).all()
+
+
+@pytest.mark.long  # minutes on 2 cores
+def test_fixed_passes_under_triton_kernels(tmp_path_factory):
+    """The CUDA path's kernels (rope_qkv and decode_attention by rows, argmax) on the CPU,
+    interpreted, uncaptured."""
+    from .test_engine import _interpreted_kernels
+
+    if HAS_CUDA or not _interpreted_kernels():
+        pytest.skip("on a GPU the captured tests below run these kernels")
+    t, d = _pair(tmp_path_factory.mktemp("triton"), "cpu")
+    t.backend.triton_kernels = d.backend.triton_kernels = True
+    _check_fixed_greedy(t, d, 24)
+
+
+@pytest.fixture(scope="module")
+def cuda_pair(tmp_path_factory):
+    return _pair(tmp_path_factory.mktemp("cuda"), "cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs an NVIDIA GPU")
+def test_cuda_captured_greedy_equals_plain_decode(cuda_pair):
+    t, d = cuda_pair
+    want = _check_fixed_greedy(t, d, 40)
+    assert all(p.capture and p.steps[5].graph is not None for p in t.backend._spec)
+    draft = ModelDraft(d.transformer, 4)
+    top1 = SamplingParams(temperature=0.9, top_k=1, seed=3)
+    assert _tokens(t, PROMPT, top1, 40, draft) == want
+    assert draft.passes.captured
+    # the next generation replays the same graphs (none captured anew)
+    graphs = {id(s.graph) for p in t.backend._spec for s in p.steps.values()}
+    assert _tokens(t, PROMPT, SamplingParams(), 40, NgramDraft(4)) == want
+    assert graphs == {id(s.graph) for p in t.backend._spec for s in p.steps.values()}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs an NVIDIA GPU")
+def test_cuda_captured_sampling(cuda_pair):
+    """Sampled runs through the captured passes: a random draft's q and the target's p
+    (its logits read back from the graph's buffer) drive the rule; drafting itself, q == p
+    and every draft is kept."""
+    t, d = cuda_pair
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=5)
+    draft = ModelDraft(d.transformer, 4)
+    out = _steps(t, p, 40, draft)
+    st = draft.stats
+    assert len(out) == 40 and all(0 <= x < 96 for x in out)
+    assert st.passes > 0 and st.drafted <= 4 * st.passes and 0 <= st.accepted <= st.drafted
+    assert len(out) == 1 + st.accepted + st.passes  # the prefill's, then kept drafts + 1 a pass
+    assert _steps(t, p, 40, ModelDraft(d.transformer, 4)) == out  # seeded: the same
+    own = ModelDraft(t.transformer, 4)
+    _steps(t, p, 20, own)
+    # q == p up to the rounding of a 1-row pass against a 5-row one
+    assert own.stats.accepted >= own.stats.drafted - 1 > 0
