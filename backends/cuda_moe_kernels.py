@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from mlxrun.quant.triton_gemm import _decode_tile
-from mlxrun.quant.triton_gemv import _gemv_step, _group_scale, _load_step
+from mlxrun.quant.triton_gemv import _gemv_ksteps, _gemv_lanes, _gemv_sum, _group_scale
 from mlxrun.quant.triton_launch import tlc
 
 
@@ -181,67 +181,18 @@ def _moe_qgemv(X, IDS, OUT, RW, W, S, B, BIAS1, BIAS2, N, K, X_DIV, limit, alpha
     lane = tl.arange(0, LANES)
     s_row = (rn // 8) * (KG * 8) + (rn % 8)
     s_row_h = (rn_h // 8) * (KG * 8) + (rn_h % 8)
-    # the lanes' x inputs and groups, as _gemv_kernel sets them up
-    if TWO:
-        x_pair0 = (2 * lane[:, None] + tl.arange(0, 2)[None, :]) * (G // 2)
-        g_pair = 2 * lane[:, None] + tl.arange(0, 2)[None, :]
-    else:
-        xl = (lane // (WPG // 4)) * (G // 2) + (2 * lane) % (WPG // 2)
-        x_pair0 = tl.multiple_of(xl, 2)[:, None] + tl.arange(0, 2)[None, :]
-        g_pair = (lane // (WPG // 4))[:, None] + 0 * tl.arange(0, 2)[None, :]
-    g_a = (4 * lane) // WPG
-    g_b = (4 * lane + 2) // WPG
+    # the lanes' x inputs and groups and the k-loop, as _gemv_kernel's (the wait is above)
+    x_pair0, g_pair, g_a, g_b = _gemv_lanes(lane, G, WPG, TWO)
     x_base = X + (s // X_DIV).to(tl.int64) * K
-    acc = tl.zeros([8, LANES], dtype=tl.float32)
-    acc_h = tl.zeros([8, LANES], dtype=tl.float32)
-    if PREFETCH:  # each step's words in flight while the previous step computes
-        wa = _load_step(w_ptr, rn, n_mask, rkw, 0, KW, EVEN, MODE, LANES)
-        wa_h = wa
-        if HALVES == 2:
-            wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, 0, KW, EVEN, MODE, LANES)
-        for j in range(0, KSTEPS // 2):
-            kb = 2 * j
-            wb = _load_step(w_ptr, rn, n_mask, rkw, kb + 1, KW, EVEN, MODE, LANES)
-            wb_h = wb
-            if HALVES == 2:
-                wb_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb + 1, KW, EVEN, MODE, LANES)
-            acc, acc_h = _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a,
-                                    g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr, KG,
-                                    MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
-            kn = tl.minimum(kb + 2, KSTEPS - 1)  # past the end: reload the last (unused)
-            wa = _load_step(w_ptr, rn, n_mask, rkw, kn, KW, EVEN, MODE, LANES)
-            wa_h = wa
-            if HALVES == 2:
-                wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kn, KW, EVEN, MODE, LANES)
-            acc, acc_h = _gemv_step(acc, acc_h, wb, wb_h, kb + 1, x_base, x_pair0, g_pair,
-                                    g_a, g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr,
-                                    KG, MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
-        if KSTEPS % 2 == 1:
-            acc, acc_h = _gemv_step(acc, acc_h, wa, wa_h, KSTEPS - 1, x_base, x_pair0, g_pair,
-                                    g_a, g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr,
-                                    KG, MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
-    else:
-        for kb in range(0, KSTEPS):
-            wa = _load_step(w_ptr, rn, n_mask, rkw, kb, KW, EVEN, MODE, LANES)
-            wa_h = wa
-            if HALVES == 2:
-                wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb, KW, EVEN, MODE, LANES)
-            acc, acc_h = _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a,
-                                    g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr, KG,
-                                    MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
-    # decoded products carry 2^-49 (affine), 2^-20 (fp8) or 2^-26 (fp4)
-    if MODE == 0:
-        C: tl.constexpr = 562949953421312.0
-    elif MODE == 3:
-        C: tl.constexpr = 1.0
-    else:
-        C: tl.constexpr = 67108864.0
-    out = tl.sum(acc, axis=1) * C  # [8]
+    acc, acc_h = _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, 0, KW, x_base, x_pair0,
+                              g_pair, g_a, g_b, s_row, s_row_h, s_ptr, b_ptr, KG, MODE, BITS, G,
+                              HALVES, EVEN, LANES, KSTEPS, PREFETCH, False)  # fmt: skip
+    out = _gemv_sum(acc, MODE)  # [8]
     out_row = OUT + s.to(tl.int64) * N
     if GATED:
         if HALVES == 2:
             g = out
-            u = tl.sum(acc_h, axis=1) * C
+            u = _gemv_sum(acc_h, MODE)
             rg = pid_n * 8 + tl.arange(0, 8)
         else:
             g, u = tl.split(tl.trans(tl.reshape(out, [2, 4])))  # rows 0-3 gate, 4-7 up
@@ -264,7 +215,7 @@ def _moe_qgemv(X, IDS, OUT, RW, W, S, B, BIAS1, BIAS2, N, K, X_DIV, limit, alpha
             out = out * tl.load(RW + s).to(tl.float32)
         tl.store(out_row + rn, out.to(OUT.dtype.element_ty), mask=n_mask)
         if HALVES == 2:
-            out_h = tl.sum(acc_h, axis=1) * C
+            out_h = _gemv_sum(acc_h, MODE)
             if HAS_BIAS:
                 out_h += tl.load(BIAS1 + e * N + rn_h, mask=n_mask_h, other=0.0).to(tl.float32)
             if SCALED:

@@ -403,7 +403,7 @@ class TorchBackend:
 
     def rope_and_cache(self, q, k, v, positions, table, cache, layer):
         if self.triton_kernels and isinstance(cache, StaticCache):
-            from .cuda_ops import rope_qkv  # noqa: PLC0415
+            from .cuda_attention import rope_qkv  # noqa: PLC0415
 
             T = k.shape[2]
             kd, vd, slot = cache.slots(layer, T)  # a quantized cache: stored quantized
@@ -411,7 +411,7 @@ class TorchBackend:
             # one new token: decode_attention reads the codes; a prompt: expanded for SDPA
             return q, *cache.fetch(layer, T, stored=T == 1)
         if self.triton_kernels and isinstance(cache, SlotRows):  # the engine's decode step
-            from .cuda_ops import rope_qkv  # noqa: PLC0415
+            from .cuda_attention import rope_qkv  # noqa: PLC0415
 
             kd, vd = cache.buffers(layer)
             rows = cache.rows_for(layer)  # a ring layer's dummies: its scratch row
@@ -427,7 +427,7 @@ class TorchBackend:
         if isinstance(mask, RowMask):  # k, v: a slot cache's whole buffers; row b reads rows[b]
             mask, rows = mask
         if self.triton_kernels and q.shape[2] == 1 and not causal and D >= 16 and D & (D - 1) == 0:
-            from .cuda_ops import decode_attention  # noqa: PLC0415
+            from .cuda_attention import decode_attention  # noqa: PLC0415
 
             return decode_attention(q, k, v, scale, mask, sinks, rows=rows)
         if rows is not None:

@@ -37,7 +37,8 @@ import numpy as np
 
 from mlxrun.against import against_candidates
 from mlxrun.convert import convert
-from mlxrun.evaluate import QuantChoice, evaluate_many, format_table, save_dense
+from mlxrun.dense import save_dense
+from mlxrun.evaluate import QuantChoice, evaluate_many, format_table
 from mlxrun.loader import open_checkpoint
 from mlxrun.quant.calibrate import CalibOptions, calib_text, calib_windows
 

@@ -3,7 +3,7 @@ transformers' generate() on the same SmolLM2 weights and dtype, in one process.
 
     python benchmarks/cpu_decode_vs_hf.py [--tokens 128] [--reps 3]
 
-Both load one dense float32 copy of the bundled GGUF (written by mlxrun.evaluate.save_dense)
+Both load one dense float32 copy of the bundled GGUF (written by mlxrun.dense.save_dense)
 and decode greedily from the same prompt. Decode tokens/s = (N - 1) / (time of token N -
 time of token 1): prefill is excluded for both.
 """
@@ -23,7 +23,7 @@ import torch
 def hf_dense_dir(tmp: Path) -> Path:
     """The bundled GGUF dequantized to a float32 Hugging Face directory (mlxrun's own
     `save_dense`: transformers 5 refuses to save a model it loaded from GGUF)."""
-    from mlxrun.evaluate import save_dense
+    from mlxrun.dense import save_dense
 
     return save_dense("smollm2", tmp / "smollm2-f32", "float32")
 

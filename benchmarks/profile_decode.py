@@ -244,7 +244,7 @@ def _kquant_configs(kind: str, m: int, warps) -> list:
 
 
 def attention(cfg, batches: list[int], context: int) -> None:
-    from mlxrun.backends.cuda_ops import decode_attention
+    from mlxrun.backends.cuda_attention import decode_attention
 
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     g = nh // nkv

@@ -23,17 +23,15 @@ import numpy as np
 
 from mlxrun.backends import get_backend
 from mlxrun.build import build_model
+from mlxrun.dense import dense_checkpoint, quantize_tensors, save_dense
 from mlxrun.evaluate import (
     Candidate,
     QuantChoice,
-    dense_checkpoint,
     eval_text,
     evaluate_many,
     expanded,
     format_table,
     matrix_bytes_per_weight,
-    quantize_tensors,
-    save_dense,
     summarize_notes,
     window_logits,
 )

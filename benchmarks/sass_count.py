@@ -34,6 +34,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import mlxrun.quant.triton_kernels as tk  # noqa: E402
+import mlxrun.quant.triton_launch as launch  # noqa: E402
 
 DEFAULT = ["affine4g64", "affine4g32", "affine4g128", "mxfp4", "nvfp4", "mxfp8", "affine8g64"]
 
@@ -41,12 +42,13 @@ DEFAULT = ["affine4g64", "affine4g32", "affine4g128", "mxfp4", "nvfp4", "mxfp8",
 def gemv_params(mode, bits, g, n, k, m=1, sms=132, kb_per_split=None, block_n=None):
     """(constexprs, KernelConfig) as qmatmul would launch them on a GPU with `sms` SMs."""
     w = types.SimpleNamespace(n=n, k=k, bits=bits, group_size=g, mode=mode)
-    saved = tk._num_sms
-    tk._num_sms = lambda device: sms
+    # choose_config reads the SM count through triton_launch's own name
+    saved = launch._num_sms
+    launch._num_sms = lambda device: sms
     try:
         cfg = tk.choose_config(m, w, types.SimpleNamespace(type="cuda"))
     finally:
-        tk._num_sms = saved
+        launch._num_sms = saved
     if block_n:
         cfg = dataclasses.replace(cfg, block_n=block_n)
     params = dict(tk._gemv_constexprs(w, cfg), PDL=True)  # as launched on an H100 (Triton 3.3+)

@@ -34,6 +34,8 @@ from sass_count import FORMATS, main_loop, opcode_histogram, parse, sass_of  # n
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+import mlxrun.quant.triton_launch as launch  # noqa: E402
+
 DEFAULT = ["affine4g64", "affine4g32", "mxfp4", "mxfp8"]
 
 
@@ -42,12 +44,13 @@ def gemm_params(tk, mode, bits, g, n, k, m, sms=132):
     import torch
 
     w = types.SimpleNamespace(n=n, k=k, bits=bits, group_size=g, mode=mode)
-    saved = tk._num_sms
-    tk._num_sms = lambda device: sms
+    # choose_config reads the SM count through triton_launch's own name
+    saved = launch._num_sms
+    launch._num_sms = lambda device: sms
     try:
         cfg = tk.choose_config(m, w, types.SimpleNamespace(type="cuda"), torch.bfloat16)
     finally:
-        tk._num_sms = saved
+        launch._num_sms = saved
     assert cfg.kernel == "gemm", cfg
     ksteps = math.ceil(k / (cfg.ng * g))
     per = math.ceil(ksteps / cfg.split_k)
@@ -70,6 +73,8 @@ def gemm_params(tk, mode, bits, g, n, k, m, sms=132):
     if "EVEN_K" in tk._gemm_kernel.arg_names:
         params["EVEN_N"] = n % cfg.block_n == 0
         params["EVEN_K"] = k % (cfg.ng * g) == 0 and ksteps % per == 0
+    if "PDL" in tk._gemm_kernel.arg_names:
+        params["PDL"] = True  # as launched on an H100 (Triton 3.3+)
     return params, cfg
 
 

@@ -289,7 +289,7 @@ class _Calibrated:
 def _calibrated(ckpt: Checkpoint, spec, opts, backend: str, progress: bool) -> _Calibrated:
     from mlxrun.quant.calibrate import calibrate  # noqa: PLC0415
 
-    from .evaluate import dense_checkpoint  # noqa: PLC0415
+    from .dense import dense_checkpoint  # noqa: PLC0415
 
     notes = []
     if ckpt.config.quantization:

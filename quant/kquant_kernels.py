@@ -12,6 +12,7 @@ quant/triton_kquant.py's layout (read its docstring); launched by triton_kquant.
 
 from __future__ import annotations
 
+from mlxrun.quant import triton_gemm as tgm
 from mlxrun.quant import triton_gemv as tg
 from mlxrun.quant import triton_kernels as tk
 
@@ -550,18 +551,7 @@ if triton is not None:
             else:
                 wv = q * scale[:, :, None, None] + bias[:, :, None, None]
             w_tile = tl.reshape(wv, [BLOCK_N, BK]).to(x_tile.dtype)
-            if UPCAST:  # the interpreter multiplies bf16 tiles as raw uint16: go through fp32
-                x_tile = x_tile.to(tl.float32)
-                w_tile = w_tile.to(tl.float32)
-            if SWAP:
-                if x_tile.dtype == tl.float32 and not UPCAST:
-                    acc = tl.dot(w_tile, tl.trans(x_tile), acc, input_precision="tf32x3")
-                else:
-                    acc = tl.dot(w_tile, tl.trans(x_tile), acc)
-            elif x_tile.dtype == tl.float32 and not UPCAST:
-                acc = tl.dot(x_tile, tl.trans(w_tile), acc, input_precision="tf32x3")
-            else:
-                acc = tl.dot(x_tile, tl.trans(w_tile), acc)
+            acc = tgm._tile_dot(acc, x_tile, w_tile, UPCAST, SWAP)
         if SWAP:
             acc = tl.trans(acc)
         tk._splitk_epilogue(

@@ -1,6 +1,7 @@
 """The tensor-core GEMM for x [M > GEMV_MAX_M, K] @ W^T over a QLinear (triton_layout.py):
 each weight tile is dequantized in registers (per element, or two bf16 values at a time from
-packed codes) and fed to tl.dot. qmatmul in triton_kernels.py launches it.
+packed codes) and fed to tl.dot. qmatmul in triton_kernels.py launches it. The K-quant tile
+GEMM (kquant_kernels.py) shares its tensor-core step (_tile_dot).
 
 Imported only where Triton loads (triton_kernels.py checks).
 """
@@ -214,6 +215,26 @@ def _dequant_e4m3_bf16x2(
 
 
 @triton.jit
+def _tile_dot(acc, x_tile, w_tile, UPCAST: tl.constexpr, SWAP: tl.constexpr):
+    """acc [BM, BN] + x_tile [BM, BK] @ w_tile [BN, BK]^T on tensor cores; with SWAP, acc is
+    [BN, BM] and gets w_tile @ x_tile^T (the W tile as the register operand). float32 x:
+    tf32x3 (about float32 accuracy)."""
+    if UPCAST:  # the interpreter multiplies bf16 tiles as raw uint16: go through fp32
+        x_tile = x_tile.to(tl.float32)
+        w_tile = w_tile.to(tl.float32)
+    if SWAP:
+        if x_tile.dtype == tl.float32 and not UPCAST:
+            acc = tl.dot(w_tile, tl.trans(x_tile), acc, input_precision="tf32x3")
+        else:
+            acc = tl.dot(w_tile, tl.trans(x_tile), acc)
+    elif x_tile.dtype == tl.float32 and not UPCAST:
+        acc = tl.dot(x_tile, tl.trans(w_tile), acc, input_precision="tf32x3")
+    else:
+        acc = tl.dot(x_tile, tl.trans(w_tile), acc)
+    return acc
+
+
+@triton.jit
 def _gemm_kernel(
     x_ptr,
     w_ptr,
@@ -308,18 +329,7 @@ def _gemm_kernel(
             scale, bias = _group_scale(s_ptr, b_ptr, s_offs, smask, MODE)
             wv = _decode_tile(words, scale, bias, MODE, BITS, EPW)
             w_tile = tl.reshape(wv, [BLOCK_N, BK]).to(x_tile.dtype)
-        if UPCAST:  # the interpreter multiplies bf16 tiles as raw uint16: go through fp32
-            x_tile = x_tile.to(tl.float32)
-            w_tile = w_tile.to(tl.float32)
-        if SWAP:
-            if x_tile.dtype == tl.float32 and not UPCAST:
-                acc = tl.dot(w_tile, tl.trans(x_tile), acc, input_precision="tf32x3")
-            else:
-                acc = tl.dot(w_tile, tl.trans(x_tile), acc)
-        elif x_tile.dtype == tl.float32 and not UPCAST:
-            acc = tl.dot(x_tile, tl.trans(w_tile), acc, input_precision="tf32x3")
-        else:
-            acc = tl.dot(x_tile, tl.trans(w_tile), acc)
+        acc = _tile_dot(acc, x_tile, w_tile, UPCAST, SWAP)
     if SWAP:
         acc = tl.trans(acc)
     _splitk_epilogue(

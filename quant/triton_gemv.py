@@ -1,7 +1,9 @@
 """The CUDA-core GEMV for x [M <= GEMV_MAX_M, K] @ W^T over a QLinear (triton_layout.py), and
 the decode and split-K epilogue helpers it shares with the GEMM (triton_gemm.py), the K-quant
-kernels (triton_kquant.py) and backends/cuda_ops.py. The decoding tricks are described in
-triton_kernels.py's docstring; qmatmul there launches the kernel.
+kernels (triton_kquant.py) and backends/cuda_ops.py; its lane layout and k-loop (_gemv_lanes,
+_gemv_ksteps, _gemv_sum) are also the packed MoE kernel's (backends/cuda_moe_kernels.py). The
+decoding tricks are described in triton_kernels.py's docstring; qmatmul there launches the
+kernel.
 
 Imported only where Triton loads (triton_kernels.py checks).
 """
@@ -391,6 +393,103 @@ def _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_ro
 
 
 @triton.jit
+def _gemv_lanes(lane, G: tl.constexpr, WPG: tl.constexpr, TWO: tl.constexpr):
+    """Where lane l (`lane`: [LANES]) reads in a k-step: x_pair0 [LANES, 2], its inputs at
+    position 0 in input pairs (pair c: words 4l+2c, 4l+2c+1; uint32 units of 2 inputs: one
+    8-byte vector a lane unless TWO, then 2 x 4 bytes); g_pair [LANES, 2], the groups of
+    those pairs; g_a, g_b [LANES], the groups of words 0, 1 and of words 2, 3 (== g_a unless
+    TWO)."""
+    if TWO:
+        x_pair0 = (2 * lane[:, None] + tl.arange(0, 2)[None, :]) * (G // 2)
+        g_pair = 2 * lane[:, None] + tl.arange(0, 2)[None, :]
+    else:
+        xl = (lane // (WPG // 4)) * (G // 2) + (2 * lane) % (WPG // 2)
+        x_pair0 = tl.multiple_of(xl, 2)[:, None] + tl.arange(0, 2)[None, :]
+        g_pair = (lane // (WPG // 4))[:, None] + 0 * tl.arange(0, 2)[None, :]
+    g_a = (4 * lane) // WPG
+    g_b = (4 * lane + 2) // WPG
+    return x_pair0, g_pair, g_a, g_b
+
+
+@triton.jit
+def _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pair0, g_pair,
+                 g_a, g_b, s_row, s_row_h, s_ptr, b_ptr, KG, MODE: tl.constexpr,
+                 BITS: tl.constexpr, G: tl.constexpr, HALVES: tl.constexpr,
+                 EVEN: tl.constexpr, LANES: tl.constexpr, KSTEPS: tl.constexpr,
+                 PREFETCH: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """(acc, acc_h) [8, LANES]: k-steps kb0 .. kb0 + KSTEPS of rows rn (and rn_h, the second
+    half, when HALVES == 2) through _gemv_step, swn words a row. With PREFETCH the loop runs
+    two k-steps an iteration, each step's words loaded one step ahead (two register
+    buffers, no copies). PDL: wait for the previous kernel (after the first step's loads
+    with PREFETCH: the weights depend on no kernel) and let the next one launch."""
+    acc = tl.zeros([8, LANES], dtype=tl.float32)
+    acc_h = tl.zeros([8, LANES], dtype=tl.float32)
+    if PREFETCH:  # each step's words are in flight while the previous step computes
+        # (with PDL the first step's are issued before the wait, while the previous kernel
+        # still runs; a second step issued there too made ptxas hold it through the loop:
+        # 134 -> 168 registers at 8 rows, 4096x14336 16.4 -> 21.9 us on the H100)
+        wa = _load_step(w_ptr, rn, n_mask, rkw, kb0, swn, EVEN, MODE, LANES)
+        wa_h = wa
+        if HALVES == 2:
+            wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb0, swn, EVEN, MODE, LANES)
+        if PDL:
+            tlc.gdc_wait()
+            tlc.gdc_launch_dependents()
+        kb_last = kb0 + KSTEPS - 1
+        for j in range(0, KSTEPS // 2):
+            kb = kb0 + 2 * j
+            wb = _load_step(w_ptr, rn, n_mask, rkw, kb + 1, swn, EVEN, MODE, LANES)
+            wb_h = wb
+            if HALVES == 2:
+                wb_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb + 1, swn, EVEN, MODE, LANES)
+            acc, acc_h = _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a,
+                                    g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr, KG,
+                                    MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
+            # past the last step: reload it (in bounds, no predicate, never used; peeling
+            # the last pair instead makes ptxas spill at 16 rows)
+            kn = tl.minimum(kb + 2, kb_last)
+            wa = _load_step(w_ptr, rn, n_mask, rkw, kn, swn, EVEN, MODE, LANES)
+            wa_h = wa
+            if HALVES == 2:
+                wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kn, swn, EVEN, MODE, LANES)
+            acc, acc_h = _gemv_step(acc, acc_h, wb, wb_h, kb + 1, x_base, x_pair0, g_pair,
+                                    g_a, g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr,
+                                    KG, MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
+        if KSTEPS % 2 == 1:
+            acc, acc_h = _gemv_step(acc, acc_h, wa, wa_h, kb_last, x_base, x_pair0, g_pair,
+                                    g_a, g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr,
+                                    KG, MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
+    else:
+        if PDL:
+            tlc.gdc_wait()
+            tlc.gdc_launch_dependents()
+        for j in range(0, KSTEPS):
+            kb = kb0 + j
+            wa = _load_step(w_ptr, rn, n_mask, rkw, kb, swn, EVEN, MODE, LANES)
+            wa_h = wa
+            if HALVES == 2:
+                wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb, swn, EVEN, MODE, LANES)
+            acc, acc_h = _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a,
+                                    g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr, KG,
+                                    MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
+    return acc, acc_h
+
+
+@triton.jit
+def _gemv_sum(acc, MODE: tl.constexpr):
+    """acc [8, LANES] -> [8]: the lanes summed (across warps through shared memory), times
+    the power of two the decoded products carry: 2^-49 (affine), 2^-20 (fp8) or 2^-26
+    (fp4)."""
+    if MODE == 0:
+        C: tl.constexpr = 562949953421312.0
+    elif MODE == 3:
+        C: tl.constexpr = 1.0
+    else:
+        C: tl.constexpr = 67108864.0
+    return tl.sum(acc, axis=1) * C
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -477,80 +576,16 @@ def _gemv_kernel(
     lane = tl.arange(0, LANES)
     s_row = (rn // 8) * (KG * 8) + (rn % 8)  # scales are stored [N/8, K/G, 8]
     s_row_h = (rn_h // 8) * (KG * 8) + (rn_h % 8)
-    # pair c of lane l: words 4l+2c, 4l+2c+1; their inputs at position 0, in input pairs
-    # (uint32 units: 2 inputs): one 8-byte vector per lane unless TWO (then 2 x 4 bytes)
-    if TWO:
-        x_pair0 = (2 * lane[:, None] + tl.arange(0, 2)[None, :]) * (G // 2)
-        g_pair = 2 * lane[:, None] + tl.arange(0, 2)[None, :]
-    else:
-        xl = (lane // (WPG // 4)) * (G // 2) + (2 * lane) % (WPG // 2)
-        x_pair0 = tl.multiple_of(xl, 2)[:, None] + tl.arange(0, 2)[None, :]
-        g_pair = (lane // (WPG // 4))[:, None] + 0 * tl.arange(0, 2)[None, :]
-    g_a = (4 * lane) // WPG  # group (within the k-step) of words 0, 1 of the lane
-    g_b = (4 * lane + 2) // WPG  # of words 2, 3 (== g_a unless TWO)
+    x_pair0, g_pair, g_a, g_b = _gemv_lanes(lane, G, WPG, TWO)
     x_base = x_ptr + m * stride_xm
-    acc = tl.zeros([8, LANES], dtype=tl.float32)
-    acc_h = tl.zeros([8, LANES], dtype=tl.float32)
     kb0 = pid_k * KB_PER_SPLIT
-    if PREFETCH:  # each step's words are in flight while the previous step computes
-        # (with PDL the first step's are issued before the wait, while the previous kernel
-        # still runs; a second step issued there too made ptxas hold it through the loop:
-        # 134 -> 168 registers at 8 rows, 4096x14336 16.4 -> 21.9 us on the H100)
-        wa = _load_step(w_ptr, rn, n_mask, rkw, kb0, swn, EVEN, MODE, LANES)
-        wa_h = wa
-        if HALVES == 2:
-            wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb0, swn, EVEN, MODE, LANES)
-        if PDL:
-            tlc.gdc_wait()
-            tlc.gdc_launch_dependents()
-        kb_last = kb0 + KB_PER_SPLIT - 1
-        for j in range(0, KB_PER_SPLIT // 2):
-            kb = kb0 + 2 * j
-            wb = _load_step(w_ptr, rn, n_mask, rkw, kb + 1, swn, EVEN, MODE, LANES)
-            wb_h = wb
-            if HALVES == 2:
-                wb_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb + 1, swn, EVEN, MODE, LANES)
-            acc, acc_h = _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a,
-                                    g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr, KG,
-                                    MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
-            # past the last step: reload it (in bounds, no predicate, never used; peeling
-            # the last pair instead makes ptxas spill at 16 rows)
-            kn = tl.minimum(kb + 2, kb_last)
-            wa = _load_step(w_ptr, rn, n_mask, rkw, kn, swn, EVEN, MODE, LANES)
-            wa_h = wa
-            if HALVES == 2:
-                wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kn, swn, EVEN, MODE, LANES)
-            acc, acc_h = _gemv_step(acc, acc_h, wb, wb_h, kb + 1, x_base, x_pair0, g_pair,
-                                    g_a, g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr,
-                                    KG, MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
-        if KB_PER_SPLIT % 2 == 1:
-            acc, acc_h = _gemv_step(acc, acc_h, wa, wa_h, kb_last, x_base, x_pair0, g_pair,
-                                    g_a, g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr,
-                                    KG, MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
-    else:
-        if PDL:
-            tlc.gdc_wait()
-            tlc.gdc_launch_dependents()
-        for j in range(0, KB_PER_SPLIT):
-            kb = kb0 + j
-            wa = _load_step(w_ptr, rn, n_mask, rkw, kb, swn, EVEN, MODE, LANES)
-            wa_h = wa
-            if HALVES == 2:
-                wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb, swn, EVEN, MODE, LANES)
-            acc, acc_h = _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a,
-                                    g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr, KG,
-                                    MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
-    # decoded products carry 2^-49 (affine), 2^-20 (fp8) or 2^-26 (fp4)
-    if MODE == 0:
-        C: tl.constexpr = 562949953421312.0
-    elif MODE == 3:
-        C: tl.constexpr = 1.0
-    else:
-        C: tl.constexpr = 67108864.0
-    out = tl.sum(acc, axis=1) * C  # [8]
+    acc, acc_h = _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pair0,
+                              g_pair, g_a, g_b, s_row, s_row_h, s_ptr, b_ptr, KG, MODE, BITS, G,
+                              HALVES, EVEN, LANES, KB_PER_SPLIT, PREFETCH, PDL)  # fmt: skip
+    out = _gemv_sum(acc, MODE)  # [8]
     tile = m * tl.num_programs(1) + pid_n
     if SILU and HALVES == 2:
-        out_h = tl.sum(acc_h, axis=1) * C
+        out_h = _gemv_sum(acc_h, MODE)
         _silu_epilogue(out, out_h, y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr, rn,
                        rn_h, N, M * N, tile, pid_k, SPLIT_K)  # fmt: skip
     elif SILU:
@@ -560,7 +595,7 @@ def _gemv_kernel(
                        rg + N // 2, N, M * N, tile, pid_k, SPLIT_K)  # fmt: skip
     else:
         if HALVES == 2:
-            out_h = tl.sum(acc_h, axis=1) * C
+            out_h = _gemv_sum(acc_h, MODE)
             out = tl.reshape(tl.trans(tl.join(out, out_h)), [16])
         rn_all = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         _splitk_epilogue(out[None, :], y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr,

@@ -246,7 +246,7 @@ def test_format_the_backend_cannot_run_cli(capsys, tiny_dir, tmp_path, monkeypat
     import mlxrun.backends
     import mlxrun.planning
     from mlxrun.backends.torch_backend import TorchBackend
-    from mlxrun.evaluate import quantize_tensors
+    from mlxrun.dense import quantize_tensors
     from mlxrun.loader import open_checkpoint
     from mlxrun.memory import probe_device
     from mlxrun.quant.formats import QuantSpec, to_config

@@ -34,6 +34,7 @@ if not HAS_CUDA:
 def _interpreted_kernels() -> bool:
     """The CUDA path's Triton kernels on this CPU: decorated by the interpreter."""
     try:
+        import mlxrun.backends.cuda_attention as attn
         import mlxrun.backends.cuda_ops as ops
         import mlxrun.backends.cuda_sampling as smp
         import mlxrun.quant.triton_gemm as gemm
@@ -43,7 +44,8 @@ def _interpreted_kernels() -> bool:
         return False
     # the kernel modules before triton_kernels, which re-binds their kernels
     kernels = ((gemv, "_gemv_kernel"), (gemm, "_gemm_kernel"), (tk, "_gemv_kernel"))
-    for mod, fn in (*kernels, (ops, "_rope_qkv_kernel"), (smp, "_draw_kernel")):
+    more = ((ops, "_add_rms_norm_kernel"), (attn, "_rope_qkv_kernel"), (smp, "_draw_kernel"))
+    for mod, fn in (*kernels, *more):
         if type(getattr(mod, fn)).__name__ != "InterpretedFunction":
             importlib.reload(mod)  # imported earlier without the interpreter
     return True

@@ -178,7 +178,7 @@ def parse_config(d) -> bool:
 
 
 def parse_prompts(data: bytes, suffix: str) -> bool:
-    from mlxrun.cli import read_prompts
+    from mlxrun.cli_io import read_prompts
 
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / f"p{suffix}"

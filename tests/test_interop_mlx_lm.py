@@ -14,7 +14,7 @@ import pytest
 import mlxrun
 from mlxrun.backends.base import QuantizedWeight
 from mlxrun.convert import convert
-from mlxrun.evaluate import save_dense
+from mlxrun.dense import save_dense
 from mlxrun.generate import generate_step
 from mlxrun.loader import open_checkpoint
 from mlxrun.quant.formats import QuantSpec, from_config

@@ -44,15 +44,18 @@ CFG = dict(hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_atten
 
 
 def _ops():
-    """cuda_ops decorated under the interpreter (another test module may have imported it
-    first without)."""
+    """cuda_attention (rope_qkv, decode_attention) decorated under the interpreter, and
+    cuda_ops, which the CUDA code path also runs (another test module may have imported
+    them first without)."""
     import triton  # noqa: F401
 
-    from mlxrun.backends import cuda_ops
+    from mlxrun.backends import cuda_attention, cuda_ops
 
-    if not HAS_CUDA and type(cuda_ops._rope_qkv_kernel).__name__ != "InterpretedFunction":
-        cuda_ops = importlib.reload(cuda_ops)
-    return cuda_ops
+    if not HAS_CUDA and type(cuda_ops._add_rms_norm_kernel).__name__ != "InterpretedFunction":
+        importlib.reload(cuda_ops)
+    if not HAS_CUDA and type(cuda_attention._rope_qkv_kernel).__name__ != "InterpretedFunction":
+        cuda_attention = importlib.reload(cuda_attention)
+    return cuda_attention
 
 
 @pytest.fixture(scope="module")

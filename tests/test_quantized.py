@@ -17,14 +17,13 @@ from mlxrun.backends import get_backend
 from mlxrun.backends.base import QuantizedWeight
 from mlxrun.build import build_model
 from mlxrun.convert import convert
+from mlxrun.dense import dense_checkpoint, save_dense
 from mlxrun.errors import MlxrunError
 from mlxrun.evaluate import (
     QuantChoice,
-    dense_checkpoint,
     evaluate,
     expanded,
     matrix_bytes_per_weight,
-    save_dense,
     window_logits,
 )
 from mlxrun.loader import open_checkpoint

@@ -497,7 +497,7 @@ def test_fused_small_ops_equal_the_stock_ops(dtype):
     """RMSNorm (+ residual add), rotary embedding with the KV-cache store, SiLU-multiply and
     the greedy argmax as one kernel each give what the PyTorch backend's stock ops give,
     rounding steps included."""
-    from mlxrun.backends import cuda_ops
+    from mlxrun.backends import cuda_attention, cuda_ops
     from mlxrun.backends.torch_backend import TorchBackend
 
     stock = TorchBackend(DEV, "bfloat16" if dtype == torch.bfloat16 else "float32")
@@ -531,20 +531,20 @@ def test_fused_small_ops_equal_the_stock_ops(dtype):
     kw, vw = kc.clone(), vc.clone()
     kw[:, :, 3:10], vw[:, :, 3:10] = stock.rope(k, pos, inv), v
     slot = torch.tensor([3], device=DEV)
-    got = cuda_ops.rope_qkv(q, k, v, pos, inv, kc, vc, slot)
+    got = cuda_attention.rope_qkv(q, k, v, pos, inv, kc, vc, slot)
     assert got.is_contiguous() and got.shape == q.shape
     assert rel_err(got.float().cpu(), stock.rope(q, pos, inv).float().cpu()) < tol
     assert rel_err(kc.float().cpu(), kw.float().cpu()) < tol
     assert torch.equal(vc, vw)  # v copied bit for bit, nothing else touched
     assert torch.equal(kc[:, :, :3], kw[:, :, :3]) and torch.equal(kc[:, :, 10:], kw[:, :, 10:])
-    one = cuda_ops.rope_qkv(q[:1], k[:1], v[:1], pos[1:], inv, kc[:1], vc[:1], slot)
+    one = cuda_attention.rope_qkv(q[:1], k[:1], v[:1], pos[1:], inv, kc[:1], vc[:1], slot)
     assert rel_err(one.float().cpu(), stock.rope(q[:1], pos[1:], inv).float().cpu()) < tol
     # a sliding-window layer's ring: the writes wrap past the end of the buffer to its start
     kc2, vc2 = rnd(2, 2, 12, 32), rnd(2, 2, 12, 32)
     kw2, vw2 = kc2.clone(), vc2.clone()
     ring = [9, 10, 11, 0, 1, 2, 3]
     kw2[:, :, ring], vw2[:, :, ring] = stock.rope(k, pos, inv), v
-    cuda_ops.rope_qkv(q, k, v, pos, inv, kc2, vc2, torch.tensor([9], device=DEV))
+    cuda_attention.rope_qkv(q, k, v, pos, inv, kc2, vc2, torch.tensor([9], device=DEV))
     assert rel_err(kc2.float().cpu(), kw2.float().cpu()) < tol and torch.equal(vc2, vw2)
 
     # greedy argmax over a vocabulary of 3 blocks and a bit, split across programs: a tie
@@ -576,7 +576,7 @@ def test_decode_attention_equals_sdpa(dtype):
     that whole blocks of keys skip), and with one mask for the batch."""
     import torch.nn.functional as F
 
-    from mlxrun.backends import cuda_ops
+    from mlxrun.backends import cuda_attention
 
     g = torch.Generator().manual_seed(0)
     B, NH, NKV, S, D = 3, 8, 2, 200, 32  # 200 keys: 4 blocks of 64, the last partial
@@ -595,7 +595,7 @@ def test_decode_attention_equals_sdpa(dtype):
         want = F.scaled_dot_product_attention(
             q.float(), k.float(), v.float(), attn_mask=mask, scale=0.2, enable_gqa=True
         )
-        got = cuda_ops.decode_attention(q, k, v, 0.2, mask)
+        got = cuda_attention.decode_attention(q, k, v, 0.2, mask)
         assert got.shape == q.shape and got.dtype == dtype
         assert rel_err(got.float().cpu(), want.cpu()) < tol
 
@@ -608,7 +608,7 @@ def test_slot_rows_are_written_and_read_in_place(dtype):
     gathered rows does (a dummy row in slot 0 that sees only the last position included)."""
     import torch.nn.functional as F
 
-    from mlxrun.backends import cuda_ops
+    from mlxrun.backends import cuda_attention
     from mlxrun.backends.torch_backend import TorchBackend
 
     stock = TorchBackend(DEV, "bfloat16" if dtype == torch.bfloat16 else "float32")
@@ -629,7 +629,7 @@ def test_slot_rows_are_written_and_read_in_place(dtype):
     for b in range(4):
         kw[rows[b], :, pos[b]] = stock.rope(k[b : b + 1], pos[b].view(1, 1), inv)[0, :, 0]
         vw[rows[b], :, pos[b]] = v[b, :, 0]
-    qr = cuda_ops.rope_qkv(q, k, v, pos.view(-1, 1), inv, kc, vc, pos, rows=rows)
+    qr = cuda_attention.rope_qkv(q, k, v, pos.view(-1, 1), inv, kc, vc, pos, rows=rows)
     assert rel_err(qr.float().cpu(), stock.rope(q, pos.view(-1, 1), inv).float().cpu()) < tol
     assert rel_err(kc.float().cpu(), kw.float().cpu()) < tol
     assert torch.equal(vc, vw)  # v stored bit for bit, every other position untouched
@@ -637,7 +637,7 @@ def test_slot_rows_are_written_and_read_in_place(dtype):
     keys = torch.arange(S, device=DEV)[None]
     lo = torch.tensor([0, 0, 0, S - 1], device=DEV)[:, None]
     mask = ((keys >= lo) & (keys <= pos[:, None]))[:, None, None]
-    got = cuda_ops.decode_attention(qr, kc, vc, 0.2, mask, rows=rows)
+    got = cuda_attention.decode_attention(qr, kc, vc, 0.2, mask, rows=rows)
     want = F.scaled_dot_product_attention(
         qr.float(), kc[rows].float(), vc[rows].float(), attn_mask=mask, scale=0.2,
         enable_gqa=True,
@@ -648,7 +648,7 @@ def test_slot_rows_are_written_and_read_in_place(dtype):
 def test_decode_attention_with_sinks():
     """A sink logit per head (gpt-oss) joins the combine's denominator: what the plain torch
     path gives, over several splits, with and without a mask, sinks large and small."""
-    from mlxrun.backends import cuda_ops
+    from mlxrun.backends import cuda_attention
     from mlxrun.backends.torch_backend import _sink_attention
 
     g = torch.Generator().manual_seed(1)
@@ -660,9 +660,9 @@ def test_decode_attention_with_sinks():
         sinks = sinks.to(DEV)
         for m in (None, mask):
             want = _sink_attention(q, k, v, 0.2, m, sinks)
-            got = cuda_ops.decode_attention(q, k, v, 0.2, m, sinks)
+            got = cuda_attention.decode_attention(q, k, v, 0.2, m, sinks)
             assert rel_err(got.cpu(), want.cpu()) < 1e-5
-    assert rel_err(cuda_ops.decode_attention(q, k, v, 0.2, None).cpu(), want.cpu()) > 1e-2
+    assert rel_err(cuda_attention.decode_attention(q, k, v, 0.2, None).cpu(), want.cpu()) > 1e-2
 
 
 def test_cuda_code_path_honours_biases_activation_and_window(tmp_path):
