@@ -47,6 +47,16 @@ def _swiglu(gate, up):
 _swiglu_fused = mx.compile(_swiglu, shapeless=True) if mx is not None else None
 
 
+def _finite(logits):
+    return mx.isfinite(logits).all(axis=-1)
+
+
+# isfinite is seven elementwise ops over the whole vocabulary (a compare with each infinity,
+# one of x with itself, two ors, a not), each its own kernel and (B, V) output every step;
+# compiled they are one kernel before the reduction (mlx-lm's step has no such check).
+_finite_fused = mx.compile(_finite, shapeless=True) if mx is not None else None
+
+
 def _switch(x, w, idx, bias, srt):
     """x @ w[idx]^T for stacked expert weights w (E, out, in), dense or packed."""
     if isinstance(w, QuantizedWeight):
@@ -371,7 +381,7 @@ class MLXBackend:
         return mx.argmax(logits, axis=-1)
 
     def finite_rows(self, logits):
-        return mx.isfinite(logits).all(axis=-1)
+        return _finite_fused(logits)
 
     def sampler(self, plan, state):
         """A device sampler (`mlxrun.sampling`) over lazy mlx arrays."""
