@@ -12,6 +12,8 @@ plus the host's CPU time and queueing time a step, see `clocked`):
   mlxrun-ropebase  rope from its base, as mlx-lm's nn.RoPE, not our stored freqs (unscaled
                    rope only)
   mlxrun-chunk2048 prefill in passes of 2048 tokens (mlx-lm's), not the planner's 512
+  mlxrun-denseprefill  passes of 64 rows or more expand each packed weight and run a dense
+                   matmul (MLXBackend.dense_rows), not MLX's quantized one; decode as is
   mlx-lm           mlx-lm's own model classes and generate_step, holding our arrays
 
     python benchmarks/mlx_vs_mlxlm.py --model shape:llama3-8b --quant none,int4 \
@@ -172,6 +174,7 @@ def measure(a, q: str, m, names: list[str]) -> list[dict]:
         "mlxrun-maskarray": lambda: ours([(mb.MLXCache, "mask", mask_array)]),
         "mlxrun-ropebase": lambda: ours([(mb.MLXBackend, "rope", rope_base)]),
         "mlxrun-chunk2048": lambda: ours(chunk=2048),
+        "mlxrun-denseprefill": lambda: ours([(mb.MLXBackend, "dense_rows", 64)]),
         "mlx-lm": lambda: clocked(gen_mlx_lm(mx.array(prompt), mlm, max_tokens=a.gen_tokens)),
     }
     if m.config.rope_scaling is not None and "mlxrun-ropebase" in names:

@@ -62,6 +62,31 @@ def test_mlx_lm_model_on_our_arrays_matches_ours(which):
     assert toks == peer
 
 
+@pytest.mark.parametrize("which", ["int4", "fp4", "int4+head8"])
+def test_dense_prefill_matches_quantized_matmul(which):
+    """MLXBackend.dense_rows: passes of that many rows expand each packed weight and run a
+    dense matmul, with mlx-lm's logits (MLX's quantized matmul) on the same arrays; a
+    one-row pass, below the threshold, keeps the quantized matmul."""
+    from mlxrun.backends.mlx_backend import MLXBackend
+
+    m = _model(which)
+    prompt = np.random.default_rng(1).integers(0, m.config.vocab_size, 12).tolist()
+    theirs = np.array(bench_mlxlm.mlx_lm_model(m)(mx.array([prompt])).astype(mx.float32))
+    be, expanded = m.be, []
+    dequantize = be.dequantize  # the backend's own, bound before the counting one replaces it
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(MLXBackend, "dense_rows", 4)
+        mp.setattr(MLXBackend, "dequantize", lambda _, q: expanded.append(q) or dequantize(q))
+        cache = m.make_cache(1, 13)
+        ours = be.to_numpy(m(be.ids(np.array([prompt])), cache))
+        n_prompt = len(expanded)
+        one = be.to_numpy(m(be.ids(np.array([[prompt[0]]])), m.make_cache(1, 1)))
+    assert rel_err(theirs, ours) < 1e-5
+    assert rel_err(theirs[:, :1], one) < 1e-5
+    assert n_prompt == 7 * m.config.num_hidden_layers + 1  # every layer's matrices and the head
+    assert len(expanded) == n_prompt  # none for the one-row pass
+
+
 def test_bench_compare_mlx_lm_rows():
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(bench_timing.COPY_BYTES, "cpu", 32 << 20)  # a smaller copy keeps the test fast
