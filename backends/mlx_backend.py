@@ -47,6 +47,16 @@ def _swiglu(gate, up):
 _swiglu_fused = mx.compile(_swiglu, shapeless=True) if mx is not None else None
 
 
+def _finite(logits):
+    return mx.isfinite(logits).all(axis=-1)
+
+
+# isfinite is seven elementwise ops over the whole vocabulary (a compare with each infinity,
+# one of x with itself, two ors, a not), each its own kernel and (B, V) output every step;
+# compiled they are one kernel before the reduction (mlx-lm's step has no such check).
+_finite_fused = mx.compile(_finite, shapeless=True) if mx is not None else None
+
+
 def _switch(x, w, idx, bias, srt):
     """x @ w[idx]^T for stacked expert weights w (E, out, in), dense or packed."""
     if isinstance(w, QuantizedWeight):
@@ -223,8 +233,22 @@ class MLXBackend:
             x = x.astype(mx.float32)
         return np.array(x)
 
+    # Passes of at least this many rows (tokens x batch) multiply a packed weight by
+    # expanding it to the compute dtype first (mx.dequantize, then a dense matmul), as
+    # llama.cpp does for its large batches on CUDA; None: always MLX's quantized matmul.
+    # Off until measured: on the H100 (mlx-cuda 0.32.4, 8B shape, 512-token prompt) int4
+    # prefill ran at 6,813 tok/s against bf16's 20,555, the quantized GEMM setting the
+    # pace; benchmarks/mlx_vs_mlxlm.py's mlxrun-denseprefill variant times it there.
+    dense_rows: int | None = None
+
     def linear(self, x, w, bias=None):
-        if isinstance(w, QuantizedWeight):
+        if (
+            isinstance(w, QuantizedWeight)
+            and self.dense_rows is not None
+            and (x.size // x.shape[-1] >= self.dense_rows and w.weight.ndim == 2)
+        ):
+            y = x @ self.dequantize(w).T  # the expanded copy lives for this matmul only
+        elif isinstance(w, QuantizedWeight):
             y = mx.quantized_matmul(
                 x,
                 w.weight,
@@ -379,7 +403,7 @@ class MLXBackend:
         return mx.argmax(logits, axis=-1)
 
     def finite_rows(self, logits):
-        return mx.isfinite(logits).all(axis=-1)
+        return _finite_fused(logits)
 
     def sampler(self, plan, state):
         """A device sampler (`mlxrun.sampling`) over lazy mlx arrays."""

@@ -120,11 +120,16 @@ class Transformer:
             **kw,
         )  # fmt: skip
 
-    def block(self, L: Layer, h: Array, x: Array, nxt: Array, cache, i: int, mask, pos, rope=None):
+    def block(
+        self, L: Layer, h: Array, x: Array, nxt: Array, cache, i: int, mask, pos, rope=None,
+        last_row: bool = False,
+    ):  # fmt: skip
         """One decoder layer: residual h (B, T, hidden) and x = its input norm applied ->
         (h, x) after the layer, x normalised by `nxt` (the next layer's input norm, or the
         final norm). Uses slot `i` of the cache and the rope table `rope` (the model's when
-        None). Calibration runs layers one at a time through this (quant/calibrate.py)."""
+        None). With `last_row`, every position's keys and values are cached but only the
+        last position goes on past attention: (h, x) are (B, 1, hidden). Calibration runs
+        layers one at a time through this (quant/calibrate.py)."""
         be, c = self.be, self.config
         B, T = x.shape[0], x.shape[1]
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -141,6 +146,8 @@ class Transformer:
             rope = self.rope_local  # sliding layers with a base of their own (Gemma 3)
         q, k, v = be.rope_and_cache(q, k, v, pos, rope, cache, i)
         o = be.attention(q, k, v, self.scale, mask, sinks=L.sinks)  # (B, nh, T, hd)
+        if last_row:  # the output projection and the MLP of the other rows feed nothing
+            o, h, T = o[:, :, -1:], h[:, -1:], 1
         # o and down see this rank's heads / MLP rows only: partial sums of the output, and
         # their biases are added once, after the sum
         o = be.linear_sum(o.swapaxes(1, 2).reshape(B, T, nh * hd), L.o_proj, L.o_bias)
@@ -194,7 +201,11 @@ class Transformer:
         for i, L in enumerate(self.layers):
             last = i + 1 == len(self.layers)
             nxt = self.norm if last else self.layers[i + 1].input_layernorm
-            h, x = self.block(L, h, x, nxt, cache, i, masks[windows[i]], pos, rope)
+            # A prompt pass that returns the last position's logits alone needs only that
+            # row past the last layer's attention: its output projection and MLP run on one
+            # row, not T (mlx-lm's prefill skips them by leaving that output unevaluated).
+            cut = last and last_only and T > 1
+            h, x = self.block(L, h, x, nxt, cache, i, masks[windows[i]], pos, rope, cut)
         cache.advance(T)
         if last_only:
             x = x[:, -1, :]

@@ -62,6 +62,31 @@ def test_mlx_lm_model_on_our_arrays_matches_ours(which):
     assert toks == peer
 
 
+@pytest.mark.parametrize("which", ["int4", "fp4", "int4+head8"])
+def test_dense_prefill_matches_quantized_matmul(which):
+    """MLXBackend.dense_rows: passes of that many rows expand each packed weight and run a
+    dense matmul, with mlx-lm's logits (MLX's quantized matmul) on the same arrays; a
+    one-row pass, below the threshold, keeps the quantized matmul."""
+    from mlxrun.backends.mlx_backend import MLXBackend
+
+    m = _model(which)
+    prompt = np.random.default_rng(1).integers(0, m.config.vocab_size, 12).tolist()
+    theirs = np.array(bench_mlxlm.mlx_lm_model(m)(mx.array([prompt])).astype(mx.float32))
+    be, expanded = m.be, []
+    dequantize = be.dequantize  # the backend's own, bound before the counting one replaces it
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(MLXBackend, "dense_rows", 4)
+        mp.setattr(MLXBackend, "dequantize", lambda _, q: expanded.append(q) or dequantize(q))
+        cache = m.make_cache(1, 13)
+        ours = be.to_numpy(m(be.ids(np.array([prompt])), cache))
+        n_prompt = len(expanded)
+        one = be.to_numpy(m(be.ids(np.array([[prompt[0]]])), m.make_cache(1, 1)))
+    assert rel_err(theirs, ours) < 1e-5
+    assert rel_err(theirs[:, :1], one) < 1e-5
+    assert n_prompt == 7 * m.config.num_hidden_layers + 1  # every layer's matrices and the head
+    assert len(expanded) == n_prompt  # none for the one-row pass
+
+
 def test_bench_compare_mlx_lm_rows():
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(bench_timing.COPY_BYTES, "cpu", 32 << 20)  # a smaller copy keeps the test fast
@@ -125,8 +150,10 @@ def _ops(tmp_path, name, *outs) -> int:
 
 @pytest.mark.parametrize("which", ["none", "int4"])
 def test_decode_step_graph_no_larger_than_mlx_lm(tmp_path, which):
-    """One greedy decode step after the same prompt: our graph has no more primitives than
-    mlx-lm's, and 2 a layer fewer than with SwiGLU as separate sigmoid and multiplies."""
+    """One greedy decode step after the same prompt, as each loop queues it (ours: the token
+    and the logits' NaN/inf check; mlx-lm's: the token and its log-probabilities): ours has
+    no more primitives than mlx-lm's, 2 a layer fewer than with SwiGLU as separate sigmoid
+    and multiplies, and 7 fewer than with the check's elementwise ops uncompiled."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlxrun.backends import mlx_backend as mb
@@ -140,19 +167,25 @@ def test_decode_step_graph_no_larger_than_mlx_lm(tmp_path, which):
         logits = m(prompt, cache, last_only=True)
         mx.eval(logits, *cache.keys, *cache.values)  # the prompt's graph ends here
         y = mx.argmax(logits, axis=-1)
-        return mx.argmax(m(y.reshape(1, 1), cache, last_only=True), axis=-1)
+        logits = m(y.reshape(1, 1), cache, last_only=True)
+        return m.be.argmax(logits), m.be.finite_rows(logits)
+
+    def unfused(name, plain):
+        old = getattr(mb, name)
+        try:
+            setattr(mb, name, plain)
+            return _ops(tmp_path, name, *ours())
+        finally:
+            setattr(mb, name, old)
 
     cache = make_prompt_cache(mlm)
     logits = mlm(prompt, cache=cache)
     mx.eval(logits, [c.state for c in cache])
     y = mx.argmax(logits[:, -1, :], axis=-1)
-    theirs = mx.argmax(mlm(y[:, None], cache=cache)[:, -1, :], axis=-1)  # its sampler's argmax
-    n_ours, n_theirs = _ops(tmp_path, "ours", ours()), _ops(tmp_path, "theirs", theirs)
-    fused = mb._swiglu_fused
-    try:
-        mb._swiglu_fused = mb._swiglu
-        n_unfused = _ops(tmp_path, "unfused", ours())
-    finally:
-        mb._swiglu_fused = fused
+    logits = mlm(y[:, None], cache=cache)[:, -1, :]
+    logprobs = logits - mx.logsumexp(logits, keepdims=True)  # generate_step's _step
+    theirs = (mx.argmax(logprobs, axis=-1), logprobs)  # its greedy sampler's argmax
+    n_ours, n_theirs = _ops(tmp_path, "ours", *ours()), _ops(tmp_path, "theirs", *theirs)
     assert n_ours <= n_theirs
-    assert n_unfused - n_ours == 2 * m.config.num_hidden_layers
+    assert unfused("_swiglu_fused", mb._swiglu) - n_ours == 2 * m.config.num_hidden_layers
+    assert unfused("_finite_fused", mb._finite) - n_ours == 7
