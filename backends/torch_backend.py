@@ -601,6 +601,8 @@ class TorchBackend:
         passes eagerly. The caller calls its close() when the generation ends."""
         if not (self.triton_kernels or self.spec_rows) or model.config.rope_dynamic:
             return None  # (dynamic rope: frequencies of each pass's length, as decode_step)
+        if self.group is not None:
+            return None  # tensor parallel: not tried with collectives in these graphs yet
         from .spec_graph import passes_for  # noqa: PLC0415
 
         return passes_for(self, model, max_len, sizes)

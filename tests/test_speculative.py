@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 import mlxrun
 from mlxrun.cli import main
@@ -16,6 +15,10 @@ from mlxrun.sampling import SamplingParams
 from mlxrun.speculative import ModelDraft, NgramDraft, accept, lookup
 
 from .conftest import SMOLLM2, TINY, write_random
+
+# (imported at collection: without a GPU it turns the Triton interpreter on before anything
+# imports triton)
+from .test_engine import HAS_CUDA, _interpreted_kernels
 
 BACKENDS = ["cpu", "mlx"]
 
@@ -176,8 +179,6 @@ def test_bench_rows(tiny_dir):
     assert "same tokens: yes" in format_spec([real])
 
 
-HAS_CUDA = torch.cuda.is_available()
-
 # The fixed-shape passes (backends/spec_graph.py): captured CUDA graphs on a GPU; on the CPU
 # the same steps run as they are, through the plain torch ops (`spec_rows`) or, with
 # `triton_kernels`, through the CUDA path's Triton kernels under the interpreter.
@@ -257,8 +258,6 @@ def test_fixed_passes_roll_back(fixed_cpu_pair):
 def test_fixed_passes_under_triton_kernels(tmp_path_factory):
     """The CUDA path's kernels (rope_qkv and decode_attention by rows, argmax) on the CPU,
     interpreted, uncaptured."""
-    from .test_engine import _interpreted_kernels
-
     if HAS_CUDA or not _interpreted_kernels():
         pytest.skip("on a GPU the captured tests below run these kernels")
     t, d = _pair(tmp_path_factory.mktemp("triton"), "cpu")
