@@ -180,6 +180,11 @@ class MLXBackend:
         self._dt = getattr(mx, self.dtype)
         self.memory_kind = "apple" if self.device == "gpu" else "cpu"  # the planner's kind
         self.group = None  # mlxrun.distributed.Group when the model is split over processes
+        cuda = getattr(mx, "cuda", None)
+        if self.device == "gpu" and cuda is not None and cuda.is_available():
+            # H100, mlx-cuda 0.32.4, 8B int4, 2048-token prompt (benchmarks/mlx_vs_mlxlm.py):
+            # prefill 7,743 -> 14,898 tok/s expanding each weight for the pass; decode unchanged
+            self.dense_rows = 64
 
     def describe(self) -> str:
         info = ""
@@ -236,9 +241,8 @@ class MLXBackend:
     # Passes of at least this many rows (tokens x batch) multiply a packed weight by
     # expanding it to the compute dtype first (mx.dequantize, then a dense matmul), as
     # llama.cpp does for its large batches on CUDA; None: always MLX's quantized matmul.
-    # Off until measured: on the H100 (mlx-cuda 0.32.4, 8B shape, 512-token prompt) int4
-    # prefill ran at 6,813 tok/s against bf16's 20,555, the quantized GEMM setting the
-    # pace; benchmarks/mlx_vs_mlxlm.py's mlxrun-denseprefill variant times it there.
+    # On with mlx-cuda (see __init__), where MLX's quantized GEMM sets the prefill's pace;
+    # off on Metal and the CPU, not measured there.
     dense_rows: int | None = None
 
     def linear(self, x, w, bias=None):

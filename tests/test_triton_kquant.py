@@ -212,7 +212,9 @@ def _both_paths(path):
 
     models = []
     for kernels in (False, True):
-        be = TorchBackend(DEV, "float32")
+        # the reference dequantizes on the CPU: on a GPU, CUDA refuses the stored int5 layers
+        # its kernels do not take (the kernels' path widens them)
+        be = TorchBackend(DEV if kernels else "cpu", "float32")
         be.triton_kernels = kernels
         be.gguf_blocks = tuple(kq.KINDS) if kernels else ()
         be.cuda_graphs = False
