@@ -286,10 +286,12 @@ def _glaunch(x, ids, tiles, out, rw, p: PackedExperts, b1, b2, x_div, o, scaled)
 
 
 def grouped_wins(slots: int, o) -> bool:
-    """Whether the grouped kernel runs a decode step: where the experts hit get two or more
-    slots each on average (each weight tile then decoded once for several slots, against
-    once a slot). A guess, not yet timed (benchmarks/moe_kernels.py --path)."""
-    return slots >= 2 * o.num_experts
+    """Whether the grouped kernel runs a decode step: from 8 slots an expert on average
+    (each weight tile then decoded once for several slots, against once a slot). H100,
+    `benchmarks/moe_kernels.py --path slot,grouped` (a layer, us, slot / grouped): gpt-oss-20b
+    int4 at 8 slots an expert (batch 64) 1,539 / 1,052, at 4 (batch 32) 793 / 1,020;
+    mxfp4 at 4 806 / 757; qwen3-30b-a3b int4 at 4 (batch 64) 362 / 743, at 2 194 / 660."""
+    return slots >= 8 * o.num_experts
 
 
 def _expert_rows(p: PackedExperts, j: int) -> QLinear:
