@@ -1,9 +1,9 @@
 """The Llama-family forward pass, written once against the backend interface.
 
 Covers Llama 1-3.2, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), and the
-mixture-of-experts Qwen3-MoE, Qwen2-MoE (a shared expert), Mixtral and gpt-oss; the differences are switches in ModelConfig
-(biases on any projection, the gate activation, a sliding attention window per layer,
-experts in place of the MLP), not separate classes.
+mixture-of-experts Qwen3-MoE, Qwen2-MoE (a shared expert), Mixtral and gpt-oss; the
+differences are switches in ModelConfig (biases on any projection, the gate activation, a
+sliding attention window per layer, experts in place of the MLP), not separate classes.
 """
 
 from __future__ import annotations
