@@ -9,7 +9,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from .engine import Engine, Request
+from .engine import Engine
+from .engine_io import Request
 from .sampling import SamplingParams
 from .structured import Constraint
 from .tools import harmony_read

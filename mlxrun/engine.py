@@ -10,59 +10,29 @@ sequence's tokens do not depend on its batch-mates.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import queue
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
 from .backends.base import QuantizedWeight
+from .engine_io import Event, QueueFull, Request, TokenLogprob
 from .engine_tp import IDLE_BEAT_S, StepSync, fix_seed, from_wire, to_wire
 from .errors import MlxrunError
 from .generate import _stop_hold
 from .memory import prefill_chunk_for
 from .model import Transformer
 from .phases import Phases, now
-from .sampling import SamplingParams, mask_words, pack, plan_for, row_seed
-from .structured import Constraint, fill_masks, grammars_for
+from .sampling import mask_words, pack, plan_for, row_seed
+from .structured import fill_masks, grammars_for
 from .tokenizer import Tokenizer
 
-
-class QueueFull(MlxrunError):
-    """The engine's waiting queue is at --max-queue: try again later."""
-
-
-@dataclass
-class TokenLogprob:
-    """log P(token) under the model's raw logits, and the `top` likeliest alternatives."""
-
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-@dataclass
-class Event:
-    """One generated token's worth of output for a request. `text` is the newly final text
-    (empty while a multi-byte character or a possible stop string is pending)."""
-
-    text: str
-    token: int | None
-    logprob: TokenLogprob | None
-    finish_reason: str | None  # None while running; "stop", "length", "cancelled", "error"
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int  # prompt tokens whose keys and values came from the prefix cache
-    error: str | None = None
-
-
-_ids = itertools.count(1)
 # Shorter held prefixes are not reused: a BOS alone is common to every prompt, and copying a
 # few positions saves less than it costs.
 MIN_PREFIX = 4
@@ -72,31 +42,6 @@ OVERLAP = os.environ.get("MLXRUN_SERVE_OVERLAP", "1") != "0"
 # How many requests' first-token phases the engine keeps (`Engine.recent`)
 RECENT = 64
 log = logging.getLogger("mlxrun.engine")
-
-
-@dataclass
-class Request:
-    """What to generate. `on_event` is called from the engine's thread for every token."""
-
-    prompt: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    max_tokens: int = 256
-    stop: list[str] = field(default_factory=list)
-    logprobs: int | None = None  # None: off; k: the chosen token's and the top k
-    constraint: Constraint | None = None  # a JSON schema, regex or grammar to follow
-    markup: bool | None = None  # keep special tokens in the text (None: as the tokenizer)
-    on_event: Callable[[Event], None] | None = None
-    id: int = field(default_factory=lambda: next(_ids))
-    cancelled: bool = False  # as the engine sees it
-    asked: bool = False  # cancel() was called
-    deferred: bool = False  # cancel() takes effect at the next step's message (tensor parallel)
-    phases: Phases = field(default_factory=Phases)  # where its time to first token went
-
-    def cancel(self) -> None:
-        """Stop generating; the engine frees the slot at its next step."""
-        self.asked = True
-        if not self.deferred:
-            self.cancelled = True
 
 
 class _Seq:

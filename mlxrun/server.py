@@ -13,7 +13,8 @@ import math
 import time
 import uuid
 
-from .engine import Engine, Event, QueueFull, Request
+from .engine import Engine
+from .engine_io import Event, QueueFull, Request
 from .errors import MlxrunError
 from .phases import now
 from .sampling import SamplingParams
