@@ -69,6 +69,19 @@ def _encode(a: np.ndarray, kind: str) -> tuple[np.ndarray, object]:
     return gguf.quants.quantize(a, Q[kind]), Q[kind]
 
 
+def _add_tokenizer(w, pre: str, tokens, ttypes, merges) -> None:
+    """The byte-level BPE vocabulary, its ids and the chat template, as llama.cpp writes them."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(ttypes)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(len(tokens) - 3)
+    w.add_eos_token_id(len(tokens) - 1)
+    w.add_add_bos_token(False)
+    w.add_chat_template(TEMPLATE)
+
+
 def write_moe_gguf(path, arch: str, hf, types: dict) -> dict[str, np.ndarray]:
     """The transformers model `hf` as llama.cpp's converter writes an `arch` GGUF; returns
     {expert parameter: its values as written (dequantized), transformers' layout}."""
@@ -95,15 +108,7 @@ def write_moe_gguf(path, arch: str, hf, types: dict) -> dict[str, np.ndarray]:
         w.add_expert_feed_forward_length(I)
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(S)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("llama-bpe" if arch == "llama" else "qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(ttypes)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(len(tokens) - 3)
-    w.add_eos_token_id(len(tokens) - 1)
-    w.add_add_bos_token(False)
-    w.add_chat_template(TEMPLATE)
+    _add_tokenizer(w, "llama-bpe" if arch == "llama" else "qwen2", tokens, ttypes, merges)
 
     def put(name, a, kind="F32"):
         data, raw = _encode(np.ascontiguousarray(a, np.float32), kind)
@@ -275,15 +280,7 @@ def write_gpt_oss_gguf(path, hf) -> dict[str, np.ndarray]:
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     w.add_rope_scaling_factor(rp["factor"])
     w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-4o")
-    w.add_token_list(tokens)
-    w.add_token_types(ttypes)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(len(tokens) - 3)
-    w.add_eos_token_id(len(tokens) - 1)
-    w.add_add_bos_token(False)
-    w.add_chat_template(TEMPLATE)
+    _add_tokenizer(w, "gpt-4o", tokens, ttypes, merges)
 
     def put(name, a, kind=None):
         a = np.ascontiguousarray(a, np.float32)

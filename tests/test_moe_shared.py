@@ -15,10 +15,9 @@ import mlxrun
 from mlxrun.backends.base import QuantizedWeight
 from mlxrun.config import ModelConfig
 from mlxrun.errors import MlxrunError
-from mlxrun.generate import generate_step
-from mlxrun.sampling import SamplingParams
 
 from .conftest import rel_err, write_random
+from .test_moe import _check, _hf
 
 VOCAB = 64
 BASE = dict(
@@ -52,21 +51,6 @@ def variant(tmp_path_factory):
         return cache[0]
 
     return get
-
-
-def _hf(hf, ids, new=6):
-    with torch.no_grad():
-        ref = hf(torch.tensor(ids)[None]).logits[0].numpy()
-        out = hf.generate(torch.tensor(ids)[None], max_new_tokens=new, min_new_tokens=new,
-                          do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
-    return ref, out[0, len(ids) :].tolist()
-
-
-def _check(m, ids, ref, want, tol, what):
-    assert rel_err(m.logits(ids), ref) < tol, what
-    steps = generate_step(m.transformer, [list(ids)], SamplingParams(), max_tokens=len(want),
-                          prefill_chunk=7)  # fmt: skip
-    assert [int(t[0]) for t in steps] == want, what
 
 
 def test_qwen2_moe_matches_transformers(variant):
