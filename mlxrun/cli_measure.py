@@ -9,7 +9,13 @@ import sys
 import click
 
 from .cli_io import check_writable, emit_json
-from .cli_options import DTYPE_CHOICES, json_option, kv_quant_option, model_options
+from .cli_options import (
+    DTYPE_CHOICES,
+    batch_option,
+    json_option,
+    kv_quant_option,
+    model_options,
+)
 from .errors import MlxrunError
 
 
@@ -22,15 +28,7 @@ from .errors import MlxrunError
     default=None,
     help="Tokens per sequence (prompt + generation) [default: the model's maximum].",
 )
-@click.option(
-    "--batch-size",
-    "--batch",
-    "batch",
-    type=int,
-    default=1,
-    show_default=True,
-    help="Sequences at once.",
-)
+@batch_option
 @click.option(
     "--prompt-tokens",
     type=int,
@@ -217,15 +215,7 @@ def _csv(value: str) -> list[str]:
 @click.option(
     "--max-tokens", "--gen-tokens", "gen_tokens", type=int, default=128, show_default=True
 )
-@click.option(
-    "--batch-size",
-    "--batch",
-    "batch",
-    type=int,
-    default=1,
-    show_default=True,
-    help="Sequences at once.",
-)
+@batch_option
 @click.option(
     "--reps", type=int, default=5, show_default=True, help="Timed runs after one warm-up."
 )

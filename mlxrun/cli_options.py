@@ -19,6 +19,13 @@ def verbosity_options(f):
     return f
 
 
+def batch_option(f):
+    return click.option(
+        "--batch-size", "--batch", "batch", type=int, default=1, show_default=True,
+        help="Sequences at once.",
+    )(f)  # fmt: skip
+
+
 def json_option(f):
     return click.option(
         "--json",
