@@ -117,6 +117,12 @@ def vocab_rows(name: str, data: np.ndarray, v: VocabShard) -> np.ndarray:
     return np.concatenate([part, np.zeros((short, *data.shape[1:]), dtype=data.dtype)])
 
 
+def is_down_bias(name: str) -> bool:
+    """Whether `name` is the experts' down bias, which rank 0 alone holds (zeros on the
+    others: the sum over the ranks adds it once)."""
+    return _DOWN_BIAS.search(name) is not None
+
+
 def split_axis(name: str) -> int | None:
     """The axis of tensor `name` split across ranks (0 rows, -1 columns; a stack of experts
     by its own axis: 1, -1 or -2), None: replicated."""
@@ -258,7 +264,7 @@ def shard_tensors(
         axis = split_axis(name)
         if vocab is not None and _VOCAB.match(name):
             out[name] = Tensor(t.dtype, vocab_rows(name, t.data, vocab))
-        elif _DOWN_BIAS.search(name):
+        elif is_down_bias(name):
             out[name] = t if rank == 0 else Tensor(t.dtype, np.zeros(t.shape, t.data.dtype))
         elif axis is None:
             out[name] = t

@@ -202,3 +202,18 @@ def tiny_moe_dirs(tmp_path_factory):
     }
     out["gpt_oss_openai"], out["gpt_oss_mlx_lm"], _ = _gpt_oss_mxfp4(out["gpt_oss"], root)
     return {k: str(v) for k, v in out.items()}
+
+
+@pytest.fixture(scope="session")
+def moe_ggufs(tmp_path_factory):
+    """name -> a tiny mixture-of-experts GGUF (str) as llama.cpp lays one out
+    (tests/test_gguf_moe.py): "qwen3moe" with Q4_K gate, F16 up and Q8_0 down experts
+    (256 rows an expert: 128 a rank over two, whole Q8_0 blocks), "gpt-oss" with MXFP4
+    experts, biases and sinks."""
+    from .test_gguf_moe import _hf_random, gpt_oss_random, write_gpt_oss_gguf, write_moe_gguf
+
+    root = tmp_path_factory.mktemp("moe_gguf")
+    types = dict(ffn_gate_exps="Q4_K", ffn_up_exps="F16", ffn_down_exps="Q8_0", attn="Q8_0")
+    write_moe_gguf(root / "qwen3moe.gguf", "qwen3moe", _hf_random("qwen3moe"), types)
+    write_gpt_oss_gguf(root / "gpt-oss.gguf", gpt_oss_random())
+    return {"qwen3moe": str(root / "qwen3moe.gguf"), "gpt-oss": str(root / "gpt-oss.gguf")}

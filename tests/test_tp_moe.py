@@ -131,3 +131,52 @@ def test_shared_expert_models_are_refused_over_ranks():
     with pytest.raises(MlxrunError, match="shared expert"):
         check(cfg, 2, set())
     check(cfg, 1, set())
+
+
+def _gguf_experts(path: str, shard=None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """The config and layer 0's stacked expert tensors of a GGUF, as the import converts
+    them (a rank's slices with `shard` = (ranks, rank))."""
+    from mlxrun.gguf import read_gguf
+
+    g = read_gguf(path, shard)
+    cfg = ModelConfig.from_dict(g.config)
+    pre = expert_names(cfg.model_type, "model.layers.0").stacked + "."
+    return cfg, {k[len(pre) :]: np.asarray(v.data) for k, v in g.tensors.items() if k.startswith(pre)}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "gpt-oss"])
+def test_gguf_expert_shards_are_the_whole_experts_rows(moe_ggufs, name):
+    """A GGUF's stacked experts cut from the file's blocks before they are unpacked: Q4_K,
+    F16, Q8_0 (qwen3moe) and MXFP4 (gpt-oss, with biases) rank slices are rows [r*I/2,
+    (r+1)*I/2) of every expert's gate/up (and their biases) and the matching columns of
+    down (whole blocks); the down bias is rank 0's alone."""
+    cfg, whole = _gguf_experts(moe_ggufs[name])
+    I = cfg.moe.intermediate_size  # noqa: E741
+    kinds = {k.split(".")[-1] for k in whole}
+    assert {"weight", "scales"} <= kinds and ("bias" in kinds) == (name == "gpt-oss")
+    for rank in range(2):
+        _, got = _gguf_experts(moe_ggufs[name], (2, rank))
+        assert got.keys() == whole.keys()
+        for k, a in got.items():
+            w = whole[k]
+            if k == "down_proj.bias":
+                assert np.array_equal(a, w if rank == 0 else np.zeros_like(w)) and w.any()
+            elif k.startswith("down_proj."):
+                step = w.shape[-1] // 2
+                assert np.array_equal(a, w[..., rank * step : (rank + 1) * step]), k
+            else:
+                assert np.array_equal(a, w[:, rank * I // 2 : (rank + 1) * I // 2]), k
+
+
+def test_gguf_k_quant_down_needs_whole_blocks_a_rank(tmp_path):
+    """Q4_K experts' down over two ranks: 256 inputs an expert are one 256-value block, so
+    a rank's 128 would cut it: one line naming the tensor and what is needed."""
+    from .test_gguf_moe import _hf_random, write_moe_gguf
+
+    path = tmp_path / "k.gguf"
+    write_moe_gguf(path, "qwen3moe", _hf_random("qwen3moe"), {"ffn_down_exps": "Q4_K"})
+    with pytest.raises(MlxrunError, match=r"^model\.layers\.0\.mlp\.switch_mlp\.down_proj\.weight: "
+                       r"its 256 inputs are stored in GGUF Q4_K blocks of 256 values, and 256 / 2 "
+                       r"ranks = 128 inputs a rank is not whole blocks; split it over a rank count "
+                       r"that gives multiples of 256 inputs"):  # fmt: skip
+        _gguf_experts(str(path), (2, 0))
