@@ -174,12 +174,15 @@ class _Recorder:
         self._keep(gate, x)
         return self._be.gated_mlp(x, gate, up, act, biases)
 
-    def moe_sum(self, x, logits, experts, opts):
-        """A layer of experts: its input and router logits, as float32 (tokens, -1)."""
+    def moe_sum(self, x, logits, experts, opts, shared=None):
+        """A layer of experts: its input and router logits, as float32 (tokens, -1); a
+        shared expert's down input as down's."""
         for a, key in ((x, "moe_x"), (logits, "moe_logits")):
             a = self._be.to_numpy(a)
             self.seen.setdefault(key, []).append(a.reshape(-1, a.shape[-1]).astype(np.float32))
-        return self._be.moe_sum(x, logits, experts, opts)
+        if shared is not None:
+            self._keep(shared[1], shared[0])
+        return self._be.moe_sum(x, logits, experts, opts, shared)
 
 
 class _Stats:

@@ -185,6 +185,10 @@ TINY_MOE = {
     # biases on router and experts, sinks, the clamped SwiGLU, a window of 8 on layer 0
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
                     sliding_window=8, swiglu_limit=0.5),
+    # a shared expert of 128 rows (64 a rank) beside the routed ones, raw top-k weights
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                      intermediate_size=64, shared_expert_intermediate_size=128,
+                      norm_topk_prob=False),
 }  # fmt: skip
 
 

@@ -338,6 +338,7 @@ def test_gloo_two_ranks_equal_one_process(tiny_dir, odd_vocab, tiny_moe_dirs, mo
                 ("qwen3_moe", {"quant": "int4", "group_size": 32}),
                 ("gpt_oss", {}),
                 ("gpt_oss_openai", {}),
+                ("qwen2_moe", {"quant": "int4", "group_size": 32}),
             ],
         )
         + _moe_jobs(moe_ggufs, "cpu", [("qwen3moe", {}), ("gpt-oss", {})])
@@ -366,7 +367,9 @@ def test_mlx_ring_two_ranks_equal_one_process(
             ],
         )
         + _odd_jobs(odd_vocab, "mlx", [(True, {})])
-        + _moe_jobs(tiny_moe_dirs, "mlx", [("qwen3_moe", {}), ("gpt_oss_mlx_lm", {})])
+        + _moe_jobs(
+            tiny_moe_dirs, "mlx", [("qwen3_moe", {}), ("gpt_oss_mlx_lm", {}), ("qwen2_moe", {})]
+        )
         + _moe_jobs(moe_ggufs, "mlx", [("qwen3moe", {})])
     )
     _run_split(_mlx_launch(2), jobs, tmp_path / "out")

@@ -43,7 +43,9 @@ def _stacked(tensors: dict, cfg: ModelConfig, layer: int) -> dict[str, np.ndarra
     }
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "gpt_oss_openai", "gpt_oss_mlx_lm"])
+@pytest.mark.parametrize(
+    "name", ["qwen3_moe", "qwen2_moe", "gpt_oss", "gpt_oss_openai", "gpt_oss_mlx_lm"]
+)
 def test_expert_shards_are_the_whole_experts_rows(tiny_moe_dirs, name):
     """Each layout's rank slices, stacked as the loader stacks them: gate/up (and their
     biases) are rows [r*I/2, (r+1)*I/2) of every whole expert, down its matching columns
@@ -75,6 +77,18 @@ def test_expert_shards_are_the_whole_experts_rows(tiny_moe_dirs, name):
                 assert np.array_equal(a, w[:, rows]), k
         router = f"model.layers.0.{expert_names(cfg.model_type, '').router[1:]}.weight"
         assert part[router] is tensors[router]  # replicated
+        if cfg.moe.shared_intermediate_size:  # split as a dense MLP, its gate replicated
+            S = cfg.moe.shared_intermediate_size  # noqa: N806
+            p = "model.layers.0.mlp.shared_expert"
+            half = slice(rank * S // 2, (rank + 1) * S // 2)
+            for k in ("gate_proj", "up_proj"):
+                assert np.array_equal(
+                    part[f"{p}.{k}.weight"].data, tensors[f"{p}.{k}.weight"].data[half]
+                )
+            down = tensors[f"{p}.down_proj.weight"].data
+            assert np.array_equal(part[f"{p}.down_proj.weight"].data, down[:, half])
+            assert part[f"{p}_gate.weight"] is tensors[f"{p}_gate.weight"]
+            assert shard_config(cfg, 2).moe.shared_intermediate_size == S // 2
 
 
 def test_moe_division_rules_name_the_counts_that_work(tiny_moe_dirs):
@@ -121,16 +135,24 @@ def test_plan_counts_a_ranks_share_of_the_experts():
     assert q[1] == pytest.approx(q[0] / 2, rel=0.01)
 
 
-def test_shared_expert_models_are_refused_over_ranks():
-    """Qwen2-MoE's shared expert is not split yet: one line, not a model summed twice."""
+def test_shared_expert_division_rules():
+    """Qwen2-MoE's shared expert splits as a dense MLP: its rows must divide by the ranks,
+    and a rank's share of its down inputs must be whole quantization groups."""
     cfg = ModelConfig(
         model_type="qwen2_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
-        moe=MoEOptions(num_experts=4, top_k=2, intermediate_size=32, shared_intermediate_size=64),
+        moe=MoEOptions(num_experts=4, top_k=2, intermediate_size=64, shared_intermediate_size=96),
     )  # fmt: skip
-    with pytest.raises(MlxrunError, match="shared expert"):
-        check(cfg, 2, set())
-    check(cfg, 1, set())
+    check(cfg, 2, set())
+    with pytest.raises(
+        MlxrunError,
+        match=r"the shared expert's down_proj's 48 inputs a rank are not whole groups of 32; "
+        r"rank counts that work: 1 \(or pick",
+    ):
+        check(cfg, 2, {32})
+    odd = cfg.replace(moe=MoEOptions(4, 2, 64, shared_intermediate_size=90))
+    with pytest.raises(MlxrunError, match=r": 90 shared expert rows .* do not divide by 4;"):
+        check(odd.replace(num_key_value_heads=4), 4, set())
 
 
 def _gguf_experts(path: str, shard=None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
