@@ -260,7 +260,10 @@ def _mixed_specs(load, shell, hs, chunk, cfg, spec, espec, dtype, opts, progress
     causes in its layer's output, mean((h' - h)^2) / mean(h^2), on the first `chunk`
     calibration windows carried through the dense model: the residual stream is where
     every linear's error lands, so errors of q (through the softmax), gate (through the
-    activation) and down compare on one scale."""
+    activation) and down compare on one scale. A layer of experts' stacked projections
+    (gate/up/down of every expert, mlx-lm's `switch_mlp.gate_proj` ...) are one tensor
+    each: one width for all its experts (as mlx-lm's per-layer overrides store it), its
+    bytes counted over every expert, its error from rounding all of them at once."""
     from tqdm.auto import tqdm  # noqa: PLC0415
 
     from mlxrun.quant.mixed_bits import BITS, allocate, matrix_bytes  # noqa: PLC0415
@@ -276,13 +279,30 @@ def _mixed_specs(load, shell, hs, chunk, cfg, spec, espec, dtype, opts, progress
         names, _, w, ln_in, ln_post, extra = load(i)
         base, _ = _run(shell, _layer(be, w, ln_in, ln_post, extra), sub, chunk, None)
         energy = max(float(np.mean(base.astype(np.float64) ** 2)), 1e-30)
+
+        def err(wq, ex, sub=sub, base=base, energy=energy, ln_in=ln_in, ln_post=ln_post):
+            got, _ = _run(shell, _layer(be, wq, ln_in, ln_post, ex), sub, chunk, None)
+            return float(np.mean((got - base).astype(np.float64) ** 2)) / energy
+
         for k, n in names.items():
             errs[n], shapes[n] = {}, w[k].shape
             for b in BITS:
                 wq = dict(w)
                 wq[k] = fake_quant(w[k], QuantSpec(spec.mode, b, spec.group_size), dtype)
-                got, _ = _run(shell, _layer(be, wq, ln_in, ln_post, extra), sub, chunk, None)
-                errs[n][b] = float(np.mean((got - base).astype(np.float64) ** 2)) / energy
+                errs[n][b] = err(wq, extra)
+        if "experts" in w:  # a layer of experts: each stacked projection as one tensor
+            from mlxrun.moe import Experts, expert_names  # noqa: PLC0415
+
+            ew, stacked = w["experts"], expert_names(cfg.model_type, f"model.layers.{i}").stacked
+            for proj in LINEARS[4:]:
+                n, (E, out, inp) = f"{stacked}.{proj}", ew[proj].shape
+                errs[n], shapes[n] = {}, (E * out, inp)  # bytes and weights of all experts
+                for b in BITS:
+                    sp = QuantSpec(spec.mode, b, spec.group_size)
+                    q = {**ew, proj: fake_quant(ew[proj].reshape(-1, inp), sp, dtype)}
+                    q[proj] = q[proj].reshape(E, out, inp)
+                    ex = Experts(extra["moe"].router, *(be.array(q[k]) for k in LINEARS[4:]))
+                    errs[n][b] = err(w, {**extra, "moe": ex})
         sub = base
     vocab = cfg.vocab_size * cfg.hidden_size
     heads = 1 if cfg.tie_word_embeddings else 2
@@ -309,11 +329,6 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
         raise MlxrunError(
             "--calibrate does not run sliding-window models yet; convert without it "
             "(round to nearest)"
-        )
-    if cfg.moe is not None and opts.target_bpw is not None:
-        raise MlxrunError(
-            "--target-bpw does not run mixture-of-experts models yet; calibrate at one "
-            "width (drop --target-bpw)"
         )
     inter = cfg.intermediate_size if cfg.moe is None else cfg.moe.intermediate_size
     if cfg.hidden_size % spec.group_size or inter % spec.group_size:
@@ -367,10 +382,12 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
 
         nonlocal few
         o, n = cfg.moe, expert_names(cfg.model_type, f"model.layers.{i}")
+        # each stacked projection at its own width (--target-bpw), else the spec's
+        esp = {proj: specs.get(f"{n.stacked}.{proj}", spec) for proj in LINEARS[4:]}
         parts, k = calibrated(
             ew, x, logits, o,
-            lambda w, h: codes(w, h, spec),
-            lambda w, rows, m: search_scales([w], rows, m, spec, dtype, opts.grid),
+            lambda w, h, proj: codes(w, h, esp[proj]),
+            lambda w, rows, m: search_scales([w], rows, m, esp["down_proj"], dtype, opts.grid),
             2 * spec.group_size,
         )  # fmt: skip
         few += k
@@ -379,9 +396,10 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
             for leaf, v in arrays.items():
                 key = f"{n.stacked}.{proj}.{leaf}"
                 out[key] = stored("", v) if v.dtype == np.float32 else Tensor.from_numpy(v)
+            sp = esp[proj]
             packed.append(be.quantized(
                 *(out.get(f"{n.stacked}.{proj}.{leaf}") for leaf in ("weight", "scales", "biases")),
-                spec.mode, spec.bits, spec.group_size, embedding=True,
+                sp.mode, sp.bits, sp.group_size, embedding=True,
             ))  # fmt: skip
         return Experts(router, *packed)
 

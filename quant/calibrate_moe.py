@@ -50,7 +50,8 @@ def experts(
 
     w: float32 {"gate_proj": (E, I, H), "up_proj": (E, I, H), "down_proj": (E, H, I)};
     x (N, H): the layer's MoE inputs on the calibration text; logits (N, E): its router's.
-    codes(w, h) -> (Grid, codes) for one matrix [out, in]: calibrated against the input
+    codes(w, h, proj) -> (Grid, codes) for one matrix [out, in] of projection `proj`
+    (its width may differ from the others': --target-bpw): calibrated against the input
     Gram matrix h [in, in] / tokens, or rounded to nearest when h is None.
     search(w, rows, mean_abs) -> AWQ scales [in] for w on input rows (calibrate's
     search_scales with the spec bound).
@@ -70,7 +71,7 @@ def experts(
         rows = np.nonzero((ids == e).any(axis=-1))[0]
         if len(rows) < min_tokens:
             few += 1
-            got = {k: codes(m, None) for k, m in zip(PROJ, (g, u, d), strict=True)}
+            got = {k: codes(m, None, k) for k, m in zip(PROJ, (g, u, d), strict=True)}
         else:
             xe = x[rows]  # (n, H): this expert's tokens
             h_gu = (xe.T.astype(np.float64) @ xe / len(xe)).astype(np.float32)
@@ -79,9 +80,9 @@ def experts(
             s = search(d, act[:: max(1, len(act) // 512)][:512], np.abs(act).mean(0))
             u = u / s[:, None]  # down's scales, folded into this expert's up rows
             got = {
-                "gate_proj": codes(g, h_gu),
-                "up_proj": codes(u, h_gu),
-                "down_proj": codes(d * s, h_d / np.outer(s, s)),
+                "gate_proj": codes(g, h_gu, "gate_proj"),
+                "up_proj": codes(u, h_gu, "up_proj"),
+                "down_proj": codes(d * s, h_d / np.outer(s, s), "down_proj"),
             }
         for k, (grid, q) in got.items():
             parts[k].append(grid.tensors(q))

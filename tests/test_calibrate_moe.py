@@ -43,7 +43,7 @@ def test_experts_see_their_tokens_and_starved_ones_round_to_nearest():
     logits[:10, 3] += 20  # expert 3: the first 10 tokens only
     assert (routed(logits, k) == 3).any(-1).sum() == 10
 
-    def codes(m, h):
+    def codes(m, h, proj):
         grid = make_grid(
             m, SPEC, "float32", None if h is None else search_clip(m, h, SPEC, "float32")
         )
@@ -145,3 +145,33 @@ def test_calibrated_moe_is_closer_to_dense_than_rounding(moe_dir, tmp_path):
             assert len(m.generate("w5 w9 w14", max_tokens=6, chat=False).split()) == 6
     # measured: rounding 0.344, AWQ 0.262, GPTQ 0.194
     assert kl["awq"] < 0.9 * kl[None] and kl["gptq"] < 0.9 * kl[None], kl
+
+
+def test_target_bpw_gives_each_stacked_expert_projection_a_width(moe_dir, tmp_path):
+    """--target-bpw on a Qwen3-MoE: each stacked expert projection is one tensor of the
+    allocation (bytes over all its experts); the file meets the target within the dense
+    test's 0.25 bits (the target here is uniform int4 g32's 6.0 bits a weight with float32
+    scales and biases), its per-layer widths are mlx-lm's overrides, and it loads with
+    each projection at its width and generates."""
+    from .test_mixed_bits import file_bpw
+
+    rng = np.random.default_rng(0)
+    calib = tmp_path / "calib.txt"
+    calib.write_text(" ".join(f"w{i}" for i in rng.integers(3, VOCAB, 2000)))
+    out = tmp_path / "mixed"
+    opts = CalibOptions("awq", str(calib), samples=2, seq_len=64, grid=5, target_bpw=6.0)
+    notes = convert(str(moe_dir), str(out), quant="int4", group_size=32, progress=False,
+                    calibrate=opts)  # fmt: skip
+    assert 6.0 - 0.25 < file_bpw(out) <= 6.0, notes
+    q = json.loads((out / "config.json").read_text())["quantization"]
+    widths = {k: v["bits"] for k, v in q.items() if isinstance(v, dict)}
+    p = "model.layers.0.mlp.switch_mlp"
+    assert len({*widths.values(), 4}) >= 2, widths  # some linears off 4 bits
+    m = mlxrun.load(str(out), backend="cpu", dtype="float32", progress=False)
+    e = m.transformer.layers[0].moe
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        got = getattr(e, proj.replace("_proj", ""))
+        assert got.bits == widths.get(f"{p}.{proj}", 4), proj
+    # measured: the experts' gate_proj of layer 0 at 3 bits, attention at 5 and 6
+    assert any(k.startswith(p) for k in widths), widths
+    assert len(m.generate("w5 w9 w14", max_tokens=6, chat=False).split()) == 6
