@@ -213,11 +213,13 @@ def moe_ggufs(tmp_path_factory):
     """name -> a tiny mixture-of-experts GGUF (str) as llama.cpp lays one out
     (tests/test_gguf_moe.py): "qwen3moe" with Q4_K gate, F16 up and Q8_0 down experts
     (256 rows an expert: 128 a rank over two, whole Q8_0 blocks), "gpt-oss" with MXFP4
-    experts, biases and sinks."""
+    experts, biases and sinks, "qwen2moe" with Q8_0 experts and a Q8_0 shared expert."""
     from .test_gguf_moe import _hf_random, gpt_oss_random, write_gpt_oss_gguf, write_moe_gguf
 
     root = tmp_path_factory.mktemp("moe_gguf")
     types = dict(ffn_gate_exps="Q4_K", ffn_up_exps="F16", ffn_down_exps="Q8_0", attn="Q8_0")
     write_moe_gguf(root / "qwen3moe.gguf", "qwen3moe", _hf_random("qwen3moe"), types)
     write_gpt_oss_gguf(root / "gpt-oss.gguf", gpt_oss_random())
-    return {"qwen3moe": str(root / "qwen3moe.gguf"), "gpt-oss": str(root / "gpt-oss.gguf")}
+    q8 = dict.fromkeys(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "attn"), "Q8_0")
+    write_moe_gguf(root / "qwen2moe.gguf", "qwen2moe", _hf_random("qwen2moe"), q8)
+    return {a: str(root / f"{a}.gguf") for a in ("qwen3moe", "gpt-oss", "qwen2moe")}

@@ -157,21 +157,28 @@ def test_shared_expert_division_rules():
 
 def _gguf_experts(path: str, shard=None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """The config and layer 0's stacked expert tensors of a GGUF, as the import converts
-    them (a rank's slices with `shard` = (ranks, rank))."""
+    them (a rank's slices with `shard` = (ranks, rank)); a shared expert's under
+    "shared.*"."""
     from mlxrun.gguf import read_gguf
 
     g = read_gguf(path, shard)
     cfg = ModelConfig.from_dict(g.config)
-    pre = expert_names(cfg.model_type, "model.layers.0").stacked + "."
+    n = expert_names(cfg.model_type, "model.layers.0")
+    if n.shared:
+        for k in list(g.tensors):
+            if k.startswith((n.shared + ".", n.shared_gate + ".")):
+                g.tensors[n.stacked + ".shared." + k[len(n.shared) :].lstrip(".")] = g.tensors[k]
+    pre = n.stacked + "."
     return cfg, {k[len(pre) :]: np.asarray(v.data) for k, v in g.tensors.items() if k.startswith(pre)}  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["qwen3moe", "gpt-oss"])
+@pytest.mark.parametrize("name", ["qwen3moe", "gpt-oss", "qwen2moe"])
 def test_gguf_expert_shards_are_the_whole_experts_rows(moe_ggufs, name):
     """A GGUF's stacked experts cut from the file's blocks before they are unpacked: Q4_K,
     F16, Q8_0 (qwen3moe) and MXFP4 (gpt-oss, with biases) rank slices are rows [r*I/2,
     (r+1)*I/2) of every expert's gate/up (and their biases) and the matching columns of
-    down (whole blocks); the down bias is rank 0's alone."""
+    down (whole blocks); the down bias is rank 0's alone. A shared expert (qwen2moe) splits
+    as a dense MLP, its gate (1, hidden) whole on every rank."""
     cfg, whole = _gguf_experts(moe_ggufs[name])
     I = cfg.moe.intermediate_size  # noqa: E741
     kinds = {k.split(".")[-1] for k in whole}
@@ -183,11 +190,17 @@ def test_gguf_expert_shards_are_the_whole_experts_rows(moe_ggufs, name):
             w = whole[k]
             if k == "down_proj.bias":
                 assert np.array_equal(a, w if rank == 0 else np.zeros_like(w)) and w.any()
-            elif k.startswith("down_proj."):
+            elif k.startswith(("down_proj.", "shared.down_proj.")):
                 step = w.shape[-1] // 2
                 assert np.array_equal(a, w[..., rank * step : (rank + 1) * step]), k
+            elif k.startswith("shared._gate"):  # the shared expert_gate (1, hidden)
+                assert np.array_equal(a, w), k
+            elif k.startswith("shared."):  # gate/up (S, ...): rows
+                step = w.shape[0] // 2
+                assert np.array_equal(a, w[rank * step : (rank + 1) * step]), k
             else:
                 assert np.array_equal(a, w[:, rank * I // 2 : (rank + 1) * I // 2]), k
+        assert any(k.startswith("shared.") for k in got) == (name == "qwen2moe")
 
 
 def test_gguf_k_quant_down_needs_whole_blocks_a_rank(tmp_path):
