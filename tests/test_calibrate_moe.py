@@ -159,7 +159,7 @@ def test_target_bpw_gives_each_stacked_expert_projection_a_width(moe_dir, tmp_pa
     calib = tmp_path / "calib.txt"
     calib.write_text(" ".join(f"w{i}" for i in rng.integers(3, VOCAB, 2000)))
     out = tmp_path / "mixed"
-    opts = CalibOptions("awq", str(calib), samples=2, seq_len=32, grid=5, target_bpw=6.0)
+    opts = CalibOptions("awq", str(calib), samples=2, seq_len=32, grid=3, target_bpw=6.0)
     notes = convert(str(moe_dir), str(out), quant="int4", group_size=32, progress=False,
                     calibrate=opts)  # fmt: skip
     assert 6.0 - 0.25 < file_bpw(out) <= 6.0, notes
