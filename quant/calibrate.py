@@ -450,7 +450,18 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
         n, tmp = expert_names(cfg.model_type, f"model.layers.{i}"), dict(t)
         consumed.update(stack_per_expert(tmp, n, cfg.moe.num_experts))
         consumed.update(fused_experts(tmp, n))
-        out = {k: tmp[f"{n.stacked}.{k}.weight"].float32() for k in LINEARS[4:]}
+        out = {}
+        for k in LINEARS[4:]:
+            w, sc = tmp[f"{n.stacked}.{k}.weight"], tmp.get(f"{n.stacked}.{k}.scales")
+            if sc is None:
+                out[k] = w.float32()
+            else:  # OpenAI's MXFP4 blocks, viewed as mxfp4 by fused_experts: expanded here
+                from mlxrun.quant.reference import dequantize  # noqa: PLC0415
+
+                mx4 = QuantSpec("mxfp4", 4, 32)
+                out[k] = dequantize(
+                    np.asarray(w.data), np.asarray(sc.data), None, mx4, dtype="float32"
+                )
         out["router"] = tmp[f"{n.router}.weight"].float32()
         if cfg.moe.bias:
             out["router_bias"] = tmp[f"{n.router}.bias"].float32()

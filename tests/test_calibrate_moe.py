@@ -250,3 +250,28 @@ def test_calibrated_gpt_oss_is_closer_to_dense_than_rounding(gpt_oss_dir, tmp_pa
             assert len(m.generate("w5 w9 w14", max_tokens=6, chat=False).split()) == 6
     # measured: rounding 0.490, AWQ 0.406, GPTQ 0.405
     assert kl["awq"] < 0.9 * kl[None] and kl["gptq"] < 0.9 * kl[None], kl
+
+
+def test_gpt_oss_stored_mxfp4_calibrates_from_either_layout(tiny_moe_dirs, tmp_path):
+    """gpt-oss stored in MXFP4, as OpenAI ships it (*_blocks, *_scales) and as mlx-lm does
+    (stacked mxfp4 with .bias beside): both are expanded to the same dense experts (biases
+    kept), so --calibrate writes the same bytes from either, and the file loads."""
+    from mlxrun.weights import load_safetensors
+
+    rng = np.random.default_rng(0)
+    calib = tmp_path / "calib.txt"
+    calib.write_text(" ".join(f"w{i}" for i in rng.integers(3, VOCAB, 500)))
+    opts = CalibOptions("gptq", str(calib), samples=2, seq_len=32, grid=3)
+    got = {}
+    for name in ("gpt_oss_openai", "gpt_oss_mlx_lm"):
+        out = tmp_path / name
+        convert(tiny_moe_dirs[name], str(out), quant="int4", group_size=32, progress=False,
+                calibrate=opts)  # fmt: skip
+        got[name], _ = load_safetensors(out / "model.safetensors")
+    a, b = got.values()
+    assert sorted(a) == sorted(b) and "model.layers.0.mlp.experts.down_proj.bias" in a
+    assert all(np.array_equal(np.asarray(a[k].data), np.asarray(b[k].data)) for k in a)
+    m = mlxrun.load(str(tmp_path / "gpt_oss_openai"), backend="cpu", dtype="float32",
+                    progress=False)  # fmt: skip
+    assert m.transformer.layers[0].moe.gate.bits == 4
+    assert len(m.generate("w5 w9 w14", max_tokens=6, chat=False).split()) == 6
