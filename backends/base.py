@@ -121,9 +121,11 @@ class Backend(Protocol):
     ) -> Array: ...  # x (B, T, H), router logits (B, T, E), mlxrun.moe.Experts and
     # MoEOptions -> (B, T, H): each token's top-k experts, weighted by the routing, summed
     def moe_sum(
-        self, x: Array, logits: Array, experts, opts
+        self, x: Array, logits: Array, experts, opts, shared: tuple | None = None
     ) -> Array: ...  # moe with every expert split by its intermediate rows over the ranks:
-    # the partial outputs summed over them (as linear_sum; it may come back in float32)
+    # the partial outputs summed over them (as linear_sum; it may come back in float32).
+    # shared (Qwen2-MoE): (a (B, T, S), down (H, S), scale (B, T, 1)): + scale * a @ down^T,
+    # down split by input like the experts' (its partial joins theirs in the one sum)
     def argmax(self, logits: Array) -> Array: ...
     def finite_rows(self, logits: Array) -> Array: ...  # (B, V) -> (B,) bool: no NaN or inf
     def thread_binder(self) -> Any: ...  # () -> None: gives a new thread this one's device

@@ -358,10 +358,15 @@ class MLXBackend:
         g, u = self.linears(x, (gate, up), biases)
         return _ACT[act](g) * u
 
-    def moe_sum(self, x, logits, e, o):
-        """moe over experts split by their intermediate rows (mlxrun/shard.py), summed over
-        the ranks in the model's dtype, as linear_sum's products are."""
-        return self.all_sum(self.moe(x, logits, e, o))
+    def moe_sum(self, x, logits, e, o, shared=None):
+        """moe over experts split by their intermediate rows (mlxrun/shard.py), plus the
+        scaled shared expert's down product when given, summed over the ranks in the
+        model's dtype, as linear_sum's products are."""
+        y = self.moe(x, logits, e, o)
+        if shared is not None:
+            a, down, scale = shared
+            y = y + scale * self.linear(a, down)
+        return self.all_sum(y)
 
     def sigmoid(self, x):
         return mx.sigmoid(x)

@@ -274,16 +274,24 @@ class TorchBackend(TorchWeights):
 
         return moe(x, logits, experts, opts, kernel=self.triton_kernels)
 
-    def moe_sum(self, x, logits, experts, opts):
-        """moe over experts split by their intermediate rows (mlxrun/shard.py), summed over
-        the ranks: each rank's expert outputs are fp32 partial sums, as linear_sum's."""
+    def moe_sum(self, x, logits, experts, opts, shared=None):
+        """moe over experts split by their intermediate rows (mlxrun/shard.py), plus the
+        scaled shared expert's down product when given, summed over the ranks: each rank's
+        outputs are fp32 partial sums, as linear_sum's (one all-reduce for both)."""
         if self.group is None or self.group.size == 1:
-            return self.moe(x, logits, experts, opts)
+            y = self.moe(x, logits, experts, opts)
+            if shared is not None:
+                a, down, scale = shared
+                y = y + scale * self.linear(a, down)
+            return y
         from .torch_moe import moe  # noqa: PLC0415
 
-        return self.all_sum(
-            moe(x, logits, experts, opts, kernel=self.triton_kernels, out_dtype=torch.float32)
-        )
+        f32 = torch.float32
+        y = moe(x, logits, experts, opts, kernel=self.triton_kernels, out_dtype=f32)
+        if shared is not None:
+            a, down, scale = shared
+            y = y + scale.to(f32) * self.linear(a, down, out_dtype=f32)
+        return self.all_sum(y)
 
     def argmax(self, logits):
         if self.triton_kernels and logits.dim() == 2:

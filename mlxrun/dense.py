@@ -38,8 +38,11 @@ def dense_tensors(ckpt: Checkpoint) -> dict[str, Tensor]:
         if f"{path}.scales" not in t:
             out[name] = x
             continue
-        if leaf != "weight":
-            continue  # scales / biases are folded into the dense weight
+        if leaf in ("scales", "biases"):
+            continue  # folded into the dense weight
+        if leaf != "weight":  # a layer's `.bias` (gpt-oss's experts) stays as it is
+            out[name] = x
+            continue
         spec = layer_spec(ckpt.config.quantization or {}, path)
         if spec is None:
             raise MlxrunError(

@@ -158,10 +158,12 @@ class Transformer:
             e = L.moe
             # the router is whole on every rank (the same experts picked); each expert's rows
             # are split, so the output is summed over the ranks as down_proj's is
-            y = be.moe_sum(x, be.linear(x, e.router, e.router_bias), e, c.moe)  # (B, T, H)
-            if e.shared_gate is not None:  # Qwen2-MoE: + sigmoid(x @ g^T) * the dense MLP
-                s = be.linear_sum(be.gated_mlp(x, L.gate_proj, L.up_proj, "silu"), L.down_proj)
-                y = y + be.sigmoid(be.linear(x, e.shared_gate)) * s
+            shared = None
+            if e.shared_gate is not None:  # Qwen2-MoE: + sigmoid(x @ g^T) * the dense MLP,
+                # its rows split too: its down partial joins the experts' in one sum
+                a = be.gated_mlp(x, L.gate_proj, L.up_proj, "silu")
+                shared = (a, L.down_proj, be.sigmoid(be.linear(x, e.shared_gate)))
+            y = be.moe_sum(x, be.linear(x, e.router, e.router_bias), e, c.moe, shared)
             h, x = be.add_rms_norm(h, y, nxt, c.rms_norm_eps)
             return h, x
         mlp_b = None if L.gate_bias is None else (L.gate_bias, L.up_bias)

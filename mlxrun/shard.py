@@ -13,7 +13,9 @@ Megatron's split, as gpt-fast's tp.py and mlx-lm's shard_linear do it:
   columns of down, so its expert outputs are partial sums too, added by the same one
   `all_sum` (`Backend.moe_sum`); the router (and its bias) is replicated, so every rank
   picks the same experts; the experts' down bias is held by rank 0 (zeros on the others)
-  so the sum adds it once;
+  so the sum adds it once; a shared expert (Qwen2-MoE) is split as the dense MLP, its
+  sigmoid gate (a hidden -> 1 linear) replicated, and its partial output joins the
+  experts' in that one sum;
 - the embedding and the head are split by vocabulary rows (`vocab_shard`): a rank looks
   up the ids in its rows and the ranks sum the lookups, and it computes its slice of the
   logits, which the ranks all-gather; a vocabulary that does not divide is padded with
@@ -41,10 +43,15 @@ from .weights import Tensor
 
 # checkpoint name -> the axis split across ranks: 0 = output rows, -1 = input columns
 # (attention sinks are one logit per query head: split with the heads)
+# (Qwen2-MoE's shared expert, mlp.shared_expert.*, is split as the dense MLP; its sigmoid
+# gate, mlp.shared_expert_gate (1, hidden), is replicated)
 _ROWS = re.compile(
-    r"\.((self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.(weight|scales|biases|bias)|self_attn\.sinks)$"
+    r"\.((self_attn\.[qkv]_proj|mlp\.(shared_expert\.)?(gate|up)_proj)\.(weight|scales|biases|bias)"
+    r"|self_attn\.sinks)$"
 )
-_COLS = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.(weight|scales|biases)$")
+_COLS = re.compile(
+    r"\.(self_attn\.o_proj|mlp\.(shared_expert\.)?down_proj)\.(weight|scales|biases)$"
+)
 # Experts (mlxrun/moe.py), in each stored layout: (pattern, split axis)
 _EXPERTS = tuple(
     (re.compile(p), axis)
@@ -117,6 +124,12 @@ def vocab_rows(name: str, data: np.ndarray, v: VocabShard) -> np.ndarray:
     return np.concatenate([part, np.zeros((short, *data.shape[1:]), dtype=data.dtype)])
 
 
+def is_down_bias(name: str) -> bool:
+    """Whether `name` is the experts' down bias, which rank 0 alone holds (zeros on the
+    others: the sum over the ranks adds it once)."""
+    return _DOWN_BIAS.search(name) is not None
+
+
 def split_axis(name: str) -> int | None:
     """The axis of tensor `name` split across ranks (0 rows, -1 columns; a stack of experts
     by its own axis: 1, -1 or -2), None: replicated."""
@@ -165,6 +178,10 @@ def problems(cfg: ModelConfig, tp: int, groups: set[int]) -> list[str]:
     if c.moe is not None:
         dims.append(("expert rows (moe intermediate size)", c.moe.intermediate_size))
         inputs.append(("the experts' down_proj", c.moe.intermediate_size // tp))
+        if c.moe.shared_intermediate_size:
+            S = c.moe.shared_intermediate_size
+            dims.append(("shared expert rows (shared_expert_intermediate_size)", S))
+            inputs.append(("the shared expert's down_proj", S // tp))
     counts = [f"{n} {what}" for what, n in dims if n % tp]
     if counts:
         return [f"{_and(counts)} do not divide by {tp}"]
@@ -196,11 +213,6 @@ def check(cfg: ModelConfig, tp: int, groups: set[int]) -> None:
     """Raise MlxrunError, naming the counts that work, when `tp` ranks cannot split `cfg`."""
     if tp < 1:
         raise MlxrunError(f"--tp must be at least 1, got {tp}")
-    if tp > 1 and cfg.moe is not None and cfg.moe.shared_intermediate_size:
-        raise MlxrunError(
-            f"cannot split a model with a shared expert ({cfg.model_type}) over ranks yet; "
-            "run it on one device (--tp 1)"
-        )
     why = problems(cfg, tp, groups)
     if why:
         ok = ", ".join(
@@ -215,12 +227,16 @@ def check(cfg: ModelConfig, tp: int, groups: set[int]) -> None:
 
 def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     """The config one rank's model is built with: its heads, KV heads, MLP rows and every
-    expert's rows."""
+    expert's rows (the shared expert's too)."""
     if tp == 1:
         return cfg
     moe = cfg.moe
     if moe is not None:
-        moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // tp)
+        moe = dataclasses.replace(
+            moe,
+            intermediate_size=moe.intermediate_size // tp,
+            shared_intermediate_size=moe.shared_intermediate_size // tp,
+        )
     return cfg.replace(
         num_attention_heads=cfg.num_attention_heads // tp,
         num_key_value_heads=cfg.num_key_value_heads // tp,
@@ -258,7 +274,7 @@ def shard_tensors(
         axis = split_axis(name)
         if vocab is not None and _VOCAB.match(name):
             out[name] = Tensor(t.dtype, vocab_rows(name, t.data, vocab))
-        elif _DOWN_BIAS.search(name):
+        elif is_down_bias(name):
             out[name] = t if rank == 0 else Tensor(t.dtype, np.zeros(t.shape, t.data.dtype))
         elif axis is None:
             out[name] = t

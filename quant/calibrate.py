@@ -23,6 +23,7 @@ group grids, the searches, GPTQ); the backend only runs the layer forward passes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from importlib import resources
@@ -174,12 +175,15 @@ class _Recorder:
         self._keep(gate, x)
         return self._be.gated_mlp(x, gate, up, act, biases)
 
-    def moe_sum(self, x, logits, experts, opts):
-        """A layer of experts: its input and router logits, as float32 (tokens, -1)."""
+    def moe_sum(self, x, logits, experts, opts, shared=None):
+        """A layer of experts: its input and router logits, as float32 (tokens, -1); a
+        shared expert's down input as down's."""
         for a, key in ((x, "moe_x"), (logits, "moe_logits")):
             a = self._be.to_numpy(a)
             self.seen.setdefault(key, []).append(a.reshape(-1, a.shape[-1]).astype(np.float32))
-        return self._be.moe_sum(x, logits, experts, opts)
+        if shared is not None:
+            self._keep(shared[1], shared[0])
+        return self._be.moe_sum(x, logits, experts, opts, shared)
 
 
 class _Stats:
@@ -215,19 +219,24 @@ def _layer(be, w: dict, ln_in, ln_post, extra: dict):
     return Layer(be.array(ln_in), be.array(ln_post), *mats, **extra)
 
 
-def _run(shell, L, hs: np.ndarray, chunk: int, rec: _Recorder | None):
-    """Layer L over the residual stream hs [samples, T, hidden], `chunk` windows at a
-    time: (the new residual stream, {id(weight): _Stats of its inputs} when `rec` is the
-    shell's recording backend)."""
+def _run(shell, L, hs: np.ndarray, chunk: int, rec: _Recorder | None, i: int):
+    """Layer L (the model's layer i: its attention window) over the residual stream hs
+    [samples, T, hidden], `chunk` windows at a time: (the new residual stream,
+    {id(weight): _Stats of its inputs} when `rec` is the shell's recording backend).
+
+    Attention is the model's own (`Transformer.block`): layer i's sliding window in the
+    mask, its sinks and biases in L. The cache holds this one layer, in slot 0."""
     be, cfg = shell.be, shell.config
     new = np.empty_like(hs)
     stats: dict = {}
     T = hs.shape[1]
+    window = cfg.window(i)
     for s in range(0, len(hs), chunk):
         h = be.array(hs[s : s + chunk])
         x = be.rms_norm(h, L.input_layernorm, cfg.rms_norm_eps)
-        cache = be.make_cache(1, h.shape[0], cfg.num_key_value_heads, cfg.head_dim, T)
-        mask, pos = cache.mask(T, None), cache.positions(T, None)
+        kv, hd = cfg.num_key_value_heads, cfg.head_dim
+        cache = be.make_cache(1, h.shape[0], kv, hd, T, [window])
+        mask, pos = cache.mask(T, None, window), cache.positions(T, None)
         hn, _ = shell.block(L, h, x, L.input_layernorm, cache, 0, mask, pos)
         new[s : s + chunk] = be.to_numpy(hn)
         if rec is not None:
@@ -257,7 +266,10 @@ def _mixed_specs(load, shell, hs, chunk, cfg, spec, espec, dtype, opts, progress
     causes in its layer's output, mean((h' - h)^2) / mean(h^2), on the first `chunk`
     calibration windows carried through the dense model: the residual stream is where
     every linear's error lands, so errors of q (through the softmax), gate (through the
-    activation) and down compare on one scale."""
+    activation) and down compare on one scale. A layer of experts' stacked projections
+    (gate/up/down of every expert, mlx-lm's `switch_mlp.gate_proj` ...) are one tensor
+    each: one width for all its experts (as mlx-lm's per-layer overrides store it), its
+    bytes counted over every expert, its error from rounding all of them at once."""
     from tqdm.auto import tqdm  # noqa: PLC0415
 
     from mlxrun.quant.mixed_bits import BITS, allocate, matrix_bytes  # noqa: PLC0415
@@ -271,15 +283,34 @@ def _mixed_specs(load, shell, hs, chunk, cfg, spec, espec, dtype, opts, progress
     sub = hs[:chunk]
     for i in tqdm(range(cfg.num_hidden_layers), "measuring sensitivity", disable=not progress):
         names, _, w, ln_in, ln_post, extra = load(i)
-        base, _ = _run(shell, _layer(be, w, ln_in, ln_post, extra), sub, chunk, None)
+        base, _ = _run(shell, _layer(be, w, ln_in, ln_post, extra), sub, chunk, None, i)
         energy = max(float(np.mean(base.astype(np.float64) ** 2)), 1e-30)
+
+        def err(wq, ex, sub=sub, base=base, energy=energy, ln_in=ln_in, ln_post=ln_post, i=i):
+            got, _ = _run(shell, _layer(be, wq, ln_in, ln_post, ex), sub, chunk, None, i)
+            return float(np.mean((got - base).astype(np.float64) ** 2)) / energy
+
         for k, n in names.items():
             errs[n], shapes[n] = {}, w[k].shape
             for b in BITS:
                 wq = dict(w)
                 wq[k] = fake_quant(w[k], QuantSpec(spec.mode, b, spec.group_size), dtype)
-                got, _ = _run(shell, _layer(be, wq, ln_in, ln_post, extra), sub, chunk, None)
-                errs[n][b] = float(np.mean((got - base).astype(np.float64) ** 2)) / energy
+                errs[n][b] = err(wq, extra)
+        if "experts" in w:  # a layer of experts: each stacked projection as one tensor
+            from mlxrun.moe import expert_names  # noqa: PLC0415
+
+            ew, stacked = w["experts"], expert_names(cfg.model_type, f"model.layers.{i}").stacked
+            for proj in LINEARS[4:]:
+                n, (E, out, inp) = f"{stacked}.{proj}", ew[proj].shape
+                errs[n], shapes[n] = {}, (E * out, inp)  # bytes and weights of all experts
+                for b in BITS:
+                    sp = QuantSpec(spec.mode, b, spec.group_size)
+                    q = {**ew, proj: fake_quant(ew[proj].reshape(-1, inp), sp, dtype)}
+                    q[proj] = q[proj].reshape(E, out, inp)
+                    ex = dataclasses.replace(
+                        extra["moe"], **{k[:-5]: be.array(q[k]) for k in LINEARS[4:]}
+                    )  # the projections rounded; the router and biases as they are
+                    errs[n][b] = err(w, {**extra, "moe": ex})
         sub = base
     vocab = cfg.vocab_size * cfg.hidden_size
     heads = 1 if cfg.tie_word_embeddings else 2
@@ -302,15 +333,15 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
 
     opts.check()
     cfg = ckpt.config
-    if any(cfg.window(i) is not None for i in range(cfg.num_hidden_layers)):
+    if cfg.local_rope_theta is not None or cfg.sandwich_norms:
         raise MlxrunError(
-            "--calibrate does not run sliding-window models yet; convert without it "
-            "(round to nearest)"
+            f"--calibrate does not run {cfg.model_type} models yet (sliding layers with a "
+            "rope base of their own, sandwich norms); convert without it (round to nearest)"
         )
-    if cfg.moe is not None and opts.target_bpw is not None:
+    if cfg.moe is not None and cfg.moe.shared_intermediate_size:
         raise MlxrunError(
-            "--target-bpw does not run mixture-of-experts models yet; calibrate at one "
-            "width (drop --target-bpw)"
+            f"--calibrate does not run a shared expert ({cfg.model_type}) yet; convert this "
+            "model without it (round to nearest)"
         )
     inter = cfg.intermediate_size if cfg.moe is None else cfg.moe.intermediate_size
     if cfg.hidden_size % spec.group_size or inter % spec.group_size:
@@ -356,18 +387,20 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
     def quantize(path, w, h, sp, clip=True) -> np.ndarray:
         return put(path, *codes(w, h, sp, clip))
 
-    def experts(i: int, x: np.ndarray, logits: np.ndarray, ew: dict, router):
+    def experts(i: int, x: np.ndarray, logits: np.ndarray, ew: dict, dense):
         """Layer i's experts calibrated and stored (stacked, mlx-lm's layout); returns them
-        packed on the backend, as the loader will run them."""
-        from mlxrun.moe import Experts, expert_names  # noqa: PLC0415
+        packed on the backend, as the loader will run them (`dense`'s router and biases)."""
+        from mlxrun.moe import expert_names  # noqa: PLC0415
         from mlxrun.quant.calibrate_moe import experts as calibrated  # noqa: PLC0415
 
         nonlocal few
         o, n = cfg.moe, expert_names(cfg.model_type, f"model.layers.{i}")
+        # each stacked projection at its own width (--target-bpw), else the spec's
+        esp = {proj: specs.get(f"{n.stacked}.{proj}", spec) for proj in LINEARS[4:]}
         parts, k = calibrated(
             ew, x, logits, o,
-            lambda w, h: codes(w, h, spec),
-            lambda w, rows, m: search_scales([w], rows, m, spec, dtype, opts.grid),
+            lambda w, h, proj: codes(w, h, esp[proj]),
+            lambda w, rows, m: search_scales([w], rows, m, esp["down_proj"], dtype, opts.grid),
             2 * spec.group_size,
         )  # fmt: skip
         few += k
@@ -376,11 +409,15 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
             for leaf, v in arrays.items():
                 key = f"{n.stacked}.{proj}.{leaf}"
                 out[key] = stored("", v) if v.dtype == np.float32 else Tensor.from_numpy(v)
+            sp = esp[proj]
             packed.append(be.quantized(
                 *(out.get(f"{n.stacked}.{proj}.{leaf}") for leaf in ("weight", "scales", "biases")),
-                spec.mode, spec.bits, spec.group_size, embedding=True,
+                sp.mode, sp.bits, sp.group_size, embedding=True,
             ))  # fmt: skip
-        return Experts(router, *packed)
+        for proj in LINEARS[4:]:  # biases (gpt-oss) as stacked tensors, whatever the layout
+            if f"{proj[:-5]}_bias" in ew:
+                out[f"{n.stacked}.{proj}.bias"] = stored("", ew[f"{proj[:-5]}_bias"])
+        return dataclasses.replace(dense, gate=packed[0], up=packed[1], down=packed[2])
 
     # The embedding is quantized at its own group size (mlx-lm's AWQ uses g32) by rounding
     # first, for the layers' inputs; with a tied head it is re-done at the end against
@@ -405,13 +442,32 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
 
     def expert_stacks(i: int) -> dict[str, np.ndarray]:
         """Layer i's router and stacked experts as float32: {"router": (E, H), "gate_proj":
-        (E, I, H), "up_proj": (E, I, H), "down_proj": (E, H, I)}, from either layout."""
-        from mlxrun.moe import expert_names, stack_per_expert  # noqa: PLC0415
+        (E, I, H), "up_proj": (E, I, H), "down_proj": (E, H, I)}, and where the
+        architecture has them (gpt-oss) "router_bias" (E,) and "gate_bias"/"up_bias" (E, I),
+        "down_bias" (E, H); from any stored layout (per expert, stacked, gpt-oss's fused)."""
+        from mlxrun.moe import expert_names, fused_experts, stack_per_expert  # noqa: PLC0415
 
         n, tmp = expert_names(cfg.model_type, f"model.layers.{i}"), dict(t)
         consumed.update(stack_per_expert(tmp, n, cfg.moe.num_experts))
-        stacks = {k: tmp[f"{n.stacked}.{k}.weight"].float32() for k in LINEARS[4:]}
-        return {"router": tmp[f"{n.router}.weight"].float32(), **stacks}
+        consumed.update(fused_experts(tmp, n))
+        out = {}
+        for k in LINEARS[4:]:
+            w, sc = tmp[f"{n.stacked}.{k}.weight"], tmp.get(f"{n.stacked}.{k}.scales")
+            if sc is None:
+                out[k] = w.float32()
+            else:  # OpenAI's MXFP4 blocks, viewed as mxfp4 by fused_experts: expanded here
+                from mlxrun.quant.reference import dequantize  # noqa: PLC0415
+
+                mx4 = QuantSpec("mxfp4", 4, 32)
+                out[k] = dequantize(
+                    np.asarray(w.data), np.asarray(sc.data), None, mx4, dtype="float32"
+                )
+        out["router"] = tmp[f"{n.router}.weight"].float32()
+        if cfg.moe.bias:
+            out["router_bias"] = tmp[f"{n.router}.bias"].float32()
+            for k in LINEARS[4:]:
+                out[f"{k[:-5]}_bias"] = tmp[f"{n.stacked}.{k}.bias"].float32()
+        return out
 
     def load(i: int):
         """Layer i's names, float32 matrices, norms and the Layer's extra arguments."""
@@ -424,17 +480,23 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
             f32(f"{p}.post_attention_layernorm.weight"),
         )
         extra = {}
-        for k in ("q_proj", "k_proj", "v_proj"):
+        for k in ("q_proj", "k_proj", "v_proj", "o_proj"):
             if f"{names[k]}.bias" in t:
                 extra[k[0] + "_bias"] = be.array(f32(f"{names[k]}.bias"))
         for k in ("q_norm", "k_norm"):
             if f"{p}.self_attn.{k}.weight" in t:
                 extra[k] = be.array(f32(f"{p}.self_attn.{k}.weight"))
+        if f"{p}.self_attn.sinks" in t:  # gpt-oss: a logit per head joining the softmax
+            extra["sinks"] = be.array(f32(f"{p}.self_attn.sinks"))
         if moe:
             from mlxrun.moe import Experts  # noqa: PLC0415
 
             ew = expert_stacks(i)
-            extra["moe"] = Experts(*(be.array(ew[k]) for k in ("router", *LINEARS[4:])))
+            biases = ("router_bias", "gate_bias", "up_bias", "down_bias")
+            extra["moe"] = Experts(
+                *(be.array(ew[k]) for k in ("router", *LINEARS[4:])),
+                **{k: be.array(ew[k]) for k in biases if k in ew},
+            )
             w["experts"] = ew  # not a linear: _layer takes the experts from `extra`
         return names, p, w, ln_in, ln_post, extra
 
@@ -461,7 +523,7 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
         names, p, w, ln_in, ln_post, extra = load(i)
         sp = {k: specs.get(n, spec) for k, n in names.items()}
         L = _layer(be, w, ln_in, ln_post, extra)
-        _, stats = _run(shell_rec, L, hs, chunk, rec)
+        _, stats = _run(shell_rec, L, hs, chunk, rec, i)
         h_qkv, m_qkv, x_qkv = stats[id(L.q_proj)].result()
         h_o, _, _ = stats[id(L.o_proj)].result()
         # scales: q/k/v (folded into the input norm), down (into up's rows), gate/up
@@ -471,14 +533,14 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
         if L.moe is not None:  # experts: attention as below, then calibrate_moe
             ew = w.pop("experts")
             xs = (np.concatenate(stats.pop(k)) for k in ("moe_x", "moe_logits"))
-            extra["moe"] = experts(i, *xs, ew, extra["moe"].router)
+            extra["moe"] = experts(i, *xs, ew, extra["moe"])
             del stats
             wq = {}
             for k in LINEARS[:4]:
                 ws, hk = (w[k], h_o) if k == "o_proj" else (w[k] * s1, h_qkv / np.outer(s1, s1))
                 wq[k] = quantize(names[k], ws, hk, sp[k], clip=k not in NO_CLIP)
             out[f"{p}.input_layernorm.weight"] = stored("", ln_in)
-            hs, _ = _run(shell, _layer(be, wq, ln_in, ln_post, extra), hs, chunk, None)
+            hs, _ = _run(shell, _layer(be, wq, ln_in, ln_post, extra), hs, chunk, None, i)
             continue
         h_gu, m_gu, x_gu = stats[id(L.gate_proj)].result()
         h_d, m_d, x_d = stats[id(L.down_proj)].result()
@@ -514,7 +576,7 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
             wq[k] = quantize(names[k], ws, hk, sp[k], clip=k not in NO_CLIP)
         out[f"{p}.input_layernorm.weight"] = stored("", ln_in)
         out[f"{p}.post_attention_layernorm.weight"] = stored("", ln_post)
-        hs, _ = _run(shell, _layer(be, wq, ln_in, ln_post, extra), hs, chunk, None)
+        hs, _ = _run(shell, _layer(be, wq, ln_in, ln_post, extra), hs, chunk, None, i)
     bar.close()
     # the head (or the tied embedding) against the final norm's outputs
     norm = f32("model.norm.weight")

@@ -9,7 +9,9 @@ expert e's gate/up see x of its tokens, its down the gated activations those tok
 in it. Per expert, as calibrate.py does for a dense MLP: down's AWQ scales (folded into
 the expert's own up rows), the clip search against each projection's H, and GPTQ codes when
 asked. gate/up get no AWQ scales: their input norm is shared by the router and every
-expert, so a scale folded into it would be every expert's at once.
+expert, so a scale folded into it would be every expert's at once. gpt-oss's experts
+(biases, the clamped SwiGLU) run with their biases and clamp; their down gets no AWQ
+scales either, since the clamp on up's output does not commute with a scale folded into up.
 
 An expert that sees fewer than `min_tokens` calibration tokens has too few rows for an H
 worth fitting to: it is rounded to nearest, and the caller reports how many were.
@@ -21,7 +23,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mlxrun.errors import MlxrunError
 from mlxrun.moe import MoEOptions
 
 PROJ = ("gate_proj", "up_proj", "down_proj")
@@ -33,8 +34,14 @@ def routed(logits: np.ndarray, top_k: int) -> np.ndarray:
     return np.argsort(-logits, axis=-1, kind="stable")[:, :top_k]
 
 
-def _silu(a: np.ndarray) -> np.ndarray:
-    return a / (1.0 + np.exp(-a))
+def _act(g: np.ndarray, u: np.ndarray, o: MoEOptions) -> np.ndarray:
+    """The experts' gated activation (torch_moe.expert_act in numpy): silu(g) * u, or
+    gpt-oss's (clip(u, +-limit) + 1) * g' * sigmoid(alpha g'), g' = min(g, limit)."""
+    if o.act == "silu":
+        return g / (1.0 + np.exp(-g)) * u
+    g = np.minimum(g, o.swiglu_limit)
+    u = np.clip(u, -o.swiglu_limit, o.swiglu_limit)
+    return (u + 1) * g / (1.0 + np.exp(-o.swiglu_alpha * g))
 
 
 def experts(
@@ -48,20 +55,18 @@ def experts(
 ) -> tuple[dict[str, dict[str, np.ndarray]], int]:
     """Quantize one layer's stacked experts.
 
-    w: float32 {"gate_proj": (E, I, H), "up_proj": (E, I, H), "down_proj": (E, H, I)};
+    w: float32 {"gate_proj": (E, I, H), "up_proj": (E, I, H), "down_proj": (E, H, I)},
+    and "gate_bias"/"up_bias" (E, I) where the experts have biases (kept as they are);
     x (N, H): the layer's MoE inputs on the calibration text; logits (N, E): its router's.
-    codes(w, h) -> (Grid, codes) for one matrix [out, in]: calibrated against the input
+    codes(w, h, proj) -> (Grid, codes) for one matrix [out, in] of projection `proj`
+    (its width may differ from the others': --target-bpw): calibrated against the input
     Gram matrix h [in, in] / tokens, or rounded to nearest when h is None.
     search(w, rows, mean_abs) -> AWQ scales [in] for w on input rows (calibrate's
     search_scales with the spec bound).
     Returns ({proj: {"weight": (E, ...), "scales": ..., ["biases": ...]}} with every
     expert's stored parts stacked, float32 scales and biases; how many experts were
     rounded to nearest for want of tokens)."""
-    if o.act != "silu" or o.bias:
-        raise MlxrunError(
-            "--calibrate runs experts with SiLU gates and no biases (Qwen3-MoE, Mixtral); "
-            "convert this model without it (round to nearest)"
-        )
+    awq = o.act == "silu" and not o.bias  # down's scales fold into up only through SiLU's u
     ids = routed(logits, o.top_k)
     parts: dict[str, list] = {k: [] for k in PROJ}
     few = 0
@@ -70,18 +75,23 @@ def experts(
         rows = np.nonzero((ids == e).any(axis=-1))[0]
         if len(rows) < min_tokens:
             few += 1
-            got = {k: codes(m, None) for k, m in zip(PROJ, (g, u, d), strict=True)}
+            got = {k: codes(m, None, k) for k, m in zip(PROJ, (g, u, d), strict=True)}
         else:
             xe = x[rows]  # (n, H): this expert's tokens
             h_gu = (xe.T.astype(np.float64) @ xe / len(xe)).astype(np.float32)
-            act = _silu(xe @ g.T) * (xe @ u.T)  # (n, I): what down sees
+            gx, ux = xe @ g.T, xe @ u.T
+            if "gate_bias" in w:
+                gx, ux = gx + w["gate_bias"][e], ux + w["up_bias"][e]
+            act = _act(gx, ux, o)  # (n, I): what down sees
             h_d = (act.T.astype(np.float64) @ act / len(act)).astype(np.float32)
-            s = search(d, act[:: max(1, len(act) // 512)][:512], np.abs(act).mean(0))
-            u = u / s[:, None]  # down's scales, folded into this expert's up rows
+            s = np.ones(act.shape[1], np.float32)
+            if awq:
+                s = search(d, act[:: max(1, len(act) // 512)][:512], np.abs(act).mean(0))
+                u = u / s[:, None]  # down's scales, folded into this expert's up rows
             got = {
-                "gate_proj": codes(g, h_gu),
-                "up_proj": codes(u, h_gu),
-                "down_proj": codes(d * s, h_d / np.outer(s, s)),
+                "gate_proj": codes(g, h_gu, "gate_proj"),
+                "up_proj": codes(u, h_gu, "up_proj"),
+                "down_proj": codes(d * s, h_d / np.outer(s, s), "down_proj"),
             }
         for k, (grid, q) in got.items():
             parts[k].append(grid.tensors(q))

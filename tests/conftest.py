@@ -185,6 +185,10 @@ TINY_MOE = {
     # biases on router and experts, sinks, the clamped SwiGLU, a window of 8 on layer 0
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
                     sliding_window=8, swiglu_limit=0.5),
+    # a shared expert of 128 rows (64 a rank) beside the routed ones, raw top-k weights
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                      intermediate_size=64, shared_expert_intermediate_size=128,
+                      norm_topk_prob=False),
 }  # fmt: skip
 
 
@@ -202,3 +206,20 @@ def tiny_moe_dirs(tmp_path_factory):
     }
     out["gpt_oss_openai"], out["gpt_oss_mlx_lm"], _ = _gpt_oss_mxfp4(out["gpt_oss"], root)
     return {k: str(v) for k, v in out.items()}
+
+
+@pytest.fixture(scope="session")
+def moe_ggufs(tmp_path_factory):
+    """name -> a tiny mixture-of-experts GGUF (str) as llama.cpp lays one out
+    (tests/test_gguf_moe.py): "qwen3moe" with Q4_K gate, F16 up and Q8_0 down experts
+    (256 rows an expert: 128 a rank over two, whole Q8_0 blocks), "gpt-oss" with MXFP4
+    experts, biases and sinks, "qwen2moe" with Q8_0 experts and a Q8_0 shared expert."""
+    from .test_gguf_moe import _hf_random, gpt_oss_random, write_gpt_oss_gguf, write_moe_gguf
+
+    root = tmp_path_factory.mktemp("moe_gguf")
+    types = dict(ffn_gate_exps="Q4_K", ffn_up_exps="F16", ffn_down_exps="Q8_0", attn="Q8_0")
+    write_moe_gguf(root / "qwen3moe.gguf", "qwen3moe", _hf_random("qwen3moe"), types)
+    write_gpt_oss_gguf(root / "gpt-oss.gguf", gpt_oss_random())
+    q8 = dict.fromkeys(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "attn"), "Q8_0")
+    write_moe_gguf(root / "qwen2moe.gguf", "qwen2moe", _hf_random("qwen2moe"), q8)
+    return {a: str(root / f"{a}.gguf") for a in ("qwen3moe", "gpt-oss", "qwen2moe")}

@@ -17,7 +17,7 @@ from mlxrun.quant.calibrate import CalibOptions
 from mlxrun.quant.calibrate_moe import experts, routed
 from mlxrun.quant.formats import resolve
 
-from .conftest import write_random
+from .conftest import rel_err, write_random
 
 SPEC = resolve("int4", group_size=32)
 VOCAB = 96
@@ -43,7 +43,7 @@ def test_experts_see_their_tokens_and_starved_ones_round_to_nearest():
     logits[:10, 3] += 20  # expert 3: the first 10 tokens only
     assert (routed(logits, k) == 3).any(-1).sum() == 10
 
-    def codes(m, h):
+    def codes(m, h, proj):
         grid = make_grid(
             m, SPEC, "float32", None if h is None else search_clip(m, h, SPEC, "float32")
         )
@@ -145,3 +145,133 @@ def test_calibrated_moe_is_closer_to_dense_than_rounding(moe_dir, tmp_path):
             assert len(m.generate("w5 w9 w14", max_tokens=6, chat=False).split()) == 6
     # measured: rounding 0.344, AWQ 0.262, GPTQ 0.194
     assert kl["awq"] < 0.9 * kl[None] and kl["gptq"] < 0.9 * kl[None], kl
+
+
+def test_target_bpw_gives_each_stacked_expert_projection_a_width(moe_dir, tmp_path):
+    """--target-bpw on a Qwen3-MoE: each stacked expert projection is one tensor of the
+    allocation (bytes over all its experts); the file meets the target within the dense
+    test's 0.25 bits (2 x 32 calibration tokens; the target here is uniform int4 g32's 6.0 bits a weight with float32
+    scales and biases), its per-layer widths are mlx-lm's overrides, and it loads with
+    each projection at its width and generates."""
+    from .test_mixed_bits import file_bpw
+
+    rng = np.random.default_rng(0)
+    calib = tmp_path / "calib.txt"
+    calib.write_text(" ".join(f"w{i}" for i in rng.integers(3, VOCAB, 2000)))
+    out = tmp_path / "mixed"
+    opts = CalibOptions("awq", str(calib), samples=2, seq_len=32, grid=3, target_bpw=6.0)
+    notes = convert(str(moe_dir), str(out), quant="int4", group_size=32, progress=False,
+                    calibrate=opts)  # fmt: skip
+    assert 6.0 - 0.25 < file_bpw(out) <= 6.0, notes
+    q = json.loads((out / "config.json").read_text())["quantization"]
+    widths = {k: v["bits"] for k, v in q.items() if isinstance(v, dict)}
+    p = "model.layers.0.mlp.switch_mlp"
+    assert len({*widths.values(), 4}) >= 2, widths  # some linears off 4 bits
+    m = mlxrun.load(str(out), backend="cpu", dtype="float32", progress=False)
+    e = m.transformer.layers[0].moe
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        got = getattr(e, proj.replace("_proj", ""))
+        assert got.bits == widths.get(f"{p}.{proj}", 4), proj
+    # measured (2 x 64 tokens): layer 0's experts' gate_proj at 3 bits, attention at 5, 6
+    assert any(k.startswith(p) for k in widths), widths
+    assert len(m.generate("w5 w9 w14", max_tokens=6, chat=False).split()) == 6
+
+
+def test_calibration_runs_each_layer_as_the_model_does(tiny_moe_dirs):
+    """The layer-by-layer forward calibration records its inputs from (quant/calibrate.py's
+    _run), on gpt-oss's layers (a window of 8 on layer 0 over 32-token windows, sinks,
+    q/k/v/o biases, the clamped SwiGLU with biases), gives the model's own logits; run
+    with the full layer's attention in place of the sliding one, it does not."""
+    from mlxrun.quant.calibrate import _run
+
+    m = mlxrun.load(tiny_moe_dirs["gpt_oss"], backend="cpu", dtype="float32", progress=False)
+    tr, be = m.transformer, m.transformer.be
+    c = tr.config
+    assert c.window(0) == 8 and c.window(1) is None and c.attention_sinks
+    ids = np.random.default_rng(3).integers(3, VOCAB, size=(2, 32))
+    want = np.stack([m.logits(row) for row in ids])
+
+    def logits(windows):
+        hs = be.to_numpy(be.embedding(be.ids(ids), tr.embed))
+        for i, L in enumerate(tr.layers):
+            hs, _ = _run(tr, L, hs, 2, None, windows[i])
+        x = be.rms_norm(be.array(hs), tr.norm, c.rms_norm_eps)
+        return be.to_numpy(be.linear(x, tr.head))
+
+    assert rel_err(logits([0, 1]), want) < 1e-5
+    assert rel_err(logits([1, 1]), want) > 1e-3  # layer 0 without its window
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_dir(tmp_path_factory):
+    """A tiny random gpt-oss (TINY_MOE's: a window of 8 on layer 0, sinks, biases, the
+    clamped SwiGLU) with 4 of its 64 hidden channels 8x louder, as moe_dir."""
+    import torch
+
+    from .conftest import _MOE_BASE, TINY_MOE
+
+    kw = {**_MOE_BASE, **TINY_MOE["gpt_oss"], "max_position_embeddings": 256}
+    d, hf = write_random(tmp_path_factory.mktemp("calib_oss") / "g", "gpt_oss", kw, 0, std=0.2)
+    loud = torch.from_numpy(np.random.default_rng(5).choice(64, 4, replace=False))
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "layernorm" in n:
+                p[loud] *= 8.0
+    hf.save_pretrained(d, safe_serialization=True)
+    return d
+
+
+def test_calibrated_gpt_oss_is_closer_to_dense_than_rounding(gpt_oss_dir, tmp_path):
+    """AWQ and GPTQ on a tiny gpt-oss (sliding and full layers, sinks, biases, the clamped
+    SwiGLU; transformers' fused expert layout): KL to the dense model on held-out text
+    below round-to-nearest int4 g32's; the experts are written stacked with their biases,
+    and the file loads and generates."""
+    d = gpt_oss_dir
+    rng = np.random.default_rng(0)
+    calib = tmp_path / "calib.txt"
+    calib.write_text(" ".join(f"w{i}" for i in rng.integers(3, VOCAB, 2000)))
+    held = [int(i) for i in np.random.default_rng(1).integers(3, VOCAB, 128)]
+    dense = mlxrun.load(str(d), backend="cpu", dtype="float32", progress=False)
+    ref = dense.logits(held)
+    kl = {}
+    for method in (None, "awq", "gptq"):
+        out = tmp_path / str(method)
+        opts = None
+        if method:
+            opts = CalibOptions(method, str(calib), samples=4, seq_len=64, grid=5)
+        convert(str(d), str(out), quant="int4", group_size=32, progress=False,
+                calibrate=opts)  # fmt: skip
+        m = mlxrun.load(str(out), backend="cpu", dtype="float32", progress=False)
+        kl[method] = _kl(ref, m.logits(held))
+        if method:
+            e = m.transformer.layers[0].moe
+            assert (e.gate.mode, e.gate.bits, e.down.group_size) == ("affine", 4, 32)
+            assert e.down_bias is not None and e.router_bias is not None
+            assert len(m.generate("w5 w9 w14", max_tokens=6, chat=False).split()) == 6
+    # measured: rounding 0.490, AWQ 0.406, GPTQ 0.405
+    assert kl["awq"] < 0.9 * kl[None] and kl["gptq"] < 0.9 * kl[None], kl
+
+
+def test_gpt_oss_stored_mxfp4_calibrates_from_either_layout(tiny_moe_dirs, tmp_path):
+    """gpt-oss stored in MXFP4, as OpenAI ships it (*_blocks, *_scales) and as mlx-lm does
+    (stacked mxfp4 with .bias beside): both are expanded to the same dense experts (biases
+    kept), so --calibrate writes the same bytes from either, and the file loads."""
+    from mlxrun.weights import load_safetensors
+
+    rng = np.random.default_rng(0)
+    calib = tmp_path / "calib.txt"
+    calib.write_text(" ".join(f"w{i}" for i in rng.integers(3, VOCAB, 500)))
+    opts = CalibOptions("gptq", str(calib), samples=2, seq_len=32, grid=3)
+    got = {}
+    for name in ("gpt_oss_openai", "gpt_oss_mlx_lm"):
+        out = tmp_path / name
+        convert(tiny_moe_dirs[name], str(out), quant="int4", group_size=32, progress=False,
+                calibrate=opts)  # fmt: skip
+        got[name], _ = load_safetensors(out / "model.safetensors")
+    a, b = got.values()
+    assert sorted(a) == sorted(b) and "model.layers.0.mlp.experts.down_proj.bias" in a
+    assert all(np.array_equal(np.asarray(a[k].data), np.asarray(b[k].data)) for k in a)
+    m = mlxrun.load(str(tmp_path / "gpt_oss_openai"), backend="cpu", dtype="float32",
+                    progress=False)  # fmt: skip
+    assert m.transformer.layers[0].moe.gate.bits == 4
+    assert len(m.generate("w5 w9 w14", max_tokens=6, chat=False).split()) == 6

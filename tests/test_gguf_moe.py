@@ -326,12 +326,9 @@ def write_gpt_oss_gguf(path, hf) -> dict[str, np.ndarray]:
     return written
 
 
-def test_gpt_oss_gguf_mxfp4_experts_load_as_stored(tmp_path):
-    """gpt-oss as llama.cpp writes it, MXFP4 experts: kept as MLX's mxfp4 (the file's codes
-    and scales re-laid, never re-quantized); sinks, biases, alternating windows (8, so the
-    24-token prompt crosses it) and YaRN read from the file. Reference: GptOssForCausalLM
-    holding the experts' written values (transformers' GGUF loader reads no llama.cpp
-    gpt-oss experts), logits within 1e-4 and greedy tokens equal on torch-cpu and MLX."""
+def gpt_oss_random():
+    """A tiny random GptOssForCausalLM in fp32: windows of 8 on alternate layers, YaRN
+    past 64 positions, biases and sinks randomised so they matter."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(
@@ -352,6 +349,16 @@ def test_gpt_oss_gguf_mxfp4_experts_load_as_stored(tmp_path):
                 prm.copy_(1 + 0.2 * torch.randn_like(prm))
             else:
                 prm.copy_((0.2 if n.endswith(("bias", "sinks")) else 0.06) * torch.randn_like(prm))
+    return src
+
+
+def test_gpt_oss_gguf_mxfp4_experts_load_as_stored(tmp_path):
+    """gpt-oss as llama.cpp writes it, MXFP4 experts: kept as MLX's mxfp4 (the file's codes
+    and scales re-laid, never re-quantized); sinks, biases, alternating windows (8, so the
+    24-token prompt crosses it) and YaRN read from the file. Reference: GptOssForCausalLM
+    holding the experts' written values (transformers' GGUF loader reads no llama.cpp
+    gpt-oss experts), logits within 1e-4 and greedy tokens equal on torch-cpu and MLX."""
+    src = gpt_oss_random()
     path = tmp_path / "gpt-oss.gguf"
     ref = copy.deepcopy(src)
     sd = ref.state_dict()

@@ -313,12 +313,14 @@ def _moe_jobs(tiny_moe_dirs, backend: str, cases) -> list[dict]:
     return _jobs(lambda name: (tiny_moe_dirs[name],), backend, cases)
 
 
-def test_gloo_two_ranks_equal_one_process(tiny_dir, odd_vocab, tiny_moe_dirs, tmp_path):
+def test_gloo_two_ranks_equal_one_process(tiny_dir, odd_vocab, tiny_moe_dirs, moe_ggufs, tmp_path):
     """Dense GQA with a tied head, int4 g32 quantized on load, and q/k/v biases (qwen2);
     a vocabulary of 97 (padded to 98) with an untied int4 head. Mixture-of-experts, every
     expert's rows split: Qwen3-MoE int4 g32 (a rank's slices quantized on load), gpt-oss
     (biases, sinks, the clamped SwiGLU) dense in transformers' fused layout and in
-    OpenAI's stored MXFP4."""
+    OpenAI's stored MXFP4; Qwen2-MoE int4 g32 (a shared expert); a qwen3moe GGUF whose
+    experts (Q4_K gate, F16 up, Q8_0 down) are cut from the file's blocks (gpt-oss's MXFP4
+    GGUF experts: their slices in tests/test_tp_moe.py)."""
     jobs = (
         _jobs(
             tiny_dir,
@@ -337,8 +339,10 @@ def test_gloo_two_ranks_equal_one_process(tiny_dir, odd_vocab, tiny_moe_dirs, tm
                 ("qwen3_moe", {"quant": "int4", "group_size": 32}),
                 ("gpt_oss", {}),
                 ("gpt_oss_openai", {}),
+                ("qwen2_moe", {"quant": "int4", "group_size": 32}),
             ],
         )
+        + _moe_jobs(moe_ggufs, "cpu", [("qwen3moe", {})])
     )
     _run_split(_torchrun(2), jobs, tmp_path / "out")
     _compare(jobs, tmp_path / "out")
@@ -348,7 +352,8 @@ def test_mlx_ring_two_ranks_equal_one_process(tiny_dir, odd_vocab, tiny_moe_dirs
     """Dense with an untied head and q/k norms (qwen3, head_dim 32), int4 g64, and sampled
     text (temperature 1, no seed) that all ranks must agree on; a vocabulary of 97 (padded
     to 98) with a tied dense head. Mixture-of-experts: Qwen3-MoE dense (mx.gather_mm over
-    a rank's rows) and gpt-oss's MXFP4 experts in mlx-lm's stacked layout (gather_qmm)."""
+    a rank's rows), gpt-oss's MXFP4 experts in mlx-lm's stacked layout (gather_qmm), and
+    Qwen2-MoE dense (the shared expert's partial joins the experts' in one all_sum)."""
     pytest.importorskip("mlx.core")
     jobs = (
         _jobs(
@@ -361,7 +366,9 @@ def test_mlx_ring_two_ranks_equal_one_process(tiny_dir, odd_vocab, tiny_moe_dirs
             ],
         )
         + _odd_jobs(odd_vocab, "mlx", [(True, {})])
-        + _moe_jobs(tiny_moe_dirs, "mlx", [("qwen3_moe", {}), ("gpt_oss_mlx_lm", {})])
+        + _moe_jobs(
+            tiny_moe_dirs, "mlx", [("qwen3_moe", {}), ("gpt_oss_mlx_lm", {}), ("qwen2_moe", {})]
+        )
     )
     _run_split(_mlx_launch(2), jobs, tmp_path / "out")
     _compare(jobs, tmp_path / "out")

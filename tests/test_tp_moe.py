@@ -43,7 +43,9 @@ def _stacked(tensors: dict, cfg: ModelConfig, layer: int) -> dict[str, np.ndarra
     }
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "gpt_oss_openai", "gpt_oss_mlx_lm"])
+@pytest.mark.parametrize(
+    "name", ["qwen3_moe", "qwen2_moe", "gpt_oss", "gpt_oss_openai", "gpt_oss_mlx_lm"]
+)
 def test_expert_shards_are_the_whole_experts_rows(tiny_moe_dirs, name):
     """Each layout's rank slices, stacked as the loader stacks them: gate/up (and their
     biases) are rows [r*I/2, (r+1)*I/2) of every whole expert, down its matching columns
@@ -75,6 +77,18 @@ def test_expert_shards_are_the_whole_experts_rows(tiny_moe_dirs, name):
                 assert np.array_equal(a, w[:, rows]), k
         router = f"model.layers.0.{expert_names(cfg.model_type, '').router[1:]}.weight"
         assert part[router] is tensors[router]  # replicated
+        if cfg.moe.shared_intermediate_size:  # split as a dense MLP, its gate replicated
+            S = cfg.moe.shared_intermediate_size  # noqa: N806
+            p = "model.layers.0.mlp.shared_expert"
+            half = slice(rank * S // 2, (rank + 1) * S // 2)
+            for k in ("gate_proj", "up_proj"):
+                assert np.array_equal(
+                    part[f"{p}.{k}.weight"].data, tensors[f"{p}.{k}.weight"].data[half]
+                )
+            down = tensors[f"{p}.down_proj.weight"].data
+            assert np.array_equal(part[f"{p}.down_proj.weight"].data, down[:, half])
+            assert part[f"{p}_gate.weight"] is tensors[f"{p}_gate.weight"]
+            assert shard_config(cfg, 2).moe.shared_intermediate_size == S // 2
 
 
 def test_moe_division_rules_name_the_counts_that_work(tiny_moe_dirs):
@@ -121,13 +135,83 @@ def test_plan_counts_a_ranks_share_of_the_experts():
     assert q[1] == pytest.approx(q[0] / 2, rel=0.01)
 
 
-def test_shared_expert_models_are_refused_over_ranks():
-    """Qwen2-MoE's shared expert is not split yet: one line, not a model summed twice."""
+def test_shared_expert_division_rules():
+    """Qwen2-MoE's shared expert splits as a dense MLP: its rows must divide by the ranks,
+    and a rank's share of its down inputs must be whole quantization groups."""
     cfg = ModelConfig(
         model_type="qwen2_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
-        moe=MoEOptions(num_experts=4, top_k=2, intermediate_size=32, shared_intermediate_size=64),
+        moe=MoEOptions(num_experts=4, top_k=2, intermediate_size=64, shared_intermediate_size=96),
     )  # fmt: skip
-    with pytest.raises(MlxrunError, match="shared expert"):
-        check(cfg, 2, set())
-    check(cfg, 1, set())
+    check(cfg, 2, set())
+    with pytest.raises(
+        MlxrunError,
+        match=r"the shared expert's down_proj's 48 inputs a rank are not whole groups of 32; "
+        r"rank counts that work: 1 \(or pick",
+    ):
+        check(cfg, 2, {32})
+    odd = cfg.replace(moe=MoEOptions(4, 2, 64, shared_intermediate_size=90))
+    with pytest.raises(MlxrunError, match=r": 90 shared expert rows .* do not divide by 4;"):
+        check(odd.replace(num_key_value_heads=4), 4, set())
+
+
+def _gguf_experts(path: str, shard=None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """The config and layer 0's stacked expert tensors of a GGUF, as the import converts
+    them (a rank's slices with `shard` = (ranks, rank)); a shared expert's under
+    "shared.*"."""
+    from mlxrun.gguf import read_gguf
+
+    g = read_gguf(path, shard)
+    cfg = ModelConfig.from_dict(g.config)
+    n = expert_names(cfg.model_type, "model.layers.0")
+    if n.shared:
+        for k in list(g.tensors):
+            if k.startswith((n.shared + ".", n.shared_gate + ".")):
+                g.tensors[n.stacked + ".shared." + k[len(n.shared) :].lstrip(".")] = g.tensors[k]
+    pre = n.stacked + "."
+    return cfg, {k[len(pre) :]: np.asarray(v.data) for k, v in g.tensors.items() if k.startswith(pre)}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "gpt-oss", "qwen2moe"])
+def test_gguf_expert_shards_are_the_whole_experts_rows(moe_ggufs, name):
+    """A GGUF's stacked experts cut from the file's blocks before they are unpacked: Q4_K,
+    F16, Q8_0 (qwen3moe) and MXFP4 (gpt-oss, with biases) rank slices are rows [r*I/2,
+    (r+1)*I/2) of every expert's gate/up (and their biases) and the matching columns of
+    down (whole blocks); the down bias is rank 0's alone. A shared expert (qwen2moe) splits
+    as a dense MLP, its gate (1, hidden) whole on every rank."""
+    cfg, whole = _gguf_experts(moe_ggufs[name])
+    I = cfg.moe.intermediate_size  # noqa: E741
+    kinds = {k.split(".")[-1] for k in whole}
+    assert {"weight", "scales"} <= kinds and ("bias" in kinds) == (name == "gpt-oss")
+    for rank in range(2):
+        _, got = _gguf_experts(moe_ggufs[name], (2, rank))
+        assert got.keys() == whole.keys()
+        for k, a in got.items():
+            w = whole[k]
+            if k == "down_proj.bias":
+                assert np.array_equal(a, w if rank == 0 else np.zeros_like(w)) and w.any()
+            elif k.startswith(("down_proj.", "shared.down_proj.")):
+                step = w.shape[-1] // 2
+                assert np.array_equal(a, w[..., rank * step : (rank + 1) * step]), k
+            elif k.startswith("shared._gate"):  # the shared expert_gate (1, hidden)
+                assert np.array_equal(a, w), k
+            elif k.startswith("shared."):  # gate/up (S, ...): rows
+                step = w.shape[0] // 2
+                assert np.array_equal(a, w[rank * step : (rank + 1) * step]), k
+            else:
+                assert np.array_equal(a, w[:, rank * I // 2 : (rank + 1) * I // 2]), k
+        assert any(k.startswith("shared.") for k in got) == (name == "qwen2moe")
+
+
+def test_gguf_k_quant_down_needs_whole_blocks_a_rank(tmp_path):
+    """Q4_K experts' down over two ranks: 256 inputs an expert are one 256-value block, so
+    a rank's 128 would cut it: one line naming the tensor and what is needed."""
+    from .test_gguf_moe import _hf_random, write_moe_gguf
+
+    path = tmp_path / "k.gguf"
+    write_moe_gguf(path, "qwen3moe", _hf_random("qwen3moe"), {"ffn_down_exps": "Q4_K"})
+    with pytest.raises(MlxrunError, match=r"^model\.layers\.0\.mlp\.switch_mlp\.down_proj\.weight: "
+                       r"its 256 inputs are stored in GGUF Q4_K blocks of 256 values, and 256 / 2 "
+                       r"ranks = 128 inputs a rank is not whole blocks; split it over a rank count "
+                       r"that gives multiples of 256 inputs"):  # fmt: skip
+        _gguf_experts(str(path), (2, 0))

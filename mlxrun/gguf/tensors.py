@@ -39,29 +39,52 @@ def check_types(path: Path, tensors) -> None:
 
 
 def _pick(
-    name: str, data: np.ndarray, perm: np.ndarray | None, shard, unit: int, vocab=None
+    name: str,
+    data: np.ndarray,
+    perm: np.ndarray | None,
+    shard,
+    unit: int,
+    vocab=None,
+    lead: tuple[int, ...] = (),
+    block: tuple[str, int] = ("", 1),
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """A rank's rows (through the un-permutation `perm`, then consumed) or its columns of
     `data`, before anything is unpacked; `unit`: columns of `data` per block of values.
     `vocab` (a shard.VocabShard): the embedding's and head's rows are the rank's vocabulary
-    rows, padded with zero bytes (every block type decodes them to zeros)."""
-    from ..shard import piece, split_axis, vocab_rows  # noqa: PLC0415
+    rows, padded with zero bytes (every block type decodes them to zeros).
+    Stacked experts (`lead` = (E,)) come as their E*out rows of blocks [E*out, row bytes]
+    (or dense (E, out, in)): gate/up take rows [r*out/N, (r+1)*out/N) of every expert (a
+    copy of the rank's rows), down its columns; their down bias is rank 0's (zeros on the
+    others, so the sum over the ranks adds it once). `block`: (GGUF type, values a block),
+    for the error when a rank's columns would cut a block."""
+    from ..shard import is_down_bias, piece, split_axis, take, vocab_rows  # noqa: PLC0415
 
     if vocab is not None and name in ("model.embed_tokens.weight", "lm_head.weight"):
         return vocab_rows(name, data, vocab), perm
+    if shard is not None and is_down_bias(name):
+        return (data if shard[1] == 0 else np.zeros_like(data)), perm
     axis = None if shard is None else split_axis(name)
     if axis is None:
         return data, perm
     tp, rank = shard
-    if axis not in (0, -1):  # a stack of experts: mlxrun.shard splits it by another axis
-        raise MlxrunError(
-            f"{name}: a GGUF's experts do not split over ranks yet; convert the model to "
-            "safetensors (mlxrun convert) or run it on one device"
-        )
+    if axis == 1 and lead and data.ndim == 2 and unit > 1:  # blocks: (E*out, bytes)
+        rows = take(data.reshape(*lead, -1, data.shape[-1]), 1, tp, rank, name)
+        return rows.reshape(-1, data.shape[-1]), perm
+    if axis not in (0, -1):  # a dense stack of experts (E, out, in), or its biases (E, out)
+        return take(data, axis, tp, rank, name), perm
     if axis == 0:
         rows = np.arange(data.shape[0]) if perm is None else perm
         return data[rows[piece(len(rows), tp, rank, name)]], None
-    p = piece(data.shape[-1] // unit, tp, rank, name)
+    blocks = data.shape[-1] // unit
+    if blocks % tp:
+        kind, per = block
+        raise MlxrunError(
+            f"{name}: its {blocks * per} inputs are stored in GGUF {kind} blocks of {per} "
+            f"values, and {blocks * per} / {tp} ranks = {blocks * per / tp:g} inputs a rank "
+            f"is not whole blocks; split it over a rank count that gives multiples of {per} "
+            "inputs, or convert the model (mlxrun convert --quant ...) first"
+        )
+    p = piece(blocks, tp, rank, name)
     return data[..., p.start * unit : p.stop * unit], perm
 
 
@@ -69,6 +92,13 @@ def _block_bytes(t) -> int:
     import gguf  # noqa: PLC0415
 
     return gguf.GGML_QUANT_SIZES[t.tensor_type][1]
+
+
+def _block(t) -> tuple[str, int]:
+    """(GGUF type name, values a block) of tensor t."""
+    import gguf  # noqa: PLC0415
+
+    return t.tensor_type.name, gguf.GGML_QUANT_SIZES[t.tensor_type][0]
 
 
 def convert(
@@ -102,8 +132,6 @@ def convert(
             shape = (1, shape[0])  # llama.cpp keeps this (1, hidden) linear as a vector
         # stacked experts (E, out, in): unpacked as E*out rows, then given their E axis
         lead = shape[:-2] if len(shape) == 3 else ()
-        if lead and shard is not None:
-            raise MlxrunError(f"{path}: a mixture-of-experts GGUF cannot be split over ranks yet")
         perm = None
         if arch.permute_qk and name.endswith((".attn_q.weight", ".attn_k.weight")):
             n = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
@@ -116,14 +144,16 @@ def convert(
             relaid[kind, "kept"] += int(t.n_bytes)
             continue
         if kind == "MXFP4" and lead:  # experts (gpt-oss): MLX's mxfp4, the same bytes re-laid
-            w, scales = gb.mxfp4_to_mlx(np.asarray(t.data).reshape(-1, t.data.shape[-1]))
+            data = np.asarray(t.data).reshape(-1, t.data.shape[-1])
+            data, _ = _pick(hf, data, None, shard, _block_bytes(t), None, lead, _block(t))
+            w, scales = gb.mxfp4_to_mlx(data)
             out[hf] = Tensor("U32", w.reshape(*lead, -1, w.shape[-1]))
             out[f"{module}.scales"] = Tensor("U8", scales.reshape(*lead, -1, scales.shape[-1]))
             bits[module] = "mxfp4"
             continue
         if kind in gb.AFFINE:
             data = np.asarray(t.data).reshape(-1, t.data.shape[-1])
-            data, perm = _pick(hf, data, perm, shard, _block_bytes(t), vocab)
+            data, perm = _pick(hf, data, perm, shard, _block_bytes(t), vocab, lead, _block(t))
             w, scales, biases = gb.to_affine(data, kind)
             if perm is not None:
                 w, scales, biases = w[perm], scales[perm], biases[perm]
@@ -141,7 +171,7 @@ def convert(
         picked = kind in gb.BLOCKS
         if picked:
             data = np.asarray(t.data).reshape(-1, t.data.shape[-1])
-            data, perm = _pick(hf, data, perm, shard, _block_bytes(t), vocab)
+            data, perm = _pick(hf, data, perm, shard, _block_bytes(t), vocab, lead, _block(t))
             shape = (data.shape[0], shape[-1] * data.shape[1] // t.data.shape[-1])
             data = gb.dequantize(data, kind)
             e = expanded.setdefault(kind, [0, 0, 0])
@@ -156,7 +186,7 @@ def convert(
                 data, kind = f32.astype(np.float32) - np.float32(arch.norm_shift), "F32"
         data = data.reshape(shape if not (picked and lead) else (*lead, -1, shape[-1]))
         if not picked:
-            data, perm = _pick(hf, data, perm, shard, 1, vocab)
+            data, perm = _pick(hf, data, perm, shard, 1, vocab, lead)
         if perm is not None:
             data = data[perm]
         out[hf] = Tensor(kind, data)
