@@ -112,6 +112,7 @@ def _qmatmul(x, kernel, out_dtype=None):
 
 class TorchBackend:
     name = "torch"
+    short_queries = False  # q, k, v run together: one GEMM and one rope_qkv kernel on CUDA
 
     def __init__(self, device: str = "cpu", dtype: str | None = None, cuda_graphs: bool = True):
         if torch is None:

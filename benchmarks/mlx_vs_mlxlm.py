@@ -7,8 +7,9 @@ step's graph in each engine, see `build_ms`):
   mlxrun           the code as it is
   mlxrun-unfused   SwiGLU as three elementwise ops (the code before the fused kernel)
   mlxrun-finite    the logits' NaN/inf check as eight kernels (before it was compiled)
-  mlxrun-allqueries  the prompt pass's last layer attends with every query, its output then
-                   cut to the last row (before: now the last query alone attends)
+  mlxrun-allqueries  the prompt pass's last layer projects, rotates and attends with every
+                   query, its output then cut to the last row (before: now the last query
+                   alone, as mlx-lm leaves the others unevaluated)
   mlxrun-fullrows  the prompt pass's last layer runs its attention, output projection and MLP
                    on every row (before both cuts: now on the last row alone, the one whose
                    logits are kept)
@@ -227,7 +228,9 @@ def measure(a, q: str, m, names: list[str]) -> list[dict]:
         "mlxrun": lambda: ours(),
         "mlxrun-unfused": lambda: ours([(mb, "_swiglu_fused", mb._swiglu)]),
         "mlxrun-finite": lambda: ours([(mb, "_finite_fused", mb._finite)]),
-        "mlxrun-allqueries": lambda: ours([(model_py, "last_query", all_queries)]),
+        "mlxrun-allqueries": lambda: ours(
+            [(model_py, "last_query", all_queries), (mb.MLXBackend, "short_queries", False)]
+        ),
         "mlxrun-fullrows": lambda: ours([(Transformer, "block", full_rows)]),
         "mlxrun-stream": lambda: ours(in_stream=True),
         "mlxrun-maskarray": lambda: ours([(mb.MLXCache, "mask", mask_array)]),

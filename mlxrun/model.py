@@ -144,8 +144,12 @@ class Transformer:
         be, c = self.be, self.config
         B, T = x.shape[0], x.shape[1]
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        q, k, v = be.linears(x, (L.q_proj, L.k_proj, L.v_proj), (L.q_bias, L.k_bias, L.v_bias))
-        q = q.reshape(B, T, nh, hd).swapaxes(1, 2)
+        if last_row and be.short_queries:  # only the last query attends: project it alone
+            q = be.linear(x[:, -1:], L.q_proj, L.q_bias)
+            k, v = be.linears(x, (L.k_proj, L.v_proj), (L.k_bias, L.v_bias))
+        else:
+            q, k, v = be.linears(x, (L.q_proj, L.k_proj, L.v_proj), (L.q_bias, L.k_bias, L.v_bias))
+        q = q.reshape(B, q.shape[1], nh, hd).swapaxes(1, 2)
         k = k.reshape(B, T, nkv, hd).swapaxes(1, 2)
         v = v.reshape(B, T, nkv, hd).swapaxes(1, 2)
         if L.q_norm is not None:  # Qwen3 normalises each head before rope

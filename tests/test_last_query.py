@@ -1,10 +1,11 @@
 """A prompt pass that keeps only the last position's logits (`last_only`: generate's and the
 engine's prefill) attends with the last layer's last query alone, every position's keys and
-values still cached. Against transformers on tiny random models, on MLX and torch-cpu, with
-the cut on and off: the last row's logits, the queries each attention call saw, and the
-greedy tokens that follow (they read the keys the cut pass cached), for a causal model
-(sdpa's "causal" mode), sliding windows in rings over chunks (boolean masks) with and
-without left padding, and attention sinks on a sliding last layer."""
+values still cached (on MLX, `short_queries`, that query is also projected and rotated
+alone, at its own position). Against transformers on tiny random models, on MLX and
+torch-cpu, with the cut on and off: the last row's logits, the queries each attention call
+saw, and the greedy tokens that follow (they read the keys the cut pass cached), for a
+causal model (sdpa's "causal" mode), sliding windows in rings over chunks (boolean masks)
+with and without left padding, and attention sinks on a sliding last layer."""
 
 from __future__ import annotations
 
@@ -87,8 +88,9 @@ def test_last_query_cut_keeps_logits_and_tokens(models, name, backend, monkeypat
     rows = _query_rows(be, monkeypatch)
     got = {}
     for cut in (True, False):
-        if not cut:
+        if not cut:  # (and on MLX, the last layer's q projected for every row again)
             monkeypatch.setattr(mlxrun.model, "last_query", _no_cut)
+            monkeypatch.setattr(be, "short_queries", False)
         rows.clear()
         cache = t.make_cache(1, len(PROMPT) + 6, chunk=CHUNK)
         for s in range(0, len(PROMPT), CHUNK):
