@@ -303,8 +303,7 @@ class MLXBackend:
         )
 
     def rope_and_cache(self, q, k, v, positions, freqs, cache, layer):
-        # q may hold the pass's last rows alone (short_queries): they start `skip` later
-        skip = k.shape[2] - q.shape[2]
+        skip = k.shape[2] - q.shape[2]  # q may be the pass's last rows alone (short_queries)
         k, v = cache.update_and_fetch(layer, self.rope(k, positions, freqs), v)
         return self.rope(q, positions + skip if skip else positions, freqs), k, v
 
