@@ -68,6 +68,9 @@ class Backend(Protocol):
     gguf_blocks: tuple[str, ...]  # GGUF block types whose linears it reads as stored
     device: str  # "gpu"/"cpu" for mlx; "cuda"/"mps"/"cpu" for torch
     dtype: str  # "float32", "bfloat16" or "float16"
+    # rope_and_cache takes q with fewer rows than k, v (the pass's last ones): a prompt pass
+    # that keeps only the last row's logits then projects the last layer's last query alone
+    short_queries: bool
 
     def describe(self) -> str: ...
     def array(self, t: Tensor | np.ndarray, keep_dtype: bool = False) -> Array: ...

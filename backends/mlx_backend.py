@@ -165,6 +165,7 @@ class MLXCache:
 class MLXBackend:
     name = "mlx"
     gguf_blocks: tuple[str, ...] = ()  # K-quants arrive as exact affine layers instead
+    short_queries = True  # its linears are separate products: a q of one row costs one row
 
     def __init__(self, dtype: str | None = None, device: str | None = None):
         if mx is None:
@@ -302,8 +303,9 @@ class MLXBackend:
         )
 
     def rope_and_cache(self, q, k, v, positions, freqs, cache, layer):
+        skip = k.shape[2] - q.shape[2]  # q may be the pass's last rows alone (short_queries)
         k, v = cache.update_and_fetch(layer, self.rope(k, positions, freqs), v)
-        return self.rope(q, positions, freqs), k, v
+        return self.rope(q, positions + skip if skip else positions, freqs), k, v
 
     def attention(self, q, k, v, scale, mask, sinks=None):
         if not isinstance(k, mx.array):  # a quantized cache's packed keys (mlx_kv.MLXQuantKV)

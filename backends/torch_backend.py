@@ -78,6 +78,7 @@ def _sink_attention(q, k, v, scale, mask, sinks):
 
 class TorchBackend(TorchWeights):
     name = "torch"
+    short_queries = False  # q, k, v run together: one GEMM and one rope_qkv kernel on CUDA
 
     def __init__(self, device: str = "cpu", dtype: str | None = None, cuda_graphs: bool = True):
         if torch is None:

@@ -7,8 +7,12 @@ step's graph in each engine, see `build_ms`):
   mlxrun           the code as it is
   mlxrun-unfused   SwiGLU as three elementwise ops (the code before the fused kernel)
   mlxrun-finite    the logits' NaN/inf check as eight kernels (before it was compiled)
-  mlxrun-fullrows  the prompt pass's last layer runs its output projection and MLP on every
-                   row (before: now on the last row alone, the one whose logits are kept)
+  mlxrun-allqueries  the prompt pass's last layer projects, rotates and attends with every
+                   query, its output then cut to the last row (before: now the last query
+                   alone, as mlx-lm leaves the others unevaluated)
+  mlxrun-fullrows  the prompt pass's last layer runs its attention, output projection and MLP
+                   on every row (before both cuts: now on the last row alone, the one whose
+                   logits are kept)
   mlxrun-stream    mlxrun inside a dedicated stream, as mlx-lm's generate_step runs
   mlxrun-maskarray the prompt's causal mask as a boolean array (the code before sdpa's
                    own "causal" mode)
@@ -49,8 +53,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument(
         "--variants",
-        default="mlxrun,mlxrun-finite,mlxrun-fullrows,mlxrun-stream,mlxrun-ropebase,"
-        "mlxrun-chunk2048,mlxrun-denseprefill,mlx-lm",
+        default="mlxrun,mlxrun-finite,mlxrun-allqueries,mlxrun-fullrows,mlxrun-stream,"
+        "mlxrun-ropebase,mlxrun-chunk2048,mlxrun-denseprefill,mlx-lm",
     )
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -177,6 +181,7 @@ def measure(a, q: str, m, names: list[str]) -> list[dict]:
     import mlx.core as mx
 
     from mlxrun import bench_mlxlm
+    from mlxrun import model as model_py
     from mlxrun.backends import mlx_backend as mb
     from mlxrun.backends.base import causal_mask_np
     from mlxrun.bench_models import _weights_label
@@ -194,6 +199,9 @@ def measure(a, q: str, m, names: list[str]) -> list[dict]:
 
     def full_rows(self, *args):  # block() without its last argument, last_row
         return block(self, *args[:9])
+
+    def all_queries(q, mask):  # last_query() undone: block() then cuts the output
+        return q, mask
 
     def mask_array(cache, length, pads, window=None):
         m = causal_mask_np(cache.offset, length, pads, window)
@@ -220,6 +228,9 @@ def measure(a, q: str, m, names: list[str]) -> list[dict]:
         "mlxrun": lambda: ours(),
         "mlxrun-unfused": lambda: ours([(mb, "_swiglu_fused", mb._swiglu)]),
         "mlxrun-finite": lambda: ours([(mb, "_finite_fused", mb._finite)]),
+        "mlxrun-allqueries": lambda: ours(
+            [(model_py, "last_query", all_queries), (mb.MLXBackend, "short_queries", False)]
+        ),
         "mlxrun-fullrows": lambda: ours([(Transformer, "block", full_rows)]),
         "mlxrun-stream": lambda: ours(in_stream=True),
         "mlxrun-maskarray": lambda: ours([(mb.MLXCache, "mask", mask_array)]),

@@ -45,6 +45,17 @@ class Layer:
     mlp_out_norm: Array | None = None  # and the MLP output, before each residual add
 
 
+def last_query(q: Array, mask):
+    """The last query row of a pass alone: q (B, nh, T, hd) -> (B, nh, 1, hd), and its row
+    of the mask. A causal mask ("causal", sdpa's own mode, queries aligned to the last keys)
+    lets the last query see every key, so it becomes None; a boolean (B or 1, 1, T, S) mask
+    keeps its last row (a sliding window, a ring, left padding). Masks of other kinds (the
+    engine's fixed-shape steps) come with one-token passes only, which are never cut."""
+    if mask is None or isinstance(mask, str):
+        return q[:, :, -1:], None
+    return q[:, :, -1:], mask[:, :, -1:]
+
+
 class Transformer:
     """Parameters on a backend plus the forward pass. Built by `mlxrun.loader.build_model`."""
 
@@ -128,13 +139,17 @@ class Transformer:
         (h, x) after the layer, x normalised by `nxt` (the next layer's input norm, or the
         final norm). Uses slot `i` of the cache and the rope table `rope` (the model's when
         None). With `last_row`, every position's keys and values are cached but only the
-        last position goes on past attention: (h, x) are (B, 1, hidden). Calibration runs
-        layers one at a time through this (quant/calibrate.py)."""
+        last position's query attends and goes on: (h, x) are (B, 1, hidden). Calibration
+        runs layers one at a time through this (quant/calibrate.py)."""
         be, c = self.be, self.config
         B, T = x.shape[0], x.shape[1]
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        q, k, v = be.linears(x, (L.q_proj, L.k_proj, L.v_proj), (L.q_bias, L.k_bias, L.v_bias))
-        q = q.reshape(B, T, nh, hd).swapaxes(1, 2)
+        if last_row and be.short_queries:  # only the last query attends: project it alone
+            q = be.linear(x[:, -1:], L.q_proj, L.q_bias)
+            k, v = be.linears(x, (L.k_proj, L.v_proj), (L.k_bias, L.v_bias))
+        else:
+            q, k, v = be.linears(x, (L.q_proj, L.k_proj, L.v_proj), (L.q_bias, L.k_bias, L.v_bias))
+        q = q.reshape(B, q.shape[1], nh, hd).swapaxes(1, 2)
         k = k.reshape(B, T, nkv, hd).swapaxes(1, 2)
         v = v.reshape(B, T, nkv, hd).swapaxes(1, 2)
         if L.q_norm is not None:  # Qwen3 normalises each head before rope
@@ -145,7 +160,9 @@ class Transformer:
         if self.rope_local is not None and c.window(i) is not None:
             rope = self.rope_local  # sliding layers with a base of their own (Gemma 3)
         q, k, v = be.rope_and_cache(q, k, v, pos, rope, cache, i)
-        o = be.attention(q, k, v, self.scale, mask, sinks=L.sinks)  # (B, nh, T, hd)
+        if last_row:  # every row's k, v are cached above; only the last query goes on
+            q, mask = last_query(q, mask)
+        o = be.attention(q, k, v, self.scale, mask, sinks=L.sinks)  # (B, nh, T or 1, hd)
         if last_row:  # the output projection and the MLP of the other rows feed nothing
             o, h, T = o[:, :, -1:], h[:, -1:], 1
         # o and down see this rank's heads / MLP rows only: partial sums of the output, and
@@ -204,8 +221,8 @@ class Transformer:
             last = i + 1 == len(self.layers)
             nxt = self.norm if last else self.layers[i + 1].input_layernorm
             # A prompt pass that returns the last position's logits alone needs only that
-            # row past the last layer's attention: its output projection and MLP run on one
-            # row, not T (mlx-lm's prefill skips them by leaving that output unevaluated).
+            # row past the last layer's keys and values: its attention, output projection
+            # and MLP run on one query row, not T (mlx-lm's prefill leaves them unevaluated).
             cut = last and last_only and T > 1
             h, x = self.block(L, h, x, nxt, cache, i, masks[windows[i]], pos, rope, cut)
         cache.advance(T)
