@@ -41,6 +41,11 @@ for step in "$@"; do
             tests/test_engine.py tests/test_long_context.py tests/test_triton_kquant.py \
             -k "not mlx and (cuda or captured or fixed or tail or ring or graph or split or grouped or packed or route or kernel or lane or gemm or kv)" \
             2>&1 | tee "$OUT/r/tests.log" | grep -v "PASSED\|SKIPPED\|^$" | tail -25 ;;
+    kernels)  # the Triton kernels and the CUDA code paths against their references
+        timeout $(tm 240) python3 -m pytest -q -p no:cacheprovider -m "" -rfE --tb=line \
+            tests/test_triton_kernels.py tests/test_triton_kquant.py tests/test_moe_kernel.py \
+            tests/test_kv_quant.py tests/test_cuda.py tests/test_last_query.py tests/test_smollm2.py \
+            -k "not mlx" 2>&1 | tee "$OUT/r/kernels.log" | tail -15 ;;
     ttft)  # where a cached-prefix request's first token goes, engine-direct and over HTTP
         timeout $(tm 240) python3 benchmarks/serve_ttft.py --model shape:llama3-8b --backend cuda \
             --quant int4 --prefix-tokens 1000 --tail-tokens 8 --json "$OUT/r/serve-ttft.json" \
