@@ -44,8 +44,13 @@ for step in "$@"; do
     kernels)  # the Triton kernels and the CUDA code paths against their references
         timeout $(tm 240) python3 -m pytest -q -p no:cacheprovider -m "" -rfE --tb=line \
             tests/test_triton_kernels.py tests/test_triton_kquant.py tests/test_moe_kernel.py \
-            tests/test_kv_quant.py tests/test_cuda.py tests/test_last_query.py tests/test_smollm2.py \
+            tests/test_kv_quant.py tests/test_cuda.py tests/test_last_query.py \
             -k "not mlx" 2>&1 | tee "$OUT/r/kernels.log" | tail -15 ;;
+    paris)  # the bundled SmolLM2 on CUDA, as a user runs it (after smol)
+        for q in "" "--quant int4"; do
+            timeout $(tm 120) mlxrun generate -b cuda $q --prompt "What is the capital of France?" \
+                --max-tokens 32 2>&1 | tee -a "$OUT/r/paris.log" | tail -3
+        done ;;
     ttft)  # where a cached-prefix request's first token goes, engine-direct and over HTTP
         timeout $(tm 240) python3 benchmarks/serve_ttft.py --model shape:llama3-8b --backend cuda \
             --quant int4 --prefix-tokens 1000 --tail-tokens 8 --json "$OUT/r/serve-ttft.json" \
