@@ -275,14 +275,68 @@ if triton is not None:
         return p, pb
 
     @triton.jit
+    def _lane_x4(x_ptr, xo, mask, I: tl.constexpr, EVEN: tl.constexpr):
+        """Q6_K's inputs of position I for a lane's 4 words, as tg._gemv_x4 returns them
+        (x0..x3 [LANES] fp32, times 2^(100-SH)): xo [LANES] is the offset, in input pairs, of
+        the pair of words 0, 1 (sub-block 2l); words 2, 3 read the pair 8 further (sub-block
+        2l+1). Two 1-D loads instead of one [LANES, 2]: the two pairs are not adjacent, so
+        Triton gives a [LANES, 2] offset tensor a layout of 2 threads a lane and converts
+        every load to the lane layout (8 conversions a k-step: shuffles on one warp, shared
+        memory and 2 barriers each on several)."""
+        if I < 6:
+            SH: tl.constexpr = 4 * I
+        else:
+            SH: tl.constexpr = 0
+        if x_ptr.dtype.element_ty == tl.bfloat16:
+            p32 = x_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+            if EVEN:
+                va = tl.load(p32 + xo)
+                vb = tl.load(p32 + xo + 8)
+            else:
+                va = tl.load(p32 + xo, mask=mask, other=0)
+                vb = tl.load(p32 + xo + 8, mask=mask, other=0)
+            E: tl.constexpr = (100 - SH) << 23  # added to the exponent field (tg._gemv_x4)
+            x0 = ((va << 16) + E).to(tl.float32, bitcast=True)
+            x1 = ((va & 0xFFFF0000) + E).to(tl.float32, bitcast=True)
+            x2 = ((vb << 16) + E).to(tl.float32, bitcast=True)
+            x3 = ((vb & 0xFFFF0000) + E).to(tl.float32, bitcast=True)
+        else:
+            C: tl.constexpr = 1.2676506002282294e30 / (1 << SH)
+            e = x_ptr + 2 * xo
+            if EVEN:
+                x0 = tl.load(e).to(tl.float32) * C
+                x1 = tl.load(e + 1).to(tl.float32) * C
+                x2 = tl.load(e + 16).to(tl.float32) * C
+                x3 = tl.load(e + 17).to(tl.float32) * C
+            else:
+                x0 = tl.load(e, mask=mask, other=0.0).to(tl.float32) * C
+                x1 = tl.load(e + 1, mask=mask, other=0.0).to(tl.float32) * C
+                x2 = tl.load(e + 16, mask=mask, other=0.0).to(tl.float32) * C
+                x3 = tl.load(e + 17, mask=mask, other=0.0).to(tl.float32) * C
+        return x0, x1, x2, x3
+
+    @triton.jit
+    def _lane_xpos(x_base, xo, xmask, xl, xl_mask, I: tl.constexpr, KIND: tl.constexpr,
+                   XLANE: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
+        """x0..x3 of position I: _lane_x4 (Q6_K with XLANE) or tg._gemv_x4."""
+        if KIND == 2 and XLANE:
+            x0, x1, x2, x3 = _lane_x4(x_base, xl + I, xl_mask, I, EVEN)
+        else:
+            PS: tl.constexpr = 1 if KIND == 2 else 2  # input pairs between positions
+            x0, x1, x2, x3 = tg._gemv_x4(x_base, xo + I * PS, xmask, I, 0, 4, EVEN)
+        return x0, x1, x2, x3
+
+    @triton.jit
     def _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, rn, n_mask, s_ptr, b_ptr, KS,
-                   KIND: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
+                   KIND: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr,
+                   XLANE: tl.constexpr = False):  # fmt: skip
         """One k-step of _kq_lane_gemv_kernel: acc [8, LANES] += lane l's 32 weights of each
         row (low nibbles: 4 words of wa [8, 4*LANES]; high bits: ha from _lane_hi) times x,
         with its sub-blocks' scales. The low-nibble plane is in the affine int4 order of
         groups of 32 (Q6_K: 16), so the decode, x loads and FFMA chains are
         triton_kernels' GEMV functions, unchanged. Q4_K, Q5_K: dot * d*sc - dmin*m * sum(x);
-        Q6_K, per sub-block of 16: (dot - 32 sum(x)) * d*sc."""
+        Q6_K, per sub-block of 16: (dot - 32 sum(x)) * d*sc. XLANE (Q6_K): x by _lane_x4,
+        the two int8 sc as one uint16 load."""
         TWO: tl.constexpr = KIND == 2  # Q6_K: words 0, 1 and 2, 3 are two sub-blocks
         w0, w1, w2, w3 = tg._gemv_words(wa, LANES)
         if KIND != 0:
@@ -296,11 +350,12 @@ if triton is not None:
         else:
             sub = kb * LANES + lane
             xmask = (sub < KS)[:, None]
+        xl = (kb * LANES + lane) * 16  # Q6_K, XLANE: _lane_x4's pair offsets
+        xl_mask = (kb * LANES + lane) * 2 < KS
         xs_a = tl.zeros([LANES], dtype=tl.float32)  # sums of the lane's inputs * 2^-49
         xs_b = tl.zeros([LANES], dtype=tl.float32)  # (words 2, 3 apart for Q6_K)
-        PS: tl.constexpr = 1 if KIND == 2 else 2  # input pairs between positions
         for i in tl.static_range(6):
-            x0, x1, x2, x3 = tg._gemv_x4(x_base, xo + i * PS, xmask, i, 0, 4, EVEN)
+            x0, x1, x2, x3 = _lane_xpos(x_base, xo, xmask, xl, xl_mask, i, KIND, XLANE, EVEN)
             p, pb = tg._gemv_fma(p, pb, w0, w1, w2, w3, x0, x1, x2, x3, i, 0, 4, TWO)
             if KIND != 0:
                 p, pb = _lane_hi_fma(p, pb, h0, h1, h2, h3, x0, x1, x2, x3, i, KIND)
@@ -308,8 +363,8 @@ if triton is not None:
             xs_b += (x2 + x3) * (1.401298464324817e-45 * (1 << (4 * i)))
         # positions 6, 7 as the affine kernel reads them: w >> 24 = q6 + 16*q7 with x6, and
         # w >> 28 = q7 with x7 - 16*x6 (cancels the 16*q7 term)
-        y0, y1, y2, y3 = tg._gemv_x4(x_base, xo + 6 * PS, xmask, 6, 0, 4, EVEN)
-        z0, z1, z2, z3 = tg._gemv_x4(x_base, xo + 7 * PS, xmask, 7, 0, 4, EVEN)
+        y0, y1, y2, y3 = _lane_xpos(x_base, xo, xmask, xl, xl_mask, 6, KIND, XLANE, EVEN)
+        z0, z1, z2, z3 = _lane_xpos(x_base, xo, xmask, xl, xl_mask, 7, KIND, XLANE, EVEN)
         if KIND != 0:
             p, pb = _lane_hi_fma(p, pb, h0, h1, h2, h3, y0, y1, y2, y3, 6, KIND)
             p, pb = _lane_hi_fma(p, pb, h0, h1, h2, h3, z0, z1, z2, z3, 7, KIND)
@@ -325,9 +380,18 @@ if triton is not None:
             # int8 sc of the lane's two sub-blocks of 16, d of their super-block
             s0 = (kb * LANES + lane) * 2  # the first of the two
             smask = n_mask[:, None] & (s0 < KS)[None, :]
-            sp = s_ptr + rn[:, None] * KS + s0[None, :]
-            sa = tl.load(sp, mask=smask, other=0).to(tl.float32)
-            sb = tl.load(sp + 1, mask=smask, other=0).to(tl.float32)
+            if XLANE:  # both as one uint16; int8 c + 128 into the mantissa of 2^23: exact
+                s16 = s_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
+                sab = tl.load(s16 + rn[:, None] * (KS // 2) + (s0 // 2)[None, :], mask=smask,
+                              other=0).to(tl.uint32)  # fmt: skip
+                sa = (((sab & 0xFF) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True)
+                sb = (((sab >> 8) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True)
+                sa = sa - 8388736.0
+                sb = sb - 8388736.0
+            else:
+                sp = s_ptr + rn[:, None] * KS + s0[None, :]
+                sa = tl.load(sp, mask=smask, other=0).to(tl.float32)
+                sb = tl.load(sp + 1, mask=smask, other=0).to(tl.float32)
             sbk = (kb * LANES + lane) // 8  # super-block (16 sub-blocks)
             d = tl.load(b_ptr + rn[:, None] * (KS // 16) + sbk[None, :], mask=smask, other=0.0)
             d = d.to(tl.float32)
@@ -357,6 +421,7 @@ if triton is not None:
         stride_w, KIND: tl.constexpr, SPLIT_K: tl.constexpr, KB_PER_SPLIT: tl.constexpr,
         EVEN: tl.constexpr, KW: tl.constexpr, SW: tl.constexpr = 0, PDL: tl.constexpr = False,
         SILU: tl.constexpr = False, WARPS: tl.constexpr = 1, PREFETCH: tl.constexpr = True,
+        XLANE: tl.constexpr = True,
     ):  # fmt: skip
         """K-quant GEMV, y[m, N] = x[m, K] @ W^T for one row m of x, laid out as
         triton_kernels._gemv_kernel (read its docstring): 8 rows a program, WARPS warps,
@@ -410,26 +475,26 @@ if triton is not None:
                 if KIND != 0:
                     hb = _lane_hi(w_ptr, rn, n_mask, rkw, kb + 1, swn, KW, KS, KIND, EVEN, LANES)
                 acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, rn, n_mask, s_ptr, b_ptr,
-                                 KS, KIND, EVEN, LANES)  # fmt: skip
+                                 KS, KIND, EVEN, LANES, XLANE)  # fmt: skip
                 kn = tl.minimum(kb + 2, kb_last)  # past the last step: reload it, never used
                 wa = tg._load_step(w_ptr, rn, n_mask, rkw, kn, swn, EVEN, 0, LANES)
                 if KIND != 0:
                     ha = _lane_hi(w_ptr, rn, n_mask, rkw, kn, swn, KW, KS, KIND, EVEN, LANES)
                 acc = _lane_step(acc, wb, hb, kb + 1, x_base, x_pair0, lane, rn, n_mask, s_ptr,
-                                 b_ptr, KS, KIND, EVEN, LANES)  # fmt: skip
+                                 b_ptr, KS, KIND, EVEN, LANES, XLANE)  # fmt: skip
             if KB_PER_SPLIT % 2 == 1:
                 acc = _lane_step(acc, wa, ha, kb_last, x_base, x_pair0, lane, rn, n_mask, s_ptr,
-                                 b_ptr, KS, KIND, EVEN, LANES)  # fmt: skip
+                                 b_ptr, KS, KIND, EVEN, LANES, XLANE)  # fmt: skip
         else:  # each step's words loaded in the step: fewer registers, more resident warps
             acc = _lane_step(acc, wa, ha, kb0, x_base, x_pair0, lane, rn, n_mask, s_ptr, b_ptr,
-                             KS, KIND, EVEN, LANES)  # fmt: skip
+                             KS, KIND, EVEN, LANES, XLANE)  # fmt: skip
             for j in range(1, KB_PER_SPLIT):
                 kb = kb0 + j
                 wa = tg._load_step(w_ptr, rn, n_mask, rkw, kb, swn, EVEN, 0, LANES)
                 if KIND != 0:
                     ha = _lane_hi(w_ptr, rn, n_mask, rkw, kb, swn, KW, KS, KIND, EVEN, LANES)
                 acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, rn, n_mask, s_ptr,
-                                 b_ptr, KS, KIND, EVEN, LANES)  # fmt: skip
+                                 b_ptr, KS, KIND, EVEN, LANES, XLANE)  # fmt: skip
         out = tl.sum(acc, axis=1) * 562949953421312.0  # [8]: undo the decode's 2^-49
         tile = m * tl.num_programs(1) + pid_n
         if SILU:

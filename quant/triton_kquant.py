@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import numpy as np
 
@@ -231,6 +232,19 @@ def choose_kq_config(m: int, w: KQLinear, device) -> KQConfig:
     return KQConfig("gemm", bm, bn, 1, sk, warps)
 
 
+VARIANTS = ("old", "xlane", "new")
+
+
+def variant() -> str:
+    """The Q6_K lane GEMV variant, MLXRUN_KQ_VARIANT (for A/B timing on a GPU): "old" (x
+    loaded as [LANES, 2] pairs, one warp), "xlane" (x by _lane_x4, one uint16 scale load;
+    one warp), "new" (xlane, and Q6_K takes warps as Q4_K does)."""
+    v = os.environ.get("MLXRUN_KQ_VARIANT", "xlane")
+    if v not in VARIANTS:
+        raise MlxrunError(f"MLXRUN_KQ_VARIANT={v} is not one of {', '.join(VARIANTS)}")
+    return v
+
+
 def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
     """Launch parameters of the K-quant GEMV (_kq_lane_gemv_kernel), as
     triton_kernels.choose_config picks them for an int4 weight of the same shape at 8 rows a
@@ -241,9 +255,10 @@ def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
     sms = tk._num_sms(device)
     kw = w.k // 8
     warps = 1
+    one = w.kind == "Q6_K" and variant() != "new"
     # Q6_K on one warp: on the H100 its 6144x4096 GEMV took 228.8 us with the warps split
     # (2-4) and 14.1 us on one (profile_decode.py --linears; 4096x14336: 38.1 against 31.2)
-    while warps < tch.GEMV_WARPS and 256 * warps <= kw and w.kind != "Q6_K":
+    while warps < tch.GEMV_WARPS and 256 * warps <= kw and not one:
         warps *= 2
     ksteps = math.ceil(kw / (128 * warps))
     tiles = m * math.ceil(w.n / 8)
@@ -254,7 +269,7 @@ def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
         sk = near
     if warps == 1 and tiles < 8 * sms and ksteps / sk > 4:
         sk = math.ceil(ksteps / 4)
-    if w.kind == "Q6_K" and tiles < 64 * sms:
+    if w.kind == "Q6_K" and warps == 1 and tiles < 64 * sms:
         # Q6_K's one warp (168 registers a lane) hides latency with more programs: two
         # k-steps a split. H100 (profile_decode.py --linears --formats q6_k --no-prefetch),
         # us: 4096x14336 39.6 -> 33.4, 28672x4096 60.4 -> 56.6, 6144x4096 13.3 either way;
@@ -286,7 +301,7 @@ def _lane_gemv(x2, w: KQLinear, y, silu: bool, cfg: tk.KernelConfig | None) -> N
         x2, w.weight, w.scales, w.biases, y, part, cnt, m, w.n, ks, x2.stride(0), y.stride(0),
         w.weight.stride(0), KIND=KINDS[w.kind], SPLIT_K=split, KB_PER_SPLIT=per, EVEN=even,
         KW=kw, SW=sw if even else 0, SILU=silu, WARPS=cfg.num_warps, PREFETCH=cfg.prefetch,
-        num_warps=cfg.num_warps,
+        XLANE=variant() != "old", num_warps=cfg.num_warps,
         **tk.pdl_args(x2.device),
     )  # fmt: skip
 

@@ -1,0 +1,125 @@
+"""A/B of the Q6_K lane GEMV's variants (MLXRUN_KQ_VARIANT, quant/triton_kquant.py) at batch
+1 on CUDA, on Llama-3-8B's linear shapes, in one process: each variant's launch, alternated
+and repeated, inside a CUDA graph that cycles through enough weight copies that nothing stays
+in L2 (as profile_decode.py --linears times them). Every variant's output is checked against
+"old"'s on the same weights first.
+
+    python3 benchmarks/kq_variants.py [--reps 3] [--json out.json]
+    python3 benchmarks/kq_variants.py --warm old      # compile one variant's kernels only
+
+Variants: old (x as [LANES, 2] pairs, 1 warp), xlane (_lane_x4's 1-D x loads and one uint16
+scale load, 1 warp), new-w2 / new-w4 (xlane on 2 / 4 warps a program, lane_config's split
+for that many). --warm runs each launch once (Triton's on-disk cache then holds it): run
+one --warm per variant in parallel before timing to spend less time compiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
+from profile_decode import _events_ms, _graphed  # noqa: E402
+
+from mlxrun.quant import triton_kquant as kq  # noqa: E402
+from mlxrun.quant import triton_launch as tch  # noqa: E402
+
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+VARIANTS = ["old", "xlane", "new-w2", "new-w4"]
+
+
+def config(name: str, w, x):
+    """(MLXRUN_KQ_VARIANT value, KernelConfig) of a variant name."""
+    env = name.split("-")[0]
+    os.environ["MLXRUN_KQ_VARIANT"] = env
+    saved = tch.GEMV_WARPS
+    if name.endswith("-w2"):
+        tch.GEMV_WARPS = 2
+    try:
+        cfg = kq.lane_config(1, w, x.device)
+    finally:
+        tch.GEMV_WARPS = saved
+    return env, cfg
+
+
+def run(x, w, name):
+    env, cfg = config(name, w, x)
+    os.environ["MLXRUN_KQ_VARIANT"] = env
+    return kq.kqmatmul(x, w, cfg)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json")
+    ap.add_argument("--warm", help="compile (run once) this variant's launches, then exit")
+    ap.add_argument("--kind", default="Q6_K")
+    ap.add_argument("--dry", action="store_true",
+                    help="check the script on the CPU (TRITON_INTERPRET=1): one tiny shape, "
+                         "wall-clock times")  # fmt: skip
+    a = ap.parse_args()
+    dev = "cpu" if a.dry else "cuda"
+    shapes = [(16, 2048)] if a.dry else SHAPES
+    names = [a.warm] if a.warm else VARIANTS
+    results = {}
+    for n, k in shapes:
+        t0 = time.time()
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        w0 = kq.random_kquant(a.kind, n, k, dev, 0)
+        if a.warm:
+            for nm in names:
+                run(x, w0, nm)
+            if not a.dry:
+                torch.cuda.synchronize()
+            print(f"warm {a.warm} {n}x{k} {time.time() - t0:.1f} s", flush=True)
+            continue
+        ref = run(x, w0, "old").float()
+        err = {}
+        for nm in names:
+            y = run(x, w0, nm).float()
+            err[nm] = ((y - ref).abs().max() / ref.abs().max()).item()
+        copies = 2 if a.dry else max(2, math.ceil(400e6 / w0.nbytes))
+        wq = [w0] + [kq.random_kquant(a.kind, n, k, dev, s) for s in range(1, copies)]
+        times = {nm: [] for nm in names}
+        for _ in range(a.reps):
+            for nm in names:  # alternated: a drift in clocks hits every variant alike
+                env, cfg = config(nm, w0, x)
+                os.environ["MLXRUN_KQ_VARIANT"] = env
+                if a.dry:
+                    t1 = time.perf_counter()
+                    kq.kqmatmul(x, wq[1], cfg)
+                    times[nm].append((time.perf_counter() - t1) * 1e6)
+                    continue
+                rep = _graphed(
+                    lambda i, c=cfg, x=x, wq=wq, nc=copies: kq.kqmatmul(x, wq[i % nc], c), 24
+                )
+                times[nm].append(_events_ms(rep) * 1e3 / 24)
+        row = {}
+        for nm in names:
+            _, cfg = config(nm, w0, x)
+            us = min(times[nm])
+            row[nm] = dict(us=us, all_us=times[nm], gbs=w0.nbytes / us / 1e3, rel_err=err[nm],
+                           warps=cfg.num_warps, split_k=cfg.split_k)  # fmt: skip
+        results[f"{n}x{k}"] = row
+        print(f"{a.kind} {n}x{k} ({w0.nbytes / 1e6:.1f} MB, {time.time() - t0:.1f} s): "
+              + " | ".join(f"{nm} w{r['warps']} s{r['split_k']} {r['us']:.1f} us "
+                           f"{r['gbs']:.0f} GB/s err {r['rel_err']:.1e}" for nm, r in row.items()),
+              flush=True)  # fmt: skip
+        del wq, w0
+        if not a.dry:
+            torch.cuda.empty_cache()
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
