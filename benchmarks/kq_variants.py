@@ -1,15 +1,16 @@
 """A/B of the Q6_K lane GEMV's variants (MLXRUN_KQ_VARIANT, quant/triton_kquant.py) at batch
 1 on CUDA, on Llama-3-8B's linear shapes, in one process: each variant's launch, alternated
 and repeated, inside a CUDA graph that cycles through enough weight copies that nothing stays
-in L2 (as profile_decode.py --linears times them). Every variant's output is checked against
-"old"'s on the same weights first.
+in L2 (as profile_decode.py --linears times them). Every variant's output is first checked
+against the fp32 product with the dequantized weight (rel_err: max error / max |y|; bf16
+output rounding is ~4e-3).
 
     python3 benchmarks/kq_variants.py [--reps 3] [--json out.json]
     python3 benchmarks/kq_variants.py --warm old      # compile one variant's kernels only
 
 Variants: old (x as [LANES, 2] pairs, 1 warp), xlane (_lane_x4's 1-D x loads and one uint16
 scale load, 1 warp), new-w2 / new-w4 (xlane on 2 / 4 warps a program, lane_config's split
-for that many). --warm runs each launch once (Triton's on-disk cache then holds it): run
+for that many); -r128: compiled with at most 128 registers a thread (MLXRUN_KQ_MAXNREG). --warm runs each launch once (Triton's on-disk cache then holds it): run
 one --warm per variant in parallel before timing to spend less time compiling.
 """
 
@@ -34,15 +35,16 @@ from mlxrun.quant import triton_kquant as kq  # noqa: E402
 from mlxrun.quant import triton_launch as tch  # noqa: E402
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
-VARIANTS = ["old", "xlane", "new-w2", "new-w4"]
+VARIANTS = ["old", "xlane", "new-w2", "new-w4", "xlane-r128", "new-w4-r128"]
 
 
 def config(name: str, w, x):
     """(MLXRUN_KQ_VARIANT value, KernelConfig) of a variant name."""
     env = name.split("-")[0]
     os.environ["MLXRUN_KQ_VARIANT"] = env
+    os.environ["MLXRUN_KQ_MAXNREG"] = "128" if name.endswith("-r128") else ""
     saved = tch.GEMV_WARPS
-    if name.endswith("-w2"):
+    if "-w2" in name:
         tch.GEMV_WARPS = 2
     try:
         cfg = kq.lane_config(1, w, x.device)
@@ -82,10 +84,12 @@ def main() -> None:
                 torch.cuda.synchronize()
             print(f"warm {a.warm} {n}x{k} {time.time() - t0:.1f} s", flush=True)
             continue
-        ref = run(x, w0, "old").float()
+        # every variant against the fp32 product with the dequantized weight (up to 512 rows)
+        sel = torch.arange(0, n, max(1, n // 512), device=dev)
+        ref = x.float() @ kq.dequantize_kquant(kq.rows(w0, sel)).T
         err = {}
         for nm in names:
-            y = run(x, w0, nm).float()
+            y = run(x, w0, nm).float()[:, sel]
             err[nm] = ((y - ref).abs().max() / ref.abs().max()).item()
         copies = 2 if a.dry else max(2, math.ceil(400e6 / w0.nbytes))
         wq = [w0] + [kq.random_kquant(a.kind, n, k, dev, s) for s in range(1, copies)]

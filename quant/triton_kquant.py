@@ -245,6 +245,17 @@ def variant() -> str:
     return v
 
 
+def _maxnreg() -> dict:
+    """MLXRUN_KQ_MAXNREG=R: the lane GEMV compiled with at most R registers a thread (more
+    resident warps, some spilled), for A/B timing; unset: Triton's choice."""
+    r = os.environ.get("MLXRUN_KQ_MAXNREG", "")
+    if not r.isdigit():
+        if r:
+            raise MlxrunError(f"MLXRUN_KQ_MAXNREG={r} is not a register count (e.g. 128)")
+        return {}
+    return {"maxnreg": int(r)}
+
+
 def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
     """Launch parameters of the K-quant GEMV (_kq_lane_gemv_kernel), as
     triton_kernels.choose_config picks them for an int4 weight of the same shape at 8 rows a
@@ -301,7 +312,7 @@ def _lane_gemv(x2, w: KQLinear, y, silu: bool, cfg: tk.KernelConfig | None) -> N
         x2, w.weight, w.scales, w.biases, y, part, cnt, m, w.n, ks, x2.stride(0), y.stride(0),
         w.weight.stride(0), KIND=KINDS[w.kind], SPLIT_K=split, KB_PER_SPLIT=per, EVEN=even,
         KW=kw, SW=sw if even else 0, SILU=silu, WARPS=cfg.num_warps, PREFETCH=cfg.prefetch,
-        XLANE=variant() != "old", num_warps=cfg.num_warps,
+        XLANE=variant() != "old", num_warps=cfg.num_warps, **_maxnreg(),
         **tk.pdl_args(x2.device),
     )  # fmt: skip
 

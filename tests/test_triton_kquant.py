@@ -186,6 +186,11 @@ def test_q6k_variant_launch_settings(monkeypatch):
     q4 = kq.random_kquant("Q4_K", 64, 4096, "cpu")
     assert warps == {"old": 1, "xlane": 1, "new": kq.lane_config(1, q4, cuda).num_warps}
     assert warps["new"] > 1
+    monkeypatch.setenv("MLXRUN_KQ_MAXNREG", "128")
+    assert kq._maxnreg() == {"maxnreg": 128}
+    monkeypatch.setenv("MLXRUN_KQ_MAXNREG", "many")
+    with pytest.raises(kq.MlxrunError, match="MLXRUN_KQ_MAXNREG=many"):
+        kq._maxnreg()
 
 
 def test_concat_and_shapes():
