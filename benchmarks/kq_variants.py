@@ -7,10 +7,14 @@ output rounding is ~4e-3).
 
     python3 benchmarks/kq_variants.py [--reps 3] [--json out.json]
     python3 benchmarks/kq_variants.py --warm old      # compile one variant's kernels only
+    python3 benchmarks/kq_variants.py --kind Q6_K,Q4_K    # Q4_K too: old against xlane
+    python3 benchmarks/kq_variants.py --kind Q4_K --warm xlane
 
 Variants: old (x as [LANES, 2] pairs, 1 warp), xlane (_lane_x4's 1-D x loads and one uint16
 scale load, 1 warp), new-w2 / new-w4 (xlane on 2 / 4 warps a program, lane_config's split
-for that many); -r128: compiled with at most 128 registers a thread (MLXRUN_KQ_MAXNREG). --warm runs each launch once (Triton's on-disk cache then holds it): run
+for that many); -r128: compiled with at most 128 registers a thread (MLXRUN_KQ_MAXNREG).
+Q4_K: old against xlane (its scale loads in the lane layout: no shared-memory move of the
+partial sums every k-step on several warps). --warm runs each launch once (Triton's on-disk cache then holds it): run
 one --warm per variant in parallel before timing to spend less time compiling.
 """
 
@@ -35,7 +39,10 @@ from mlxrun.quant import triton_kquant as kq  # noqa: E402
 from mlxrun.quant import triton_launch as tch  # noqa: E402
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
-VARIANTS = ["old", "xlane", "new-w2", "new-w4", "xlane-r128", "new-w4-r128"]
+VARIANTS = {
+    "Q6_K": ["old", "xlane", "new-w2", "new-w4", "xlane-r128", "new-w4-r128"],
+    "Q4_K": ["old", "xlane"],  # xlane: the scale offsets opaque (no p conversion a k-step)
+}
 
 
 def config(name: str, w, x):
@@ -64,19 +71,19 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json")
     ap.add_argument("--warm", help="compile (run once) this variant's launches, then exit")
-    ap.add_argument("--kind", default="Q6_K")
+    ap.add_argument("--kind", default="Q6_K", help="kinds, comma-separated (Q6_K,Q4_K)")
     ap.add_argument("--dry", action="store_true",
                     help="check the script on the CPU (TRITON_INTERPRET=1): one tiny shape, "
                          "wall-clock times")  # fmt: skip
     a = ap.parse_args()
     dev = "cpu" if a.dry else "cuda"
     shapes = [(16, 2048)] if a.dry else SHAPES
-    names = [a.warm] if a.warm else VARIANTS
     results = {}
-    for n, k in shapes:
+    for kind, (n, k) in [(kd, sh) for kd in a.kind.split(",") for sh in shapes]:
+        names = [a.warm] if a.warm else VARIANTS[kind]
         t0 = time.time()
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
-        w0 = kq.random_kquant(a.kind, n, k, dev, 0)
+        w0 = kq.random_kquant(kind, n, k, dev, 0)
         if a.warm:
             for nm in names:
                 run(x, w0, nm)
@@ -92,7 +99,7 @@ def main() -> None:
             y = run(x, w0, nm).float()[:, sel]
             err[nm] = ((y - ref).abs().max() / ref.abs().max()).item()
         copies = 2 if a.dry else max(2, math.ceil(400e6 / w0.nbytes))
-        wq = [w0] + [kq.random_kquant(a.kind, n, k, dev, s) for s in range(1, copies)]
+        wq = [w0] + [kq.random_kquant(kind, n, k, dev, s) for s in range(1, copies)]
         times = {nm: [] for nm in names}
         for _ in range(a.reps):
             for nm in names:  # alternated: a drift in clocks hits every variant alike
@@ -113,16 +120,16 @@ def main() -> None:
             us = min(times[nm])
             row[nm] = dict(us=us, all_us=times[nm], gbs=w0.nbytes / us / 1e3, rel_err=err[nm],
                            warps=cfg.num_warps, split_k=cfg.split_k)  # fmt: skip
-        results[f"{n}x{k}"] = row
-        print(f"{a.kind} {n}x{k} ({w0.nbytes / 1e6:.1f} MB, {time.time() - t0:.1f} s): "
+        results[f"{kind} {n}x{k}"] = row
+        print(f"{kind} {n}x{k} ({w0.nbytes / 1e6:.1f} MB, {time.time() - t0:.1f} s): "
               + " | ".join(f"{nm} w{r['warps']} s{r['split_k']} {r['us']:.1f} us "
                            f"{r['gbs']:.0f} GB/s err {r['rel_err']:.1e}" for nm, r in row.items()),
               flush=True)  # fmt: skip
+        if a.json:  # after every shape: a run cut short keeps what it measured
+            Path(a.json).write_text(json.dumps(results, indent=1))
         del wq, w0
         if not a.dry:
             torch.cuda.empty_cache()
-    if a.json:
-        Path(a.json).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -327,7 +327,7 @@ if triton is not None:
         return x0, x1, x2, x3
 
     @triton.jit
-    def _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, rn, n_mask, s_ptr, b_ptr, KS,
+    def _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr, b_ptr, KS,
                    KIND: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr,
                    XLANE: tl.constexpr = False):  # fmt: skip
         """One k-step of _kq_lane_gemv_kernel: acc [8, LANES] += lane l's 32 weights of each
@@ -335,8 +335,9 @@ if triton is not None:
         with its sub-blocks' scales. The low-nibble plane is in the affine int4 order of
         groups of 32 (Q6_K: 16), so the decode, x loads and FFMA chains are
         triton_kernels' GEMV functions, unchanged. Q4_K, Q5_K: dot * d*sc - dmin*m * sum(x);
-        Q6_K, per sub-block of 16: (dot - 32 sum(x)) * d*sc. XLANE (Q6_K): x by _lane_x4,
-        the two int8 sc as one uint16 load."""
+        Q6_K, per sub-block of 16: (dot - 32 sum(x)) * d*sc. XLANE: Q6_K's x by _lane_x4,
+        its two int8 sc as one uint16 load; Q4_K/Q5_K's scale offsets from lane_s (the
+        kernel's opaque copy of lane)."""
         TWO: tl.constexpr = KIND == 2  # Q6_K: words 0, 1 and 2, 3 are two sub-blocks
         w0, w1, w2, w3 = tg._gemv_words(wa, LANES)
         if KIND != 0:
@@ -401,12 +402,14 @@ if triton is not None:
         else:
             # (sc, m) of the sub-block as one uint16, (d, dmin) of its super-block as one
             # word: 8 rows x 2 loads a lane per 256 weights
-            smask = n_mask[:, None] & (sub < KS)[None, :]
+            sub_s = kb * LANES + lane_s
+            smask = n_mask[:, None] & (sub_s < KS)[None, :]
             s16 = s_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
-            scm = tl.load(s16 + rn[:, None] * KS + sub[None, :], mask=smask, other=0)
+            scm = tl.load(s16 + rn[:, None] * KS + sub_s[None, :], mask=smask, other=0)
             scm = scm.to(tl.uint32)
             b32 = b_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
-            dd = tl.load(b32 + rn[:, None] * (KS // 8) + (sub // 8)[None, :], mask=smask, other=0)
+            dd = tl.load(b32 + rn[:, None] * (KS // 8) + (sub_s // 8)[None, :], mask=smask,
+                         other=0)  # fmt: skip
             d = (dd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
             dmin = (dd >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
             # 6-bit integers into the mantissa of 2^23: exact, no int->float conversion
@@ -449,6 +452,13 @@ if triton is not None:
         n_mask = rn < N
         rkw = tl.arange(0, 4 * LANES)
         lane = tl.arange(0, LANES)
+        lane_s = lane
+        if XLANE:
+            # Q4_K/Q5_K's scale offsets, opaque to Triton's contiguity analysis (times a
+            # runtime 1): else it vectorizes their loads along the lanes, holds acc in that
+            # layout and moves p into it through shared memory every k-step (sm_90 SASS,
+            # Q4_K on 4 warps: 4 BAR, 4 LDS, 3 STSM a k-step)
+            lane_s = lane * (N > 0).to(tl.int32)
         if KIND == 2:  # pairs of x (uint32 units): sub-blocks 2l, 2l+1 of 16 inputs
             x_pair0 = (2 * lane[:, None] + tl.arange(0, 2)[None, :]) * 8
         else:  # sub-block l of 32 inputs
@@ -474,26 +484,26 @@ if triton is not None:
                 hb = wb
                 if KIND != 0:
                     hb = _lane_hi(w_ptr, rn, n_mask, rkw, kb + 1, swn, KW, KS, KIND, EVEN, LANES)
-                acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, rn, n_mask, s_ptr, b_ptr,
-                                 KS, KIND, EVEN, LANES, XLANE)  # fmt: skip
+                acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr,
+                                 b_ptr, KS, KIND, EVEN, LANES, XLANE)  # fmt: skip
                 kn = tl.minimum(kb + 2, kb_last)  # past the last step: reload it, never used
                 wa = tg._load_step(w_ptr, rn, n_mask, rkw, kn, swn, EVEN, 0, LANES)
                 if KIND != 0:
                     ha = _lane_hi(w_ptr, rn, n_mask, rkw, kn, swn, KW, KS, KIND, EVEN, LANES)
-                acc = _lane_step(acc, wb, hb, kb + 1, x_base, x_pair0, lane, rn, n_mask, s_ptr,
-                                 b_ptr, KS, KIND, EVEN, LANES, XLANE)  # fmt: skip
+                acc = _lane_step(acc, wb, hb, kb + 1, x_base, x_pair0, lane, lane_s, rn, n_mask,
+                                 s_ptr, b_ptr, KS, KIND, EVEN, LANES, XLANE)  # fmt: skip
             if KB_PER_SPLIT % 2 == 1:
-                acc = _lane_step(acc, wa, ha, kb_last, x_base, x_pair0, lane, rn, n_mask, s_ptr,
-                                 b_ptr, KS, KIND, EVEN, LANES, XLANE)  # fmt: skip
+                acc = _lane_step(acc, wa, ha, kb_last, x_base, x_pair0, lane, lane_s, rn, n_mask,
+                                 s_ptr, b_ptr, KS, KIND, EVEN, LANES, XLANE)  # fmt: skip
         else:  # each step's words loaded in the step: fewer registers, more resident warps
-            acc = _lane_step(acc, wa, ha, kb0, x_base, x_pair0, lane, rn, n_mask, s_ptr, b_ptr,
-                             KS, KIND, EVEN, LANES, XLANE)  # fmt: skip
+            acc = _lane_step(acc, wa, ha, kb0, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr,
+                             b_ptr, KS, KIND, EVEN, LANES, XLANE)  # fmt: skip
             for j in range(1, KB_PER_SPLIT):
                 kb = kb0 + j
                 wa = tg._load_step(w_ptr, rn, n_mask, rkw, kb, swn, EVEN, 0, LANES)
                 if KIND != 0:
                     ha = _lane_hi(w_ptr, rn, n_mask, rkw, kb, swn, KW, KS, KIND, EVEN, LANES)
-                acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, rn, n_mask, s_ptr,
+                acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr,
                                  b_ptr, KS, KIND, EVEN, LANES, XLANE)  # fmt: skip
         out = tl.sum(acc, axis=1) * 562949953421312.0  # [8]: undo the decode's 2^-49
         tile = m * tl.num_programs(1) + pid_n
