@@ -42,7 +42,7 @@ def compile_gemv(kind: str, warps: int, n=4096, k=4096, x="bf16", silu=False, pr
                 b_ptr="*fp16", y_ptr=f"*{x}", part_ptr="*fp32", cnt_ptr="*i32")  # fmt: skip
     params = dict(M=1, KIND=kq.KINDS[kind], SPLIT_K=1, KB_PER_SPLIT=8, EVEN=True, KW=k // 8,
                   SW=sw, PDL=True, SILU=silu, WARPS=warps, PREFETCH=prefetch,
-                  XLANE=xlane)  # fmt: skip
+                  XLANE=xlane, KSC=ks if xlane else 0)  # fmt: skip
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in ptrs:

@@ -424,7 +424,7 @@ if triton is not None:
         stride_w, KIND: tl.constexpr, SPLIT_K: tl.constexpr, KB_PER_SPLIT: tl.constexpr,
         EVEN: tl.constexpr, KW: tl.constexpr, SW: tl.constexpr = 0, PDL: tl.constexpr = False,
         SILU: tl.constexpr = False, WARPS: tl.constexpr = 1, PREFETCH: tl.constexpr = True,
-        XLANE: tl.constexpr = True,
+        XLANE: tl.constexpr = True, KSC: tl.constexpr = 0,
     ):  # fmt: skip
         """K-quant GEMV, y[m, N] = x[m, K] @ W^T for one row m of x, laid out as
         triton_kernels._gemv_kernel (read its docstring): 8 rows a program, WARPS warps,
@@ -433,7 +433,8 @@ if triton is not None:
         summed once at the end; split-K programs (axis 2) summed by the last one; PDL;
         SILU (W = [gate; up]): rows 0-3 of a tile are gate rows, 4-7 their up rows, and
         y = silu(gate) * up. KS: sub-blocks a row; KW: low-nibble words a row (K/8);
-        SW: the row stride in words as a constant (EVEN), or 0 (stride_w).
+        SW: the row stride in words as a constant (EVEN), or 0 (stride_w); KSC: KS as a
+        constant, or 0.
         The scale products d*sc and dmin*m are exact in fp32 (an 11-bit significand times
         a 6- or 8-bit integer)."""
         LANES: tl.constexpr = 32 * WARPS
@@ -444,6 +445,10 @@ if triton is not None:
             swn = SW
         else:
             swn = stride_w
+        if KSC > 0:  # KS as a constant: the scale rows at immediate offsets
+            ksn = KSC
+        else:
+            ksn = KS
         r8 = tl.arange(0, 8)
         if SILU:
             rn = pid_n * 4 + r8 % 4 + (r8 // 4) * (N // 2)
@@ -472,7 +477,7 @@ if triton is not None:
         wa = tg._load_step(w_ptr, rn, n_mask, rkw, kb0, swn, EVEN, 0, LANES)
         ha = wa
         if KIND != 0:
-            ha = _lane_hi(w_ptr, rn, n_mask, rkw, kb0, swn, KW, KS, KIND, EVEN, LANES)
+            ha = _lane_hi(w_ptr, rn, n_mask, rkw, kb0, swn, KW, ksn, KIND, EVEN, LANES)
         if PDL:  # the weights do not depend on the previous kernel; x does
             tlc.gdc_wait()
             tlc.gdc_launch_dependents()
@@ -483,28 +488,28 @@ if triton is not None:
                 wb = tg._load_step(w_ptr, rn, n_mask, rkw, kb + 1, swn, EVEN, 0, LANES)
                 hb = wb
                 if KIND != 0:
-                    hb = _lane_hi(w_ptr, rn, n_mask, rkw, kb + 1, swn, KW, KS, KIND, EVEN, LANES)
+                    hb = _lane_hi(w_ptr, rn, n_mask, rkw, kb + 1, swn, KW, ksn, KIND, EVEN, LANES)
                 acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr,
-                                 b_ptr, KS, KIND, EVEN, LANES, XLANE)  # fmt: skip
+                                 b_ptr, ksn, KIND, EVEN, LANES, XLANE)  # fmt: skip
                 kn = tl.minimum(kb + 2, kb_last)  # past the last step: reload it, never used
                 wa = tg._load_step(w_ptr, rn, n_mask, rkw, kn, swn, EVEN, 0, LANES)
                 if KIND != 0:
-                    ha = _lane_hi(w_ptr, rn, n_mask, rkw, kn, swn, KW, KS, KIND, EVEN, LANES)
+                    ha = _lane_hi(w_ptr, rn, n_mask, rkw, kn, swn, KW, ksn, KIND, EVEN, LANES)
                 acc = _lane_step(acc, wb, hb, kb + 1, x_base, x_pair0, lane, lane_s, rn, n_mask,
-                                 s_ptr, b_ptr, KS, KIND, EVEN, LANES, XLANE)  # fmt: skip
+                                 s_ptr, b_ptr, ksn, KIND, EVEN, LANES, XLANE)  # fmt: skip
             if KB_PER_SPLIT % 2 == 1:
                 acc = _lane_step(acc, wa, ha, kb_last, x_base, x_pair0, lane, lane_s, rn, n_mask,
-                                 s_ptr, b_ptr, KS, KIND, EVEN, LANES, XLANE)  # fmt: skip
+                                 s_ptr, b_ptr, ksn, KIND, EVEN, LANES, XLANE)  # fmt: skip
         else:  # each step's words loaded in the step: fewer registers, more resident warps
             acc = _lane_step(acc, wa, ha, kb0, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr,
-                             b_ptr, KS, KIND, EVEN, LANES, XLANE)  # fmt: skip
+                             b_ptr, ksn, KIND, EVEN, LANES, XLANE)  # fmt: skip
             for j in range(1, KB_PER_SPLIT):
                 kb = kb0 + j
                 wa = tg._load_step(w_ptr, rn, n_mask, rkw, kb, swn, EVEN, 0, LANES)
                 if KIND != 0:
-                    ha = _lane_hi(w_ptr, rn, n_mask, rkw, kb, swn, KW, KS, KIND, EVEN, LANES)
+                    ha = _lane_hi(w_ptr, rn, n_mask, rkw, kb, swn, KW, ksn, KIND, EVEN, LANES)
                 acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr,
-                                 b_ptr, KS, KIND, EVEN, LANES, XLANE)  # fmt: skip
+                                 b_ptr, ksn, KIND, EVEN, LANES, XLANE)  # fmt: skip
         out = tl.sum(acc, axis=1) * 562949953421312.0  # [8]: undo the decode's 2^-49
         tile = m * tl.num_programs(1) + pid_n
         if SILU:

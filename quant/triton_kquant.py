@@ -312,7 +312,8 @@ def _lane_gemv(x2, w: KQLinear, y, silu: bool, cfg: tk.KernelConfig | None) -> N
         x2, w.weight, w.scales, w.biases, y, part, cnt, m, w.n, ks, x2.stride(0), y.stride(0),
         w.weight.stride(0), KIND=KINDS[w.kind], SPLIT_K=split, KB_PER_SPLIT=per, EVEN=even,
         KW=kw, SW=sw if even else 0, SILU=silu, WARPS=cfg.num_warps, PREFETCH=cfg.prefetch,
-        XLANE=variant() != "old", num_warps=cfg.num_warps, **_maxnreg(),
+        XLANE=variant() != "old", KSC=ks if even and variant() != "old" else 0,
+        num_warps=cfg.num_warps, **_maxnreg(),
         **tk.pdl_args(x2.device),
     )  # fmt: skip
 
