@@ -3,11 +3,12 @@ needed: instructions of the k-loop per weight element, registers, spills.
 
     python benchmarks/sass_kquant.py                          # Q4_K, Q5_K, Q6_K; 1, 2, 4 warps
     python benchmarks/sass_kquant.py --kinds Q6_K --warps 2 --hist
+    python benchmarks/sass_kquant.py --kinds Q6_K --old      # MLXRUN_KQ_VARIANT=old's loads
     python benchmarks/sass_kquant.py --gemm                   # the tile GEMM at M=32
 
 The GEMV is _kq_lane_gemv_kernel (the int4 GEMV's loop), compiled as sass_count.py compiles
-the affine GEMV (pointers divisible by 16, PDL on), for a 4096x4096 weight, 8 rows a
-program, whole k-steps: a lane handles 4 low-nibble words (and their high bits) of each of
+the affine GEMV (pointers divisible by 16, PDL on), for a 4096 x (8192 x warps) weight (8
+whole k-steps a program), 8 rows a program: a lane handles 4 low-nibble words (and their high bits) of each of
 8 rows, 256 weights, a k-step; two k-steps a loop iteration.
 """
 
@@ -109,6 +110,7 @@ def main() -> None:
     ap.add_argument("--warps", default="1,2,4")
     ap.add_argument("--hist", action="store_true", help="print the loop's opcode histogram")
     ap.add_argument("--gemm", action="store_true", help="the tile GEMM at M=32 instead")
+    ap.add_argument("--old", action="store_true", help="MLXRUN_KQ_VARIANT=old's GEMV")
     a = ap.parse_args()
     if a.gemm:
         for kind in a.kinds.split(","):
@@ -116,7 +118,10 @@ def main() -> None:
         return
     runs = [(kd, int(wp)) for kd in a.kinds.split(",") for wp in a.warps.split(",")]
     for (kind, warps), pf in itertools.product(runs, (True, False)):
-        sass, res = sass_of(compile_gemv(kind, warps, prefetch=pf))
+        # 8 whole k-steps of 32 weights a lane: with KS a constant (KSC) the compiler sees
+        # steps past K as masked, so K must hold them
+        c = compile_gemv(kind, warps, k=8192 * warps, prefetch=pf, xlane=not a.old)
+        sass, res = sass_of(c)
         body = main_loop(parse(sass))
         per_step = len(body) / (2 if pf else 1)  # prefetch: two k-steps an iteration
         regs = re.search(r"REG:(\d+)", res).group(1)
