@@ -95,8 +95,13 @@ def main() -> None:
         sel = torch.arange(0, n, max(1, n // 512), device=dev)
         ref = x.float() @ kq.dequantize_kquant(kq.rows(w0, sel)).T
         err = {}
-        for nm in names:
-            y = run(x, w0, nm).float()[:, sel]
+        for nm in list(names):
+            try:
+                y = run(x, w0, nm).float()[:, sel]
+            except Exception as e:  # a variant this Triton cannot build: time the others
+                print(f"{kind} {n}x{k} {nm}: {type(e).__name__} {str(e)[:200]}", flush=True)
+                names = [v for v in names if v != nm]
+                continue
             err[nm] = ((y - ref).abs().max() / ref.abs().max()).item()
         copies = 2 if a.dry else max(2, math.ceil(400e6 / w0.nbytes))
         wq = [w0] + [kq.random_kquant(kind, n, k, dev, s) for s in range(1, copies)]
