@@ -12,7 +12,8 @@ output rounding is ~4e-3).
 
 Variants: old (x as [LANES, 2] pairs, 1 warp), xlane (_lane_x4's 1-D x loads and one uint16
 scale load, 1 warp), new-w2 / new-w4 (xlane on 2 / 4 warps a program, lane_config's split
-for that many); -r128: compiled with at most 128 registers a thread (MLXRUN_KQ_MAXNREG).
+for that many); -rN: compiled with at most N registers a thread (MLXRUN_KQ_MAXNREG; r0:
+Triton's choice; without -r, the default: 128 for Q6_K on one warp).
 Q4_K: old against xlane (its scale loads in the lane layout: no shared-memory move of the
 partial sums every k-step on several warps). --warm runs each launch once (Triton's on-disk cache then holds it): run
 one --warm per variant in parallel before timing to spend less time compiling.
@@ -21,9 +22,11 @@ one --warm per variant in parallel before timing to spend less time compiling.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -40,7 +43,7 @@ from mlxrun.quant import triton_launch as tch  # noqa: E402
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 VARIANTS = {
-    "Q6_K": ["old", "xlane", "new-w2", "new-w4", "xlane-r128", "new-w4-r128"],
+    "Q6_K": ["old", "xlane", "xlane-r0", "xlane-r96", "xlane-r112", "xlane-r144"],
     "Q4_K": ["old", "xlane"],  # xlane: the scale offsets opaque (no p conversion a k-step)
 }
 
@@ -49,7 +52,8 @@ def config(name: str, w, x):
     """(MLXRUN_KQ_VARIANT value, KernelConfig) of a variant name."""
     env = name.split("-")[0]
     os.environ["MLXRUN_KQ_VARIANT"] = env
-    os.environ["MLXRUN_KQ_MAXNREG"] = "128" if name.endswith("-r128") else ""
+    cap = re.search(r"-r(\d+)$", name)  # -rN: at most N registers (0: Triton's choice)
+    os.environ["MLXRUN_KQ_MAXNREG"] = cap.group(1) if cap else "0" if env == "old" else ""
     saved = tch.GEMV_WARPS
     if "-w2" in name:
         tch.GEMV_WARPS = 2
@@ -66,11 +70,44 @@ def run(x, w, name):
     return kq.kqmatmul(x, w, cfg)
 
 
+def registers(out) -> None:
+    """Registers, spills, layout conversions and barriers of every lane GEMV this process
+    compiled (this Triton, this GPU), printed; the TTGIR and SASS of the multi-warp ones
+    for the first shape written to `out`, gzipped."""
+    from mlxrun.quant import kquant_kernels as kk
+
+    fn = kk._kq_lane_gemv_kernel
+    for dev_cache in getattr(fn, "device_caches", {}).values():
+        for i, ck in enumerate(dev_cache[0].values()):
+            try:
+                ck._init_handles()
+                ttgir = ck.asm["ttgir"] if "ttgir" in ck.asm else ""
+                try:
+                    sass = ck.asm["sass"]
+                except Exception:  # no disassembler here
+                    sass = ""
+                warps = ck.metadata.num_warps
+                name = f"{os.getpid()}-{i}-w{warps}-r{ck.n_regs}"
+                print(f"  lane GEMV {name}: {ck.n_regs} registers, {ck.n_spills} spilled, "
+                      f"{ttgir.count('convert_layout')} convert_layout, {sass.count(' BAR')} "
+                      f"BAR, {sass.count('STL')} STL, {sass.count('LDL')} LDL, "
+                      f"{sass.count('LDG')} LDG", flush=True)  # fmt: skip
+                if out and warps > 1 and i == 0:  # the first shape's, gzipped (~100 KB)
+                    Path(out).mkdir(parents=True, exist_ok=True)
+                    Path(out, f"{name}.ttgir.gz").write_bytes(gzip.compress(ttgir.encode()))
+                    if sass:
+                        Path(out, f"{name}.sass.gz").write_bytes(gzip.compress(sass.encode()))
+            except Exception as e:
+                print(f"  regs: {type(e).__name__} {str(e)[:120]}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json")
     ap.add_argument("--warm", help="compile (run once) this variant's launches, then exit")
+    ap.add_argument("--regs", help="write registers, spills, TTGIR and SASS of the "
+                    "compiled lane GEMVs to this folder")  # fmt: skip
     ap.add_argument("--kind", default="Q6_K", help="kinds, comma-separated (Q6_K,Q4_K)")
     ap.add_argument("--dry", action="store_true",
                     help="check the script on the CPU (TRITON_INTERPRET=1): one tiny shape, "
@@ -135,6 +172,11 @@ def main() -> None:
         del wq, w0
         if not a.dry:
             torch.cuda.empty_cache()
+    if a.regs and not a.dry:
+        try:
+            registers(a.regs)
+        except Exception as e:  # another Triton's kernel cache
+            print(f"  regs: {type(e).__name__} {str(e)[:120]}", flush=True)
 
 
 if __name__ == "__main__":

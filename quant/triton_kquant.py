@@ -245,15 +245,22 @@ def variant() -> str:
     return v
 
 
-def _maxnreg() -> dict:
-    """MLXRUN_KQ_MAXNREG=R: the lane GEMV compiled with at most R registers a thread (more
-    resident warps, some spilled), for A/B timing; unset: Triton's choice."""
+# Q6_K's one-warp lane GEMV compiled with at most this many registers a thread (16 warps a
+# SM). H100, Triton 3.6, us, Triton's choice -> 128 (kq_variants.py, cycled weights):
+# 6144x4096 13.3 -> 14.2, 4096x4096 12.0 -> 10.8, 28672x4096 55.7 -> 53.3, 4096x14336
+# 32.5 -> 28.6, 128256x4096 216.7 -> 210.5
+Q6K_MAXNREG = 128
+
+
+def _maxnreg(w: KQLinear, warps: int) -> dict:
+    """The lane GEMV's register cap: Q6K_MAXNREG for Q6_K on one warp, else none;
+    MLXRUN_KQ_MAXNREG=R (0: none) overrides it, for A/B timing."""
     r = os.environ.get("MLXRUN_KQ_MAXNREG", "")
-    if not r.isdigit():
-        if r:
-            raise MlxrunError(f"MLXRUN_KQ_MAXNREG={r} is not a register count (e.g. 128)")
-        return {}
-    return {"maxnreg": int(r)}
+    if r and not r.isdigit():
+        raise MlxrunError(f"MLXRUN_KQ_MAXNREG={r} is not a register count (e.g. 128)")
+    if r:
+        return {"maxnreg": int(r)} if int(r) else {}
+    return {"maxnreg": Q6K_MAXNREG} if w.kind == "Q6_K" and warps == 1 else {}
 
 
 def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
@@ -313,7 +320,7 @@ def _lane_gemv(x2, w: KQLinear, y, silu: bool, cfg: tk.KernelConfig | None) -> N
         w.weight.stride(0), KIND=KINDS[w.kind], SPLIT_K=split, KB_PER_SPLIT=per, EVEN=even,
         KW=kw, SW=sw if even else 0, SILU=silu, WARPS=cfg.num_warps, PREFETCH=cfg.prefetch,
         XLANE=variant() != "old", KSC=ks if even and variant() != "old" else 0,
-        num_warps=cfg.num_warps, **_maxnreg(),
+        num_warps=cfg.num_warps, **_maxnreg(w, cfg.num_warps),
         **tk.pdl_args(x2.device),
     )  # fmt: skip
 

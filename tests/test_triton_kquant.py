@@ -186,11 +186,16 @@ def test_q6k_variant_launch_settings(monkeypatch):
     q4 = kq.random_kquant("Q4_K", 64, 4096, "cpu")
     assert warps == {"old": 1, "xlane": 1, "new": kq.lane_config(1, q4, cuda).num_warps}
     assert warps["new"] > 1
-    monkeypatch.setenv("MLXRUN_KQ_MAXNREG", "128")
-    assert kq._maxnreg() == {"maxnreg": 128}
+    monkeypatch.delenv("MLXRUN_KQ_MAXNREG", raising=False)
+    assert kq._maxnreg(w, 1) == {"maxnreg": kq.Q6K_MAXNREG}  # Q6_K on one warp only
+    assert kq._maxnreg(w, 2) == {} and kq._maxnreg(q4, 1) == {}
+    monkeypatch.setenv("MLXRUN_KQ_MAXNREG", "96")
+    assert kq._maxnreg(q4, 4) == {"maxnreg": 96}
+    monkeypatch.setenv("MLXRUN_KQ_MAXNREG", "0")
+    assert kq._maxnreg(w, 1) == {}
     monkeypatch.setenv("MLXRUN_KQ_MAXNREG", "many")
     with pytest.raises(kq.MlxrunError, match="MLXRUN_KQ_MAXNREG=many"):
-        kq._maxnreg()
+        kq._maxnreg(w, 1)
 
 
 def test_concat_and_shapes():
