@@ -3,7 +3,6 @@ needed: instructions of the k-loop per weight element, registers, spills.
 
     python benchmarks/sass_kquant.py                          # Q4_K, Q5_K, Q6_K; 1, 2, 4 warps
     python benchmarks/sass_kquant.py --kinds Q6_K --warps 2 --hist
-    python benchmarks/sass_kquant.py --kinds Q6_K --old      # MLXRUN_KQ_VARIANT=old's loads
     python benchmarks/sass_kquant.py --gemm                   # the tile GEMM at M=32
 
 The GEMV is _kq_lane_gemv_kernel (the int4 GEMV's loop), compiled as sass_count.py compiles
@@ -33,8 +32,7 @@ import mlxrun.quant.kquant_kernels as kk  # noqa: E402
 import mlxrun.quant.triton_kquant as kq  # noqa: E402
 
 
-def compile_gemv(kind: str, warps: int, n=4096, k=4096, x="bf16", silu=False, prefetch=True,
-                 xlane=True):  # fmt: skip
+def compile_gemv(kind: str, warps: int, n=4096, k=4096, x="bf16", silu=False, prefetch=True):
     fn = kk._kq_lane_gemv_kernel
     sw = kq._shapes(kind, n, k)["weight"][1]
     ks = k // (16 if kind == "Q6_K" else 32)
@@ -43,7 +41,7 @@ def compile_gemv(kind: str, warps: int, n=4096, k=4096, x="bf16", silu=False, pr
                 b_ptr="*fp16", y_ptr=f"*{x}", part_ptr="*fp32", cnt_ptr="*i32")  # fmt: skip
     params = dict(M=1, KIND=kq.KINDS[kind], SPLIT_K=1, KB_PER_SPLIT=8, EVEN=True, KW=k // 8,
                   SW=sw, PDL=True, SILU=silu, WARPS=warps, PREFETCH=prefetch,
-                  XLANE=xlane, KSC=ks if xlane else 0)  # fmt: skip
+                  KSC=ks)  # fmt: skip
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in ptrs:
@@ -110,7 +108,6 @@ def main() -> None:
     ap.add_argument("--warps", default="1,2,4")
     ap.add_argument("--hist", action="store_true", help="print the loop's opcode histogram")
     ap.add_argument("--gemm", action="store_true", help="the tile GEMM at M=32 instead")
-    ap.add_argument("--old", action="store_true", help="MLXRUN_KQ_VARIANT=old's GEMV")
     a = ap.parse_args()
     if a.gemm:
         for kind in a.kinds.split(","):
@@ -120,7 +117,7 @@ def main() -> None:
     for (kind, warps), pf in itertools.product(runs, (True, False)):
         # 8 whole k-steps of 32 weights a lane: with KS a constant (KSC) the compiler sees
         # steps past K as masked, so K must hold them
-        c = compile_gemv(kind, warps, k=8192 * warps, prefetch=pf, xlane=not a.old)
+        c = compile_gemv(kind, warps, k=8192 * warps, prefetch=pf)
         sass, res = sass_of(c)
         body = main_loop(parse(sass))
         per_step = len(body) / (2 if pf else 1)  # prefetch: two k-steps an iteration

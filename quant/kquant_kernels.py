@@ -316,28 +316,26 @@ if triton is not None:
         return x0, x1, x2, x3
 
     @triton.jit
-    def _lane_xpos(x_base, xo, xmask, xl, xl_mask, I: tl.constexpr, KIND: tl.constexpr,
-                   XLANE: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
-        """x0..x3 of position I: _lane_x4 (Q6_K with XLANE) or tg._gemv_x4."""
-        if KIND == 2 and XLANE:
-            x0, x1, x2, x3 = _lane_x4(x_base, xl + I, xl_mask, I, EVEN)
+    def _lane_xpos(x_base, xo, xmask, I: tl.constexpr, KIND: tl.constexpr,
+                   EVEN: tl.constexpr):  # fmt: skip
+        """x0..x3 of position I: _lane_x4 (Q6_K; xo [LANES]) or tg._gemv_x4 (xo [LANES, 2])."""
+        if KIND == 2:
+            x0, x1, x2, x3 = _lane_x4(x_base, xo + I, xmask, I, EVEN)
         else:
-            PS: tl.constexpr = 1 if KIND == 2 else 2  # input pairs between positions
-            x0, x1, x2, x3 = tg._gemv_x4(x_base, xo + I * PS, xmask, I, 0, 4, EVEN)
+            x0, x1, x2, x3 = tg._gemv_x4(x_base, xo + I * 2, xmask, I, 0, 4, EVEN)
         return x0, x1, x2, x3
 
     @triton.jit
     def _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr, b_ptr, KS,
-                   KIND: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr,
-                   XLANE: tl.constexpr = False):  # fmt: skip
+                   KIND: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
         """One k-step of _kq_lane_gemv_kernel: acc [8, LANES] += lane l's 32 weights of each
         row (low nibbles: 4 words of wa [8, 4*LANES]; high bits: ha from _lane_hi) times x,
         with its sub-blocks' scales. The low-nibble plane is in the affine int4 order of
         groups of 32 (Q6_K: 16), so the decode, x loads and FFMA chains are
         triton_kernels' GEMV functions, unchanged. Q4_K, Q5_K: dot * d*sc - dmin*m * sum(x);
-        Q6_K, per sub-block of 16: (dot - 32 sum(x)) * d*sc. XLANE: Q6_K's x by _lane_x4,
-        its two int8 sc as one uint16 load; Q4_K/Q5_K's scale offsets from lane_s (the
-        kernel's opaque copy of lane)."""
+        Q6_K, per sub-block of 16: (dot - 32 sum(x)) * d*sc, x by _lane_x4, its two int8 sc
+        as one uint16 load. Q4_K/Q5_K's scale offsets come from lane_s (the kernel's opaque
+        copy of lane)."""
         TWO: tl.constexpr = KIND == 2  # Q6_K: words 0, 1 and 2, 3 are two sub-blocks
         w0, w1, w2, w3 = tg._gemv_words(wa, LANES)
         if KIND != 0:
@@ -346,17 +344,14 @@ if triton is not None:
         pb = tl.zeros([8, LANES], dtype=tl.float32)
         xo = x_pair0 + kb * (LANES * 16)  # 16 input pairs a lane
         if KIND == 2:
-            sub = (kb * LANES + lane)[:, None] * 2 + tl.arange(0, 2)[None, :]
-            xmask = sub < KS
+            xmask = (kb * LANES + lane) * 2 < KS  # sub-blocks 2l, 2l+1: both or neither
         else:
             sub = kb * LANES + lane
             xmask = (sub < KS)[:, None]
-        xl = (kb * LANES + lane) * 16  # Q6_K, XLANE: _lane_x4's pair offsets
-        xl_mask = (kb * LANES + lane) * 2 < KS
         xs_a = tl.zeros([LANES], dtype=tl.float32)  # sums of the lane's inputs * 2^-49
         xs_b = tl.zeros([LANES], dtype=tl.float32)  # (words 2, 3 apart for Q6_K)
         for i in tl.static_range(6):
-            x0, x1, x2, x3 = _lane_xpos(x_base, xo, xmask, xl, xl_mask, i, KIND, XLANE, EVEN)
+            x0, x1, x2, x3 = _lane_xpos(x_base, xo, xmask, i, KIND, EVEN)
             p, pb = tg._gemv_fma(p, pb, w0, w1, w2, w3, x0, x1, x2, x3, i, 0, 4, TWO)
             if KIND != 0:
                 p, pb = _lane_hi_fma(p, pb, h0, h1, h2, h3, x0, x1, x2, x3, i, KIND)
@@ -364,8 +359,8 @@ if triton is not None:
             xs_b += (x2 + x3) * (1.401298464324817e-45 * (1 << (4 * i)))
         # positions 6, 7 as the affine kernel reads them: w >> 24 = q6 + 16*q7 with x6, and
         # w >> 28 = q7 with x7 - 16*x6 (cancels the 16*q7 term)
-        y0, y1, y2, y3 = _lane_xpos(x_base, xo, xmask, xl, xl_mask, 6, KIND, XLANE, EVEN)
-        z0, z1, z2, z3 = _lane_xpos(x_base, xo, xmask, xl, xl_mask, 7, KIND, XLANE, EVEN)
+        y0, y1, y2, y3 = _lane_xpos(x_base, xo, xmask, 6, KIND, EVEN)
+        z0, z1, z2, z3 = _lane_xpos(x_base, xo, xmask, 7, KIND, EVEN)
         if KIND != 0:
             p, pb = _lane_hi_fma(p, pb, h0, h1, h2, h3, y0, y1, y2, y3, 6, KIND)
             p, pb = _lane_hi_fma(p, pb, h0, h1, h2, h3, z0, z1, z2, z3, 7, KIND)
@@ -381,18 +376,12 @@ if triton is not None:
             # int8 sc of the lane's two sub-blocks of 16, d of their super-block
             s0 = (kb * LANES + lane) * 2  # the first of the two
             smask = n_mask[:, None] & (s0 < KS)[None, :]
-            if XLANE:  # both as one uint16; int8 c + 128 into the mantissa of 2^23: exact
-                s16 = s_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
-                sab = tl.load(s16 + rn[:, None] * (KS // 2) + (s0 // 2)[None, :], mask=smask,
-                              other=0).to(tl.uint32)  # fmt: skip
-                sa = (((sab & 0xFF) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True)
-                sb = (((sab >> 8) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True)
-                sa = sa - 8388736.0
-                sb = sb - 8388736.0
-            else:
-                sp = s_ptr + rn[:, None] * KS + s0[None, :]
-                sa = tl.load(sp, mask=smask, other=0).to(tl.float32)
-                sb = tl.load(sp + 1, mask=smask, other=0).to(tl.float32)
+            # both as one uint16; int8 c + 128 into the mantissa of 2^23: exact
+            s16 = s_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
+            sab = tl.load(s16 + rn[:, None] * (KS // 2) + (s0 // 2)[None, :], mask=smask,
+                          other=0).to(tl.uint32)  # fmt: skip
+            sa = (((sab & 0xFF) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+            sb = (((sab >> 8) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
             sbk = (kb * LANES + lane) // 8  # super-block (16 sub-blocks)
             d = tl.load(b_ptr + rn[:, None] * (KS // 16) + sbk[None, :], mask=smask, other=0.0)
             d = d.to(tl.float32)
@@ -424,7 +413,7 @@ if triton is not None:
         stride_w, KIND: tl.constexpr, SPLIT_K: tl.constexpr, KB_PER_SPLIT: tl.constexpr,
         EVEN: tl.constexpr, KW: tl.constexpr, SW: tl.constexpr = 0, PDL: tl.constexpr = False,
         SILU: tl.constexpr = False, WARPS: tl.constexpr = 1, PREFETCH: tl.constexpr = True,
-        XLANE: tl.constexpr = True, KSC: tl.constexpr = 0,
+        KSC: tl.constexpr = 0,
     ):  # fmt: skip
         """K-quant GEMV, y[m, N] = x[m, K] @ W^T for one row m of x, laid out as
         triton_kernels._gemv_kernel (read its docstring): 8 rows a program, WARPS warps,
@@ -457,15 +446,13 @@ if triton is not None:
         n_mask = rn < N
         rkw = tl.arange(0, 4 * LANES)
         lane = tl.arange(0, LANES)
-        lane_s = lane
-        if XLANE:
-            # Q4_K/Q5_K's scale offsets, opaque to Triton's contiguity analysis (times a
-            # runtime 1): else it vectorizes their loads along the lanes, holds acc in that
-            # layout and moves p into it through shared memory every k-step (sm_90 SASS,
-            # Q4_K on 4 warps: 4 BAR, 4 LDS, 3 STSM a k-step)
-            lane_s = lane * (N > 0).to(tl.int32)
-        if KIND == 2:  # pairs of x (uint32 units): sub-blocks 2l, 2l+1 of 16 inputs
-            x_pair0 = (2 * lane[:, None] + tl.arange(0, 2)[None, :]) * 8
+        # Q4_K/Q5_K's scale offsets, opaque to Triton's contiguity analysis (times a runtime
+        # 1): else it vectorizes their loads along the lanes, holds acc in that layout and
+        # moves p into it through shared memory every k-step (sm_90 SASS, Q4_K on 4 warps: 4
+        # BAR, 4 LDS, 3 STSM a k-step)
+        lane_s = lane * (N > 0).to(tl.int32)
+        if KIND == 2:  # x pairs (uint32 units) of sub-block 2l; 2l+1's are 8 further
+            x_pair0 = lane * 16
         else:  # sub-block l of 32 inputs
             x_pair0 = (lane * 16)[:, None] + tl.arange(0, 2)[None, :]
         x_base = x_ptr + m * stride_xm
@@ -490,26 +477,26 @@ if triton is not None:
                 if KIND != 0:
                     hb = _lane_hi(w_ptr, rn, n_mask, rkw, kb + 1, swn, KW, ksn, KIND, EVEN, LANES)
                 acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr,
-                                 b_ptr, ksn, KIND, EVEN, LANES, XLANE)  # fmt: skip
+                                 b_ptr, ksn, KIND, EVEN, LANES)  # fmt: skip
                 kn = tl.minimum(kb + 2, kb_last)  # past the last step: reload it, never used
                 wa = tg._load_step(w_ptr, rn, n_mask, rkw, kn, swn, EVEN, 0, LANES)
                 if KIND != 0:
                     ha = _lane_hi(w_ptr, rn, n_mask, rkw, kn, swn, KW, ksn, KIND, EVEN, LANES)
                 acc = _lane_step(acc, wb, hb, kb + 1, x_base, x_pair0, lane, lane_s, rn, n_mask,
-                                 s_ptr, b_ptr, ksn, KIND, EVEN, LANES, XLANE)  # fmt: skip
+                                 s_ptr, b_ptr, ksn, KIND, EVEN, LANES)  # fmt: skip
             if KB_PER_SPLIT % 2 == 1:
                 acc = _lane_step(acc, wa, ha, kb_last, x_base, x_pair0, lane, lane_s, rn, n_mask,
-                                 s_ptr, b_ptr, ksn, KIND, EVEN, LANES, XLANE)  # fmt: skip
+                                 s_ptr, b_ptr, ksn, KIND, EVEN, LANES)  # fmt: skip
         else:  # each step's words loaded in the step: fewer registers, more resident warps
             acc = _lane_step(acc, wa, ha, kb0, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr,
-                             b_ptr, ksn, KIND, EVEN, LANES, XLANE)  # fmt: skip
+                             b_ptr, ksn, KIND, EVEN, LANES)  # fmt: skip
             for j in range(1, KB_PER_SPLIT):
                 kb = kb0 + j
                 wa = tg._load_step(w_ptr, rn, n_mask, rkw, kb, swn, EVEN, 0, LANES)
                 if KIND != 0:
                     ha = _lane_hi(w_ptr, rn, n_mask, rkw, kb, swn, KW, ksn, KIND, EVEN, LANES)
                 acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr,
-                                 b_ptr, ksn, KIND, EVEN, LANES, XLANE)  # fmt: skip
+                                 b_ptr, ksn, KIND, EVEN, LANES)  # fmt: skip
         out = tl.sum(acc, axis=1) * 562949953421312.0  # [8]: undo the decode's 2^-49
         tile = m * tl.num_programs(1) + pid_n
         if SILU:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import numpy as np
 
@@ -232,34 +231,15 @@ def choose_kq_config(m: int, w: KQLinear, device) -> KQConfig:
     return KQConfig("gemm", bm, bn, 1, sk, warps)
 
 
-VARIANTS = ("old", "xlane", "new")
-
-
-def variant() -> str:
-    """The Q6_K lane GEMV variant, MLXRUN_KQ_VARIANT (for A/B timing on a GPU): "old" (x
-    loaded as [LANES, 2] pairs, one warp), "xlane" (x by _lane_x4, one uint16 scale load;
-    one warp), "new" (xlane, and Q6_K takes warps as Q4_K does)."""
-    v = os.environ.get("MLXRUN_KQ_VARIANT", "xlane")
-    if v not in VARIANTS:
-        raise MlxrunError(f"MLXRUN_KQ_VARIANT={v} is not one of {', '.join(VARIANTS)}")
-    return v
-
-
 # Q6_K's one-warp lane GEMV compiled with at most this many registers a thread (16 warps a
-# SM). H100, Triton 3.6, us, Triton's choice -> 128 (kq_variants.py, cycled weights):
-# 6144x4096 13.3 -> 14.2, 4096x4096 12.0 -> 10.8, 28672x4096 55.7 -> 53.3, 4096x14336
-# 32.5 -> 28.6, 128256x4096 216.7 -> 210.5
+# SM; Triton 3.6 gives it 143-168 otherwise). H100, us, the four linears of a Llama-3-8B
+# layer summed (benchmarks/KERNEL_NOTES.md, 2026-11-26): no cap 112.8, 144 114.6, 128
+# 106.3, 112 108.7, 96 (spills) 123.3; the head 215.5 / 209.0 / 209.0 / 225.0 / 269.7
 Q6K_MAXNREG = 128
 
 
 def _maxnreg(w: KQLinear, warps: int) -> dict:
-    """The lane GEMV's register cap: Q6K_MAXNREG for Q6_K on one warp, else none;
-    MLXRUN_KQ_MAXNREG=R (0: none) overrides it, for A/B timing."""
-    r = os.environ.get("MLXRUN_KQ_MAXNREG", "")
-    if r and not r.isdigit():
-        raise MlxrunError(f"MLXRUN_KQ_MAXNREG={r} is not a register count (e.g. 128)")
-    if r:
-        return {"maxnreg": int(r)} if int(r) else {}
+    """The lane GEMV's register cap: Q6K_MAXNREG for Q6_K on one warp, else none."""
     return {"maxnreg": Q6K_MAXNREG} if w.kind == "Q6_K" and warps == 1 else {}
 
 
@@ -273,10 +253,11 @@ def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
     sms = tk._num_sms(device)
     kw = w.k // 8
     warps = 1
-    one = w.kind == "Q6_K" and variant() != "new"
     # Q6_K on one warp: on the H100 its 6144x4096 GEMV took 228.8 us with the warps split
-    # (2-4) and 14.1 us on one (profile_decode.py --linears; 4096x14336: 38.1 against 31.2)
-    while warps < tch.GEMV_WARPS and 256 * warps <= kw and not one:
+    # (2-4) and 14.1 us on one (profile_decode.py --linears; 4096x14336: 38.1 against 31.2);
+    # still so without the x loads' layout conversions (2 / 4 warps 33.6 / 210.4 us against
+    # 13.3; benchmarks/KERNEL_NOTES.md, 2026-11-26)
+    while warps < tch.GEMV_WARPS and 256 * warps <= kw and w.kind != "Q6_K":
         warps *= 2
     ksteps = math.ceil(kw / (128 * warps))
     tiles = m * math.ceil(w.n / 8)
@@ -288,7 +269,7 @@ def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
     if warps == 1 and tiles < 8 * sms and ksteps / sk > 4:
         sk = math.ceil(ksteps / 4)
     if w.kind == "Q6_K" and warps == 1 and tiles < 64 * sms:
-        # Q6_K's one warp (168 registers a lane) hides latency with more programs: two
+        # Q6_K's one warp (at most 128 registers a lane) hides latency with more programs: two
         # k-steps a split. H100 (profile_decode.py --linears --formats q6_k --no-prefetch),
         # us: 4096x14336 39.6 -> 33.4, 28672x4096 60.4 -> 56.6, 6144x4096 13.3 either way;
         # the head (16k row blocks) stays at one split (212.7 against 228.3 in two)
@@ -319,7 +300,7 @@ def _lane_gemv(x2, w: KQLinear, y, silu: bool, cfg: tk.KernelConfig | None) -> N
         x2, w.weight, w.scales, w.biases, y, part, cnt, m, w.n, ks, x2.stride(0), y.stride(0),
         w.weight.stride(0), KIND=KINDS[w.kind], SPLIT_K=split, KB_PER_SPLIT=per, EVEN=even,
         KW=kw, SW=sw if even else 0, SILU=silu, WARPS=cfg.num_warps, PREFETCH=cfg.prefetch,
-        XLANE=variant() != "old", KSC=ks if even and variant() != "old" else 0,
+        KSC=ks if even else 0,
         num_warps=cfg.num_warps, **_maxnreg(w, cfg.num_warps),
         **tk.pdl_args(x2.device),
     )  # fmt: skip

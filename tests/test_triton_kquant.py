@@ -143,23 +143,22 @@ def test_lane_gemv_configs_and_silu(kind):
 
 
 @pytest.mark.parametrize(
-    "variant,n,nb,sk,nw,dtype,silu",
+    "n,nb,sk,nw,dtype,silu",
     [
-        ("old", 16, 8, 2, 1, torch.bfloat16, False),
-        ("xlane", 20, 3, 2, 2, torch.float32, False),
-        ("new", 16, 8, 1, 2, torch.bfloat16, True),
+        (16, 8, 2, 1, torch.bfloat16, False),
+        (20, 3, 2, 2, torch.float32, False),
+        (16, 8, 1, 2, torch.bfloat16, True),
     ],
-    ids=["old-1warp", "xlane-2warps-masked-split2-fp32", "new-2warps-silu"],
+    ids=["1warp-split2", "2warps-masked-split2-fp32", "2warps-silu"],
 )
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
-def test_q6k_lane_variants(monkeypatch, variant, n, nb, sk, nw, dtype, silu):
-    """Q6_K's lane GEMV in each MLXRUN_KQ_VARIANT: the old [LANES, 2] x loads, and _lane_x4's
-    1-D ones with the uint16 scale load, on several warps (x in bf16 pairs and fp32), with
-    row and K masks (20 rows, 3 super-blocks), split-K and the SiLU epilogue: the
-    dequantized product, and silu_mul of it bit for bit."""
+def test_q6k_lane_gemv(n, nb, sk, nw, dtype, silu):
+    """Q6_K's lane GEMV (_lane_x4's 1-D x loads, the uint16 scale pair) on one and several
+    warps, x in bf16 pairs and fp32, with row and K masks (20 rows, 3 super-blocks),
+    split-K and the SiLU epilogue: the dequantized product, and silu_mul of it bit for
+    bit."""
     from mlxrun.backends import cuda_ops
 
-    monkeypatch.setenv("MLXRUN_KQ_VARIANT", variant)
     w, ref = _case("Q6_K", n, nb, seed=31)
     x = torch.randn(1, w.k, generator=torch.Generator().manual_seed(6)).to(dtype)
     cfg = tk.KernelConfig("gemv", 1, 8, sk, num_warps=nw, prefetch=False)
@@ -170,32 +169,16 @@ def test_q6k_lane_variants(monkeypatch, variant, n, nb, sk, nw, dtype, silu):
         assert torch.equal(kq.kqmatmul(x.to(DEV), w, cfg, silu=True), want)
 
 
-def test_q6k_variant_launch_settings(monkeypatch):
-    """ "new" gives Q6_K warps as Q4_K takes them; "old" and "xlane" keep one; a bad value is
-    one clear error."""
+def test_q6k_launch_settings(monkeypatch):
+    """Q6_K's lane GEMV runs on one warp (Q4_K takes several) with its register cap."""
     w = kq.random_kquant("Q6_K", 64, 4096, "cpu")
+    q4 = kq.random_kquant("Q4_K", 64, 4096, "cpu")
     cuda = torch.device("cuda")
     monkeypatch.setattr(kq.tk, "_num_sms", lambda device: 132)
-    warps = {}
-    for v in kq.VARIANTS:
-        monkeypatch.setenv("MLXRUN_KQ_VARIANT", v)
-        warps[v] = kq.lane_config(1, w, cuda).num_warps
-    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "fast")
-    with pytest.raises(kq.MlxrunError, match="MLXRUN_KQ_VARIANT=fast"):
-        kq.lane_config(1, w, cuda)
-    q4 = kq.random_kquant("Q4_K", 64, 4096, "cpu")
-    assert warps == {"old": 1, "xlane": 1, "new": kq.lane_config(1, q4, cuda).num_warps}
-    assert warps["new"] > 1
-    monkeypatch.delenv("MLXRUN_KQ_MAXNREG", raising=False)
-    assert kq._maxnreg(w, 1) == {"maxnreg": kq.Q6K_MAXNREG}  # Q6_K on one warp only
+    assert kq.lane_config(1, w, cuda).num_warps == 1
+    assert kq.lane_config(1, q4, cuda).num_warps > 1
+    assert kq._maxnreg(w, 1) == {"maxnreg": kq.Q6K_MAXNREG}
     assert kq._maxnreg(w, 2) == {} and kq._maxnreg(q4, 1) == {}
-    monkeypatch.setenv("MLXRUN_KQ_MAXNREG", "96")
-    assert kq._maxnreg(q4, 4) == {"maxnreg": 96}
-    monkeypatch.setenv("MLXRUN_KQ_MAXNREG", "0")
-    assert kq._maxnreg(w, 1) == {}
-    monkeypatch.setenv("MLXRUN_KQ_MAXNREG", "many")
-    with pytest.raises(kq.MlxrunError, match="MLXRUN_KQ_MAXNREG=many"):
-        kq._maxnreg(w, 1)
 
 
 def test_concat_and_shapes():
