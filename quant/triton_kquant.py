@@ -274,9 +274,9 @@ def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
         # us: 4096x14336 39.6 -> 33.4, 28672x4096 60.4 -> 56.6, 6144x4096 13.3 either way;
         # the head (16k row blocks) stays at one split (212.7 against 228.3 in two)
         sk = math.ceil(ksteps / 2)
-    # Without the next step's words in flight: Q6_K holds 168 registers, no spills, 5.62
-    # instructions a weight, against 255 registers, ~300 B spilled, 5.90 with them (SASS for
-    # sm_90); Q4_K on the H100 is as fast or faster without (4096x14336 20.9 -> 17.3 us,
+    # Without the next step's words in flight: Q6_K holds 128 registers, no spills, 5.42
+    # instructions a weight, against 255 registers, 128 B spilled, 5.57 with them (SASS for
+    # sm_90, benchmarks/sass_kquant.py); Q4_K on the H100 is as fast or faster without (4096x14336 20.9 -> 17.3 us,
     # 4096x4096 5.9 -> 5.6, the others within 0.1)
     return tk.KernelConfig("gemv", 1, 8, sk, num_warps=warps, prefetch=False)
 
