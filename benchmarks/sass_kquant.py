@@ -6,8 +6,8 @@ needed: instructions of the k-loop per weight element, registers, spills.
     python benchmarks/sass_kquant.py --gemm                   # the tile GEMM at M=32
 
 The GEMV is _kq_lane_gemv_kernel (the int4 GEMV's loop), compiled as sass_count.py compiles
-the affine GEMV (pointers divisible by 16, PDL on), for a 4096x4096 weight, 8 rows a
-program, whole k-steps: a lane handles 4 low-nibble words (and their high bits) of each of
+the affine GEMV (pointers divisible by 16, PDL on), for a 4096 x (8192 x warps) weight (8
+whole k-steps a program), 8 rows a program: a lane handles 4 low-nibble words (and their high bits) of each of
 8 rows, 256 weights, a k-step; two k-steps a loop iteration.
 """
 
@@ -40,7 +40,8 @@ def compile_gemv(kind: str, warps: int, n=4096, k=4096, x="bf16", silu=False, pr
     ptrs = dict(x_ptr=f"*{x}", w_ptr="*i32", s_ptr="*i8" if kind == "Q6_K" else "*u8",
                 b_ptr="*fp16", y_ptr=f"*{x}", part_ptr="*fp32", cnt_ptr="*i32")  # fmt: skip
     params = dict(M=1, KIND=kq.KINDS[kind], SPLIT_K=1, KB_PER_SPLIT=8, EVEN=True, KW=k // 8,
-                  SW=sw, PDL=True, SILU=silu, WARPS=warps, PREFETCH=prefetch)  # fmt: skip
+                  SW=sw, PDL=True, SILU=silu, WARPS=warps, PREFETCH=prefetch,
+                  KSC=ks)  # fmt: skip
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in ptrs:
@@ -114,7 +115,10 @@ def main() -> None:
         return
     runs = [(kd, int(wp)) for kd in a.kinds.split(",") for wp in a.warps.split(",")]
     for (kind, warps), pf in itertools.product(runs, (True, False)):
-        sass, res = sass_of(compile_gemv(kind, warps, prefetch=pf))
+        # 8 whole k-steps of 32 weights a lane: with KS a constant (KSC) the compiler sees
+        # steps past K as masked, so K must hold them
+        c = compile_gemv(kind, warps, k=8192 * warps, prefetch=pf)
+        sass, res = sass_of(c)
         body = main_loop(parse(sass))
         per_step = len(body) / (2 if pf else 1)  # prefetch: two k-steps an iteration
         regs = re.search(r"REG:(\d+)", res).group(1)

@@ -231,6 +231,18 @@ def choose_kq_config(m: int, w: KQLinear, device) -> KQConfig:
     return KQConfig("gemm", bm, bn, 1, sk, warps)
 
 
+# Q6_K's one-warp lane GEMV compiled with at most this many registers a thread (16 warps a
+# SM; Triton 3.6 gives it 143-168 otherwise). H100, us, the four linears of a Llama-3-8B
+# layer summed (benchmarks/KERNEL_NOTES.md, 2026-11-26): no cap 112.8, 144 114.6, 128
+# 106.3, 112 108.7, 96 (spills) 123.3; the head 215.5 / 209.0 / 209.0 / 225.0 / 269.7
+Q6K_MAXNREG = 128
+
+
+def _maxnreg(w: KQLinear, warps: int) -> dict:
+    """The lane GEMV's register cap: Q6K_MAXNREG for Q6_K on one warp, else none."""
+    return {"maxnreg": Q6K_MAXNREG} if w.kind == "Q6_K" and warps == 1 else {}
+
+
 def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
     """Launch parameters of the K-quant GEMV (_kq_lane_gemv_kernel), as
     triton_kernels.choose_config picks them for an int4 weight of the same shape at 8 rows a
@@ -242,7 +254,9 @@ def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
     kw = w.k // 8
     warps = 1
     # Q6_K on one warp: on the H100 its 6144x4096 GEMV took 228.8 us with the warps split
-    # (2-4) and 14.1 us on one (profile_decode.py --linears; 4096x14336: 38.1 against 31.2)
+    # (2-4) and 14.1 us on one (profile_decode.py --linears; 4096x14336: 38.1 against 31.2);
+    # still so without the x loads' layout conversions (2 / 4 warps 33.6 / 210.4 us against
+    # 13.3; benchmarks/KERNEL_NOTES.md, 2026-11-26)
     while warps < tch.GEMV_WARPS and 256 * warps <= kw and w.kind != "Q6_K":
         warps *= 2
     ksteps = math.ceil(kw / (128 * warps))
@@ -254,15 +268,15 @@ def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
         sk = near
     if warps == 1 and tiles < 8 * sms and ksteps / sk > 4:
         sk = math.ceil(ksteps / 4)
-    if w.kind == "Q6_K" and tiles < 64 * sms:
-        # Q6_K's one warp (168 registers a lane) hides latency with more programs: two
+    if w.kind == "Q6_K" and warps == 1 and tiles < 64 * sms:
+        # Q6_K's one warp (at most 128 registers a lane) hides latency with more programs: two
         # k-steps a split. H100 (profile_decode.py --linears --formats q6_k --no-prefetch),
         # us: 4096x14336 39.6 -> 33.4, 28672x4096 60.4 -> 56.6, 6144x4096 13.3 either way;
         # the head (16k row blocks) stays at one split (212.7 against 228.3 in two)
         sk = math.ceil(ksteps / 2)
-    # Without the next step's words in flight: Q6_K holds 168 registers, no spills, 5.62
-    # instructions a weight, against 255 registers, ~300 B spilled, 5.90 with them (SASS for
-    # sm_90); Q4_K on the H100 is as fast or faster without (4096x14336 20.9 -> 17.3 us,
+    # Without the next step's words in flight: Q6_K holds 128 registers, no spills, 5.42
+    # instructions a weight, against 255 registers, 128 B spilled, 5.57 with them (SASS for
+    # sm_90, benchmarks/sass_kquant.py); Q4_K on the H100 is as fast or faster without (4096x14336 20.9 -> 17.3 us,
     # 4096x4096 5.9 -> 5.6, the others within 0.1)
     return tk.KernelConfig("gemv", 1, 8, sk, num_warps=warps, prefetch=False)
 
@@ -286,7 +300,8 @@ def _lane_gemv(x2, w: KQLinear, y, silu: bool, cfg: tk.KernelConfig | None) -> N
         x2, w.weight, w.scales, w.biases, y, part, cnt, m, w.n, ks, x2.stride(0), y.stride(0),
         w.weight.stride(0), KIND=KINDS[w.kind], SPLIT_K=split, KB_PER_SPLIT=per, EVEN=even,
         KW=kw, SW=sw if even else 0, SILU=silu, WARPS=cfg.num_warps, PREFETCH=cfg.prefetch,
-        num_warps=cfg.num_warps,
+        KSC=ks if even else 0,
+        num_warps=cfg.num_warps, **_maxnreg(w, cfg.num_warps),
         **tk.pdl_args(x2.device),
     )  # fmt: skip
 

@@ -142,6 +142,45 @@ def test_lane_gemv_configs_and_silu(kind):
         kq.kqmatmul(x, w, silu=True)
 
 
+@pytest.mark.parametrize(
+    "n,nb,sk,nw,dtype,silu",
+    [
+        (16, 8, 2, 1, torch.bfloat16, False),
+        (20, 3, 2, 2, torch.float32, False),
+        (16, 8, 1, 2, torch.bfloat16, True),
+    ],
+    ids=["1warp-split2", "2warps-masked-split2-fp32", "2warps-silu"],
+)
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+def test_q6k_lane_gemv(n, nb, sk, nw, dtype, silu):
+    """Q6_K's lane GEMV (_lane_x4's 1-D x loads, the uint16 scale pair) on one and several
+    warps, x in bf16 pairs and fp32, with row and K masks (20 rows, 3 super-blocks),
+    split-K and the SiLU epilogue: the dequantized product, and silu_mul of it bit for
+    bit."""
+    from mlxrun.backends import cuda_ops
+
+    w, ref = _case("Q6_K", n, nb, seed=31)
+    x = torch.randn(1, w.k, generator=torch.Generator().manual_seed(6)).to(dtype)
+    cfg = tk.KernelConfig("gemv", 1, 8, sk, num_warps=nw, prefetch=False)
+    y = kq.kqmatmul(x.to(DEV), w, cfg)
+    _check(y, x, ref)
+    if silu:
+        want = cuda_ops.silu_mul(y[:, : n // 2], y[:, n // 2 :])
+        assert torch.equal(kq.kqmatmul(x.to(DEV), w, cfg, silu=True), want)
+
+
+def test_q6k_launch_settings(monkeypatch):
+    """Q6_K's lane GEMV runs on one warp (Q4_K takes several) with its register cap."""
+    w = kq.random_kquant("Q6_K", 64, 4096, "cpu")
+    q4 = kq.random_kquant("Q4_K", 64, 4096, "cpu")
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(kq.tk, "_num_sms", lambda device: 132)
+    assert kq.lane_config(1, w, cuda).num_warps == 1
+    assert kq.lane_config(1, q4, cuda).num_warps > 1
+    assert kq._maxnreg(w, 1) == {"maxnreg": kq.Q6K_MAXNREG}
+    assert kq._maxnreg(w, 2) == {} and kq._maxnreg(q4, 1) == {}
+
+
 def test_concat_and_shapes():
     """gate/up of one kind join into one weight whose product is both; kinds that differ
     do not join; a wrong input width is refused."""
