@@ -5,6 +5,7 @@ step actually reads, against the copy bandwidth measured in the same run.
     python3 benchmarks/moe_kernels.py --shape gpt-oss-20b --formats mxfp4 --batch 1
     python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --warps auto,1,2,4   # A/B
     python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --path slot,grouped --batch 8,16,32,64
+    python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --batch 1 --fused 0,1,2 --no-per-slot
     TRITON_INTERPRET=1 python3 benchmarks/moe_kernels.py --tiny        # CPU: values only
 
 Shapes: gpt-oss-20b (32 experts, top-4, hidden = intermediate = 2880, biases, clamped
@@ -19,7 +20,10 @@ layer's weights (at least 4x the L2 cache) that no call finds its experts in L2.
 a call: every distinct expert its tokens picked, gate + up + down (codes, scales, biases,
 expert biases) once, plus x and the output: what the roofline of `mlxrun bench` counts.
 `route+us` adds the router (cuda_moe.route on random logits; ids of the other columns are
-drawn by torch beforehand).
+drawn by torch beforehand; cuda_moe.moe_decode, as the model calls it). --fused 0,1,2
+times cuda_moe.FUSED's variants (format/f0, /f1, /f2): the k slots summed by torch after
+down (0), by the down kernel itself (1), and the routing done by the gate/up kernel (2:
+`route+us` only).
 Packed formats' rows take the decode path moe_experts picks (per slot below 2 slots an
 expert, else grouped by expert: cuda_moe.grouped_wins); --path slot,grouped times both
 (format/s, format/g), --warps the per-slot kernel's warps a program (format/w2).
@@ -188,8 +192,7 @@ def row(shape, name, o, layers, stored, batch, calls, bw, slots) -> str:
         return cm.moe_experts(xs[i], ids, w, layers[i % copies], o)
 
     def routed(i):
-        w, ids = cm.route(rs[i][2], o)
-        return cm.moe_experts(xs[i], ids, w, layers[i % copies], o)
+        return cm.moe_decode(xs[i], rs[i][2], layers[i % copies], o)
 
     def slot(i):
         ids, w, _ = rs[i]
@@ -211,6 +214,7 @@ def row(shape, name, o, layers, stored, batch, calls, bw, slots) -> str:
 
 _CHOOSE = cm.choose_qconfig
 _WINS = cm.grouped_wins
+_FUSED = cm.FUSED
 
 
 def _forced(grouped: bool):
@@ -236,6 +240,9 @@ def main() -> None:
                     help="packed experts' decode path to time: auto,slot,grouped (a row each)")  # fmt: skip
     ap.add_argument("--warps", default="auto",
                     help="packed kernel's warps a program to time, e.g. auto,1,2,4 (a row each)")  # fmt: skip
+    ap.add_argument("--fused", default="auto",
+                    help="cuda_moe.FUSED variants to time, e.g. 0,1,2 (a row each; as "
+                         "MLXRUN_MOE_FUSED)")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="CPU values check (TRITON_INTERPRET=1)")
     a = ap.parse_args()
     if a.tiny:
@@ -269,11 +276,14 @@ def main() -> None:
                     cm.grouped_wins = _WINS if path == "auto" else _forced(path == "grouped")
                     for warps in a.warps.split(",") if fmt is not None else ["auto"]:
                         cm.choose_qconfig = _with_warps(warps)
-                        label = name + ("" if path == "auto" else f"/{path[0]}")
-                        label += "" if warps == "auto" else f"/w{warps}"
-                        print(row(shape, label, o, layers, stored, batch, a.calls, bw,
-                                  not a.no_per_slot), flush=True)  # fmt: skip
-                cm.choose_qconfig, cm.grouped_wins = _CHOOSE, _WINS
+                        for fused in a.fused.split(","):
+                            cm.FUSED = _FUSED if fused == "auto" else int(fused)
+                            label = name + ("" if path == "auto" else f"/{path[0]}")
+                            label += "" if warps == "auto" else f"/w{warps}"
+                            label += "" if fused == "auto" else f"/f{fused}"
+                            print(row(shape, label, o, layers, stored, batch, a.calls, bw,
+                                      not a.no_per_slot), flush=True)  # fmt: skip
+                cm.choose_qconfig, cm.grouped_wins, cm.FUSED = _CHOOSE, _WINS, _FUSED
             del layers, stored, one
             torch.cuda.empty_cache()
 
