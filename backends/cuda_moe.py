@@ -45,7 +45,9 @@ _MODE = {"dense": 0, "affine": 1, "mxfp4": 2, "nvfp4": 3, "mxfp8": 4}
 # 0: router kernel, gate/up, down, then torch's sum over the k slots and its cast;
 # 1: the down kernel sums each token's k slots itself (two launches a layer fewer) and the
 #    router kernel launches with PDL;
-# 2: and the packed gate/up kernel routes its token itself (no router kernel: moe_decode).
+# 2: and the packed gate/up kernel routes its token itself (no router kernel: moe_decode);
+# 3: 1, and the packed down kernel loads its expert's first weights before waiting for
+#    gate/up (with PDL: the ids are the router kernel's, two launches back).
 FUSED = int(os.environ.get("MLXRUN_MOE_FUSED", "1"))
 
 
@@ -227,10 +229,11 @@ def _route_args(logits, o) -> dict:
 
 
 def _qlaunch(x, ids, out, rw, p: PackedExperts, b1, b2, x_div, o, scaled, cfg=None, top_k=0,
-             logits=None):  # fmt: skip
+             logits=None, early=False):  # fmt: skip
     """_moe_qgemv over every slot of ids: out (S, N) a slot a row, or (T, N) with the top_k
     slots of each token summed in the kernel (top_k > 0, down only). logits (T, E) (gate/up
-    only): the kernel routes, writing ids and rw (_route_args)."""
+    only): the kernel routes, writing ids and rw (_route_args). early (down, ids from a
+    kernel before gate/up): its first weights are loaded before the PDL wait."""
     cfg = cfg or choose_qconfig(p)
     w = p.w
     kw = p.k * w.bits // 32
@@ -248,7 +251,7 @@ def _qlaunch(x, ids, out, rw, p: PackedExperts, b1, b2, x_div, o, scaled, cfg=No
         BLOCK_N=cfg.block_n, KSTEPS=ksteps, PREFETCH=cfg.prefetch, EVEN=even,
         KWC=kw if even else 0, WARPS=cfg.warps, num_warps=cfg.warps,
         **_fused_args(out, top_k), **({} if logits is None else _route_args(logits, o)),
-        **pdl_args(x.device),
+        EARLY=early, **pdl_args(x.device),
     )  # fmt: skip
 
 
@@ -425,7 +428,9 @@ def moe_experts(x, ids, weights, e, o, grouped: bool | None = None, out_dtype=No
         else:
             gu, dn = packed
             _qlaunch(x, flat, h, rw, gu, e.gate_bias, e.up_bias, k, o, False)
-            _qlaunch(h, flat, y, rw, dn, e.down_bias, None, 1, o, True, top_k=k)
+            # early: flat was written before gate/up (which waits for it, then lets down in)
+            _qlaunch(h, flat, y, rw, dn, e.down_bias, None, 1, o, True, top_k=k,
+                     early=FUSED == 3)  # fmt: skip
         return y
     y = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
     if packed is None:

@@ -140,7 +140,7 @@ def _moe_qgemv(X, IDS, OUT, RW, W, S, B, BIAS1, BIAS2, N, K, X_DIV, limit, alpha
                PART=None, CNT=None, TOP_K: tl.constexpr = 0, L=None, E=0,
                ROUTE: tl.constexpr = False, KP: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1,
                SOFTMAX_FIRST: tl.constexpr = True, NORM: tl.constexpr = False,
-               PDL: tl.constexpr = False):  # fmt: skip
+               EARLY: tl.constexpr = False, PDL: tl.constexpr = False):  # fmt: skip
     """OUT[s, rows] for slot s = program 0: x = X[s // X_DIV] (K,), expert e = IDS[s].
 
     W, S, B: a QLinear's repacked words, row-tiled scales and biases of all experts, expert e
@@ -151,7 +151,11 @@ def _moe_qgemv(X, IDS, OUT, RW, W, S, B, BIAS1, BIAS2, N, K, X_DIV, limit, alpha
     One k-step is 4 words of each row a lane (lanes along K, WARPS warps), KSTEPS of them
     (no split-K: the slots already give enough programs). EVEN: no row or K masks (whole
     row blocks and k-steps; KWC = the words a row, else 0).
-    PDL: the expert id and x come from earlier kernels, so nothing is loaded before the wait.
+    PDL: the expert id and x come from earlier kernels, so nothing is loaded before the wait;
+    EARLY (down, ids written two kernels back, by the router kernel): the id and the first
+    k-step's words are loaded before waiting for gate/up (the router kernel finished before
+    gate/up's programs passed their wait, and they all did before this kernel launched; the
+    id is read past L1), only x (h), the scales and the routing weight after.
     TOP_K > 0 (not GATED): the token's k slots summed in the kernel, OUT (T, N) (_slot_sum).
     ROUTE (GATED, TOP_K slots a token): the slot's expert and routing weight from the
     token's E router logits L (_topk, as _route_kernel: the same arithmetic), no routing
@@ -164,7 +168,7 @@ def _moe_qgemv(X, IDS, OUT, RW, W, S, B, BIAS1, BIAS2, N, K, X_DIV, limit, alpha
     TWO: tl.constexpr = WPG < 4  # nvfp4: a lane's words 0,1 and 2,3 are in two groups
     s = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if PDL:
+    if PDL and not EARLY:
         tlc.gdc_wait()
         tlc.gdc_launch_dependents()
     if ROUTE:
@@ -175,6 +179,8 @@ def _moe_qgemv(X, IDS, OUT, RW, W, S, B, BIAS1, BIAS2, N, K, X_DIV, limit, alpha
             tl.store(IDS + s, e32)
             tl.store(RW + s, tl.sum(tl.where(mine, wk, 0.0), axis=0))
         e = e32.to(tl.int64)
+    elif EARLY:
+        e = tl.load(IDS + s, cache_modifier=".cg").to(tl.int64)
     else:
         e = tl.load(IDS + s).to(tl.int64)
     KG = K // G
@@ -215,7 +221,7 @@ def _moe_qgemv(X, IDS, OUT, RW, W, S, B, BIAS1, BIAS2, N, K, X_DIV, limit, alpha
     x_base = X + (s // X_DIV).to(tl.int64) * K
     acc, acc_h = _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, 0, KW, x_base, x_pair0,
                               g_pair, g_a, g_b, s_row, s_row_h, s_ptr, b_ptr, KG, MODE, BITS, G,
-                              HALVES, EVEN, LANES, KSTEPS, PREFETCH, False)  # fmt: skip
+                              HALVES, EVEN, LANES, KSTEPS, PREFETCH, PDL and EARLY)  # fmt: skip
     out = _gemv_sum(acc, MODE)  # [8]
     out_row = OUT + s.to(tl.int64) * N
     if GATED:

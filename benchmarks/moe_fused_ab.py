@@ -1,13 +1,15 @@
 """A/B of the MoE decode step's variants in one process (CUDA): one random model of a MoE
 shape is built once, then the captured batch-1 decode step is timed with each variant in
-turn (a new capture each time), alternating, so load time and drift are shared.
+turn (a new capture each time, decoding from the same position), alternating (in reverse
+order every other round), so load time and drift are shared.
 
     python3 benchmarks/moe_fused_ab.py --model shape:qwen3-30b-a3b --quant int4
     python3 benchmarks/moe_fused_ab.py --model shape:gpt-oss-20b --quant fp4 --rounds 3
 
 Variants: cuda_moe.FUSED (as MLXRUN_MOE_FUSED: 0, torch sums and casts after down; 1, the
 down kernel sums each token's k slots and the router kernel launches with PDL; 2, and the
-gate/up kernel routes its token itself, no router kernel). Each row:
+gate/up kernel routes its token itself, no router kernel; 3, 1 and the down kernel's first
+weights loaded before its PDL wait). Each row:
 ms a step by CUDA events over graph replays (median of --reps), tok/s = batch / that.
 """
 
@@ -33,7 +35,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2, help="times each variant is captured")
     ap.add_argument("--reps", type=int, default=30, help="timed replays a capture")
-    ap.add_argument("--variants", default="2,1,0", help="cuda_moe.FUSED values, in turn")
+    ap.add_argument("--variants", default="3,2,1,0", help="cuda_moe.FUSED values, in turn")
     a = ap.parse_args()
     from mlxrun.backends.torch_backend import TorchBackend
     from mlxrun.bench import _quant_specs, build_random, shape_config
@@ -44,8 +46,7 @@ def main() -> None:
     (qn, spec), *_ = _quant_specs([a.quant]).items()
     model = build_random(cfg, be, spec)
     variants = [int(v) for v in a.variants.split(",")]
-    steps = a.rounds * len(variants) * (a.reps + 3)
-    cache = model.make_cache(1, a.context + steps + 64)
+    cache = model.make_cache(1, a.context + a.reps + 64)
     ids = torch.randint(0, cfg.vocab_size, (1, a.context), device="cuda")
     chunk = prefill_chunk_for(be.name, be.memory_kind, 1)
     for s in range(0, a.context, chunk):
@@ -54,12 +55,14 @@ def main() -> None:
     for _ in range(2):  # warm-up: the experts' repack, autotuning, the allocator
         y = be.argmax(model(y, cache, None, last_only=True)).view(1, 1)
     torch.cuda.synchronize()
+    base = cache.offset  # every capture decodes from here: the same positions for each
     print(f"{torch.cuda.get_device_name()} {a.model} {qn} batch 1, context {a.context}")
     res: dict[int, list[float]] = {v: [] for v in variants}
     for r in range(a.rounds):
-        for v in variants:
+        for v in variants if r % 2 == 0 else variants[::-1]:
             cm.FUSED = v
             be._session = None  # a new capture with this variant's kernels
+            cache.offset = base
             dec = be.decode_step(model, cache, 1, None)
             tok = dec(y.view(-1))
             ms = events_ms(lambda dec=dec, tok=tok: dec(tok), reps=a.reps)

@@ -5,7 +5,7 @@ step actually reads, against the copy bandwidth measured in the same run.
     python3 benchmarks/moe_kernels.py --shape gpt-oss-20b --formats mxfp4 --batch 1
     python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --warps auto,1,2,4   # A/B
     python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --path slot,grouped --batch 8,16,32,64
-    python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --batch 1 --fused 0,1,2 --no-per-slot
+    python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --batch 1 --fused 0,1,2,3 --no-per-slot
     TRITON_INTERPRET=1 python3 benchmarks/moe_kernels.py --tiny        # CPU: values only
 
 Shapes: gpt-oss-20b (32 experts, top-4, hidden = intermediate = 2880, biases, clamped
@@ -20,10 +20,12 @@ layer's weights (at least 4x the L2 cache) that no call finds its experts in L2.
 a call: every distinct expert its tokens picked, gate + up + down (codes, scales, biases,
 expert biases) once, plus x and the output: what the roofline of `mlxrun bench` counts.
 `route+us` adds the router (cuda_moe.route on random logits; ids of the other columns are
-drawn by torch beforehand; cuda_moe.moe_decode, as the model calls it). --fused 0,1,2
-times cuda_moe.FUSED's variants (format/f0, /f1, /f2): the k slots summed by torch after
+drawn by torch beforehand; cuda_moe.moe_decode, as the model calls it); `err0` is the largest
+relative difference of those results (from the graph's last replay) from FUSED 0's, run
+eagerly (a race of the fused kernels would show there). --fused 0,1,2,3
+times cuda_moe.FUSED's variants (format/f0 .. /f3): the k slots summed by torch after
 down (0), by the down kernel itself (1), and the routing done by the gate/up kernel (2:
-`route+us` only).
+`route+us` only), and down's first weights loaded before its PDL wait (3).
 Packed formats' rows take the decode path moe_experts picks (per slot below 2 slots an
 expert, else grouped by expert: cuda_moe.grouped_wins); --path slot,grouped times both
 (format/s, format/g), --warps the per-slot kernel's warps a program (format/w2).
@@ -191,8 +193,11 @@ def row(shape, name, o, layers, stored, batch, calls, bw, slots) -> str:
         ids, w, _ = rs[i]
         return cm.moe_experts(xs[i], ids, w, layers[i % copies], o)
 
+    outs = {}  # routed's results of the last replay (held: not reused inside the graph)
+
     def routed(i):
-        return cm.moe_decode(xs[i], rs[i][2], layers[i % copies], o)
+        outs[i] = cm.moe_decode(xs[i], rs[i][2], layers[i % copies], o)
+        return outs[i]
 
     def slot(i):
         ids, w, _ = rs[i]
@@ -200,9 +205,14 @@ def row(shape, name, o, layers, stored, batch, calls, bw, slots) -> str:
 
     us = events_ms(graphed(packed, calls)) * 1e3 / calls
     rus = events_ms(graphed(routed, calls)) * 1e3 / calls
+    torch.cuda.synchronize()
+    fused, cm.FUSED = cm.FUSED, 0
+    ref = [cm.moe_decode(xs[i], rs[i][2], layers[i % copies], o).float() for i in range(calls)]
+    cm.FUSED = fused
+    err0 = max(float((outs[i].float() - r).norm() / r.norm()) for i, r in enumerate(ref))
     gbs = nbytes / us / 1e3
     line = (f"{shape:<14} {name:<9} {batch:>5} {used:>7.1f} {nbytes / 1e6:>7.1f} "
-            f"{us:>8.1f} {gbs:>6.0f} {100 * gbs * 1e9 / bw:>5.1f}% {rus:>8.1f}")  # fmt: skip
+            f"{us:>8.1f} {gbs:>6.0f} {100 * gbs * 1e9 / bw:>5.1f}% {rus:>8.1f} {err0:>7.1e}")  # fmt: skip
     if slots:
         sus = events_ms(graphed(slot, calls)) * 1e3 / calls
         ref = slot(0).float()
@@ -254,7 +264,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e9:.0f} GB/s (read + write), "
           f"L2 {l2 >> 20} MiB")  # fmt: skip
     print(f"{'shape':<14} {'format':<9} {'batch':>5} {'experts':>7} {'MB':>7} "
-          f"{'us':>8} {'GB/s':>6} {'%copy':>6} {'route+us':>8} {'per-slot us':>11} "
+          f"{'us':>8} {'GB/s':>6} {'%copy':>6} {'route+us':>8} {'err0':>7} {'per-slot us':>11} "
           f"{'%copy':>6} {'err':>8}")  # fmt: skip
     for shape in a.shape.split(","):
         E = SHAPES[shape][0]
