@@ -41,14 +41,12 @@ from mlxrun.quant.triton_launch import GEMV_WARPS, _counters, pdl_args
 from mlxrun.quant.triton_layout import _MODE_ID, SCALE_ROWS, QLinear, prepare
 
 _MODE = {"dense": 0, "affine": 1, "mxfp4": 2, "nvfp4": 3, "mxfp8": 4}
-# What the per-slot decode path fuses (MLXRUN_MOE_FUSED, for A/B timing):
-# 0: router kernel, gate/up, down, then torch's sum over the k slots and its cast;
-# 1: the down kernel sums each token's k slots itself (two launches a layer fewer) and the
-#    router kernel launches with PDL;
-# 2: and the packed gate/up kernel routes its token itself (no router kernel: moe_decode);
-# 3: 1, and the packed down kernel loads its expert's first weights before waiting for
-#    gate/up (with PDL: the ids are the router kernel's, two launches back).
-FUSED = int(os.environ.get("MLXRUN_MOE_FUSED", "1"))
+# The per-slot down kernels sum each token's k slots themselves and the router kernel
+# launches with PDL: three launches a layer (router, gate/up, down), against five with
+# torch's sum over the slots and its cast after down. MLXRUN_MOE_FUSED=0: the five (A/B).
+# H100, batch-1 decode step (benchmarks/moe_fused_ab.py): qwen3-30b-a3b int4 2.247 -> 1.958
+# ms, gpt-oss-20b fp4 2.181 -> 2.075.
+FUSED = os.environ.get("MLXRUN_MOE_FUSED", "1") != "0"
 
 
 def route(logits: torch.Tensor, o) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +62,7 @@ def route(logits: torch.Tensor, o) -> tuple[torch.Tensor, torch.Tensor]:
             logits.contiguous(), w, ids, E, TOP_K=k, KP=triton.next_power_of_2(k),
             BLOCK_E=triton.next_power_of_2(E), SOFTMAX_FIRST=o.routing == "softmax_topk",
             NORM=o.norm_topk, num_warps=1 if E <= 128 else 4,
-            **(pdl_args(logits.device) if FUSED >= 1 else {}),
+            **(pdl_args(logits.device) if FUSED else {}),
         )  # fmt: skip
     return w, ids
 
@@ -220,20 +218,9 @@ def _fused_args(out, top_k: int) -> dict:
     return {"PART": part, "CNT": _counters(out.device, T * triton.cdiv(N, 8)), "TOP_K": top_k}
 
 
-def _route_args(logits, o) -> dict:
-    """The gate/up kernel's arguments to route its token itself (_topk, as route's)."""
-    E = logits.shape[1]
-    return dict(L=logits, E=E, ROUTE=True, TOP_K=o.top_k, KP=triton.next_power_of_2(o.top_k),
-                BLOCK_E=triton.next_power_of_2(E), SOFTMAX_FIRST=o.routing == "softmax_topk",
-                NORM=o.norm_topk)  # fmt: skip
-
-
-def _qlaunch(x, ids, out, rw, p: PackedExperts, b1, b2, x_div, o, scaled, cfg=None, top_k=0,
-             logits=None, early=False):  # fmt: skip
+def _qlaunch(x, ids, out, rw, p: PackedExperts, b1, b2, x_div, o, scaled, cfg=None, top_k=0):
     """_moe_qgemv over every slot of ids: out (S, N) a slot a row, or (T, N) with the top_k
-    slots of each token summed in the kernel (top_k > 0, down only). logits (T, E) (gate/up
-    only): the kernel routes, writing ids and rw (_route_args). early (down, ids from a
-    kernel before gate/up): its first weights are loaded before the PDL wait."""
+    slots of each token summed in the kernel (top_k > 0, down only)."""
     cfg = cfg or choose_qconfig(p)
     w = p.w
     kw = p.k * w.bits // 32
@@ -250,8 +237,7 @@ def _qlaunch(x, ids, out, rw, p: PackedExperts, b1, b2, x_div, o, scaled, cfg=No
         GATED=p.gated, ACT=0 if o.act == "silu" else 1, HAS_BIAS=bias, SCALED=scaled,
         BLOCK_N=cfg.block_n, KSTEPS=ksteps, PREFETCH=cfg.prefetch, EVEN=even,
         KWC=kw if even else 0, WARPS=cfg.warps, num_warps=cfg.warps,
-        **_fused_args(out, top_k), **({} if logits is None else _route_args(logits, o)),
-        EARLY=early, **pdl_args(x.device),
+        **_fused_args(out, top_k), **pdl_args(x.device),
     )  # fmt: skip
 
 
@@ -382,27 +368,6 @@ def moe_grouped(x, ids, weights, e, o, out_dtype=None):
     return y.view(T, k, H).sum(dim=1).to(out_dtype or x.dtype)
 
 
-def moe_decode(x, logits, e, o, out_dtype=None):
-    """x (T, H), router logits (T, E) -> (T, H) in `out_dtype` (as moe_grouped's): route(),
-    then moe_experts; with FUSED 2, where the per-slot packed kernels run, the gate/up
-    kernel routes instead (one launch fewer)."""
-    T = x.shape[0]
-    k = o.top_k
-    if FUSED < 2 or prepared(e) is None or grouped_wins(T * k, o):
-        w, ids = route(logits, o)
-        return moe_experts(x, ids, w, e, o, out_dtype=out_dtype)
-    gu, dn = prepared(e)
-    x = x.contiguous()
-    ids = torch.empty((T * k,), dtype=torch.int32, device=x.device)
-    rw = torch.empty((T * k,), dtype=torch.float32, device=x.device)
-    h = torch.empty((T * k, o.intermediate_size), dtype=x.dtype, device=x.device)
-    y = torch.empty((T, x.shape[1]), dtype=out_dtype or x.dtype, device=x.device)
-    _qlaunch(x, ids, h, rw, gu, e.gate_bias, e.up_bias, k, o, False,
-             logits=logits.contiguous())  # fmt: skip
-    _qlaunch(h, ids, y, rw, dn, e.down_bias, None, 1, o, True, top_k=k)
-    return y
-
-
 def moe_experts(x, ids, weights, e, o, grouped: bool | None = None, out_dtype=None,
                 fused: bool | None = None):  # fmt: skip
     """x (T, H), ids (T, k) int, routing weights (T, k) -> (T, H) in `out_dtype` (as
@@ -420,7 +385,7 @@ def moe_experts(x, ids, weights, e, o, grouped: bool | None = None, out_dtype=No
     h = torch.empty((T * k, o.intermediate_size), dtype=x.dtype, device=x.device)
     packed = prepared(e)
     slot = packed is None or not (grouped if grouped is not None else grouped_wins(T * k, o))
-    if slot and (fused if fused is not None else FUSED >= 1):
+    if slot and (fused if fused is not None else FUSED):
         y = torch.empty((T, H), dtype=dt, device=x.device)
         if packed is None:
             _launch(x, flat, h, rw, e.gate, e.gate_bias, e.up, e.up_bias, k, o, True, False)
@@ -428,9 +393,7 @@ def moe_experts(x, ids, weights, e, o, grouped: bool | None = None, out_dtype=No
         else:
             gu, dn = packed
             _qlaunch(x, flat, h, rw, gu, e.gate_bias, e.up_bias, k, o, False)
-            # early: flat was written before gate/up (which waits for it, then lets down in)
-            _qlaunch(h, flat, y, rw, dn, e.down_bias, None, 1, o, True, top_k=k,
-                     early=FUSED == 3)  # fmt: skip
+            _qlaunch(h, flat, y, rw, dn, e.down_bias, None, 1, o, True, top_k=k)
         return y
     y = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
     if packed is None:

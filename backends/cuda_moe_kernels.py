@@ -5,8 +5,7 @@
 - `_moe_grouped`: one expert's tile of up to 16 slots a program, its weight tile decoded
   once and multiplied on tensor cores (decode batches);
 - `_moe_gemv`: one slot a program, dense (or canonical packed) experts read as stored;
-- `_route_kernel`: a token's top-k experts and their weights (`_topk`, which the packed
-  gate/up kernel can also run itself).
+- `_route_kernel`: a token's top-k experts and their weights.
 """
 
 from __future__ import annotations
@@ -137,10 +136,8 @@ def _moe_qgemv(X, IDS, OUT, RW, W, S, B, BIAS1, BIAS2, N, K, X_DIV, limit, alpha
                ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
                BLOCK_N: tl.constexpr, KSTEPS: tl.constexpr, PREFETCH: tl.constexpr,
                EVEN: tl.constexpr, KWC: tl.constexpr, WARPS: tl.constexpr,
-               PART=None, CNT=None, TOP_K: tl.constexpr = 0, L=None, E=0,
-               ROUTE: tl.constexpr = False, KP: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1,
-               SOFTMAX_FIRST: tl.constexpr = True, NORM: tl.constexpr = False,
-               EARLY: tl.constexpr = False, PDL: tl.constexpr = False):  # fmt: skip
+               PART=None, CNT=None, TOP_K: tl.constexpr = 0,
+               PDL: tl.constexpr = False):  # fmt: skip
     """OUT[s, rows] for slot s = program 0: x = X[s // X_DIV] (K,), expert e = IDS[s].
 
     W, S, B: a QLinear's repacked words, row-tiled scales and biases of all experts, expert e
@@ -151,15 +148,8 @@ def _moe_qgemv(X, IDS, OUT, RW, W, S, B, BIAS1, BIAS2, N, K, X_DIV, limit, alpha
     One k-step is 4 words of each row a lane (lanes along K, WARPS warps), KSTEPS of them
     (no split-K: the slots already give enough programs). EVEN: no row or K masks (whole
     row blocks and k-steps; KWC = the words a row, else 0).
-    PDL: the expert id and x come from earlier kernels, so nothing is loaded before the wait;
-    EARLY (down, ids written two kernels back, by the router kernel): the id and the first
-    k-step's words are loaded before waiting for gate/up (the router kernel finished before
-    gate/up's programs passed their wait, and they all did before this kernel launched; the
-    id is read past L1), only x (h), the scales and the routing weight after.
+    PDL: the expert id and x come from earlier kernels, so nothing is loaded before the wait.
     TOP_K > 0 (not GATED): the token's k slots summed in the kernel, OUT (T, N) (_slot_sum).
-    ROUTE (GATED, TOP_K slots a token): the slot's expert and routing weight from the
-    token's E router logits L (_topk, as _route_kernel: the same arithmetic), no routing
-    launch before this one; the programs of row block 0 write them to IDS and RW for down.
     """
     HALVES: tl.constexpr = 2 if BLOCK_N == 16 else 1
     LANES: tl.constexpr = 32 * WARPS
@@ -168,21 +158,10 @@ def _moe_qgemv(X, IDS, OUT, RW, W, S, B, BIAS1, BIAS2, N, K, X_DIV, limit, alpha
     TWO: tl.constexpr = WPG < 4  # nvfp4: a lane's words 0,1 and 2,3 are in two groups
     s = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if PDL and not EARLY:
+    if PDL:
         tlc.gdc_wait()
         tlc.gdc_launch_dependents()
-    if ROUTE:
-        wk, ik = _topk(L, s // TOP_K, E, TOP_K, KP, BLOCK_E, SOFTMAX_FIRST, NORM)
-        mine = tl.arange(0, KP) == s % TOP_K
-        e32 = tl.sum(tl.where(mine, ik, 0), axis=0)
-        if pid_n == 0:
-            tl.store(IDS + s, e32)
-            tl.store(RW + s, tl.sum(tl.where(mine, wk, 0.0), axis=0))
-        e = e32.to(tl.int64)
-    elif EARLY:
-        e = tl.load(IDS + s, cache_modifier=".cg").to(tl.int64)
-    else:
-        e = tl.load(IDS + s).to(tl.int64)
+    e = tl.load(IDS + s).to(tl.int64)
     KG = K // G
     if KWC > 0:
         KW = KWC
@@ -221,7 +200,7 @@ def _moe_qgemv(X, IDS, OUT, RW, W, S, B, BIAS1, BIAS2, N, K, X_DIV, limit, alpha
     x_base = X + (s // X_DIV).to(tl.int64) * K
     acc, acc_h = _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, 0, KW, x_base, x_pair0,
                               g_pair, g_a, g_b, s_row, s_row_h, s_ptr, b_ptr, KG, MODE, BITS, G,
-                              HALVES, EVEN, LANES, KSTEPS, PREFETCH, PDL and EARLY)  # fmt: skip
+                              HALVES, EVEN, LANES, KSTEPS, PREFETCH, False)  # fmt: skip
     out = _gemv_sum(acc, MODE)  # [8]
     out_row = OUT + s.to(tl.int64) * N
     if GATED:
@@ -281,13 +260,20 @@ def _slot_sum(y, rows, mask, s, pid_n, n_tiles, N, OUT, PART, CNT, TOP_K: tl.con
 
 
 @triton.jit
-def _topk(L, t, E, TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr,
-          SOFTMAX_FIRST: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
-    """Token t's E router logits L[t] -> its top-k experts (int32 [KP], best first) and their
-    weights (float32 [KP]), as torch_moe.route computes them: SOFTMAX_FIRST: softmax over
-    all E in fp32, the k largest, renormalised to sum 1 when NORM; else the k largest
-    logits, softmax over those k. k rounds of max + the lowest index holding it (KP: k
-    rounded up to a power of two; entries past k are unused)."""
+def _route_kernel(L, WOUT, IDS, E, TOP_K: tl.constexpr, KP: tl.constexpr,
+                  BLOCK_E: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
+                  NORM: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    """Token t = program 0: its E router logits L[t] -> the top-k experts IDS[t] (int32,
+    best first) and their weights WOUT[t] (float32), as torch_moe.route computes them:
+    SOFTMAX_FIRST: softmax over all E in fp32, the k largest, renormalised to sum 1 when
+    NORM; else the k largest logits, softmax over those k. k rounds of max + the lowest
+    index holding it (KP: k rounded up to a power of two).
+    PDL: the logits come from the router's linear; the expert kernels after this one wait
+    for it in turn."""
+    if PDL:
+        tlc.gdc_wait()
+        tlc.gdc_launch_dependents()
+    t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     m = offs < E
     z = tl.load(L + t * E + offs, mask=m, other=float("-inf")).to(tl.float32)
@@ -313,24 +299,6 @@ def _topk(L, t, E, TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr,
     else:  # vals[0] is the largest
         ex = tl.where(km, tl.exp(vals - tl.max(tl.where(km, vals, float("-inf")), axis=0)), 0.0)
         w = ex / tl.sum(ex, axis=0)
-    return w, ids
-
-
-@triton.jit
-def _route_kernel(L, WOUT, IDS, E, TOP_K: tl.constexpr, KP: tl.constexpr,
-                  BLOCK_E: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
-                  NORM: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
-    """Token t = program 0: its top-k experts IDS[t] (int32, best first) and their weights
-    WOUT[t] (float32) from its router logits (_topk).
-    PDL: the logits come from the router's linear; the expert kernels after this one wait
-    for it in turn."""
-    if PDL:
-        tlc.gdc_wait()
-        tlc.gdc_launch_dependents()
-    t = tl.program_id(0).to(tl.int64)
-    w, ids = _topk(L, t, E, TOP_K, KP, BLOCK_E, SOFTMAX_FIRST, NORM)
-    slot = tl.arange(0, KP)
-    km = slot < TOP_K
     tl.store(WOUT + t * TOP_K + slot, w, mask=km)
     tl.store(IDS + t * TOP_K + slot, ids, mask=km)
 

@@ -125,7 +125,8 @@ def moe(
         from . import cuda_moe  # noqa: PLC0415
 
         if x2.shape[0] * o.top_k <= KERNEL_MAX_SLOTS:
-            return cuda_moe.moe_decode(x2, logits, e, o, out_dtype).view(shape)
+            w, ids = cuda_moe.route(logits, o)
+            return cuda_moe.moe_experts(x2, ids, w, e, o, out_dtype=out_dtype).view(shape)
         if cuda_moe.prepared(e) is not None:  # packed experts: grouped quantized matmuls
             w, ids = route(logits, o)
             return cuda_moe.moe_grouped(x2, ids, w, e, o, out_dtype).view(shape)

@@ -5,7 +5,7 @@ step actually reads, against the copy bandwidth measured in the same run.
     python3 benchmarks/moe_kernels.py --shape gpt-oss-20b --formats mxfp4 --batch 1
     python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --warps auto,1,2,4   # A/B
     python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --path slot,grouped --batch 8,16,32,64
-    python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --batch 1 --fused 0,1,2,3 --no-per-slot
+    python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --batch 1 --fused 0,1 --no-per-slot
     TRITON_INTERPRET=1 python3 benchmarks/moe_kernels.py --tiny        # CPU: values only
 
 Shapes: gpt-oss-20b (32 experts, top-4, hidden = intermediate = 2880, biases, clamped
@@ -20,12 +20,12 @@ layer's weights (at least 4x the L2 cache) that no call finds its experts in L2.
 a call: every distinct expert its tokens picked, gate + up + down (codes, scales, biases,
 expert biases) once, plus x and the output: what the roofline of `mlxrun bench` counts.
 `route+us` adds the router (cuda_moe.route on random logits; ids of the other columns are
-drawn by torch beforehand; cuda_moe.moe_decode, as the model calls it); `err0` is the largest
-relative difference of those results (from the graph's last replay) from FUSED 0's, run
-eagerly (a race of the fused kernels would show there). --fused 0,1,2,3
-times cuda_moe.FUSED's variants (format/f0 .. /f3): the k slots summed by torch after
-down (0), by the down kernel itself (1), and the routing done by the gate/up kernel (2:
-`route+us` only), and down's first weights loaded before its PDL wait (3).
+drawn by torch beforehand); `err0` is the largest relative difference of those results
+(from the graph's last replay) from the unfused path's, run eagerly (a race of the slot
+sum would show there). --fused 0,1 times both (format/f0, /f1): the k slots summed by
+torch after down (0, as MLXRUN_MOE_FUSED=0) or by the down kernel itself (1).
+H100 (benchmarks/results/h100-moe-fused.txt), batch 1, us a layer (route+us): qwen3-30b-a3b
+int4 23.0 (24.1) -> 19.5 (19.6), gpt-oss-20b mxfp4 46.6 (47.0) -> 43.4 (42.6).
 Packed formats' rows take the decode path moe_experts picks (per slot below 2 slots an
 expert, else grouped by expert: cuda_moe.grouped_wins); --path slot,grouped times both
 (format/s, format/g), --warps the per-slot kernel's warps a program (format/w2).
@@ -196,7 +196,8 @@ def row(shape, name, o, layers, stored, batch, calls, bw, slots) -> str:
     outs = {}  # routed's results of the last replay (held: not reused inside the graph)
 
     def routed(i):
-        outs[i] = cm.moe_decode(xs[i], rs[i][2], layers[i % copies], o)
+        w, ids = cm.route(rs[i][2], o)
+        outs[i] = cm.moe_experts(xs[i], ids, w, layers[i % copies], o)
         return outs[i]
 
     def slot(i):
@@ -206,8 +207,9 @@ def row(shape, name, o, layers, stored, batch, calls, bw, slots) -> str:
     us = events_ms(graphed(packed, calls)) * 1e3 / calls
     rus = events_ms(graphed(routed, calls)) * 1e3 / calls
     torch.cuda.synchronize()
-    fused, cm.FUSED = cm.FUSED, 0
-    ref = [cm.moe_decode(xs[i], rs[i][2], layers[i % copies], o).float() for i in range(calls)]
+    fused, cm.FUSED = cm.FUSED, False
+    ref = [cm.moe_experts(xs[i], *cm.route(rs[i][2], o)[::-1], layers[i % copies], o).float()
+           for i in range(calls)]  # fmt: skip
     cm.FUSED = fused
     err0 = max(float((outs[i].float() - r).norm() / r.norm()) for i, r in enumerate(ref))
     gbs = nbytes / us / 1e3
@@ -251,7 +253,7 @@ def main() -> None:
     ap.add_argument("--warps", default="auto",
                     help="packed kernel's warps a program to time, e.g. auto,1,2,4 (a row each)")  # fmt: skip
     ap.add_argument("--fused", default="auto",
-                    help="cuda_moe.FUSED variants to time, e.g. 0,1,2 (a row each; as "
+                    help="slot sum in the down kernel: auto,0,1 (a row each; as "
                          "MLXRUN_MOE_FUSED)")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="CPU values check (TRITON_INTERPRET=1)")
     a = ap.parse_args()
@@ -287,7 +289,7 @@ def main() -> None:
                     for warps in a.warps.split(",") if fmt is not None else ["auto"]:
                         cm.choose_qconfig = _with_warps(warps)
                         for fused in a.fused.split(","):
-                            cm.FUSED = _FUSED if fused == "auto" else int(fused)
+                            cm.FUSED = _FUSED if fused == "auto" else fused != "0"
                             label = name + ("" if path == "auto" else f"/{path[0]}")
                             label += "" if warps == "auto" else f"/w{warps}"
                             label += "" if fused == "auto" else f"/f{fused}"

@@ -4,7 +4,7 @@ kernel `_moe_qgemv` (as moe_experts launches it) and the per-slot `_moe_gemv` it
 
     python benchmarks/sass_moe.py                          # gpt-oss-20b / qwen3-30b-a3b shapes
     python benchmarks/sass_moe.py --fmt mxfp4 --dump /tmp/moe.sass
-    python benchmarks/sass_moe.py --fused 2 --no-old     # as MLXRUN_MOE_FUSED=2 launches them
+    python benchmarks/sass_moe.py --fused --no-old       # down summing the slots itself
 
 Compiled with triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32)) as
 sass_count.py does for the dense GEMV (pointers 16-byte aligned, ints as the launcher
@@ -74,7 +74,7 @@ def _stats(kernel, elems_per_step, unroll):
     return regs, spill, per_step, per_step / elems_per_step
 
 
-def packed(fmt, n, k, gated, kstep_override=8, fused=0, top_k=8, experts=128):
+def packed(fmt, n, k, gated, kstep_override=8, fused=False, top_k=8):
     mode, bits, g = FORMATS[fmt]
     from types import SimpleNamespace  # noqa: PLC0415
 
@@ -90,15 +90,10 @@ def packed(fmt, n, k, gated, kstep_override=8, fused=0, top_k=8, experts=128):
     ptrs = dict(X="*bf16", IDS="*i32", OUT="*bf16" if gated else "*fp32", RW="*fp32",
                 W="*i32", S=f"*{sdt}", B=f"*{sdt}", BIAS1="*bf16", BIAS2="*bf16")  # fmt: skip
     ints = dict(N=n, K=k, X_DIV=4 if gated else 1, limit=7.0, alpha=1.702)
-    extra = {}  # cuda_moe.FUSED's constexprs: the slot sum (down), routing (gate/up), early
+    extra = {}  # cuda_moe.FUSED: down sums the token's slots (_slot_sum)
     if fused and not gated:
         ptrs.update(PART="*fp32", CNT="*i32")
-        extra = dict(TOP_K=top_k, EARLY=fused == 3)
-    elif fused == 2:
-        ptrs.update(L="*bf16")
-        ints.update(E=experts)
-        extra = dict(ROUTE=True, TOP_K=top_k, KP=triton.next_power_of_2(top_k),
-                     BLOCK_E=triton.next_power_of_2(experts), SOFTMAX_FIRST=True, NORM=True)  # fmt: skip
+        extra = dict(TOP_K=top_k)
     out = []
     for ks in (ksteps, kstep_override):
         consts = dict(MODE=cm._MODE_ID[mode], BITS=bits, G=g, GATED=gated, ACT=0,
@@ -134,16 +129,16 @@ def main():
     ap.add_argument("--fmt", default="affine4g64,mxfp4,nvfp4,mxfp8,affine8g64")
     ap.add_argument("--shape", default=",".join(SHAPES))
     ap.add_argument("--no-old", action="store_true", help="skip the per-slot kernel")
-    ap.add_argument("--fused", type=int, default=0,
-                    help="compile as cuda_moe.FUSED 1, 2 or 3 launches the kernels")  # fmt: skip
+    ap.add_argument("--fused", action="store_true",
+                    help="down as cuda_moe.FUSED launches it (summing the slots)")  # fmt: skip
     a = ap.parse_args()
     print(f"sm_90, triton {triton.__version__}; /elem: loop instructions per weight a lane")
     for shape in a.shape.split(","):
         for launch, (n, k, gated) in SHAPES[shape].items():
             for fmt in a.fmt.split(","):
-                E, top_k = (32, 4) if shape == "gpt-oss-20b" else (128, 8)
+                top_k = 4 if shape == "gpt-oss-20b" else 8
                 cfg, ks, regs, spill, per_step, per_elem = packed(fmt, n, k, gated, 8, a.fused,
-                                                                  top_k, E)  # fmt: skip
+                                                                  top_k)  # fmt: skip
                 line = (f"{shape:<14} {launch:<8} {fmt:<11} packed: w{cfg.warps} bn{cfg.block_n}"
                         f"{' pf' if cfg.prefetch else '   '} ksteps {ks:2d} regs {regs:3d} "
                         f"spill {spill:4d} /kstep {per_step:6.1f} /elem {per_elem:5.2f}")  # fmt: skip
