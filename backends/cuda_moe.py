@@ -6,7 +6,9 @@ slot: it reads its expert id, streams that expert's rows of the stacked weight a
 with the slot's input row. Two launches a layer:
 - gate and up together, the gate's activation (SiLU, or gpt-oss's clamped SwiGLU) in the
   epilogue: h (S, I);
-- down, scaled by the slot's routing weight in the epilogue: (S, H), summed over j by torch.
+- down, scaled by the slot's routing weight in the epilogue, each token's k slots summed by
+  the kernel itself (partials and a ticket a row tile, the last program writes the token's
+  (H,) row in the output dtype: no sum or cast launch after it).
 No host sync, so the decode step stays capturable in a CUDA graph at any batch.
 
 Packed experts (affine 4/8-bit, mxfp4, nvfp4, mxfp8) run `_moe_qgemv`: the dense GEMV's
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import torch
 import triton
@@ -34,10 +37,16 @@ from mlxrun.backends.cuda_moe_kernels import (
     _route_kernel,
 )
 from mlxrun.quant.triton_kernels import qmatmul
-from mlxrun.quant.triton_launch import GEMV_WARPS, pdl_args
+from mlxrun.quant.triton_launch import GEMV_WARPS, _counters, pdl_args
 from mlxrun.quant.triton_layout import _MODE_ID, SCALE_ROWS, QLinear, prepare
 
 _MODE = {"dense": 0, "affine": 1, "mxfp4": 2, "nvfp4": 3, "mxfp8": 4}
+# The per-slot down kernels sum each token's k slots themselves and the router kernel
+# launches with PDL: three launches a layer (router, gate/up, down), against five with
+# torch's sum over the slots and its cast after down. MLXRUN_MOE_FUSED=0: the five (A/B).
+# H100, batch-1 decode step (benchmarks/moe_fused_ab.py): qwen3-30b-a3b int4 2.247 -> 1.958
+# ms, gpt-oss-20b fp4 2.181 -> 2.075.
+FUSED = os.environ.get("MLXRUN_MOE_FUSED", "1") != "0"
 
 
 def route(logits: torch.Tensor, o) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,6 +62,7 @@ def route(logits: torch.Tensor, o) -> tuple[torch.Tensor, torch.Tensor]:
             logits.contiguous(), w, ids, E, TOP_K=k, KP=triton.next_power_of_2(k),
             BLOCK_E=triton.next_power_of_2(E), SOFTMAX_FIRST=o.routing == "softmax_topk",
             NORM=o.norm_topk, num_warps=1 if E <= 128 else 4,
+            **(pdl_args(logits.device) if FUSED else {}),
         )  # fmt: skip
     return w, ids
 
@@ -197,7 +207,20 @@ def choose_qconfig(p: PackedExperts) -> QConfig:
     return QConfig(warps, bn, prefetch)
 
 
-def _qlaunch(x, ids, out, rw, p: PackedExperts, b1, b2, x_div, o, scaled, cfg=None):
+def _fused_args(out, top_k: int) -> dict:
+    """The down kernels' slot-sum arguments (_slot_sum) for out (T, N), top_k slots a token:
+    the (T*k, N) float32 partials and T * row tiles tickets (zeroed once, reset by the
+    kernel); nothing (a slot a row of out) when top_k is 0."""
+    if not top_k:
+        return {}
+    T, N = out.shape
+    part = torch.empty((T * top_k, N), dtype=torch.float32, device=out.device)
+    return {"PART": part, "CNT": _counters(out.device, T * triton.cdiv(N, 8)), "TOP_K": top_k}
+
+
+def _qlaunch(x, ids, out, rw, p: PackedExperts, b1, b2, x_div, o, scaled, cfg=None, top_k=0):
+    """_moe_qgemv over every slot of ids: out (S, N) a slot a row, or (T, N) with the top_k
+    slots of each token summed in the kernel (top_k > 0, down only)."""
     cfg = cfg or choose_qconfig(p)
     w = p.w
     kw = p.k * w.bits // 32
@@ -206,14 +229,15 @@ def _qlaunch(x, ids, out, rw, p: PackedExperts, b1, b2, x_div, o, scaled, cfg=No
     per_prog = cfg.block_n // 2 if p.gated else cfg.block_n
     even = p.n % per_prog == 0 and kw % step == 0
     bias = b1 is not None
-    grid = (out.shape[0], triton.cdiv(p.n, per_prog))
+    grid = (ids.shape[0], triton.cdiv(p.n, per_prog))
     _moe_qgemv[grid](
         x, ids, out, rw, w.weight, w.scales, w.biases if w.biases is not None else w.scales,
         b1 if bias else out, b2 if (bias and p.gated) else out, p.n, p.k, x_div,
         o.swiglu_limit, o.swiglu_alpha, MODE=_MODE_ID[w.mode], BITS=w.bits, G=w.group_size,
         GATED=p.gated, ACT=0 if o.act == "silu" else 1, HAS_BIAS=bias, SCALED=scaled,
         BLOCK_N=cfg.block_n, KSTEPS=ksteps, PREFETCH=cfg.prefetch, EVEN=even,
-        KWC=kw if even else 0, WARPS=cfg.warps, num_warps=cfg.warps, **pdl_args(x.device),
+        KWC=kw if even else 0, WARPS=cfg.warps, num_warps=cfg.warps,
+        **_fused_args(out, top_k), **pdl_args(x.device),
     )  # fmt: skip
 
 
@@ -226,10 +250,11 @@ def _parts(w):
     return "dense", 32, 1, w, w, w
 
 
-def _launch(x, ids, out, rw, w1, b1, w2, b2, x_div, o, gated, scaled):
+def _launch(x, ids, out, rw, w1, b1, w2, b2, x_div, o, gated, scaled, top_k=0):
+    """_moe_gemv over every slot of ids, out as _qlaunch's."""
     mode, bits, g, W1, S1, B1 = _parts(w1)
     _, _, _, W2, S2, B2 = _parts(w2) if gated else (None, 0, 0, W1, S1, B1)
-    S, N = out.shape
+    S, N = ids.shape[0], out.shape[1]
     K = x.shape[-1]
     bias = b1 is not None
     # a k-step reads 128 bytes of each row (one cache line): 32 words of 4- or 8-bit
@@ -241,6 +266,7 @@ def _launch(x, ids, out, rw, w1, b1, w2, b2, x_div, o, gated, scaled):
         b2 if (bias and gated) else out, N, K, x_div, o.swiglu_limit, o.swiglu_alpha,
         MODE=_MODE[mode], BITS=bits, G=g, GATED=gated, ACT=0 if o.act == "silu" else 1,
         HAS_BIAS=bias, SCALED=scaled, BLOCK_N=BLOCK_N, BW=BW, num_warps=4,
+        **_fused_args(out, top_k),
     )  # fmt: skip
 
 
@@ -342,23 +368,38 @@ def moe_grouped(x, ids, weights, e, o, out_dtype=None):
     return y.view(T, k, H).sum(dim=1).to(out_dtype or x.dtype)
 
 
-def moe_experts(x, ids, weights, e, o, grouped: bool | None = None, out_dtype=None):
+def moe_experts(x, ids, weights, e, o, grouped: bool | None = None, out_dtype=None,
+                fused: bool | None = None):  # fmt: skip
     """x (T, H), ids (T, k) int, routing weights (T, k) -> (T, H) in `out_dtype` (as
     moe_grouped's): the top-k experts of every token, weighted and summed, in two launches.
     Packed experts: per slot (_moe_qgemv), or grouped by expert (_moe_grouped) where
-    `grouped` (None: grouped_wins)."""
+    `grouped` (None: grouped_wins). `fused` (None: FUSED): the per-slot down kernels sum
+    the k slots themselves (_slot_sum) and write (T, H) in the output dtype; else torch
+    sums a (T*k, H) float32 result and casts it (two launches more)."""
     T, H = x.shape
     k = ids.shape[1]
+    dt = out_dtype or x.dtype
     x = x.contiguous()
     flat = ids.reshape(-1).to(torch.int32).contiguous()
     rw = weights.reshape(-1).to(torch.float32).contiguous()
     h = torch.empty((T * k, o.intermediate_size), dtype=x.dtype, device=x.device)
-    y = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
     packed = prepared(e)
+    slot = packed is None or not (grouped if grouped is not None else grouped_wins(T * k, o))
+    if slot and (fused if fused is not None else FUSED):
+        y = torch.empty((T, H), dtype=dt, device=x.device)
+        if packed is None:
+            _launch(x, flat, h, rw, e.gate, e.gate_bias, e.up, e.up_bias, k, o, True, False)
+            _launch(h, flat, y, rw, e.down, e.down_bias, None, None, 1, o, False, True, k)
+        else:
+            gu, dn = packed
+            _qlaunch(x, flat, h, rw, gu, e.gate_bias, e.up_bias, k, o, False)
+            _qlaunch(h, flat, y, rw, dn, e.down_bias, None, 1, o, True, top_k=k)
+        return y
+    y = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
     if packed is None:
         _launch(x, flat, h, rw, e.gate, e.gate_bias, e.up, e.up_bias, k, o, True, False)
         _launch(h, flat, y, rw, e.down, e.down_bias, None, None, 1, o, False, True)
-    elif grouped if grouped is not None else grouped_wins(T * k, o):
+    elif not slot:
         gu, dn = packed
         tiles = _slot_tiles(flat, o.num_experts, GROUPED_BM)
         _glaunch(x, flat, tiles, h, rw, gu, e.gate_bias, e.up_bias, k, o, False)
@@ -367,4 +408,4 @@ def moe_experts(x, ids, weights, e, o, grouped: bool | None = None, out_dtype=No
         gu, dn = packed
         _qlaunch(x, flat, h, rw, gu, e.gate_bias, e.up_bias, k, o, False)
         _qlaunch(h, flat, y, rw, dn, e.down_bias, None, 1, o, True)
-    return y.view(T, k, H).sum(dim=1).to(out_dtype or x.dtype)
+    return y.view(T, k, H).sum(dim=1).to(dt)

@@ -14,7 +14,13 @@ import triton
 import triton.language as tl
 
 from mlxrun.quant.triton_gemm import _decode_tile
-from mlxrun.quant.triton_gemv import _gemv_ksteps, _gemv_lanes, _gemv_sum, _group_scale
+from mlxrun.quant.triton_gemv import (
+    _gemv_ksteps,
+    _gemv_lanes,
+    _gemv_sum,
+    _group_scale,
+    _split_sum,
+)
 from mlxrun.quant.triton_launch import tlc
 
 
@@ -78,10 +84,12 @@ def _tile(W, S, B, e, rows, rmask, w0, N, KW, KG, MODE: tl.constexpr, BITS: tl.c
 def _moe_gemv(X, IDS, OUT, RW, W1, S1, B1, BIAS1, W2, S2, B2, BIAS2, N, K, X_DIV, limit, alpha,
               MODE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, GATED: tl.constexpr,
               ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
-              BLOCK_N: tl.constexpr, BW: tl.constexpr):  # fmt: skip
+              BLOCK_N: tl.constexpr, BW: tl.constexpr, PART=None, CNT=None,
+              TOP_K: tl.constexpr = 0):  # fmt: skip
     """OUT[s, rows] for slot s = program 0: x = X[s // X_DIV] (K,), expert IDS[s].
     GATED: act(x @ W1[e]^T + b1) * (x @ W2[e]^T + b2); else x @ W1[e]^T + b1, times RW[s]
-    when SCALED. A k-step covers BW words (BW * PER inputs) of each of BLOCK_N rows."""
+    when SCALED. A k-step covers BW words (BW * PER inputs) of each of BLOCK_N rows.
+    TOP_K > 0 (not GATED): the token's k slots summed in the kernel, OUT (T, N) (_slot_sum)."""
     PER: tl.constexpr = 32 // BITS
     s = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -115,7 +123,11 @@ def _moe_gemv(X, IDS, OUT, RW, W1, S1, B1, BIAS1, W2, S2, B2, BIAS2, N, K, X_DIV
             y = (u + 1.0) * g / (1.0 + tl.exp(-alpha * g))
     if SCALED:
         y = y * tl.load(RW + s).to(tl.float32)
-    tl.store(OUT + s.to(tl.int64) * N + rows, y.to(OUT.dtype.element_ty), mask=rmask)
+    if TOP_K > 0:
+        _slot_sum(y, rows, rmask, s, tl.program_id(1), tl.num_programs(1), N, OUT, PART, CNT,
+                  TOP_K)  # fmt: skip
+    else:
+        tl.store(OUT + s.to(tl.int64) * N + rows, y.to(OUT.dtype.element_ty), mask=rmask)
 
 
 @triton.jit
@@ -124,6 +136,7 @@ def _moe_qgemv(X, IDS, OUT, RW, W, S, B, BIAS1, BIAS2, N, K, X_DIV, limit, alpha
                ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
                BLOCK_N: tl.constexpr, KSTEPS: tl.constexpr, PREFETCH: tl.constexpr,
                EVEN: tl.constexpr, KWC: tl.constexpr, WARPS: tl.constexpr,
+               PART=None, CNT=None, TOP_K: tl.constexpr = 0,
                PDL: tl.constexpr = False):  # fmt: skip
     """OUT[s, rows] for slot s = program 0: x = X[s // X_DIV] (K,), expert e = IDS[s].
 
@@ -136,6 +149,7 @@ def _moe_qgemv(X, IDS, OUT, RW, W, S, B, BIAS1, BIAS2, N, K, X_DIV, limit, alpha
     (no split-K: the slots already give enough programs). EVEN: no row or K masks (whole
     row blocks and k-steps; KWC = the words a row, else 0).
     PDL: the expert id and x come from earlier kernels, so nothing is loaded before the wait.
+    TOP_K > 0 (not GATED): the token's k slots summed in the kernel, OUT (T, N) (_slot_sum).
     """
     HALVES: tl.constexpr = 2 if BLOCK_N == 16 else 1
     LANES: tl.constexpr = 32 * WARPS
@@ -213,25 +227,52 @@ def _moe_qgemv(X, IDS, OUT, RW, W, S, B, BIAS1, BIAS2, N, K, X_DIV, limit, alpha
             out += tl.load(BIAS1 + e * N + rn, mask=n_mask, other=0.0).to(tl.float32)
         if SCALED:
             out = out * tl.load(RW + s).to(tl.float32)
-        tl.store(out_row + rn, out.to(OUT.dtype.element_ty), mask=n_mask)
         if HALVES == 2:
             out_h = _gemv_sum(acc_h, MODE)
             if HAS_BIAS:
                 out_h += tl.load(BIAS1 + e * N + rn_h, mask=n_mask_h, other=0.0).to(tl.float32)
             if SCALED:
                 out_h = out_h * tl.load(RW + s).to(tl.float32)
-            tl.store(out_row + rn_h, out_h.to(OUT.dtype.element_ty), mask=n_mask_h)
+        if TOP_K > 0:
+            if HALVES == 2:  # rows rn, then rn_h = rn + 8: one tile of 16
+                out = tl.reshape(tl.trans(tl.join(out, out_h)), [16])
+            rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            _slot_sum(out, rows, rows < N, s, pid_n, tl.num_programs(1), N, OUT, PART, CNT,
+                      TOP_K)  # fmt: skip
+        else:
+            tl.store(out_row + rn, out.to(OUT.dtype.element_ty), mask=n_mask)
+            if HALVES == 2:
+                tl.store(out_row + rn_h, out_h.to(OUT.dtype.element_ty), mask=n_mask_h)
+
+
+@triton.jit
+def _slot_sum(y, rows, mask, s, pid_n, n_tiles, N, OUT, PART, CNT, TOP_K: tl.constexpr):
+    """Slot s's weighted outputs y at `rows` of its token t = s // TOP_K, summed over the
+    token's TOP_K slots: y goes to PART (S, N) float32 and the (t, row tile) ticket is taken
+    (_split_sum, as split-K's partials); the last of the TOP_K programs adds the partials in
+    slot order and writes OUT[t, rows] in OUT's dtype. No sum or cast launch after the
+    kernel, and the tickets are back at 0 for the next launch."""
+    t = s // TOP_K
+    p_ptrs = PART + (t * TOP_K).to(tl.int64) * N + rows
+    last, total = _split_sum(y, p_ptrs, mask, CNT, t * n_tiles + pid_n, s % TOP_K, N, TOP_K)
+    if last:
+        tl.store(OUT + t.to(tl.int64) * N + rows, total.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _route_kernel(L, WOUT, IDS, E, TOP_K: tl.constexpr, KP: tl.constexpr,
                   BLOCK_E: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
-                  NORM: tl.constexpr):  # fmt: skip
+                  NORM: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """Token t = program 0: its E router logits L[t] -> the top-k experts IDS[t] (int32,
     best first) and their weights WOUT[t] (float32), as torch_moe.route computes them:
     SOFTMAX_FIRST: softmax over all E in fp32, the k largest, renormalised to sum 1 when
     NORM; else the k largest logits, softmax over those k. k rounds of max + the lowest
-    index holding it (KP: k rounded up to a power of two)."""
+    index holding it (KP: k rounded up to a power of two).
+    PDL: the logits come from the router's linear; the expert kernels after this one wait
+    for it in turn."""
+    if PDL:
+        tlc.gdc_wait()
+        tlc.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     m = offs < E

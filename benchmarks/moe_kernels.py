@@ -5,6 +5,7 @@ step actually reads, against the copy bandwidth measured in the same run.
     python3 benchmarks/moe_kernels.py --shape gpt-oss-20b --formats mxfp4 --batch 1
     python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --warps auto,1,2,4   # A/B
     python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --path slot,grouped --batch 8,16,32,64
+    python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --batch 1 --fused 0,1 --no-per-slot
     TRITON_INTERPRET=1 python3 benchmarks/moe_kernels.py --tiny        # CPU: values only
 
 Shapes: gpt-oss-20b (32 experts, top-4, hidden = intermediate = 2880, biases, clamped
@@ -19,7 +20,12 @@ layer's weights (at least 4x the L2 cache) that no call finds its experts in L2.
 a call: every distinct expert its tokens picked, gate + up + down (codes, scales, biases,
 expert biases) once, plus x and the output: what the roofline of `mlxrun bench` counts.
 `route+us` adds the router (cuda_moe.route on random logits; ids of the other columns are
-drawn by torch beforehand).
+drawn by torch beforehand); `err0` is the largest relative difference of those results
+(from the graph's last replay) from the unfused path's, run eagerly (a race of the slot
+sum would show there). --fused 0,1 times both (format/f0, /f1): the k slots summed by
+torch after down (0, as MLXRUN_MOE_FUSED=0) or by the down kernel itself (1).
+H100 (benchmarks/results/h100-moe-fused.txt), batch 1, us a layer (route+us): qwen3-30b-a3b
+int4 23.0 (24.1) -> 19.5 (19.6), gpt-oss-20b mxfp4 46.6 (47.0) -> 43.4 (42.6).
 Packed formats' rows take the decode path moe_experts picks (per slot below 2 slots an
 expert, else grouped by expert: cuda_moe.grouped_wins); --path slot,grouped times both
 (format/s, format/g), --warps the per-slot kernel's warps a program (format/w2).
@@ -187,9 +193,12 @@ def row(shape, name, o, layers, stored, batch, calls, bw, slots) -> str:
         ids, w, _ = rs[i]
         return cm.moe_experts(xs[i], ids, w, layers[i % copies], o)
 
+    outs = {}  # routed's results of the last replay (held: not reused inside the graph)
+
     def routed(i):
         w, ids = cm.route(rs[i][2], o)
-        return cm.moe_experts(xs[i], ids, w, layers[i % copies], o)
+        outs[i] = cm.moe_experts(xs[i], ids, w, layers[i % copies], o)
+        return outs[i]
 
     def slot(i):
         ids, w, _ = rs[i]
@@ -197,9 +206,15 @@ def row(shape, name, o, layers, stored, batch, calls, bw, slots) -> str:
 
     us = events_ms(graphed(packed, calls)) * 1e3 / calls
     rus = events_ms(graphed(routed, calls)) * 1e3 / calls
+    torch.cuda.synchronize()
+    fused, cm.FUSED = cm.FUSED, False
+    ref = [cm.moe_experts(xs[i], *cm.route(rs[i][2], o)[::-1], layers[i % copies], o).float()
+           for i in range(calls)]  # fmt: skip
+    cm.FUSED = fused
+    err0 = max(float((outs[i].float() - r).norm() / r.norm()) for i, r in enumerate(ref))
     gbs = nbytes / us / 1e3
     line = (f"{shape:<14} {name:<9} {batch:>5} {used:>7.1f} {nbytes / 1e6:>7.1f} "
-            f"{us:>8.1f} {gbs:>6.0f} {100 * gbs * 1e9 / bw:>5.1f}% {rus:>8.1f}")  # fmt: skip
+            f"{us:>8.1f} {gbs:>6.0f} {100 * gbs * 1e9 / bw:>5.1f}% {rus:>8.1f} {err0:>7.1e}")  # fmt: skip
     if slots:
         sus = events_ms(graphed(slot, calls)) * 1e3 / calls
         ref = slot(0).float()
@@ -211,6 +226,7 @@ def row(shape, name, o, layers, stored, batch, calls, bw, slots) -> str:
 
 _CHOOSE = cm.choose_qconfig
 _WINS = cm.grouped_wins
+_FUSED = cm.FUSED
 
 
 def _forced(grouped: bool):
@@ -236,6 +252,9 @@ def main() -> None:
                     help="packed experts' decode path to time: auto,slot,grouped (a row each)")  # fmt: skip
     ap.add_argument("--warps", default="auto",
                     help="packed kernel's warps a program to time, e.g. auto,1,2,4 (a row each)")  # fmt: skip
+    ap.add_argument("--fused", default="auto",
+                    help="slot sum in the down kernel: auto,0,1 (a row each; as "
+                         "MLXRUN_MOE_FUSED)")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="CPU values check (TRITON_INTERPRET=1)")
     a = ap.parse_args()
     if a.tiny:
@@ -247,7 +266,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e9:.0f} GB/s (read + write), "
           f"L2 {l2 >> 20} MiB")  # fmt: skip
     print(f"{'shape':<14} {'format':<9} {'batch':>5} {'experts':>7} {'MB':>7} "
-          f"{'us':>8} {'GB/s':>6} {'%copy':>6} {'route+us':>8} {'per-slot us':>11} "
+          f"{'us':>8} {'GB/s':>6} {'%copy':>6} {'route+us':>8} {'err0':>7} {'per-slot us':>11} "
           f"{'%copy':>6} {'err':>8}")  # fmt: skip
     for shape in a.shape.split(","):
         E = SHAPES[shape][0]
@@ -269,11 +288,14 @@ def main() -> None:
                     cm.grouped_wins = _WINS if path == "auto" else _forced(path == "grouped")
                     for warps in a.warps.split(",") if fmt is not None else ["auto"]:
                         cm.choose_qconfig = _with_warps(warps)
-                        label = name + ("" if path == "auto" else f"/{path[0]}")
-                        label += "" if warps == "auto" else f"/w{warps}"
-                        print(row(shape, label, o, layers, stored, batch, a.calls, bw,
-                                  not a.no_per_slot), flush=True)  # fmt: skip
-                cm.choose_qconfig, cm.grouped_wins = _CHOOSE, _WINS
+                        for fused in a.fused.split(","):
+                            cm.FUSED = _FUSED if fused == "auto" else fused != "0"
+                            label = name + ("" if path == "auto" else f"/{path[0]}")
+                            label += "" if warps == "auto" else f"/w{warps}"
+                            label += "" if fused == "auto" else f"/f{fused}"
+                            print(row(shape, label, o, layers, stored, batch, a.calls, bw,
+                                      not a.no_per_slot), flush=True)  # fmt: skip
+                cm.choose_qconfig, cm.grouped_wins, cm.FUSED = _CHOOSE, _WINS, _FUSED
             del layers, stored, one
             torch.cuda.empty_cache()
 

@@ -4,6 +4,7 @@ kernel `_moe_qgemv` (as moe_experts launches it) and the per-slot `_moe_gemv` it
 
     python benchmarks/sass_moe.py                          # gpt-oss-20b / qwen3-30b-a3b shapes
     python benchmarks/sass_moe.py --fmt mxfp4 --dump /tmp/moe.sass
+    python benchmarks/sass_moe.py --fused --no-old       # down summing the slots itself
 
 Compiled with triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32)) as
 sass_count.py does for the dense GEMV (pointers 16-byte aligned, ints as the launcher
@@ -73,7 +74,7 @@ def _stats(kernel, elems_per_step, unroll):
     return regs, spill, per_step, per_step / elems_per_step
 
 
-def packed(fmt, n, k, gated, kstep_override=8):
+def packed(fmt, n, k, gated, kstep_override=8, fused=False, top_k=8):
     mode, bits, g = FORMATS[fmt]
     from types import SimpleNamespace  # noqa: PLC0415
 
@@ -89,12 +90,16 @@ def packed(fmt, n, k, gated, kstep_override=8):
     ptrs = dict(X="*bf16", IDS="*i32", OUT="*bf16" if gated else "*fp32", RW="*fp32",
                 W="*i32", S=f"*{sdt}", B=f"*{sdt}", BIAS1="*bf16", BIAS2="*bf16")  # fmt: skip
     ints = dict(N=n, K=k, X_DIV=4 if gated else 1, limit=7.0, alpha=1.702)
+    extra = {}  # cuda_moe.FUSED: down sums the token's slots (_slot_sum)
+    if fused and not gated:
+        ptrs.update(PART="*fp32", CNT="*i32")
+        extra = dict(TOP_K=top_k)
     out = []
     for ks in (ksteps, kstep_override):
         consts = dict(MODE=cm._MODE_ID[mode], BITS=bits, G=g, GATED=gated, ACT=0,
                       HAS_BIAS=False, SCALED=not gated, BLOCK_N=cfg.block_n, KSTEPS=ks,
                       PREFETCH=cfg.prefetch, EVEN=even, KWC=kw if even else 0,
-                      WARPS=cfg.warps, PDL=True)  # fmt: skip
+                      WARPS=cfg.warps, PDL=True, **extra)  # fmt: skip
         out.append(_compile(cm._moe_qgemv, ptrs, ints, consts, cfg.warps))
     # weights a lane decodes per k-step: block_n rows x 4 words x (32 / bits)
     elems = cfg.block_n * 4 * (32 // bits)
@@ -124,12 +129,16 @@ def main():
     ap.add_argument("--fmt", default="affine4g64,mxfp4,nvfp4,mxfp8,affine8g64")
     ap.add_argument("--shape", default=",".join(SHAPES))
     ap.add_argument("--no-old", action="store_true", help="skip the per-slot kernel")
+    ap.add_argument("--fused", action="store_true",
+                    help="down as cuda_moe.FUSED launches it (summing the slots)")  # fmt: skip
     a = ap.parse_args()
     print(f"sm_90, triton {triton.__version__}; /elem: loop instructions per weight a lane")
     for shape in a.shape.split(","):
         for launch, (n, k, gated) in SHAPES[shape].items():
             for fmt in a.fmt.split(","):
-                cfg, ks, regs, spill, per_step, per_elem = packed(fmt, n, k, gated)
+                top_k = 4 if shape == "gpt-oss-20b" else 8
+                cfg, ks, regs, spill, per_step, per_elem = packed(fmt, n, k, gated, 8, a.fused,
+                                                                  top_k)  # fmt: skip
                 line = (f"{shape:<14} {launch:<8} {fmt:<11} packed: w{cfg.warps} bn{cfg.block_n}"
                         f"{' pf' if cfg.prefetch else '   '} ksteps {ks:2d} regs {regs:3d} "
                         f"spill {spill:4d} /kstep {per_step:6.1f} /elem {per_elem:5.2f}")  # fmt: skip

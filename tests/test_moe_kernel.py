@@ -203,3 +203,38 @@ def test_grouped_decode_kernel(fmt):
     got = cm.moe_experts(x, ids, weights, e, o, grouped=True)
     err = float((got - want).norm() / want.norm())
     assert err < 1e-5, err
+
+
+FUSED = [pytest.param(f, marks=() if f is None else LONG_ON_CPU,
+                      id="dense" if f is None else "".join(map(str, f))) for f in FORMATS]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", FUSED)
+def test_fused_slot_sum(fmt):
+    """The down kernels summing a token's k slots themselves (_slot_sum: partials and a
+    ticket a row tile, the last slot's program writes the sum): k = 3 of 5 experts (not a
+    power of two), gpt-oss's biases, bf16 x with float32 (tensor-parallel) and bf16 output,
+    against the torch sum of the same kernels' per-slot outputs and the torch expert path.
+    The second fused launch finds the tickets reset by the first."""
+    rng = np.random.default_rng(5)
+    E2, k2, H2, I2, T2 = 5, 3, 32, 32, 2
+    o = MoEOptions(E2, k2, I2, "topk_softmax", act="swiglu_clamped", bias=True)
+    w = {n: (0.2 * rng.standard_normal(s)).astype(np.float32)
+         for n, s in (("gate", (E2, I2, H2)), ("up", (E2, I2, H2)), ("down", (E2, H2, I2)))}  # fmt: skip
+    e = Experts(None, *(_stack(w[n], fmt) for n in ("gate", "up", "down")))
+    for n, width in (("gate_bias", I2), ("up_bias", I2), ("down_bias", H2)):
+        setattr(e, n, torch.from_numpy(0.3 * rng.standard_normal((E2, width))).float().to(DEV))
+    x = torch.from_numpy(rng.standard_normal((T2, H2))).to(torch.bfloat16).to(DEV)
+    logits = torch.from_numpy(rng.standard_normal((T2, E2))).float().to(DEV)
+    weights, ids = cm.route(logits, o)
+    want = (torch_moe._gathered(x.float(), ids.long(), e, o) * weights.unsqueeze(-1)).sum(1)
+    old = cm.moe_experts(x, ids, weights, e, o, out_dtype=torch.float32, fused=False)
+    # bf16 x rounds h, down's input: the unfused kernels are the exact reference
+    assert float((old - want).norm() / want.norm()) < 2e-2
+    got = cm.moe_experts(x, ids, weights, e, o, out_dtype=torch.float32, fused=True)
+    assert got.dtype == torch.float32 and got.shape == (T2, H2)
+    assert float((got - old).norm() / old.norm()) < 1e-6
+    got = cm.moe_experts(x, ids, weights, e, o, fused=True)
+    assert got.dtype == torch.bfloat16
+    # within one bf16 step of the float32 sum (the interpreter rounds toward zero)
+    assert bool(((got.float() - old).abs() <= old.abs() * 2**-7 + 1e-6).all())

@@ -1,0 +1,80 @@
+"""A/B of the MoE decode step's variants in one process (CUDA): one random model of a MoE
+shape is built once, then the captured batch-1 decode step is timed with each variant in
+turn (a new capture each time, decoding from the same position), alternating (in reverse
+order every other round), so load time and drift are shared.
+
+    python3 benchmarks/moe_fused_ab.py --model shape:qwen3-30b-a3b --quant int4
+    python3 benchmarks/moe_fused_ab.py --model shape:gpt-oss-20b --quant fp4 --rounds 3
+
+H100 (benchmarks/results/h100-moe-fused.txt), ms a step, 0 -> 1: qwen3-30b-a3b int4 2.247 ->
+1.958 (445.1 -> 510.8 tok/s), gpt-oss-20b fp4 2.181 -> 2.075 (458.5 -> 482.0).
+
+Variants: cuda_moe.FUSED (as MLXRUN_MOE_FUSED: 0, torch sums the k slots and casts after
+down; 1, the down kernel sums them and the router kernel launches with PDL). Each row:
+ms a step by CUDA events over graph replays (median of --reps), tok/s = batch / that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from profile_decode import _events_ms as events_ms  # noqa: E402  (this script's directory)
+
+import mlxrun.backends.cuda_moe as cm  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="shape:qwen3-30b-a3b")
+    ap.add_argument("--quant", default="int4")
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2, help="times each variant is captured")
+    ap.add_argument("--reps", type=int, default=30, help="timed replays a capture")
+    ap.add_argument("--variants", default="1,0", help="cuda_moe.FUSED values, in turn")
+    a = ap.parse_args()
+    from mlxrun.backends.torch_backend import TorchBackend
+    from mlxrun.bench import _quant_specs, build_random, shape_config
+    from mlxrun.memory import prefill_chunk_for
+
+    cfg = shape_config(a.model)
+    be = TorchBackend("cuda", "bfloat16")
+    (qn, spec), *_ = _quant_specs([a.quant]).items()
+    model = build_random(cfg, be, spec)
+    variants = [int(v) for v in a.variants.split(",")]
+    cache = model.make_cache(1, a.context + a.reps + 64)
+    ids = torch.randint(0, cfg.vocab_size, (1, a.context), device="cuda")
+    chunk = prefill_chunk_for(be.name, be.memory_kind, 1)
+    for s in range(0, a.context, chunk):
+        y = be.argmax(model(ids[:, s : s + chunk], cache, None, last_only=True))
+    y = y.view(1, 1)
+    for _ in range(2):  # warm-up: the experts' repack, autotuning, the allocator
+        y = be.argmax(model(y, cache, None, last_only=True)).view(1, 1)
+    torch.cuda.synchronize()
+    base = cache.offset  # every capture decodes from here: the same positions for each
+    print(f"{torch.cuda.get_device_name()} {a.model} {qn} batch 1, context {a.context}")
+    res: dict[int, list[float]] = {v: [] for v in variants}
+    for r in range(a.rounds):
+        for v in variants if r % 2 == 0 else variants[::-1]:
+            cm.FUSED = bool(v)
+            be._session = None  # a new capture with this variant's kernels
+            cache.offset = base
+            dec = be.decode_step(model, cache, 1, None)
+            tok = dec(y.view(-1))
+            ms = events_ms(lambda dec=dec, tok=tok: dec(tok), reps=a.reps)
+            dec.close()
+            res[v].append(ms)
+            print(f"  round {r} fused={v}: {ms:.4f} ms/step {1e3 / ms:8.1f} tok/s", flush=True)
+    for v, ms in res.items():
+        best = min(ms)
+        print(f"{a.model} {qn} fused={v}: best {best:.4f} ms/step {1e3 / best:.1f} tok/s "
+              f"(all: {', '.join(f'{m:.4f}' for m in ms)})")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
