@@ -213,6 +213,52 @@ def _l2_prefetch(ptrs):
 
 
 @triton.jit
+def _codes_to(x, dt, QUANT: tl.constexpr, FP8BITS: tl.constexpr):
+    """One-byte codes as dt, exactly: int8 as their integers, fp8 (E4M3 bytes) as their
+    values, or with FP8BITS their values x 2^-120 as bf16 by moving bits (E4M3's 4
+    exponent and 3 mantissa bits under bf16's, the bias difference 127 - 7 left out; its
+    subnormals land on bf16's): two integer ops a value where the E4M3 conversion takes a
+    quarter-rate F2F every 4 values (sm_90)."""
+    if QUANT == 2:
+        if FP8BITS:
+            if FP8BITS == 2:
+                c = x.to(tl.int8, bitcast=True).to(tl.int16)  # sign-extended: 8 top bits
+                x = ((c << 4) & -30736).to(tl.bfloat16, bitcast=True)  # & 0x87F0
+            else:
+                c = x.to(tl.uint16)
+                x = (((c & 0x7F) << 4) | ((c & 0x80) << 8)).to(tl.bfloat16, bitcast=True)
+        else:
+            x = x.to(tl.float8e4nv, bitcast=True)
+    return x.to(dt)
+
+
+@triton.jit
+def _attn_block(q, kt, vt, ksc, vsc, ok, m_i, l_i, acc, scale, F32_DOT: tl.constexpr,
+                QUANT: tl.constexpr, KSHIFT: tl.constexpr):  # fmt: skip
+    """One block of BL keys into the online softmax of GP query rows: kt, vt [BL, D] keys and
+    values (as q's dtype), ksc, vsc [BL] their scales (quantized: per key row, x KSHIFT on
+    the scores where the codes come scaled), ok [BL] which keys count. Returns m, l, acc."""
+    if F32_DOT:
+        sc = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
+    else:
+        sc = tl.dot(q, tl.trans(kt))
+    if QUANT > 0:
+        sc = sc * (ksc * KSHIFT)[None, :]
+    sc = tl.where(ok[None, :], sc * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    p = tl.exp(sc - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    pw = p
+    if QUANT > 0:
+        pw = p * vsc[None, :]
+    if F32_DOT:
+        pv = tl.dot(pw, vt.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(pw.to(vt.dtype), vt)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _decode_attn_kernel(
     q_ptr,
     k_ptr,
@@ -249,6 +295,11 @@ def _decode_attn_kernel(
     LINES: tl.constexpr = 0,
     EPL: tl.constexpr = 64,
     QUANT: tl.constexpr = 0,
+    PIPE: tl.constexpr = 0,
+    NSTAGES: tl.constexpr = 3,
+    MB: tl.constexpr = 1024,
+    FP8BITS: tl.constexpr = False,
+    KSHIFT: tl.constexpr = 1.0,
 ):
     # program (b * NKV + kv head, split): the G query heads of one kv head against keys
     # [split * KEYS_PER_SPLIT, +KEYS_PER_SPLIT), an online softmax over blocks of BL keys;
@@ -257,7 +308,8 @@ def _decode_attn_kernel(
     # (int8) / 2 (fp8 bytes) they are one-byte codes, scaled per key row by ks, vs (rows,
     # NKV, S): the codes convert exactly to the dot's dtype, and the scales apply to the
     # scores (keys) and to the softmax weights (values), so the cache is read at 1 byte a
-    # value.
+    # value. With PIPE the next block's keys, values and scales are loaded before this
+    # block's dots, so that their memory latency overlaps the arithmetic.
     bh = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     b = bh // NKV
@@ -271,12 +323,16 @@ def _decode_attn_kernel(
     rl = tl.arange(0, BL)
     gmask = rg < G
     start = sp * KEYS_PER_SPLIT
+    end = tl.minimum(start + KEYS_PER_SPLIT, S)
+    kbase = k_ptr + kb * skb + kh * skh
+    vbase = v_ptr + kb * svb + kh * svh
+    sbase = kb * ssb + kh * ssh
     if LINES > 0:
         # While the previous kernel (rope + cache store) runs, bring this split's visible
         # keys and values into L2 (LINES lines of EPL elements a row): the cache and the
         # mask were written kernels before; the one new key the previous kernel stores
         # lands in L2 too, so the loads after the wait read it.
-        for s0 in range(start, tl.minimum(start + KEYS_PER_SPLIT, S), BL):
+        for s0 in range(start, end, BL):
             keys = s0 + rl
             ok = keys < S
             if HAS_MASK:
@@ -284,54 +340,110 @@ def _decode_attn_kernel(
             if tl.max(ok.to(tl.int32), axis=0) > 0:
                 kc = tl.minimum(keys, S - 1)[:, None]
                 col = (tl.arange(0, LINES) * EPL)[None, :]
-                _l2_prefetch(k_ptr + kb * skb + kh * skh + kc * sks + col)
-                _l2_prefetch(v_ptr + kb * svb + kh * svh + kc * svs + col)
+                _l2_prefetch(kbase + kc * sks + col)
+                _l2_prefetch(vbase + kc * svs + col)
+    lo = start
+    hi = end
+    if PIPE == 2 and HAS_MASK:
+        # the split's visible keys lie in [lo, hi): the loop below reads that range whole
+        # (keys the mask hides inside it are read and weighted 0), without a branch, so
+        # that Triton's pipeliner can keep NSTAGES blocks' loads in flight; the mask was
+        # written kernels before, so this runs before the PDL wait
+        first = end
+        last = start - 1
+        for s0 in range(start, end, MB):
+            keys = s0 + tl.arange(0, MB)
+            vis = (keys < end) & (tl.load(mask_ptr + b * smb + keys, mask=keys < end, other=0) != 0)
+            first = tl.minimum(first, tl.min(tl.where(vis, keys, end), axis=0))
+            last = tl.maximum(last, tl.max(tl.where(vis, keys, start - 1), axis=0))
+        lo = start + (first - start) // BL * BL
+        hi = last + 1
     if PDL:
         tlc.gdc_wait()
         tlc.gdc_launch_dependents()
     q = tl.load(q_ptr + b * sqb + (kh * G + rg)[:, None] * sqh + rd[None, :],
                 mask=gmask[:, None], other=0.0)  # fmt: skip
+    if KSHIFT != 1.0:
+        # fp8 codes come as value x 2^-120 (FP8BITS): q x 2^60 keeps q.k in float32's
+        # normal range, the scores get 2^60 (KSHIFT) back with the key scales, the weights
+        # 2^60 with the values' (exact: powers of two), and the output 2^60 at the end
+        q = (q.to(tl.float32) * KSHIFT).to(q.dtype)
     m_i = tl.full([GP], -1.0e30, tl.float32)  # finite: a fully masked block leaves it
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
-    for s0 in range(start, tl.minimum(start + KEYS_PER_SPLIT, S), BL):
-        keys = s0 + rl
-        ok = keys < S
+    if PIPE == 2:
+        for s0 in tl.range(lo, hi, BL, num_stages=NSTAGES):
+            keys = s0 + rl
+            ok = keys < hi
+            kt = tl.load(kbase + keys[:, None] * sks + rd[None, :], mask=ok[:, None], other=0)
+            vt = tl.load(vbase + keys[:, None] * svs + rd[None, :], mask=ok[:, None], other=0)
+            if HAS_MASK:
+                ok = ok & (tl.load(mask_ptr + b * smb + keys, mask=ok, other=0) != 0)
+            ksc = tl.zeros([BL], tl.float32)
+            vsc = tl.zeros([BL], tl.float32)
+            if QUANT > 0:
+                ksc = tl.load(ks_ptr + sbase + keys, mask=ok, other=0.0)
+                vsc = tl.load(vs_ptr + sbase + keys, mask=ok, other=0.0) * KSHIFT
+            m_i, l_i, acc = _attn_block(
+                q, _codes_to(kt, q.dtype, QUANT, FP8BITS), _codes_to(vt, q.dtype, QUANT, FP8BITS),
+                ksc, vsc, ok, m_i, l_i, acc, scale, F32_DOT, QUANT, KSHIFT,
+            )  # fmt: skip
+    elif PIPE == 1:
+        keys = start + rl
+        ok = keys < end
         if HAS_MASK:
-            ok = ok & (tl.load(mask_ptr + b * smb + keys, mask=keys < S, other=0) != 0)
-        if tl.max(ok.to(tl.int32), axis=0) > 0:  # skip blocks with no visible key (unfilled)
-            kt = tl.load(k_ptr + kb * skb + kh * skh + keys[:, None] * sks + rd[None, :],
-                         mask=ok[:, None], other=0)  # fmt: skip
-            if QUANT == 2:
-                kt = kt.to(tl.float8e4nv, bitcast=True)
-            if QUANT > 0:  # int8 and E4M3 values are exact in bf16 / fp16 / fp32
-                kt = kt.to(q.dtype)
-            if F32_DOT:
-                sc = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
-            else:
-                sc = tl.dot(q, tl.trans(kt))
+            ok = ok & (tl.load(mask_ptr + b * smb + keys, mask=keys < end, other=0) != 0)
+        kt = tl.load(kbase + keys[:, None] * sks + rd[None, :], mask=ok[:, None], other=0)
+        vt = tl.load(vbase + keys[:, None] * svs + rd[None, :], mask=ok[:, None], other=0)
+        ksc = tl.zeros([BL], tl.float32)
+        vsc = tl.zeros([BL], tl.float32)
+        if QUANT > 0:
+            ksc = tl.load(ks_ptr + sbase + keys, mask=ok, other=0.0)
+            vsc = tl.load(vs_ptr + sbase + keys, mask=ok, other=0.0) * KSHIFT
+        for s0 in range(start, end, BL):
+            keys_n = s0 + BL + rl
+            ok_n = keys_n < end
+            if HAS_MASK:
+                ok_n = ok_n & (
+                    tl.load(mask_ptr + b * smb + keys_n, mask=keys_n < end, other=0) != 0
+                )
+            kt_n = tl.load(kbase + keys_n[:, None] * sks + rd[None, :], mask=ok_n[:, None],
+                           other=0)  # fmt: skip
+            vt_n = tl.load(vbase + keys_n[:, None] * svs + rd[None, :], mask=ok_n[:, None],
+                           other=0)  # fmt: skip
+            ksc_n = ksc
+            vsc_n = vsc
             if QUANT > 0:
-                srow = ks_ptr + kb * ssb + kh * ssh + keys
-                sc = sc * tl.load(srow, mask=ok, other=0.0)[None, :]
-            sc = tl.where(ok[None, :], sc * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            p = tl.exp(sc - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            vt = tl.load(v_ptr + kb * svb + kh * svh + keys[:, None] * svs + rd[None, :],
-                         mask=ok[:, None], other=0)  # fmt: skip
-            pw = p
-            if QUANT == 2:
-                vt = vt.to(tl.float8e4nv, bitcast=True)
-            if QUANT > 0:
-                vt = vt.to(q.dtype)
-                pw = p * tl.load(vs_ptr + kb * ssb + kh * ssh + keys, mask=ok, other=0.0)[None, :]
-            if F32_DOT:
-                pv = tl.dot(pw, vt.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(pw.to(vt.dtype), vt)
-            acc = acc * alpha[:, None] + pv
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
+                ksc_n = tl.load(ks_ptr + sbase + keys_n, mask=ok_n, other=0.0)
+                vsc_n = tl.load(vs_ptr + sbase + keys_n, mask=ok_n, other=0.0) * KSHIFT
+            if tl.max(ok.to(tl.int32), axis=0) > 0:  # skip blocks with no visible key
+                m_i, l_i, acc = _attn_block(
+                    q, _codes_to(kt, q.dtype, QUANT, FP8BITS),
+                    _codes_to(vt, q.dtype, QUANT, FP8BITS), ksc, vsc, ok, m_i, l_i, acc,
+                    scale, F32_DOT, QUANT, KSHIFT,
+                )  # fmt: skip
+            kt, vt, ksc, vsc, ok = kt_n, vt_n, ksc_n, vsc_n, ok_n
+    else:
+        for s0 in range(start, end, BL):
+            keys = s0 + rl
+            ok = keys < S
+            if HAS_MASK:
+                ok = ok & (tl.load(mask_ptr + b * smb + keys, mask=keys < S, other=0) != 0)
+            if tl.max(ok.to(tl.int32), axis=0) > 0:  # skip blocks with no visible key
+                kt = tl.load(kbase + keys[:, None] * sks + rd[None, :], mask=ok[:, None], other=0)
+                ksc = tl.zeros([BL], tl.float32)
+                vsc = tl.zeros([BL], tl.float32)
+                if QUANT > 0:
+                    ksc = tl.load(ks_ptr + sbase + keys, mask=ok, other=0.0)
+                    vsc = tl.load(vs_ptr + sbase + keys, mask=ok, other=0.0) * KSHIFT
+                vt = tl.load(vbase + keys[:, None] * svs + rd[None, :], mask=ok[:, None], other=0)
+                m_i, l_i, acc = _attn_block(
+                    q, _codes_to(kt, q.dtype, QUANT, FP8BITS),
+                    _codes_to(vt, q.dtype, QUANT, FP8BITS), ksc, vsc, ok, m_i, l_i, acc,
+                    scale, F32_DOT, QUANT, KSHIFT,
+                )  # fmt: skip
+    if KSHIFT != 1.0:
+        acc = acc * KSHIFT
     row = (bh * tl.num_programs(1) + sp) * G + rg  # [GP] rows of (B, NKV, SPLITS, G)
     tl.store(part_ptr + row[:, None] * D + rd[None, :], acc, mask=gmask[:, None])
     tl.store(stat_ptr + row * 2, m_i, mask=gmask)
@@ -374,6 +486,23 @@ def _decode_attn_combine(part_ptr, stat_ptr, sink_ptr, out_ptr, SPLITS, NH, G: t
 L2_PREFETCH_KV = os.environ.get("MLXRUN_L2PF_KV", "1") == "1"
 
 
+def parse_variant(spec: str) -> dict:
+    """Launch choices of decode attention for an A/B on the GPU: "old" (the kernel before
+    the pipelined loop), or key=value pairs over the defaults: pipe (0/1, next block's loads
+    before this block's dots), bits (0/1, fp8 codes by bit moves), bl / qbl (keys a block,
+    bf16 / quantized cache), mult (programs ~ mult x SMs), warps, stages (pipe 2)."""
+    v = dict(pipe=2, bits=1, bl=64, qbl=64, mult=4, warps=4, stages=3)
+    if spec == "old":
+        return dict(v, pipe=0, bits=0, mult=2)
+    for kv in filter(None, spec.split(",")):
+        key, val = kv.split("=")
+        v[key] = int(val)
+    return v
+
+
+VARIANT = parse_variant(os.environ.get("MLXRUN_KVQ_ATTN", ""))
+
+
 def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None) -> torch.Tensor:
     """Attention of one new token per sequence: q (B, NH, 1, D) against k, v (B, NKV, S, D)
     (GQA: query head h reads kv head h // (NH / NKV)); mask None or bool (B or 1, 1, 1, S),
@@ -396,9 +525,10 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None) -> torc
         quant, ks, vs = _QUANT_ID[k.kind], k.scales, v.scales
         assert ks.stride() == vs.stride() and ks.stride(-1) == 1
         k, v = k.codes, v.codes
-    BL = 64
+    var = VARIANT
+    BL = var["qbl"] if quant else var["bl"]
     blocks = triton.cdiv(S, BL)
-    want = max(1, min(blocks, triton.cdiv(2 * _num_sms(q.device), B * NKV)))
+    want = max(1, min(blocks, triton.cdiv(var["mult"] * _num_sms(q.device), B * NKV)))
     per = triton.cdiv(blocks, want) * BL
     splits = triton.cdiv(S, per)
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -411,6 +541,8 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None) -> torc
         if mask.stride(-1) != 1:
             mask = mask.contiguous()
     pd = pdl_args(q.device)
+    # fp8 codes by bit moves come scaled by 2^-120, which float16 cannot hold
+    fp8bits = var["bits"] if quant == 2 and q.dtype != torch.float16 else 0
     row = D * k.element_size()  # bytes of a key; prefetched as whole 128-byte lines
     lines = 0
     # Only where the layer's keys and values take a small share of L2: at batch 32 (128 MB a
@@ -424,7 +556,8 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None) -> torc
         mask.stride(0) if mask is not None and mask.shape[0] > 1 else 0,
         ks, vs, ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         NKV=NKV, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BL=BL, QUANT=quant,
-        HAS_MASK=mask is not None, ROWS=rows is not None, num_warps=4,
+        HAS_MASK=mask is not None, ROWS=rows is not None, num_warps=var["warps"],
+        PIPE=var["pipe"], NSTAGES=var["stages"], FP8BITS=fp8bits, KSHIFT=2.0**60 if fp8bits else 1.0,
         # float32 models get float32 dots (not TF32); the interpreter's bf16 dot is wrong
         F32_DOT=q.dtype == torch.float32 or q.device.type != "cuda", **pd,
         LINES=lines if lines & (lines - 1) == 0 else 0,  # tl.arange takes powers of two
