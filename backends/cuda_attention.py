@@ -259,6 +259,35 @@ def _attn_block(q, kt, vt, ksc, vsc, ok, m_i, l_i, acc, scale, F32_DOT: tl.const
 
 
 @triton.jit
+def _attn_block_f16(q16, qinv, kt, vt, ksc, vsc, ok, m_i, l_i, acc, scale,
+                    F32_DOT: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
+    """_attn_block over fp8 codes with float16 dots: E4M3 converts to float16 two values an
+    instruction on sm_90 (cvt f16x2.e4m3x2; to bf16 it goes through float32, a quarter-rate
+    F2F a value). q16 is q x 2^e (qinv = 2^-e), its largest value near 2^14, in float16's
+    range; the weights p x vscale are divided by the block's largest value scale (so within
+    [0, 1]) and the block's p.v multiplied back."""
+    k16 = kt.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    v16 = vt.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    if F32_DOT:
+        sc = tl.dot(q16.to(tl.float32), tl.trans(k16.to(tl.float32)), input_precision="ieee")
+    else:
+        sc = tl.dot(q16, tl.trans(k16))
+    sc = sc * (ksc * qinv)[None, :]
+    sc = tl.where(ok[None, :], sc * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    p = tl.exp(sc - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    c = tl.max(vsc, axis=0)
+    c = tl.where(c > 0, c, 1.0)
+    pw = p * (vsc * (1.0 / c))[None, :]
+    if F32_DOT:
+        pv = tl.dot(pw, v16.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(pw.to(tl.float16), v16)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv * c
+
+
+@triton.jit
 def _decode_attn_kernel(
     q_ptr,
     k_ptr,
@@ -300,6 +329,7 @@ def _decode_attn_kernel(
     MB: tl.constexpr = 1024,
     FP8BITS: tl.constexpr = False,
     KSHIFT: tl.constexpr = 1.0,
+    F16: tl.constexpr = False,
 ):
     # program (b * NKV + kv head, split): the G query heads of one kv head against keys
     # [split * KEYS_PER_SPLIT, +KEYS_PER_SPLIT), an online softmax over blocks of BL keys;
@@ -368,6 +398,17 @@ def _decode_attn_kernel(
         # normal range, the scores get 2^60 (KSHIFT) back with the key scales, the weights
         # 2^60 with the values' (exact: powers of two), and the output 2^60 at the end
         q = (q.to(tl.float32) * KSHIFT).to(q.dtype)
+    q16 = q
+    qinv = 1.0
+    if F16:
+        # q x 2^e in float16 with its largest |value| in [2^14, 2^15): exact (bf16's 8
+        # significant bits fit float16's 11), 2^e and 2^-e built from the exponent bits
+        qa = tl.max(tl.max(tl.abs(q.to(tl.float32)), axis=1), axis=0)
+        ex = (qa.to(tl.int32, bitcast=True) >> 23) & 0xFF  # 127 + floor(log2 |q|max)
+        e = tl.minimum(tl.maximum(141 - ex, -100), 100)
+        qs = ((127 + e) << 23).to(tl.float32, bitcast=True)
+        qinv = ((127 - e) << 23).to(tl.float32, bitcast=True)
+        q16 = (q.to(tl.float32) * qs).to(tl.float16)
     m_i = tl.full([GP], -1.0e30, tl.float32)  # finite: a fully masked block leaves it
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
@@ -384,10 +425,16 @@ def _decode_attn_kernel(
             if QUANT > 0:
                 ksc = tl.load(ks_ptr + sbase + keys, mask=ok, other=0.0)
                 vsc = tl.load(vs_ptr + sbase + keys, mask=ok, other=0.0) * KSHIFT
-            m_i, l_i, acc = _attn_block(
-                q, _codes_to(kt, q.dtype, QUANT, FP8BITS), _codes_to(vt, q.dtype, QUANT, FP8BITS),
-                ksc, vsc, ok, m_i, l_i, acc, scale, F32_DOT, QUANT, KSHIFT,
-            )  # fmt: skip
+            if F16:
+                m_i, l_i, acc = _attn_block_f16(
+                    q16, qinv, kt, vt, ksc, vsc, ok, m_i, l_i, acc, scale, F32_DOT, QUANT
+                )
+            else:
+                m_i, l_i, acc = _attn_block(
+                    q, _codes_to(kt, q.dtype, QUANT, FP8BITS),
+                    _codes_to(vt, q.dtype, QUANT, FP8BITS), ksc, vsc, ok, m_i, l_i, acc,
+                    scale, F32_DOT, QUANT, KSHIFT,
+                )  # fmt: skip
     elif PIPE == 1:
         keys = start + rl
         ok = keys < end
@@ -490,8 +537,8 @@ def parse_variant(spec: str) -> dict:
     """Launch choices of decode attention for an A/B on the GPU: "old" (the kernel before
     the pipelined loop), or key=value pairs over the defaults: pipe (0/1, next block's loads
     before this block's dots), bits (0/1, fp8 codes by bit moves), bl / qbl (keys a block,
-    bf16 / quantized cache), mult (programs ~ mult x SMs), warps, stages (pipe 2)."""
-    v = dict(pipe=2, bits=1, bl=64, qbl=64, mult=4, warps=4, stages=3)
+    bf16 / quantized cache), mult (programs ~ mult x SMs), warps, stages (pipe 2), f16 (pipe 2: fp8 caches' dots in float16)."""
+    v = dict(pipe=2, bits=2, bl=64, qbl=64, mult=4, warps=4, stages=3, f16=1)
     if spec == "old":
         return dict(v, pipe=0, bits=0, mult=2)
     for kv in filter(None, spec.split(",")):
@@ -543,6 +590,10 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None) -> torc
     pd = pdl_args(q.device)
     # fp8 codes by bit moves come scaled by 2^-120, which float16 cannot hold
     fp8bits = var["bits"] if quant == 2 and q.dtype != torch.float16 else 0
+    # fp8 with float16 dots, where q converts exactly (bf16, float16; f16=2: any, for tests)
+    f16 = quant == 2 and var["pipe"] == 2 and var["f16"] > 0
+    f16 = f16 and (q.dtype != torch.float32 or var["f16"] == 2)
+    fp8bits = 0 if f16 else fp8bits
     row = D * k.element_size()  # bytes of a key; prefetched as whole 128-byte lines
     lines = 0
     # Only where the layer's keys and values take a small share of L2: at batch 32 (128 MB a
@@ -557,7 +608,7 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None) -> torc
         ks, vs, ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         NKV=NKV, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BL=BL, QUANT=quant,
         HAS_MASK=mask is not None, ROWS=rows is not None, num_warps=var["warps"],
-        PIPE=var["pipe"], NSTAGES=var["stages"], FP8BITS=fp8bits, KSHIFT=2.0**60 if fp8bits else 1.0,
+        PIPE=var["pipe"], NSTAGES=var["stages"], F16=f16, FP8BITS=fp8bits, KSHIFT=2.0**60 if fp8bits else 1.0,
         # float32 models get float32 dots (not TF32); the interpreter's bf16 dot is wrong
         F32_DOT=q.dtype == torch.float32 or q.device.type != "cuda", **pd,
         LINES=lines if lines & (lines - 1) == 0 else 0,  # tl.arange takes powers of two

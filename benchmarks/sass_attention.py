@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
@@ -31,8 +32,9 @@ CODE = {"bf16": ("*bf16", 0), "int8": ("*i8", 1), "fp8": ("*u8", 2)}
 def compile_attn(kind: str, var: dict, g: int = 4, d: int = 128):
     ptr, quant = CODE[kind]
     fn = ca._decode_attn_kernel
-    bits = var["bits"] if quant == 2 else 0
-    params = dict(BL=var["qbl"] if quant else var["bl"], PIPE=var["pipe"], NSTAGES=var["stages"], MB=1024, FP8BITS=bits,
+    f16 = bool(quant == 2 and var["f16"] and var["pipe"] == 2)
+    bits = var["bits"] if quant == 2 and not f16 else 0
+    params = dict(BL=var["qbl"] if quant else var["bl"], PIPE=var["pipe"], NSTAGES=var["stages"], MB=1024, FP8BITS=bits, F16=f16,
                   KSHIFT=2.0**60 if bits else 1.0)  # fmt: skip
     ptrs = {"q_ptr": "*bf16", "k_ptr": ptr, "v_ptr": ptr, "mask_ptr": "*i1", "rows_ptr": "*i64",
             "part_ptr": "*fp32", "stat_ptr": "*fp32", "ks_ptr": "*fp32", "vs_ptr": "*fp32"}  # fmt: skip
@@ -76,8 +78,9 @@ def main():
                 f.write(sass)
         body = main_loop(parse(sass))
         vals = 2 * consts["BL"] * a.d  # keys and values of one block
+        regs = re.search(r"REG:(\d+)", res).group(1)
         print(f"{kind:5s} BL={consts['BL']:4d} loop {len(body):5d} instr, "
-              f"{len(body) / vals * 128:6.1f} / 128 values   {res.split('REG')[1][:8].strip()}")  # fmt: skip
+              f"{len(body) / vals * 128:6.1f} / 128 values, {regs} registers")  # fmt: skip
         if a.hist:
             print("   ", " ".join(f"{k}:{v}" for k, v in opcode_histogram(body).items()))
 

@@ -165,8 +165,8 @@ def test_decode_attention_reads_quantized_cache(kind):
 
 @pytest.mark.parametrize(
     "kind,spec",
-    [("int8", "mult=1"), ("int8", "pipe=1,mult=1"), ("fp8", "mult=1"), ("fp8", "bits=0,mult=1"),
-     ("fp8", "bits=1,pipe=1,mult=1")],
+    [("int8", "mult=1"), ("int8", "pipe=1,mult=1"), ("fp8", "mult=1,f16=2"),
+     ("fp8", "f16=0,mult=1"), ("fp8", "bits=0,f16=0,mult=1"), ("fp8", "bits=1,pipe=1,mult=1")],
 )  # fmt: skip
 def test_decode_attention_quantized_blocks_of_one_split(kind, spec, monkeypatch):
     """One split over five blocks of keys (the pipelined loop carries its softmax across
@@ -182,7 +182,8 @@ def test_decode_attention_quantized_blocks_of_one_split(kind, spec, monkeypatch)
     monkeypatch.setattr(ops, "_num_sms", lambda device: 1)  # one split on any device
     g = torch.Generator().manual_seed(3)
     B, NH, NKV, S, D = 2, 8, 2, 300, 32
-    q = torch.randn(B, NH, 1, D, generator=g).to(DEV)
+    # q as a bf16 model holds it (float16 dots take those values exactly)
+    q = torch.randn(B, NH, 1, D, generator=g).bfloat16().float().to(DEV)
     k, v = (torch.randn(B, NKV, S, D, generator=g) * 3 for _ in range(2))
     (kc, ks), (vc, vs) = torch_quantize(k, kind), torch_quantize(v, kind)
     kd = torch_dequantize(kc, ks, kind, torch.float32)
