@@ -470,7 +470,7 @@ def _decode_attn_kernel(
                     scale, F32_DOT, QUANT, KSHIFT,
                 )  # fmt: skip
             kt, vt, ksc, vsc, ok = kt_n, vt_n, ksc_n, vsc_n, ok_n
-    else:
+    else:  # the loop as it was (K, its dot and softmax, then V), for the A/B
         for s0 in range(start, end, BL):
             keys = s0 + rl
             ok = keys < S
@@ -478,17 +478,36 @@ def _decode_attn_kernel(
                 ok = ok & (tl.load(mask_ptr + b * smb + keys, mask=keys < S, other=0) != 0)
             if tl.max(ok.to(tl.int32), axis=0) > 0:  # skip blocks with no visible key
                 kt = tl.load(kbase + keys[:, None] * sks + rd[None, :], mask=ok[:, None], other=0)
-                ksc = tl.zeros([BL], tl.float32)
-                vsc = tl.zeros([BL], tl.float32)
+                if QUANT == 2:
+                    kt = kt.to(tl.float8e4nv, bitcast=True)
                 if QUANT > 0:
-                    ksc = tl.load(ks_ptr + sbase + keys, mask=ok, other=0.0)
-                    vsc = tl.load(vs_ptr + sbase + keys, mask=ok, other=0.0) * KSHIFT
+                    kt = kt.to(q.dtype)
+                if F32_DOT:
+                    sc = tl.dot(
+                        q.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee"
+                    )
+                else:
+                    sc = tl.dot(q, tl.trans(kt))
+                if QUANT > 0:
+                    sc = sc * tl.load(ks_ptr + sbase + keys, mask=ok, other=0.0)[None, :]
+                sc = tl.where(ok[None, :], sc * scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+                p = tl.exp(sc - m_new[:, None])
+                alpha = tl.exp(m_i - m_new)
                 vt = tl.load(vbase + keys[:, None] * svs + rd[None, :], mask=ok[:, None], other=0)
-                m_i, l_i, acc = _attn_block(
-                    q, _codes_to(kt, q.dtype, QUANT, FP8BITS),
-                    _codes_to(vt, q.dtype, QUANT, FP8BITS), ksc, vsc, ok, m_i, l_i, acc,
-                    scale, F32_DOT, QUANT, KSHIFT,
-                )  # fmt: skip
+                pw = p
+                if QUANT == 2:
+                    vt = vt.to(tl.float8e4nv, bitcast=True)
+                if QUANT > 0:
+                    vt = vt.to(q.dtype)
+                    pw = p * tl.load(vs_ptr + sbase + keys, mask=ok, other=0.0)[None, :]
+                if F32_DOT:
+                    pv = tl.dot(pw, vt.to(tl.float32), input_precision="ieee")
+                else:
+                    pv = tl.dot(pw.to(vt.dtype), vt)
+                acc = acc * alpha[:, None] + pv
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                m_i = m_new
     if KSHIFT != 1.0:
         acc = acc * KSHIFT
     row = (bh * tl.num_programs(1) + sp) * G + rg  # [GP] rows of (B, NKV, SPLITS, G)
@@ -589,7 +608,7 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None) -> torc
             mask = mask.contiguous()
     pd = pdl_args(q.device)
     # fp8 codes by bit moves come scaled by 2^-120, which float16 cannot hold
-    fp8bits = var["bits"] if quant == 2 and q.dtype != torch.float16 else 0
+    fp8bits = var["bits"] if quant == 2 and q.dtype != torch.float16 and var["pipe"] else 0
     # fp8 with float16 dots, where q converts exactly (bf16, float16; f16=2: any, for tests)
     f16 = quant == 2 and var["pipe"] == 2 and var["f16"] > 0
     f16 = f16 and (q.dtype != torch.float32 or var["f16"] == 2)
