@@ -12,6 +12,7 @@ Without a GPU they run under TRITON_INTERPRET=1, which is how the tests check th
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -213,37 +214,24 @@ def _l2_prefetch(ptrs):
 
 
 @triton.jit
-def _codes_to(x, dt, QUANT: tl.constexpr, FP8BITS: tl.constexpr):
-    """One-byte codes as dt, exactly: int8 as their integers, fp8 (E4M3 bytes) as their
-    values, or with FP8BITS their values x 2^-120 as bf16 by moving bits (E4M3's 4
-    exponent and 3 mantissa bits under bf16's, the bias difference 127 - 7 left out; its
-    subnormals land on bf16's): two integer ops a value where the E4M3 conversion takes a
-    quarter-rate F2F every 4 values (sm_90)."""
-    if QUANT == 2:
-        if FP8BITS:
-            if FP8BITS == 2:
-                c = x.to(tl.int8, bitcast=True).to(tl.int16)  # sign-extended: 8 top bits
-                x = ((c << 4) & -30736).to(tl.bfloat16, bitcast=True)  # & 0x87F0
-            else:
-                c = x.to(tl.uint16)
-                x = (((c & 0x7F) << 4) | ((c & 0x80) << 8)).to(tl.bfloat16, bitcast=True)
-        else:
-            x = x.to(tl.float8e4nv, bitcast=True)
-    return x.to(dt)
-
-
-@triton.jit
 def _attn_block(q, kt, vt, ksc, vsc, ok, m_i, l_i, acc, scale, F32_DOT: tl.constexpr,
-                QUANT: tl.constexpr, KSHIFT: tl.constexpr):  # fmt: skip
+                QUANT: tl.constexpr):  # fmt: skip
     """One block of BL keys into the online softmax of GP query rows: kt, vt [BL, D] keys and
-    values (as q's dtype), ksc, vsc [BL] their scales (quantized: per key row, x KSHIFT on
-    the scores where the codes come scaled), ok [BL] which keys count. Returns m, l, acc."""
+    values (q's dtype, or int8 / E4M3 codes, exact in it), ksc, vsc [BL] the codes' scales
+    (per key row: on the scores, on the softmax weights), ok [BL] which keys count.
+    Returns the new m, l, acc."""
+    if QUANT == 2:
+        kt = kt.to(tl.float8e4nv, bitcast=True)
+        vt = vt.to(tl.float8e4nv, bitcast=True)
+    if QUANT > 0:
+        kt = kt.to(q.dtype)
+        vt = vt.to(q.dtype)
     if F32_DOT:
         sc = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
     else:
         sc = tl.dot(q, tl.trans(kt))
     if QUANT > 0:
-        sc = sc * (ksc * KSHIFT)[None, :]
+        sc = sc * ksc[None, :]
     sc = tl.where(ok[None, :], sc * scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(sc, axis=1))
     p = tl.exp(sc - m_new[:, None])
@@ -260,12 +248,12 @@ def _attn_block(q, kt, vt, ksc, vsc, ok, m_i, l_i, acc, scale, F32_DOT: tl.const
 
 @triton.jit
 def _attn_block_f16(q16, qinv, kt, vt, ksc, vsc, ok, m_i, l_i, acc, scale,
-                    F32_DOT: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
-    """_attn_block over fp8 codes with float16 dots: E4M3 converts to float16 two values an
-    instruction on sm_90 (cvt f16x2.e4m3x2; to bf16 it goes through float32, a quarter-rate
-    F2F a value). q16 is q x 2^e (qinv = 2^-e), its largest value near 2^14, in float16's
-    range; the weights p x vscale are divided by the block's largest value scale (so within
-    [0, 1]) and the block's p.v multiplied back."""
+                    F32_DOT: tl.constexpr):  # fmt: skip
+    """_attn_block over E4M3 codes with float16 dots: E4M3 converts to float16 two values an
+    instruction on sm_90 (cvt f16x2.e4m3x2), to bf16 through float32 (a quarter-rate F2F a
+    value). q16 is q x 2^e (qinv = 2^-e), its largest value in [2^14, 2^15); the weights
+    p x vscale are divided by the block's largest value scale (into [0, 1]) and the
+    block's p.v multiplied back."""
     k16 = kt.to(tl.float8e4nv, bitcast=True).to(tl.float16)
     v16 = vt.to(tl.float8e4nv, bitcast=True).to(tl.float16)
     if F32_DOT:
@@ -324,11 +312,8 @@ def _decode_attn_kernel(
     LINES: tl.constexpr = 0,
     EPL: tl.constexpr = 64,
     QUANT: tl.constexpr = 0,
-    PIPE: tl.constexpr = 0,
     NSTAGES: tl.constexpr = 3,
     MB: tl.constexpr = 1024,
-    FP8BITS: tl.constexpr = False,
-    KSHIFT: tl.constexpr = 1.0,
     F16: tl.constexpr = False,
 ):
     # program (b * NKV + kv head, split): the G query heads of one kv head against keys
@@ -338,8 +323,7 @@ def _decode_attn_kernel(
     # (int8) / 2 (fp8 bytes) they are one-byte codes, scaled per key row by ks, vs (rows,
     # NKV, S): the codes convert exactly to the dot's dtype, and the scales apply to the
     # scores (keys) and to the softmax weights (values), so the cache is read at 1 byte a
-    # value. With PIPE the next block's keys, values and scales are loaded before this
-    # block's dots, so that their memory latency overlaps the arithmetic.
+    # value. F16: fp8 codes into float16 dots (_attn_block_f16).
     bh = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     b = bh // NKV
@@ -374,16 +358,17 @@ def _decode_attn_kernel(
                 _l2_prefetch(vbase + kc * svs + col)
     lo = start
     hi = end
-    if PIPE == 2 and HAS_MASK:
-        # the split's visible keys lie in [lo, hi): the loop below reads that range whole
-        # (keys the mask hides inside it are read and weighted 0), without a branch, so
-        # that Triton's pipeliner can keep NSTAGES blocks' loads in flight; the mask was
-        # written kernels before, so this runs before the PDL wait
+    if HAS_MASK:
+        # The split's visible keys lie in [lo, hi): the loop reads that range whole (keys
+        # the mask hides inside it are read and weighted 0) with no branch, so Triton's
+        # pipeliner keeps NSTAGES blocks' loads in flight (cp.async) while a block's dots
+        # run; unfilled blocks past the prefix are not read. The mask was written kernels
+        # before, so this scan runs before the PDL wait too.
         first = end
         last = start - 1
         for s0 in range(start, end, MB):
             keys = s0 + tl.arange(0, MB)
-            vis = (keys < end) & (tl.load(mask_ptr + b * smb + keys, mask=keys < end, other=0) != 0)
+            vis = tl.load(mask_ptr + b * smb + keys, mask=keys < end, other=0) != 0
             first = tl.minimum(first, tl.min(tl.where(vis, keys, end), axis=0))
             last = tl.maximum(last, tl.max(tl.where(vis, keys, start - 1), axis=0))
         lo = start + (first - start) // BL * BL
@@ -393,123 +378,38 @@ def _decode_attn_kernel(
         tlc.gdc_launch_dependents()
     q = tl.load(q_ptr + b * sqb + (kh * G + rg)[:, None] * sqh + rd[None, :],
                 mask=gmask[:, None], other=0.0)  # fmt: skip
-    if KSHIFT != 1.0:
-        # fp8 codes come as value x 2^-120 (FP8BITS): q x 2^60 keeps q.k in float32's
-        # normal range, the scores get 2^60 (KSHIFT) back with the key scales, the weights
-        # 2^60 with the values' (exact: powers of two), and the output 2^60 at the end
-        q = (q.to(tl.float32) * KSHIFT).to(q.dtype)
     q16 = q
     qinv = 1.0
     if F16:
-        # q x 2^e in float16 with its largest |value| in [2^14, 2^15): exact (bf16's 8
-        # significant bits fit float16's 11), 2^e and 2^-e built from the exponent bits
+        # q x 2^e in float16 with its largest |value| in [2^14, 2^15): exact (bf16's and
+        # float16's significands fit), 2^e and 2^-e built from the exponent bits
         qa = tl.max(tl.max(tl.abs(q.to(tl.float32)), axis=1), axis=0)
-        ex = (qa.to(tl.int32, bitcast=True) >> 23) & 0xFF  # 127 + floor(log2 |q|max)
+        ex = (qa.to(tl.int32, bitcast=True) >> 23) & 0xFF  # 127 + floor(log2 max|q|)
         e = tl.minimum(tl.maximum(141 - ex, -100), 100)
-        qs = ((127 + e) << 23).to(tl.float32, bitcast=True)
         qinv = ((127 - e) << 23).to(tl.float32, bitcast=True)
-        q16 = (q.to(tl.float32) * qs).to(tl.float16)
+        q16 = (q.to(tl.float32) * ((127 + e) << 23).to(tl.float32, bitcast=True)).to(tl.float16)
     m_i = tl.full([GP], -1.0e30, tl.float32)  # finite: a fully masked block leaves it
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
-    if PIPE == 2:
-        for s0 in tl.range(lo, hi, BL, num_stages=NSTAGES):
-            keys = s0 + rl
-            ok = keys < hi
-            kt = tl.load(kbase + keys[:, None] * sks + rd[None, :], mask=ok[:, None], other=0)
-            vt = tl.load(vbase + keys[:, None] * svs + rd[None, :], mask=ok[:, None], other=0)
-            if HAS_MASK:
-                ok = ok & (tl.load(mask_ptr + b * smb + keys, mask=ok, other=0) != 0)
-            ksc = tl.zeros([BL], tl.float32)
-            vsc = tl.zeros([BL], tl.float32)
-            if QUANT > 0:
-                ksc = tl.load(ks_ptr + sbase + keys, mask=ok, other=0.0)
-                vsc = tl.load(vs_ptr + sbase + keys, mask=ok, other=0.0) * KSHIFT
-            if F16:
-                m_i, l_i, acc = _attn_block_f16(
-                    q16, qinv, kt, vt, ksc, vsc, ok, m_i, l_i, acc, scale, F32_DOT, QUANT
-                )
-            else:
-                m_i, l_i, acc = _attn_block(
-                    q, _codes_to(kt, q.dtype, QUANT, FP8BITS),
-                    _codes_to(vt, q.dtype, QUANT, FP8BITS), ksc, vsc, ok, m_i, l_i, acc,
-                    scale, F32_DOT, QUANT, KSHIFT,
-                )  # fmt: skip
-    elif PIPE == 1:
-        keys = start + rl
-        ok = keys < end
-        if HAS_MASK:
-            ok = ok & (tl.load(mask_ptr + b * smb + keys, mask=keys < end, other=0) != 0)
+    for s0 in tl.range(lo, hi, BL, num_stages=NSTAGES):
+        keys = s0 + rl
+        ok = keys < hi
         kt = tl.load(kbase + keys[:, None] * sks + rd[None, :], mask=ok[:, None], other=0)
         vt = tl.load(vbase + keys[:, None] * svs + rd[None, :], mask=ok[:, None], other=0)
+        if HAS_MASK:
+            ok = ok & (tl.load(mask_ptr + b * smb + keys, mask=ok, other=0) != 0)
         ksc = tl.zeros([BL], tl.float32)
         vsc = tl.zeros([BL], tl.float32)
         if QUANT > 0:
             ksc = tl.load(ks_ptr + sbase + keys, mask=ok, other=0.0)
-            vsc = tl.load(vs_ptr + sbase + keys, mask=ok, other=0.0) * KSHIFT
-        for s0 in range(start, end, BL):
-            keys_n = s0 + BL + rl
-            ok_n = keys_n < end
-            if HAS_MASK:
-                ok_n = ok_n & (
-                    tl.load(mask_ptr + b * smb + keys_n, mask=keys_n < end, other=0) != 0
-                )
-            kt_n = tl.load(kbase + keys_n[:, None] * sks + rd[None, :], mask=ok_n[:, None],
-                           other=0)  # fmt: skip
-            vt_n = tl.load(vbase + keys_n[:, None] * svs + rd[None, :], mask=ok_n[:, None],
-                           other=0)  # fmt: skip
-            ksc_n = ksc
-            vsc_n = vsc
-            if QUANT > 0:
-                ksc_n = tl.load(ks_ptr + sbase + keys_n, mask=ok_n, other=0.0)
-                vsc_n = tl.load(vs_ptr + sbase + keys_n, mask=ok_n, other=0.0) * KSHIFT
-            if tl.max(ok.to(tl.int32), axis=0) > 0:  # skip blocks with no visible key
-                m_i, l_i, acc = _attn_block(
-                    q, _codes_to(kt, q.dtype, QUANT, FP8BITS),
-                    _codes_to(vt, q.dtype, QUANT, FP8BITS), ksc, vsc, ok, m_i, l_i, acc,
-                    scale, F32_DOT, QUANT, KSHIFT,
-                )  # fmt: skip
-            kt, vt, ksc, vsc, ok = kt_n, vt_n, ksc_n, vsc_n, ok_n
-    else:  # the loop as it was (K, its dot and softmax, then V), for the A/B
-        for s0 in range(start, end, BL):
-            keys = s0 + rl
-            ok = keys < S
-            if HAS_MASK:
-                ok = ok & (tl.load(mask_ptr + b * smb + keys, mask=keys < S, other=0) != 0)
-            if tl.max(ok.to(tl.int32), axis=0) > 0:  # skip blocks with no visible key
-                kt = tl.load(kbase + keys[:, None] * sks + rd[None, :], mask=ok[:, None], other=0)
-                if QUANT == 2:
-                    kt = kt.to(tl.float8e4nv, bitcast=True)
-                if QUANT > 0:
-                    kt = kt.to(q.dtype)
-                if F32_DOT:
-                    sc = tl.dot(
-                        q.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee"
-                    )
-                else:
-                    sc = tl.dot(q, tl.trans(kt))
-                if QUANT > 0:
-                    sc = sc * tl.load(ks_ptr + sbase + keys, mask=ok, other=0.0)[None, :]
-                sc = tl.where(ok[None, :], sc * scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-                p = tl.exp(sc - m_new[:, None])
-                alpha = tl.exp(m_i - m_new)
-                vt = tl.load(vbase + keys[:, None] * svs + rd[None, :], mask=ok[:, None], other=0)
-                pw = p
-                if QUANT == 2:
-                    vt = vt.to(tl.float8e4nv, bitcast=True)
-                if QUANT > 0:
-                    vt = vt.to(q.dtype)
-                    pw = p * tl.load(vs_ptr + sbase + keys, mask=ok, other=0.0)[None, :]
-                if F32_DOT:
-                    pv = tl.dot(pw, vt.to(tl.float32), input_precision="ieee")
-                else:
-                    pv = tl.dot(pw.to(vt.dtype), vt)
-                acc = acc * alpha[:, None] + pv
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                m_i = m_new
-    if KSHIFT != 1.0:
-        acc = acc * KSHIFT
+            vsc = tl.load(vs_ptr + sbase + keys, mask=ok, other=0.0)
+        if F16:
+            m_i, l_i, acc = _attn_block_f16(
+                q16, qinv, kt, vt, ksc, vsc, ok, m_i, l_i, acc, scale, F32_DOT
+            )
+        else:
+            m_i, l_i, acc = _attn_block(q, kt, vt, ksc, vsc, ok, m_i, l_i, acc, scale, F32_DOT,
+                                        QUANT)  # fmt: skip
     row = (bh * tl.num_programs(1) + sp) * G + rg  # [GP] rows of (B, NKV, SPLITS, G)
     tl.store(part_ptr + row[:, None] * D + rd[None, :], acc, mask=gmask[:, None])
     tl.store(stat_ptr + row * 2, m_i, mask=gmask)
@@ -519,7 +419,7 @@ def _decode_attn_kernel(
 @triton.jit
 def _decode_attn_combine(part_ptr, stat_ptr, sink_ptr, out_ptr, SPLITS, NH, G: tl.constexpr,
                          D: tl.constexpr, SP: tl.constexpr, HAS_SINK: tl.constexpr,
-                         PDL: tl.constexpr = False):  # fmt: skip
+                         PDL: tl.constexpr = False, SC: tl.constexpr = 16):  # fmt: skip
     if PDL:
         tlc.gdc_wait()
         tlc.gdc_launch_dependents()
@@ -542,9 +442,17 @@ def _decode_attn_combine(part_ptr, stat_ptr, sink_ptr, out_ptr, SPLITS, NH, G: t
     den = tl.sum(l_s * w, axis=0)
     if HAS_SINK:
         den += tl.exp(z - top)
-    acc = tl.load(part_ptr + row[:, None] * D + rd[None, :], mask=smask[:, None], other=0.0)
-    o = tl.sum(acc * w[:, None], axis=0) / den
-    tl.store(out_ptr + bq * D + rd, o.to(out_ptr.dtype.element_ty))
+    # the partial outputs in chunks of SC splits: all SP at once in one program spilled
+    # (64 x 128 floats: 256 registers a thread with one warp)
+    o = tl.zeros([D], tl.float32)
+    for c0 in range(0, SPLITS, SC):
+        rc = c0 + tl.arange(0, SC)
+        cm = rc < SPLITS
+        rowc = (bkv * SPLITS + rc) * G + g
+        wc = tl.exp(tl.load(stat_ptr + rowc * 2, mask=cm, other=-1.0e30) - top)
+        acc = tl.load(part_ptr + rowc[:, None] * D + rd[None, :], mask=cm[:, None], other=0.0)
+        o += tl.sum(acc * wc[:, None], axis=0)
+    tl.store(out_ptr + bq * D + rd, (o / den).to(out_ptr.dtype.element_ty))
 
 
 # Decode attention brings its keys and values into L2 before its PDL wait (H100, int4 batch-1
@@ -552,24 +460,30 @@ def _decode_attn_combine(part_ptr, stat_ptr, sink_ptr, out_ptr, SPLITS, NH, G: t
 L2_PREFETCH_KV = os.environ.get("MLXRUN_L2PF_KV", "1") == "1"
 
 
-def parse_variant(spec: str) -> dict:
-    """Launch choices of decode attention for an A/B on the GPU: "old" (the kernel before
-    the pipelined loop), or key=value pairs over the defaults: pipe (0/1, next block's loads
-    before this block's dots), bits (0/1, fp8 codes by bit moves), bl / qbl (keys a block,
-    bf16 / quantized cache), mult (programs ~ mult x SMs), warps, stages (pipe 2), f16 (pipe 2: fp8 caches' dots in float16)."""
-    v = dict(pipe=2, bits=2, bl=64, qbl=64, mult=4, warps=4, stages=3, f16=1)
-    if spec == "old":
-        return dict(v, pipe=0, bits=0, mult=2)
-    for kv in filter(None, spec.split(",")):
-        key, val = kv.split("=")
-        v[key] = int(val)
-    return v
+@dataclasses.dataclass(frozen=True)
+class AttnLaunch:
+    """Launch choices of decode_attention (benchmarks/kv_attention.py times others)."""
+
+    block: int = 64  # keys a block of a bf16 / float16 / float32 cache (a power of 2, >= 16)
+    block_quant: int = 128  # of an int8 / fp8 cache
+    per_sm: int = 4  # splits over the keys: about this many programs per SM
+    stages: int = 3  # blocks whose loads are in flight (Triton's pipeliner)
+    combine_warps: int = 4  # the combine's program (b, head): its chunk of splits
+    combine_chunk: int = 16
+    fp8_f16: bool | None = None  # fp8 dots in float16; None: where q is bf16 / float16
+
+    @classmethod
+    def from_spec(cls, spec: str) -> AttnLaunch:
+        """'per_sm=8,fp8_f16=0' -> AttnLaunch(per_sm=8, fp8_f16=False); '' -> the default."""
+        kw = {}
+        for item in filter(None, spec.split(",")):
+            key, val = item.split("=")
+            kw[key] = bool(int(val)) if key == "fp8_f16" else int(val)
+        return cls(**kw)
 
 
-VARIANT = parse_variant(os.environ.get("MLXRUN_KVQ_ATTN", ""))
-
-
-def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None) -> torch.Tensor:
+def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
+                     launch: AttnLaunch = AttnLaunch()) -> torch.Tensor:  # fmt: skip
     """Attention of one new token per sequence: q (B, NH, 1, D) against k, v (B, NKV, S, D)
     (GQA: query head h reads kv head h // (NH / NKV)); mask None or bool (B or 1, 1, 1, S),
     True = may attend; sinks None or (NH,), a logit per head joining the softmax (gpt-oss).
@@ -578,8 +492,8 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None) -> torc
     cache (any number of rows) and sequence b reads row rows[b], in place.
 
     The keys are split across programs so that a batch of one still spreads over the GPU
-    (split-K over the sequence, "flash decoding"), and blocks with no visible key are not
-    read: in graph decode the cache is masked to its filled prefix, which they skip. (The
+    (split-K over the sequence, "flash decoding"), and keys past a split's last visible
+    one are not read: in graph decode the cache is masked to its filled prefix. (The
     combine as the last split's epilogue, by an atomic ticket, was slower on an H100: 0.35
     ms a step for the 32 layers against 0.21 for both kernels; its loop over the splits
     runs in one program.)"""
@@ -591,10 +505,9 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None) -> torc
         quant, ks, vs = _QUANT_ID[k.kind], k.scales, v.scales
         assert ks.stride() == vs.stride() and ks.stride(-1) == 1
         k, v = k.codes, v.codes
-    var = VARIANT
-    BL = var["qbl"] if quant else var["bl"]
+    BL = launch.block_quant if quant else launch.block
     blocks = triton.cdiv(S, BL)
-    want = max(1, min(blocks, triton.cdiv(var["mult"] * _num_sms(q.device), B * NKV)))
+    want = max(1, min(blocks, triton.cdiv(launch.per_sm * _num_sms(q.device), B * NKV)))
     per = triton.cdiv(blocks, want) * BL
     splits = triton.cdiv(S, per)
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -607,12 +520,7 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None) -> torc
         if mask.stride(-1) != 1:
             mask = mask.contiguous()
     pd = pdl_args(q.device)
-    # fp8 codes by bit moves come scaled by 2^-120, which float16 cannot hold
-    fp8bits = var["bits"] if quant == 2 and q.dtype != torch.float16 and var["pipe"] else 0
-    # fp8 with float16 dots, where q converts exactly (bf16, float16; f16=2: any, for tests)
-    f16 = quant == 2 and var["pipe"] == 2 and var["f16"] > 0
-    f16 = f16 and (q.dtype != torch.float32 or var["f16"] == 2)
-    fp8bits = 0 if f16 else fp8bits
+    f16 = launch.fp8_f16 if launch.fp8_f16 is not None else q.dtype != torch.float32
     row = D * k.element_size()  # bytes of a key; prefetched as whole 128-byte lines
     lines = 0
     # Only where the layer's keys and values take a small share of L2: at batch 32 (128 MB a
@@ -626,17 +534,17 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None) -> torc
         mask.stride(0) if mask is not None and mask.shape[0] > 1 else 0,
         ks, vs, ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         NKV=NKV, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BL=BL, QUANT=quant,
-        HAS_MASK=mask is not None, ROWS=rows is not None, num_warps=var["warps"],
-        PIPE=var["pipe"], NSTAGES=var["stages"], F16=f16, FP8BITS=fp8bits, KSHIFT=2.0**60 if fp8bits else 1.0,
+        HAS_MASK=mask is not None, ROWS=rows is not None, num_warps=4,
         # float32 models get float32 dots (not TF32); the interpreter's bf16 dot is wrong
         F32_DOT=q.dtype == torch.float32 or q.device.type != "cuda", **pd,
         LINES=lines if lines & (lines - 1) == 0 else 0,  # tl.arange takes powers of two
-        EPL=128 // k.element_size(),
+        EPL=128 // k.element_size(), NSTAGES=launch.stages, F16=quant == 2 and f16,
     )  # fmt: skip
     out = torch.empty((B, NH, 1, D), dtype=q.dtype, device=q.device)
     _decode_attn_combine[(B * NH,)](
         part, stat, sinks if sinks is not None else part, out, splits, NH, G=G, D=D,
-        SP=triton.next_power_of_2(splits), HAS_SINK=sinks is not None, num_warps=1,
+        SP=triton.next_power_of_2(splits), HAS_SINK=sinks is not None,
+        num_warps=launch.combine_warps, SC=min(launch.combine_chunk, triton.next_power_of_2(splits)),
         **pdl_args(q.device),
     )  # fmt: skip
     return out

@@ -1,10 +1,11 @@
 """One layer's decode attention on CUDA (backends/cuda_attention.py) over a bf16, int8 or fp8
 KV cache: microseconds a call and GB/s of the K/V bytes it reads (codes and scales), inside a
-CUDA graph, launch choices side by side (MLXRUN_KVQ_ATTN's specs: "old", "", "mult=8", ...).
+CUDA graph, launch choices side by side (cuda_attention.AttnLaunch's fields: "" the default,
+"per_sm=8", "block=128,stages=2", "fp8_f16=0", ...).
 
     python3 benchmarks/kv_attention.py                     # 4k and 32k, batch 1 and 8
-    python3 benchmarks/kv_attention.py --contexts 32768 --batches 1 --variants "old;" \
-        --json /tmp/attn.json
+    python3 benchmarks/kv_attention.py --contexts 32768 --batches 1 \
+        --variants ";per_sm=8;stages=2" --json /tmp/attn.json
 
 Llama-3.1-8B's attention shape by default (32 query heads, 8 kv heads, head_dim 128); the cache
 holds context + 128 positions and the mask shows the first `context`, as graph decode runs it.
@@ -23,6 +24,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -71,15 +73,25 @@ def _time(replay, calls, reps):
     return out
 
 
+def _attn(spec):
+    """decode_attention(q, k, v, scale, mask) with launch choices `spec`; "base": the kernel
+    before the pipelined loop (kv_attention_base.py, for the A/B)."""
+    if spec == "base":
+        import kv_attention_base
+
+        return kv_attention_base.decode_attention
+    launch = ca.AttnLaunch.from_spec(spec)
+    return lambda q, k, v, scale, mask: ca.decode_attention(q, k, v, scale, mask, launch=launch)
+
+
 def _graph(q, caches, scale, mask, calls, spec):
     """Replay of `calls` calls over the layers' caches in turn, with launch choices `spec`."""
-    var = ca.parse_variant(spec)
+    attn = _attn(spec)
 
     def run():
-        ca.VARIANT = var
         for i in range(calls):
             k, v = caches[i % len(caches)]
-            ca.decode_attention(q, k, v, scale, mask)
+            attn(q, k, v, scale, mask)
 
     if DEV == "cpu":
         return run
@@ -111,12 +123,11 @@ def run_case(B, ctx, kind, variants, nh, nkv, D, calls, reps, l2):
     graphs, errs = {}, {}
     for spec in variants:
         try:
-            ca.VARIANT = ca.parse_variant(spec)
-            got = ca.decode_attention(q, k0, v0, scale, mask)
+            got = _attn(spec)(q, k0, v0, scale, mask)
             errs[spec] = ((got.float() - want).norm() / want.norm()).item()
             graphs[spec] = _graph(q, caches, scale, mask, calls, spec)
         except Exception as e:  # one variant that fails to build leaves the others
-            print(f"  {kind} {spec or 'new'}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            print(f"  {kind} {spec or 'default'}: {type(e).__name__}: {str(e)[:200]}", flush=True)
     variants = [spec for spec in variants if spec in graphs]
     times = {spec: [] for spec in variants}
     for _ in range(reps):  # alternate the variants
@@ -126,7 +137,7 @@ def run_case(B, ctx, kind, variants, nh, nkv, D, calls, reps, l2):
     rows = []
     for spec in variants:
         us = sorted(times[spec])[len(times[spec]) // 2]
-        rows.append(dict(batch=B, context=ctx, kv=kind, variant=spec or "new", us=us,
+        rows.append(dict(batch=B, context=ctx, kv=kind, variant=spec or "default", us=us,
                          gbps=read / us / 1e3, rel_err=errs[spec], bytes=read))  # fmt: skip
     del graphs
     return rows
@@ -137,7 +148,7 @@ def main():
     ap.add_argument("--contexts", default="32768,4096")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--kinds", default="bf16,int8,fp8")
-    ap.add_argument("--variants", default="old;", help="';'-separated MLXRUN_KVQ_ATTN specs")
+    ap.add_argument("--variants", default="", help="';'-separated AttnLaunch specs")
     ap.add_argument("--shape", default="32,8,128", help="query heads, kv heads, head_dim")
     ap.add_argument("--calls", type=int, default=20, help="calls a graph replay")
     ap.add_argument("--reps", type=int, default=5)

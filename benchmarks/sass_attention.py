@@ -29,13 +29,13 @@ from mlxrun.backends import cuda_attention as ca  # noqa: E402
 CODE = {"bf16": ("*bf16", 0), "int8": ("*i8", 1), "fp8": ("*u8", 2)}
 
 
-def compile_attn(kind: str, var: dict, g: int = 4, d: int = 128):
+def compile_attn(kind: str, launch: ca.AttnLaunch, g: int = 4, d: int = 128):
     ptr, quant = CODE[kind]
     fn = ca._decode_attn_kernel
-    f16 = bool(quant == 2 and var["f16"] and var["pipe"] == 2)
-    bits = var["bits"] if quant == 2 and not f16 else 0
-    params = dict(BL=var["qbl"] if quant else var["bl"], PIPE=var["pipe"], NSTAGES=var["stages"], MB=1024, FP8BITS=bits, F16=f16,
-                  KSHIFT=2.0**60 if bits else 1.0)  # fmt: skip
+    f16 = quant == 2 and launch.fp8_f16 is not False  # bf16 q: float16 dots by default
+    params = dict(
+        BL=launch.block_quant if quant else launch.block, NSTAGES=launch.stages, MB=1024, F16=f16
+    )
     ptrs = {"q_ptr": "*bf16", "k_ptr": ptr, "v_ptr": ptr, "mask_ptr": "*i1", "rows_ptr": "*i64",
             "part_ptr": "*fp32", "stat_ptr": "*fp32", "ks_ptr": "*fp32", "vs_ptr": "*fp32"}  # fmt: skip
     consts = dict(NKV=8, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, HAS_MASK=True,
@@ -55,9 +55,7 @@ def compile_attn(kind: str, var: dict, g: int = 4, d: int = 128):
             attrs[(i,)] = [["tt.divisibility", 16]]
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": var["warps"]}
-    ), consts
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}), consts
 
 
 def main():
@@ -65,13 +63,13 @@ def main():
     ap.add_argument("--kinds", default="bf16,int8,fp8")
     ap.add_argument("--g", type=int, default=4)
     ap.add_argument("--d", type=int, default=128)
-    ap.add_argument("--variant", default="", help="as MLXRUN_KVQ_ATTN: old, or k=v,...")
+    ap.add_argument("--launch", default="", help="AttnLaunch fields: block=128,stages=2")
     ap.add_argument("--hist", action="store_true")
     ap.add_argument("--dump", default=None)
     a = ap.parse_args()
     print(f"G={a.g} D={a.d}, sm_90, triton {triton.__version__}")
     for kind in a.kinds.split(","):
-        k, consts = compile_attn(kind, ca.parse_variant(a.variant), a.g, a.d)
+        k, consts = compile_attn(kind, ca.AttnLaunch.from_spec(a.launch), a.g, a.d)
         sass, res = sass_of(k)
         if a.dump:
             with open(f"{a.dump}.{kind}", "w") as f:

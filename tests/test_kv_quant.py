@@ -157,28 +157,27 @@ def test_decode_attention_reads_quantized_cache(kind):
     )
     got = ops.decode_attention(q, kq, vq, 0.2, mask.to(DEV), rows=rows.to(DEV))
     assert rel_err(got.cpu(), want) < 1e-5
+    # blocks of 16 keys, the combine over the splits two at a time
+    launch = ops.AttnLaunch(block_quant=16, combine_chunk=2)
+    got = ops.decode_attention(q, kq, vq, 0.2, mask.to(DEV), rows=rows.to(DEV), launch=launch)
+    assert rel_err(got.cpu(), want) < 1e-5
     plain = F.scaled_dot_product_attention(
         q.cpu(), k[rows], v[rows], attn_mask=mask, scale=0.2, enable_gqa=True
     )
     assert rel_err(got.cpu(), plain) > 1e-4  # the codes were read, not some full copy
 
 
-@pytest.mark.parametrize(
-    "kind,spec",
-    [("int8", "mult=1"), ("int8", "pipe=1,mult=1"), ("fp8", "mult=1,f16=2"),
-     ("fp8", "f16=0,mult=1"), ("fp8", "bits=0,f16=0,mult=1"), ("fp8", "bits=1,pipe=1,mult=1")],
-)  # fmt: skip
-def test_decode_attention_quantized_blocks_of_one_split(kind, spec, monkeypatch):
+@pytest.mark.parametrize("kind,f16", [("int8", None), ("fp8", True), ("fp8", False)])
+def test_decode_attention_quantized_blocks_of_one_split(kind, f16, monkeypatch):
     """One split over five blocks of keys (the pipelined loop carries its softmax across
     them), a mask that hides a whole block inside the visible range, starts mid-block and
-    ends before the last block: SDPA over the dequantized cache. fp8 codes read by moving
-    bits (value x 2^-120) give the same as E4M3's conversion."""
+    ends before the last block: SDPA over the dequantized cache. fp8 with float16 dots (q
+    scaled into float16's range, the weights by the block's largest scale) and without."""
     import torch.nn.functional as F
 
     from mlxrun.backends.torch_kv import QuantKV
 
     ops = _ops()
-    monkeypatch.setattr(ops, "VARIANT", ops.parse_variant(spec))
     monkeypatch.setattr(ops, "_num_sms", lambda device: 1)  # one split on any device
     g = torch.Generator().manual_seed(3)
     B, NH, NKV, S, D = 2, 8, 2, 300, 32
@@ -195,7 +194,8 @@ def test_decode_attention_quantized_blocks_of_one_split(kind, spec, monkeypatch)
     mask = torch.stack([vis0, vis1])[:, None, None]
     want = F.scaled_dot_product_attention(q.cpu(), kd, vd, attn_mask=mask, scale=0.2,
                                           enable_gqa=True)  # fmt: skip
-    got = ops.decode_attention(q, kq, vq, 0.2, mask.to(DEV))
+    launch = ops.AttnLaunch(per_sm=1, fp8_f16=f16, block_quant=64)
+    got = ops.decode_attention(q, kq, vq, 0.2, mask.to(DEV), launch=launch)
     assert rel_err(got.cpu(), want) < 1e-5
     hole = F.scaled_dot_product_attention(q.cpu(), kd, vd, attn_mask=mask | (slots < 250),
                                           scale=0.2, enable_gqa=True)  # fmt: skip

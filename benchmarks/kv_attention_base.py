@@ -1,0 +1,440 @@
+"""(For the A/B only: decode attention as it was before the pipelined loop, at 9101fbd.)
+Fused Triton kernels of the PyTorch CUDA backend's attention step at decode.
+
+`rope_qkv` rotates q and k and stores k and v in the KV cache (plain or quantized to int8 /
+fp8 codes with a scale a row) in one launch. `decode_attention` replaces SDPA for one new
+token per sequence: split over the keys so that batch 1 fills the GPU, skipping unfilled
+blocks. They round where the PyTorch ops (and transformers) round, so the CUDA backend
+computes what the CPU backend computes, to float rounding. The other per-layer kernels are in
+cuda_ops.py.
+
+Without a GPU they run under TRITON_INTERPRET=1, which is how the tests check them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from mlxrun.backends.torch_kv import QuantKV
+from mlxrun.quant.triton_kernels import _l2_bytes, _num_sms, pdl_args, tlc
+
+_QUANT_ID = {"int8": 1, "fp8": 2}  # a quantized KV cache's codes (mlxrun/kvquant.py)
+
+# With programmatic dependent launch (triton_kernels.pdl) each kernel below waits for the
+# previous one before it reads anything (decode attention's cache prefetch aside), then lets
+# the next one launch.
+
+
+@triton.jit
+def _rope_qkv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    inv_ptr,
+    qo_ptr,
+    ko_ptr,
+    vo_ptr,
+    slot_ptr,
+    rows_ptr,
+    NH,
+    NKV,
+    T,
+    sqb,
+    sqh,
+    sqt,
+    skb,
+    skh,
+    skt,
+    svb,
+    svh,
+    svt,
+    spb,
+    sob,
+    soh,
+    sot,
+    RING,
+    ks_ptr,
+    vs_ptr,
+    ssb,
+    ssh,
+    HALF: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr = False,
+    PDL: tl.constexpr = False,
+    QUANT: tl.constexpr = 0,
+):
+    if PDL:
+        tlc.gdc_wait()
+        tlc.gdc_launch_dependents()
+    # program (b * T + t, head): heads [0, NH) rotate q into qo (contiguous (B, NH, T, D));
+    # [NH, NH + NKV) rotate k and [NH + NKV, NH + 2 NKV) copy v into the caches at slot + t
+    # (with ROWS, into cache row rows[b] at slot[b] + t: each sequence at its own length).
+    # QUANT 1 (int8) / 2 (fp8): k and v are stored as codes with a scale each (ks, vs:
+    # (rows, NKV, S) float32), quantized here from the model-dtype values (mlxrun/kvquant.py)
+    bt = tl.program_id(0).to(tl.int64)  # offsets pass 2^31 at large batch prefills
+    hh = tl.program_id(1)
+    t = bt % T
+    b = bt // T
+    i = tl.arange(0, BLOCK)
+    m = i < HALF
+    if ROWS:
+        cb = tl.load(rows_ptr + b).to(tl.int64)
+        slot = (tl.load(slot_ptr + b).to(tl.int64) + t) % RING  # RING: a window layer's ring
+    else:
+        cb = b
+        slot = (tl.load(slot_ptr) + t) % RING  # wraps in a sliding-window layer's ring
+    if hh >= NH + NKV:
+        h = hh - NH - NKV
+        src = v_ptr + b * svb + h * svh + t * svt
+        dst = vo_ptr + cb * sob + h * soh + slot * sot
+        if QUANT == 0:
+            tl.store(dst + i, tl.load(src + i, mask=m), mask=m)
+            tl.store(dst + HALF + i, tl.load(src + HALF + i, mask=m), mask=m)
+        else:
+            x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
+            x2 = tl.load(src + HALF + i, mask=m, other=0.0).to(tl.float32)
+            _store_codes(dst, vs_ptr + cb * ssb + h * ssh + slot, i, m, x1, x2, HALF, QUANT)
+    else:
+        # (the destinations stay in their branches below: a quantized cache's pointer type
+        # differs from q's, and Triton cannot merge the two after an if)
+        if hh < NH:
+            src = q_ptr + b * sqb + hh * sqh + t * sqt
+        else:
+            src = k_ptr + b * skb + (hh - NH) * skh + t * skt
+        x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF + i, mask=m, other=0.0).to(tl.float32)
+        ang = tl.load(pos_ptr + b * spb + t).to(tl.float32) * tl.load(inv_ptr + i, mask=m)
+        dt = qo_ptr.dtype.element_ty
+        # cos/sin rounded to the model dtype and each product rounded, as the PyTorch ops do
+        c = tl.cos(ang).to(dt).to(tl.float32)
+        s = tl.sin(ang).to(dt).to(tl.float32)
+        a1 = (x1 * c).to(dt).to(tl.float32)
+        b1 = (-x2 * s).to(dt).to(tl.float32)
+        a2 = (x2 * c).to(dt).to(tl.float32)
+        b2 = (x1 * s).to(dt).to(tl.float32)
+        if hh < NH:
+            qdst = qo_ptr + ((b * NH + hh) * T + t) * (2 * HALF)
+            tl.store(qdst + i, (a1 + b1).to(dt), mask=m)
+            tl.store(qdst + HALF + i, (a2 + b2).to(dt), mask=m)
+        else:
+            kdst = ko_ptr + cb * sob + (hh - NH) * soh + slot * sot
+            if QUANT == 0:
+                tl.store(kdst + i, (a1 + b1).to(dt), mask=m)
+                tl.store(kdst + HALF + i, (a2 + b2).to(dt), mask=m)
+            else:  # a rotated key, quantized as the model dtype holds it
+                y1 = (a1 + b1).to(dt).to(tl.float32)
+                y2 = (a2 + b2).to(dt).to(tl.float32)
+                sdst = ks_ptr + cb * ssb + (hh - NH) * ssh + slot
+                _store_codes(kdst, sdst, i, m, y1, y2, HALF, QUANT)
+
+
+@triton.jit
+def _store_codes(dst, sdst, i, m, x1, x2, HALF: tl.constexpr, QUANT: tl.constexpr):
+    """One head vector (halves x1, x2, float32) as one-byte codes at dst and its scale at
+    sdst, as kvquant.torch_quantize: s = max|x| / top, code = x * (top / max|x|), int8
+    rounded half to even (what torch.round does), fp8 converted to E4M3 (its byte)."""
+    amax = tl.maximum(
+        tl.max(tl.where(m, tl.abs(x1), 0.0), axis=0), tl.max(tl.where(m, tl.abs(x2), 0.0), axis=0)
+    )
+    if QUANT == 1:
+        top = 127.0
+    else:
+        top = 448.0
+    inv = tl.where(amax > 0, top / tl.maximum(amax, 1e-30), 0.0)
+    tl.store(sdst, amax / top)
+    y1 = x1 * inv
+    y2 = x2 * inv
+    if QUANT == 1:
+        tl.store(dst + i, _rint(y1).to(tl.int8), mask=m)
+        tl.store(dst + HALF + i, _rint(y2).to(tl.int8), mask=m)
+    else:
+        tl.store(dst + i, y1.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=m)
+        tl.store(dst + HALF + i, y2.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=m)
+
+
+@triton.jit
+def _rint(x):
+    """x rounded to the nearest integer, ties to even (|x| <= 127 here, so x + 0.5 is exact;
+    libdevice's rint has no interpreter version)."""
+    r = tl.floor(x + 0.5)
+    return tl.where((r - x == 0.5) & (r % 2 != 0), r - 1, r)
+
+
+def rope_qkv(q, k, v, positions, inv_freq, k_cache, v_cache, slot, rows=None) -> torch.Tensor:
+    """Rotate q (B, NH, T, D) and k (B, NKV, T, D), and store k and v (B, NKV, T, D) in
+    k_cache, v_cache (B, NKV, S, D, same strides) at (slot[0] + t) mod S along S, in one
+    launch (it was five per layer: two ropes, two cache writes and a q copy). q, k, v may be
+    strided views of the joint q/k/v product. Returns the rotated q, contiguous.
+
+    With `rows` (B,) int64, sequence b goes to cache row rows[b] (the caches may hold more
+    rows than B) at positions slot[b] + t: a slot cache's rows, each at its own length."""
+    B, NH, T, D = q.shape
+    NKV = k.shape[1]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    quant, ks, vs = 0, q, q  # (the scale pointers are unused unquantized)
+    if isinstance(k_cache, QuantKV):  # codes and scales (backends/torch_kv.py)
+        quant, ks, vs = _QUANT_ID[k_cache.kind], k_cache.scales, v_cache.scales
+        assert ks.stride() == vs.stride() and ks.stride(-1) == 1
+        k_cache, v_cache = k_cache.codes, v_cache.codes
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    pos = positions.reshape(positions.shape[0], T)
+    if pos.stride(-1) != 1:
+        pos = pos.contiguous()
+    out = torch.empty((B, NH, T, D), dtype=q.dtype, device=q.device)
+    _rope_qkv_kernel[(B * T, NH + 2 * NKV)](
+        q, k, v, pos, inv_freq, out, k_cache, v_cache, slot, slot if rows is None else rows,
+        NH, NKV, T,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        pos.stride(0) if pos.shape[0] > 1 else 0, *k_cache.stride()[:3], k_cache.shape[2],
+        ks, vs, ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
+        HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2), ROWS=rows is not None, num_warps=1,
+        QUANT=quant, **pdl_args(q.device),
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _l2_prefetch(ptrs):
+    """Bring the lines holding `ptrs` (in bounds) into L2, holding no registers for them.
+    L2 is coherent for the whole GPU (L1 is not): a line the previous kernel writes after this
+    is read back up to date."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
+        "=r,l",
+        [ptrs.to(tl.int64, bitcast=True)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _decode_attn_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    mask_ptr,
+    rows_ptr,
+    part_ptr,
+    stat_ptr,
+    S,
+    KEYS_PER_SPLIT,
+    scale,
+    sqb,
+    sqh,
+    skb,
+    skh,
+    sks,
+    svb,
+    svh,
+    svs,
+    smb,
+    ks_ptr,
+    vs_ptr,
+    ssb,
+    ssh,
+    NKV: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    BL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    F32_DOT: tl.constexpr,
+    ROWS: tl.constexpr = False,
+    PDL: tl.constexpr = False,
+    LINES: tl.constexpr = 0,
+    EPL: tl.constexpr = 64,
+    QUANT: tl.constexpr = 0,
+):
+    # program (b * NKV + kv head, split): the G query heads of one kv head against keys
+    # [split * KEYS_PER_SPLIT, +KEYS_PER_SPLIT), an online softmax over blocks of BL keys;
+    # writes the unnormalised output and (max, sum) of each query head for the combine.
+    # With ROWS, sequence b's keys and values are row rows[b] of the caches. With QUANT 1
+    # (int8) / 2 (fp8 bytes) they are one-byte codes, scaled per key row by ks, vs (rows,
+    # NKV, S): the codes convert exactly to the dot's dtype, and the scales apply to the
+    # scores (keys) and to the softmax weights (values), so the cache is read at 1 byte a
+    # value.
+    bh = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    b = bh // NKV
+    kh = bh % NKV
+    if ROWS:
+        kb = tl.load(rows_ptr + b).to(tl.int64)
+    else:
+        kb = b
+    rg = tl.arange(0, GP)
+    rd = tl.arange(0, D)
+    rl = tl.arange(0, BL)
+    gmask = rg < G
+    start = sp * KEYS_PER_SPLIT
+    if LINES > 0:
+        # While the previous kernel (rope + cache store) runs, bring this split's visible
+        # keys and values into L2 (LINES lines of EPL elements a row): the cache and the
+        # mask were written kernels before; the one new key the previous kernel stores
+        # lands in L2 too, so the loads after the wait read it.
+        for s0 in range(start, tl.minimum(start + KEYS_PER_SPLIT, S), BL):
+            keys = s0 + rl
+            ok = keys < S
+            if HAS_MASK:
+                ok = ok & (tl.load(mask_ptr + b * smb + keys, mask=keys < S, other=0) != 0)
+            if tl.max(ok.to(tl.int32), axis=0) > 0:
+                kc = tl.minimum(keys, S - 1)[:, None]
+                col = (tl.arange(0, LINES) * EPL)[None, :]
+                _l2_prefetch(k_ptr + kb * skb + kh * skh + kc * sks + col)
+                _l2_prefetch(v_ptr + kb * svb + kh * svh + kc * svs + col)
+    if PDL:
+        tlc.gdc_wait()
+        tlc.gdc_launch_dependents()
+    q = tl.load(q_ptr + b * sqb + (kh * G + rg)[:, None] * sqh + rd[None, :],
+                mask=gmask[:, None], other=0.0)  # fmt: skip
+    m_i = tl.full([GP], -1.0e30, tl.float32)  # finite: a fully masked block leaves it
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for s0 in range(start, tl.minimum(start + KEYS_PER_SPLIT, S), BL):
+        keys = s0 + rl
+        ok = keys < S
+        if HAS_MASK:
+            ok = ok & (tl.load(mask_ptr + b * smb + keys, mask=keys < S, other=0) != 0)
+        if tl.max(ok.to(tl.int32), axis=0) > 0:  # skip blocks with no visible key (unfilled)
+            kt = tl.load(k_ptr + kb * skb + kh * skh + keys[:, None] * sks + rd[None, :],
+                         mask=ok[:, None], other=0)  # fmt: skip
+            if QUANT == 2:
+                kt = kt.to(tl.float8e4nv, bitcast=True)
+            if QUANT > 0:  # int8 and E4M3 values are exact in bf16 / fp16 / fp32
+                kt = kt.to(q.dtype)
+            if F32_DOT:
+                sc = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
+            else:
+                sc = tl.dot(q, tl.trans(kt))
+            if QUANT > 0:
+                srow = ks_ptr + kb * ssb + kh * ssh + keys
+                sc = sc * tl.load(srow, mask=ok, other=0.0)[None, :]
+            sc = tl.where(ok[None, :], sc * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            p = tl.exp(sc - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            vt = tl.load(v_ptr + kb * svb + kh * svh + keys[:, None] * svs + rd[None, :],
+                         mask=ok[:, None], other=0)  # fmt: skip
+            pw = p
+            if QUANT == 2:
+                vt = vt.to(tl.float8e4nv, bitcast=True)
+            if QUANT > 0:
+                vt = vt.to(q.dtype)
+                pw = p * tl.load(vs_ptr + kb * ssb + kh * ssh + keys, mask=ok, other=0.0)[None, :]
+            if F32_DOT:
+                pv = tl.dot(pw, vt.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(pw.to(vt.dtype), vt)
+            acc = acc * alpha[:, None] + pv
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+    row = (bh * tl.num_programs(1) + sp) * G + rg  # [GP] rows of (B, NKV, SPLITS, G)
+    tl.store(part_ptr + row[:, None] * D + rd[None, :], acc, mask=gmask[:, None])
+    tl.store(stat_ptr + row * 2, m_i, mask=gmask)
+    tl.store(stat_ptr + row * 2 + 1, l_i, mask=gmask)
+
+
+@triton.jit
+def _decode_attn_combine(part_ptr, stat_ptr, sink_ptr, out_ptr, SPLITS, NH, G: tl.constexpr,
+                         D: tl.constexpr, SP: tl.constexpr, HAS_SINK: tl.constexpr,
+                         PDL: tl.constexpr = False):  # fmt: skip
+    if PDL:
+        tlc.gdc_wait()
+        tlc.gdc_launch_dependents()
+    # program (b * NH + head): out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M), and
+    # with a sink logit z (gpt-oss) e^(z - M) joins the denominator (M then covers z too)
+    bq = tl.program_id(0).to(tl.int64)
+    bkv = bq // G  # = b * NKV + head // G
+    g = bq % G
+    rs = tl.arange(0, SP)
+    rd = tl.arange(0, D)
+    smask = rs < SPLITS
+    row = (bkv * SPLITS + rs) * G + g  # [SP]
+    m = tl.load(stat_ptr + row * 2, mask=smask, other=-1.0e30)
+    l_s = tl.load(stat_ptr + row * 2 + 1, mask=smask, other=0.0)
+    top = tl.max(m, axis=0)
+    if HAS_SINK:
+        z = tl.load(sink_ptr + bq % NH).to(tl.float32)
+        top = tl.maximum(top, z)
+    w = tl.exp(m - top)
+    den = tl.sum(l_s * w, axis=0)
+    if HAS_SINK:
+        den += tl.exp(z - top)
+    acc = tl.load(part_ptr + row[:, None] * D + rd[None, :], mask=smask[:, None], other=0.0)
+    o = tl.sum(acc * w[:, None], axis=0) / den
+    tl.store(out_ptr + bq * D + rd, o.to(out_ptr.dtype.element_ty))
+
+
+# Decode attention brings its keys and values into L2 before its PDL wait (H100, int4 batch-1
+# step at context 1024: 2.402 -> 2.382 ms, two A/B pairs); MLXRUN_L2PF_KV=0 turns it off.
+L2_PREFETCH_KV = os.environ.get("MLXRUN_L2PF_KV", "1") == "1"
+
+
+def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None) -> torch.Tensor:
+    """Attention of one new token per sequence: q (B, NH, 1, D) against k, v (B, NKV, S, D)
+    (GQA: query head h reads kv head h // (NH / NKV)); mask None or bool (B or 1, 1, 1, S),
+    True = may attend; sinks None or (NH,), a logit per head joining the softmax (gpt-oss).
+    k, v may be a quantized cache's torch_kv.QuantKV (codes and scales, read as they are).
+    Returns (B, NH, 1, D). With `rows` (B,) int64, k and v are the whole caches of a slot
+    cache (any number of rows) and sequence b reads row rows[b], in place.
+
+    The keys are split across programs so that a batch of one still spreads over the GPU
+    (split-K over the sequence, "flash decoding"), and blocks with no visible key are not
+    read: in graph decode the cache is masked to its filled prefix, which they skip. (The
+    combine as the last split's epilogue, by an atomic ticket, was slower on an H100: 0.35
+    ms a step for the 32 layers against 0.21 for both kernels; its loop over the splits
+    runs in one program.)"""
+    B, NH, _, D = q.shape
+    NKV, S = k.shape[1], k.shape[2]
+    G = NH // NKV
+    quant, ks, vs = 0, q, q  # (the scale pointers are unused unquantized)
+    if isinstance(k, QuantKV):  # codes and per-row scales (backends/torch_kv.py)
+        quant, ks, vs = _QUANT_ID[k.kind], k.scales, v.scales
+        assert ks.stride() == vs.stride() and ks.stride(-1) == 1
+        k, v = k.codes, v.codes
+    BL = 64
+    blocks = triton.cdiv(S, BL)
+    want = max(1, min(blocks, triton.cdiv(2 * _num_sms(q.device), B * NKV)))
+    per = triton.cdiv(blocks, want) * BL
+    splits = triton.cdiv(S, per)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    part = torch.empty((B, NKV, splits, G, D), dtype=torch.float32, device=q.device)
+    stat = torch.empty((B, NKV, splits, G, 2), dtype=torch.float32, device=q.device)
+    if mask is not None:
+        mask = mask.reshape(mask.shape[0], S)
+        if mask.stride(-1) != 1:
+            mask = mask.contiguous()
+    pd = pdl_args(q.device)
+    row = D * k.element_size()  # bytes of a key; prefetched as whole 128-byte lines
+    lines = 0
+    # Only where the layer's keys and values take a small share of L2: at batch 32 (128 MB a
+    # layer) the early copies evicted each other and decode fell 5070 -> 4680 tok/s (H100).
+    if pd["PDL"] and L2_PREFETCH_KV and row % 128 == 0:
+        lines = row // 128 if 2 * B * NKV * S * row <= _l2_bytes(q.device) // 4 else 0
+    _decode_attn_kernel[(B * NKV, splits)](
+        q, k, v, mask if mask is not None else q, rows if rows is not None else q, part, stat,
+        S, per, scale,
+        q.stride(0), q.stride(1), *k.stride()[:3], *v.stride()[:3],
+        mask.stride(0) if mask is not None and mask.shape[0] > 1 else 0,
+        ks, vs, ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
+        NKV=NKV, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BL=BL, QUANT=quant,
+        HAS_MASK=mask is not None, ROWS=rows is not None, num_warps=4,
+        # float32 models get float32 dots (not TF32); the interpreter's bf16 dot is wrong
+        F32_DOT=q.dtype == torch.float32 or q.device.type != "cuda", **pd,
+        LINES=lines if lines & (lines - 1) == 0 else 0,  # tl.arange takes powers of two
+        EPL=128 // k.element_size(),
+    )  # fmt: skip
+    out = torch.empty((B, NH, 1, D), dtype=q.dtype, device=q.device)
+    _decode_attn_combine[(B * NH,)](
+        part, stat, sinks if sinks is not None else part, out, splits, NH, G=G, D=D,
+        SP=triton.next_power_of_2(splits), HAS_SINK=sinks is not None, num_warps=1,
+        **pdl_args(q.device),
+    )  # fmt: skip
+    return out
