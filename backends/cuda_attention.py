@@ -442,8 +442,7 @@ def _decode_attn_combine(part_ptr, stat_ptr, sink_ptr, out_ptr, SPLITS, NH, G: t
     den = tl.sum(l_s * w, axis=0)
     if HAS_SINK:
         den += tl.exp(z - top)
-    # the partial outputs in chunks of SC splits: all SP at once in one program spilled
-    # (64 x 128 floats: 256 registers a thread with one warp)
+    # the partial outputs SC splits at a time (all SP at once spilled past 64 x 128 floats)
     o = tl.zeros([D], tl.float32)
     for c0 in range(0, SPLITS, SC):
         rc = c0 + tl.arange(0, SC)
@@ -464,12 +463,19 @@ L2_PREFETCH_KV = os.environ.get("MLXRUN_L2PF_KV", "1") == "1"
 class AttnLaunch:
     """Launch choices of decode_attention (benchmarks/kv_attention.py times others)."""
 
+    # (H100, one layer of Llama-3.1-8B's attention at 4k and 32k, batch 1 and 8; the numbers
+    # in docs/long-context.md): 128-key blocks and more programs suit the one-byte caches,
+    # whose blocks take twice bf16's instructions per value read
     block: int = 64  # keys a block of a bf16 / float16 / float32 cache (a power of 2, >= 16)
     block_quant: int = 128  # of an int8 / fp8 cache
-    per_sm: int = 4  # splits over the keys: about this many programs per SM
+    per_sm: int = 2  # splits over the keys: about this many programs per SM (bf16)
+    per_sm_quant: int = 4  # (int8, fp8)
     stages: int = 3  # blocks whose loads are in flight (Triton's pipeliner)
-    combine_warps: int = 4  # the combine's program (b, head): its chunk of splits
-    combine_chunk: int = 16
+    # the combine's program (b, head) reads the splits' partials this many at a time: all
+    # 128 at once spilled (32k, batch 1, 4 programs per SM); 4 warps over chunks of 16 were
+    # slower at 4k (int8 15.6 against 10.9 us)
+    combine_warps: int = 1
+    combine_chunk: int = 64
     fp8_f16: bool | None = None  # fp8 dots in float16; None: where q is bf16 / float16
 
     @classmethod
@@ -507,7 +513,8 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
         k, v = k.codes, v.codes
     BL = launch.block_quant if quant else launch.block
     blocks = triton.cdiv(S, BL)
-    want = max(1, min(blocks, triton.cdiv(launch.per_sm * _num_sms(q.device), B * NKV)))
+    per_sm = launch.per_sm_quant if quant else launch.per_sm
+    want = max(1, min(blocks, triton.cdiv(per_sm * _num_sms(q.device), B * NKV)))
     per = triton.cdiv(blocks, want) * BL
     splits = triton.cdiv(S, per)
     q = q if q.stride(-1) == 1 else q.contiguous()

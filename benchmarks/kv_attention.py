@@ -1,11 +1,11 @@
 """One layer's decode attention on CUDA (backends/cuda_attention.py) over a bf16, int8 or fp8
 KV cache: microseconds a call and GB/s of the K/V bytes it reads (codes and scales), inside a
 CUDA graph, launch choices side by side (cuda_attention.AttnLaunch's fields: "" the default,
-"per_sm=8", "block=128,stages=2", "fp8_f16=0", ...).
+"per_sm_quant=8", "block=128,stages=2", "fp8_f16=0", ...).
 
     python3 benchmarks/kv_attention.py                     # 4k and 32k, batch 1 and 8
     python3 benchmarks/kv_attention.py --contexts 32768 --batches 1 \
-        --variants ";per_sm=8;stages=2" --json /tmp/attn.json
+        --variants ";per_sm_quant=8;stages=2" --json /tmp/attn.json
 
 Llama-3.1-8B's attention shape by default (32 query heads, 8 kv heads, head_dim 128); the cache
 holds context + 128 positions and the mask shows the first `context`, as graph decode runs it.
@@ -24,7 +24,6 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -74,12 +73,7 @@ def _time(replay, calls, reps):
 
 
 def _attn(spec):
-    """decode_attention(q, k, v, scale, mask) with launch choices `spec`; "base": the kernel
-    before the pipelined loop (kv_attention_base.py, for the A/B)."""
-    if spec == "base":
-        import kv_attention_base
-
-        return kv_attention_base.decode_attention
+    """decode_attention(q, k, v, scale, mask) with launch choices `spec`."""
     launch = ca.AttnLaunch.from_spec(spec)
     return lambda q, k, v, scale, mask: ca.decode_attention(q, k, v, scale, mask, launch=launch)
 

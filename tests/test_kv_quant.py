@@ -194,7 +194,7 @@ def test_decode_attention_quantized_blocks_of_one_split(kind, f16, monkeypatch):
     mask = torch.stack([vis0, vis1])[:, None, None]
     want = F.scaled_dot_product_attention(q.cpu(), kd, vd, attn_mask=mask, scale=0.2,
                                           enable_gqa=True)  # fmt: skip
-    launch = ops.AttnLaunch(per_sm=1, fp8_f16=f16, block_quant=64)
+    launch = ops.AttnLaunch(per_sm_quant=1, fp8_f16=f16, block_quant=64)
     got = ops.decode_attention(q, kq, vq, 0.2, mask.to(DEV), launch=launch)
     assert rel_err(got.cpu(), want) < 1e-5
     hole = F.scaled_dot_product_attention(q.cpu(), kd, vd, attn_mask=mask | (slots < 250),
