@@ -551,7 +551,8 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
     _decode_attn_combine[(B * NH,)](
         part, stat, sinks if sinks is not None else part, out, splits, NH, G=G, D=D,
         SP=triton.next_power_of_2(splits), HAS_SINK=sinks is not None,
-        num_warps=launch.combine_warps, SC=min(launch.combine_chunk, triton.next_power_of_2(splits)),
+        num_warps=launch.combine_warps,
+        SC=min(launch.combine_chunk, triton.next_power_of_2(splits)),
         **pdl_args(q.device),
     )  # fmt: skip
     return out

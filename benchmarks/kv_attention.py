@@ -161,7 +161,8 @@ def main():
                 case = run_case(B, ctx, kind, variants, nh, nkv, D, a.calls, a.reps, l2)
                 for r in case:
                     print(f"ctx {ctx:6d} B {B:2d} {kind:4s} {r['variant']:24s} {r['us']:8.1f} us "
-                          f"{r['gbps']:7.0f} GB/s  err {r['rel_err']:.1e}  [{time.time() - t0:.0f}s]",
+                          f"{r['gbps']:7.0f} GB/s  err {r['rel_err']:.1e}  "
+                          f"[{time.time() - t0:.0f}s]",
                           flush=True)  # fmt: skip
                 rows += case
                 if a.json:  # after every case: a timeout keeps what was measured

@@ -36,8 +36,9 @@ def compile_attn(kind: str, launch: ca.AttnLaunch, g: int = 4, d: int = 128):
     params = dict(
         BL=launch.block_quant if quant else launch.block, NSTAGES=launch.stages, MB=1024, F16=f16
     )
-    ptrs = {"q_ptr": "*bf16", "k_ptr": ptr, "v_ptr": ptr, "mask_ptr": "*i1", "rows_ptr": "*i64",
-            "part_ptr": "*fp32", "stat_ptr": "*fp32", "ks_ptr": "*fp32", "vs_ptr": "*fp32"}  # fmt: skip
+    ptrs = {"q_ptr": "*bf16", "k_ptr": ptr, "v_ptr": ptr, "mask_ptr": "*i1",
+            "rows_ptr": "*i64", "part_ptr": "*fp32", "stat_ptr": "*fp32", "ks_ptr": "*fp32",
+            "vs_ptr": "*fp32"}  # fmt: skip
     consts = dict(NKV=8, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, HAS_MASK=True,
                   F32_DOT=False, ROWS=False, PDL=True, LINES=1 if quant else 2,
                   EPL=128 if quant else 64, QUANT=quant, **params)  # fmt: skip
