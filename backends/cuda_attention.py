@@ -12,6 +12,7 @@ Without a GPU they run under TRITON_INTERPRET=1, which is how the tests check th
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -213,6 +214,68 @@ def _l2_prefetch(ptrs):
 
 
 @triton.jit
+def _attn_block(q, kt, vt, ksc, vsc, ok, m_i, l_i, acc, scale, F32_DOT: tl.constexpr,
+                QUANT: tl.constexpr):  # fmt: skip
+    """One block of BL keys into the online softmax of GP query rows: kt, vt [BL, D] keys and
+    values (q's dtype, or int8 / E4M3 codes, exact in it), ksc, vsc [BL] the codes' scales
+    (per key row: on the scores, on the softmax weights), ok [BL] which keys count.
+    Returns the new m, l, acc."""
+    if QUANT == 2:
+        kt = kt.to(tl.float8e4nv, bitcast=True)
+        vt = vt.to(tl.float8e4nv, bitcast=True)
+    if QUANT > 0:
+        kt = kt.to(q.dtype)
+        vt = vt.to(q.dtype)
+    if F32_DOT:
+        sc = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
+    else:
+        sc = tl.dot(q, tl.trans(kt))
+    if QUANT > 0:
+        sc = sc * ksc[None, :]
+    sc = tl.where(ok[None, :], sc * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    p = tl.exp(sc - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    pw = p
+    if QUANT > 0:
+        pw = p * vsc[None, :]
+    if F32_DOT:
+        pv = tl.dot(pw, vt.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(pw.to(vt.dtype), vt)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _attn_block_f16(q16, qinv, kt, vt, ksc, vsc, ok, m_i, l_i, acc, scale,
+                    F32_DOT: tl.constexpr):  # fmt: skip
+    """_attn_block over E4M3 codes with float16 dots: E4M3 converts to float16 two values an
+    instruction on sm_90 (cvt f16x2.e4m3x2), to bf16 through float32 (a quarter-rate F2F a
+    value). q16 is q x 2^e (qinv = 2^-e), its largest value in [2^14, 2^15); the weights
+    p x vscale are divided by the block's largest value scale (into [0, 1]) and the
+    block's p.v multiplied back."""
+    k16 = kt.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    v16 = vt.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    if F32_DOT:
+        sc = tl.dot(q16.to(tl.float32), tl.trans(k16.to(tl.float32)), input_precision="ieee")
+    else:
+        sc = tl.dot(q16, tl.trans(k16))
+    sc = sc * (ksc * qinv)[None, :]
+    sc = tl.where(ok[None, :], sc * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    p = tl.exp(sc - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    c = tl.max(vsc, axis=0)
+    c = tl.where(c > 0, c, 1.0)
+    pw = p * (vsc * (1.0 / c))[None, :]
+    if F32_DOT:
+        pv = tl.dot(pw, v16.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(pw.to(tl.float16), v16)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv * c
+
+
+@triton.jit
 def _decode_attn_kernel(
     q_ptr,
     k_ptr,
@@ -249,6 +312,9 @@ def _decode_attn_kernel(
     LINES: tl.constexpr = 0,
     EPL: tl.constexpr = 64,
     QUANT: tl.constexpr = 0,
+    NSTAGES: tl.constexpr = 3,
+    MB: tl.constexpr = 1024,
+    F16: tl.constexpr = False,
 ):
     # program (b * NKV + kv head, split): the G query heads of one kv head against keys
     # [split * KEYS_PER_SPLIT, +KEYS_PER_SPLIT), an online softmax over blocks of BL keys;
@@ -257,7 +323,7 @@ def _decode_attn_kernel(
     # (int8) / 2 (fp8 bytes) they are one-byte codes, scaled per key row by ks, vs (rows,
     # NKV, S): the codes convert exactly to the dot's dtype, and the scales apply to the
     # scores (keys) and to the softmax weights (values), so the cache is read at 1 byte a
-    # value.
+    # value. F16: fp8 codes into float16 dots (_attn_block_f16).
     bh = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     b = bh // NKV
@@ -271,12 +337,16 @@ def _decode_attn_kernel(
     rl = tl.arange(0, BL)
     gmask = rg < G
     start = sp * KEYS_PER_SPLIT
+    end = tl.minimum(start + KEYS_PER_SPLIT, S)
+    kbase = k_ptr + kb * skb + kh * skh
+    vbase = v_ptr + kb * svb + kh * svh
+    sbase = kb * ssb + kh * ssh
     if LINES > 0:
         # While the previous kernel (rope + cache store) runs, bring this split's visible
         # keys and values into L2 (LINES lines of EPL elements a row): the cache and the
         # mask were written kernels before; the one new key the previous kernel stores
         # lands in L2 too, so the loads after the wait read it.
-        for s0 in range(start, tl.minimum(start + KEYS_PER_SPLIT, S), BL):
+        for s0 in range(start, end, BL):
             keys = s0 + rl
             ok = keys < S
             if HAS_MASK:
@@ -284,54 +354,62 @@ def _decode_attn_kernel(
             if tl.max(ok.to(tl.int32), axis=0) > 0:
                 kc = tl.minimum(keys, S - 1)[:, None]
                 col = (tl.arange(0, LINES) * EPL)[None, :]
-                _l2_prefetch(k_ptr + kb * skb + kh * skh + kc * sks + col)
-                _l2_prefetch(v_ptr + kb * svb + kh * svh + kc * svs + col)
+                _l2_prefetch(kbase + kc * sks + col)
+                _l2_prefetch(vbase + kc * svs + col)
+    lo = start
+    hi = end
+    if HAS_MASK:
+        # The split's visible keys lie in [lo, hi): the loop reads that range whole (keys
+        # the mask hides inside it are read and weighted 0) with no branch, so Triton's
+        # pipeliner keeps NSTAGES blocks' loads in flight (cp.async) while a block's dots
+        # run; unfilled blocks past the prefix are not read. The mask was written kernels
+        # before, so this scan runs before the PDL wait too.
+        first = end
+        last = start - 1
+        for s0 in range(start, end, MB):
+            keys = s0 + tl.arange(0, MB)
+            vis = tl.load(mask_ptr + b * smb + keys, mask=keys < end, other=0) != 0
+            first = tl.minimum(first, tl.min(tl.where(vis, keys, end), axis=0))
+            last = tl.maximum(last, tl.max(tl.where(vis, keys, start - 1), axis=0))
+        lo = start + (first - start) // BL * BL
+        hi = last + 1
     if PDL:
         tlc.gdc_wait()
         tlc.gdc_launch_dependents()
     q = tl.load(q_ptr + b * sqb + (kh * G + rg)[:, None] * sqh + rd[None, :],
                 mask=gmask[:, None], other=0.0)  # fmt: skip
+    q16 = q
+    qinv = 1.0
+    if F16:
+        # q x 2^e in float16 with its largest |value| in [2^14, 2^15): exact (bf16's and
+        # float16's significands fit), 2^e and 2^-e built from the exponent bits
+        qa = tl.max(tl.max(tl.abs(q.to(tl.float32)), axis=1), axis=0)
+        ex = (qa.to(tl.int32, bitcast=True) >> 23) & 0xFF  # 127 + floor(log2 max|q|)
+        e = tl.minimum(tl.maximum(141 - ex, -100), 100)
+        qinv = ((127 - e) << 23).to(tl.float32, bitcast=True)
+        q16 = (q.to(tl.float32) * ((127 + e) << 23).to(tl.float32, bitcast=True)).to(tl.float16)
     m_i = tl.full([GP], -1.0e30, tl.float32)  # finite: a fully masked block leaves it
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
-    for s0 in range(start, tl.minimum(start + KEYS_PER_SPLIT, S), BL):
+    for s0 in tl.range(lo, hi, BL, num_stages=NSTAGES):
         keys = s0 + rl
-        ok = keys < S
+        ok = keys < hi
+        kt = tl.load(kbase + keys[:, None] * sks + rd[None, :], mask=ok[:, None], other=0)
+        vt = tl.load(vbase + keys[:, None] * svs + rd[None, :], mask=ok[:, None], other=0)
         if HAS_MASK:
-            ok = ok & (tl.load(mask_ptr + b * smb + keys, mask=keys < S, other=0) != 0)
-        if tl.max(ok.to(tl.int32), axis=0) > 0:  # skip blocks with no visible key (unfilled)
-            kt = tl.load(k_ptr + kb * skb + kh * skh + keys[:, None] * sks + rd[None, :],
-                         mask=ok[:, None], other=0)  # fmt: skip
-            if QUANT == 2:
-                kt = kt.to(tl.float8e4nv, bitcast=True)
-            if QUANT > 0:  # int8 and E4M3 values are exact in bf16 / fp16 / fp32
-                kt = kt.to(q.dtype)
-            if F32_DOT:
-                sc = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
-            else:
-                sc = tl.dot(q, tl.trans(kt))
-            if QUANT > 0:
-                srow = ks_ptr + kb * ssb + kh * ssh + keys
-                sc = sc * tl.load(srow, mask=ok, other=0.0)[None, :]
-            sc = tl.where(ok[None, :], sc * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            p = tl.exp(sc - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            vt = tl.load(v_ptr + kb * svb + kh * svh + keys[:, None] * svs + rd[None, :],
-                         mask=ok[:, None], other=0)  # fmt: skip
-            pw = p
-            if QUANT == 2:
-                vt = vt.to(tl.float8e4nv, bitcast=True)
-            if QUANT > 0:
-                vt = vt.to(q.dtype)
-                pw = p * tl.load(vs_ptr + kb * ssb + kh * ssh + keys, mask=ok, other=0.0)[None, :]
-            if F32_DOT:
-                pv = tl.dot(pw, vt.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(pw.to(vt.dtype), vt)
-            acc = acc * alpha[:, None] + pv
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
+            ok = ok & (tl.load(mask_ptr + b * smb + keys, mask=ok, other=0) != 0)
+        ksc = tl.zeros([BL], tl.float32)
+        vsc = tl.zeros([BL], tl.float32)
+        if QUANT > 0:
+            ksc = tl.load(ks_ptr + sbase + keys, mask=ok, other=0.0)
+            vsc = tl.load(vs_ptr + sbase + keys, mask=ok, other=0.0)
+        if F16:
+            m_i, l_i, acc = _attn_block_f16(
+                q16, qinv, kt, vt, ksc, vsc, ok, m_i, l_i, acc, scale, F32_DOT
+            )
+        else:
+            m_i, l_i, acc = _attn_block(q, kt, vt, ksc, vsc, ok, m_i, l_i, acc, scale, F32_DOT,
+                                        QUANT)  # fmt: skip
     row = (bh * tl.num_programs(1) + sp) * G + rg  # [GP] rows of (B, NKV, SPLITS, G)
     tl.store(part_ptr + row[:, None] * D + rd[None, :], acc, mask=gmask[:, None])
     tl.store(stat_ptr + row * 2, m_i, mask=gmask)
@@ -341,7 +419,7 @@ def _decode_attn_kernel(
 @triton.jit
 def _decode_attn_combine(part_ptr, stat_ptr, sink_ptr, out_ptr, SPLITS, NH, G: tl.constexpr,
                          D: tl.constexpr, SP: tl.constexpr, HAS_SINK: tl.constexpr,
-                         PDL: tl.constexpr = False):  # fmt: skip
+                         PDL: tl.constexpr = False, SC: tl.constexpr = 16):  # fmt: skip
     if PDL:
         tlc.gdc_wait()
         tlc.gdc_launch_dependents()
@@ -364,9 +442,16 @@ def _decode_attn_combine(part_ptr, stat_ptr, sink_ptr, out_ptr, SPLITS, NH, G: t
     den = tl.sum(l_s * w, axis=0)
     if HAS_SINK:
         den += tl.exp(z - top)
-    acc = tl.load(part_ptr + row[:, None] * D + rd[None, :], mask=smask[:, None], other=0.0)
-    o = tl.sum(acc * w[:, None], axis=0) / den
-    tl.store(out_ptr + bq * D + rd, o.to(out_ptr.dtype.element_ty))
+    # the partial outputs SC splits at a time (all SP at once spilled past 64 x 128 floats)
+    o = tl.zeros([D], tl.float32)
+    for c0 in range(0, SPLITS, SC):
+        rc = c0 + tl.arange(0, SC)
+        cm = rc < SPLITS
+        rowc = (bkv * SPLITS + rc) * G + g
+        wc = tl.exp(tl.load(stat_ptr + rowc * 2, mask=cm, other=-1.0e30) - top)
+        acc = tl.load(part_ptr + rowc[:, None] * D + rd[None, :], mask=cm[:, None], other=0.0)
+        o += tl.sum(acc * wc[:, None], axis=0)
+    tl.store(out_ptr + bq * D + rd, (o / den).to(out_ptr.dtype.element_ty))
 
 
 # Decode attention brings its keys and values into L2 before its PDL wait (H100, int4 batch-1
@@ -374,7 +459,37 @@ def _decode_attn_combine(part_ptr, stat_ptr, sink_ptr, out_ptr, SPLITS, NH, G: t
 L2_PREFETCH_KV = os.environ.get("MLXRUN_L2PF_KV", "1") == "1"
 
 
-def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None) -> torch.Tensor:
+@dataclasses.dataclass(frozen=True)
+class AttnLaunch:
+    """Launch choices of decode_attention (benchmarks/kv_attention.py times others)."""
+
+    # (H100, one layer of Llama-3.1-8B's attention at 4k and 32k, batch 1 and 8; the numbers
+    # in docs/long-context.md): 128-key blocks and more programs suit the one-byte caches,
+    # whose blocks take twice bf16's instructions per value read
+    block: int = 64  # keys a block of a bf16 / float16 / float32 cache (a power of 2, >= 16)
+    block_quant: int = 128  # of an int8 / fp8 cache
+    per_sm: int = 2  # splits over the keys: about this many programs per SM (bf16)
+    per_sm_quant: int = 4  # (int8, fp8)
+    stages: int = 3  # blocks whose loads are in flight (Triton's pipeliner)
+    # the combine's program (b, head) reads the splits' partials this many at a time: all
+    # 128 at once spilled (32k, batch 1, 4 programs per SM); 4 warps over chunks of 16 were
+    # slower at 4k (int8 15.6 against 10.9 us)
+    combine_warps: int = 1
+    combine_chunk: int = 64
+    fp8_f16: bool | None = None  # fp8 dots in float16; None: where q is bf16 / float16
+
+    @classmethod
+    def from_spec(cls, spec: str) -> AttnLaunch:
+        """'per_sm=8,fp8_f16=0' -> AttnLaunch(per_sm=8, fp8_f16=False); '' -> the default."""
+        kw = {}
+        for item in filter(None, spec.split(",")):
+            key, val = item.split("=")
+            kw[key] = bool(int(val)) if key == "fp8_f16" else int(val)
+        return cls(**kw)
+
+
+def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
+                     launch: AttnLaunch = AttnLaunch()) -> torch.Tensor:  # fmt: skip
     """Attention of one new token per sequence: q (B, NH, 1, D) against k, v (B, NKV, S, D)
     (GQA: query head h reads kv head h // (NH / NKV)); mask None or bool (B or 1, 1, 1, S),
     True = may attend; sinks None or (NH,), a logit per head joining the softmax (gpt-oss).
@@ -383,8 +498,8 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None) -> torc
     cache (any number of rows) and sequence b reads row rows[b], in place.
 
     The keys are split across programs so that a batch of one still spreads over the GPU
-    (split-K over the sequence, "flash decoding"), and blocks with no visible key are not
-    read: in graph decode the cache is masked to its filled prefix, which they skip. (The
+    (split-K over the sequence, "flash decoding"), and keys past a split's last visible
+    one are not read: in graph decode the cache is masked to its filled prefix. (The
     combine as the last split's epilogue, by an atomic ticket, was slower on an H100: 0.35
     ms a step for the 32 layers against 0.21 for both kernels; its loop over the splits
     runs in one program.)"""
@@ -396,9 +511,10 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None) -> torc
         quant, ks, vs = _QUANT_ID[k.kind], k.scales, v.scales
         assert ks.stride() == vs.stride() and ks.stride(-1) == 1
         k, v = k.codes, v.codes
-    BL = 64
+    BL = launch.block_quant if quant else launch.block
     blocks = triton.cdiv(S, BL)
-    want = max(1, min(blocks, triton.cdiv(2 * _num_sms(q.device), B * NKV)))
+    per_sm = launch.per_sm_quant if quant else launch.per_sm
+    want = max(1, min(blocks, triton.cdiv(per_sm * _num_sms(q.device), B * NKV)))
     per = triton.cdiv(blocks, want) * BL
     splits = triton.cdiv(S, per)
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -411,6 +527,7 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None) -> torc
         if mask.stride(-1) != 1:
             mask = mask.contiguous()
     pd = pdl_args(q.device)
+    f16 = launch.fp8_f16 if launch.fp8_f16 is not None else q.dtype != torch.float32
     row = D * k.element_size()  # bytes of a key; prefetched as whole 128-byte lines
     lines = 0
     # Only where the layer's keys and values take a small share of L2: at batch 32 (128 MB a
@@ -428,12 +545,14 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None) -> torc
         # float32 models get float32 dots (not TF32); the interpreter's bf16 dot is wrong
         F32_DOT=q.dtype == torch.float32 or q.device.type != "cuda", **pd,
         LINES=lines if lines & (lines - 1) == 0 else 0,  # tl.arange takes powers of two
-        EPL=128 // k.element_size(),
+        EPL=128 // k.element_size(), NSTAGES=launch.stages, F16=quant == 2 and f16,
     )  # fmt: skip
     out = torch.empty((B, NH, 1, D), dtype=q.dtype, device=q.device)
     _decode_attn_combine[(B * NH,)](
         part, stat, sinks if sinks is not None else part, out, splits, NH, G=G, D=D,
-        SP=triton.next_power_of_2(splits), HAS_SINK=sinks is not None, num_warps=1,
+        SP=triton.next_power_of_2(splits), HAS_SINK=sinks is not None,
+        num_warps=launch.combine_warps,
+        SC=min(launch.combine_chunk, triton.next_power_of_2(splits)),
         **pdl_args(q.device),
     )  # fmt: skip
     return out

@@ -157,10 +157,49 @@ def test_decode_attention_reads_quantized_cache(kind):
     )
     got = ops.decode_attention(q, kq, vq, 0.2, mask.to(DEV), rows=rows.to(DEV))
     assert rel_err(got.cpu(), want) < 1e-5
+    # blocks of 16 keys, the combine over the splits two at a time
+    launch = ops.AttnLaunch(block_quant=16, combine_chunk=2)
+    got = ops.decode_attention(q, kq, vq, 0.2, mask.to(DEV), rows=rows.to(DEV), launch=launch)
+    assert rel_err(got.cpu(), want) < 1e-5
     plain = F.scaled_dot_product_attention(
         q.cpu(), k[rows], v[rows], attn_mask=mask, scale=0.2, enable_gqa=True
     )
     assert rel_err(got.cpu(), plain) > 1e-4  # the codes were read, not some full copy
+
+
+@pytest.mark.parametrize("kind,f16", [("int8", None), ("fp8", True), ("fp8", False)])
+def test_decode_attention_quantized_blocks_of_one_split(kind, f16, monkeypatch):
+    """One split over five blocks of keys (the pipelined loop carries its softmax across
+    them), a mask that hides a whole block inside the visible range, starts mid-block and
+    ends before the last block: SDPA over the dequantized cache. fp8 with float16 dots (q
+    scaled into float16's range, the weights by the block's largest scale) and without."""
+    import torch.nn.functional as F
+
+    from mlxrun.backends.torch_kv import QuantKV
+
+    ops = _ops()
+    monkeypatch.setattr(ops, "_num_sms", lambda device: 1)  # one split on any device
+    g = torch.Generator().manual_seed(3)
+    B, NH, NKV, S, D = 2, 8, 2, 300, 32
+    # q as a bf16 model holds it (float16 dots take those values exactly)
+    q = torch.randn(B, NH, 1, D, generator=g).bfloat16().float().to(DEV)
+    k, v = (torch.randn(B, NKV, S, D, generator=g) * 3 for _ in range(2))
+    (kc, ks), (vc, vs) = torch_quantize(k, kind), torch_quantize(v, kind)
+    kd = torch_dequantize(kc, ks, kind, torch.float32)
+    vd = torch_dequantize(vc, vs, kind, torch.float32)
+    kq, vq = QuantKV(kc.to(DEV), ks.to(DEV), kind), QuantKV(vc.to(DEV), vs.to(DEV), kind)
+    slots = torch.arange(S)
+    vis0 = (slots < 250) & ((slots < 64) | (slots >= 128))
+    vis1 = (slots >= 70) & (slots < 200)
+    mask = torch.stack([vis0, vis1])[:, None, None]
+    want = F.scaled_dot_product_attention(q.cpu(), kd, vd, attn_mask=mask, scale=0.2,
+                                          enable_gqa=True)  # fmt: skip
+    launch = ops.AttnLaunch(per_sm_quant=1, fp8_f16=f16, block_quant=64)
+    got = ops.decode_attention(q, kq, vq, 0.2, mask.to(DEV), launch=launch)
+    assert rel_err(got.cpu(), want) < 1e-5
+    hole = F.scaled_dot_product_attention(q.cpu(), kd, vd, attn_mask=mask | (slots < 250),
+                                          scale=0.2, enable_gqa=True)  # fmt: skip
+    assert rel_err(got.cpu(), hole) > 1e-3  # the hidden block was left out
 
 
 def _logits(m, ids, kind):
