@@ -1,0 +1,301 @@
+"""The GGUF K-quant GEMV (Q4_K, Q5_K, Q6_K): _kq_lane_gemv_kernel and its per-k-step helpers.
+
+It is the affine int4 GEMV's loop (quant/triton_gemv.py: lanes along K, one FFMA chain per
+row and lane, split-K, PDL, the SiLU epilogue of a joint gate/up) reading the planes of
+quant/triton_kquant.py's layout, plus the K-quants' high bits and sub-block scales. Apart
+from quant/kquant_kernels.py's tile GEMM because it shares nothing with it but the layout.
+"""
+
+from __future__ import annotations
+
+from mlxrun.quant import triton_gemv as tg
+from mlxrun.quant import triton_kernels as tk
+
+triton = tk.triton
+tl = tk.tl
+tlc = tk.tlc
+
+if triton is not None:
+
+    @triton.jit
+    def _lane_hi(w_ptr, rn, n_mask, rkw, kb, stride_w, KW, KS, KIND: tl.constexpr,
+                 EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
+        """The high-bit words of lane l's 32 weights of k-step kb, one per low word w, with
+        word w's bits at bit HB*i for its position i (Q5_K: one word a sub-block of 32,
+        shifted by 8w; Q6_K: one a sub-block of 16, words 0, 1 its two halves): 4 x [8,
+        LANES] uint32. Loaded as _load_step loads the low words (each high word once per
+        low word it serves: cached) so that they land in the low words' registers layout
+        (no shared-memory conversion). KS: sub-blocks a row."""
+        PER: tl.constexpr = 4 if KIND == 1 else 2  # low words a high word serves
+        hw = kb * (4 * LANES // PER) + rkw // PER
+        ptrs = w_ptr + rn[:, None] * stride_w + KW + hw[None, :]
+        if EVEN:
+            h = tl.load(ptrs)
+        else:
+            mask = n_mask[:, None] & (hw < KS)[None, :]  # one high word a sub-block
+            h = tl.load(ptrs, mask=mask, other=0)
+        h0, h1, h2, h3 = tg._gemv_words(h, LANES)  # (copies: the loads of h1, h3 are dead)
+        if KIND == 1:
+            return h0, h0 >> 8, h0 >> 16, h0 >> 24
+        else:
+            return h0, h0 >> 16, h2, h2 >> 16
+
+    @triton.jit
+    def _lane_hi_fma(p, pb, h0, h1, h2, h3, x0, x1, x2, x3, I: tl.constexpr, KIND: tl.constexpr):
+        """p (pb: words 2, 3 for Q6_K) += the high bits of position I times 16 * x: the bits
+        masked in place are the float h * 2^(HB*I - 149); x (from _gemv_x4, times
+        2^(100-SH)) is scaled to 16 * x * 2^(100 - HB*I), so the products carry 2^-49 as the
+        low nibbles' do."""
+        HB: tl.constexpr = KIND
+        if I < 6:
+            SH: tl.constexpr = 4 * I
+        else:
+            SH: tl.constexpr = 0
+        C: tl.constexpr = float(2 ** (4 + SH - HB * I))
+        M: tl.constexpr = ((1 << HB) - 1) << (HB * I)
+        f0 = (h0 & M).to(tl.float32, bitcast=True)
+        f1 = (h1 & M).to(tl.float32, bitcast=True)
+        f2 = (h2 & M).to(tl.float32, bitcast=True)
+        f3 = (h3 & M).to(tl.float32, bitcast=True)
+        if KIND == 2:
+            p = p + f0 * (x0 * C)[None, :] + f1 * (x1 * C)[None, :]
+            pb = pb + f2 * (x2 * C)[None, :] + f3 * (x3 * C)[None, :]
+        else:
+            p = p + f0 * (x0 * C)[None, :] + f1 * (x1 * C)[None, :] + f2 * (x2 * C)[None, :]
+            p = p + f3 * (x3 * C)[None, :]
+        return p, pb
+
+    @triton.jit
+    def _lane_x4(x_ptr, xo, mask, I: tl.constexpr, EVEN: tl.constexpr):
+        """Q6_K's inputs of position I for a lane's 4 words, as tg._gemv_x4 returns them
+        (x0..x3 [LANES] fp32, times 2^(100-SH)): xo [LANES] is the offset, in input pairs, of
+        the pair of words 0, 1 (sub-block 2l); words 2, 3 read the pair 8 further (sub-block
+        2l+1). Two 1-D loads instead of one [LANES, 2]: the two pairs are not adjacent, so
+        Triton gives a [LANES, 2] offset tensor a layout of 2 threads a lane and converts
+        every load to the lane layout (8 conversions a k-step: shuffles on one warp, shared
+        memory and 2 barriers each on several)."""
+        if I < 6:
+            SH: tl.constexpr = 4 * I
+        else:
+            SH: tl.constexpr = 0
+        if x_ptr.dtype.element_ty == tl.bfloat16:
+            p32 = x_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+            if EVEN:
+                va = tl.load(p32 + xo)
+                vb = tl.load(p32 + xo + 8)
+            else:
+                va = tl.load(p32 + xo, mask=mask, other=0)
+                vb = tl.load(p32 + xo + 8, mask=mask, other=0)
+            E: tl.constexpr = (100 - SH) << 23  # added to the exponent field (tg._gemv_x4)
+            x0 = ((va << 16) + E).to(tl.float32, bitcast=True)
+            x1 = ((va & 0xFFFF0000) + E).to(tl.float32, bitcast=True)
+            x2 = ((vb << 16) + E).to(tl.float32, bitcast=True)
+            x3 = ((vb & 0xFFFF0000) + E).to(tl.float32, bitcast=True)
+        else:
+            C: tl.constexpr = 1.2676506002282294e30 / (1 << SH)
+            e = x_ptr + 2 * xo
+            if EVEN:
+                x0 = tl.load(e).to(tl.float32) * C
+                x1 = tl.load(e + 1).to(tl.float32) * C
+                x2 = tl.load(e + 16).to(tl.float32) * C
+                x3 = tl.load(e + 17).to(tl.float32) * C
+            else:
+                x0 = tl.load(e, mask=mask, other=0.0).to(tl.float32) * C
+                x1 = tl.load(e + 1, mask=mask, other=0.0).to(tl.float32) * C
+                x2 = tl.load(e + 16, mask=mask, other=0.0).to(tl.float32) * C
+                x3 = tl.load(e + 17, mask=mask, other=0.0).to(tl.float32) * C
+        return x0, x1, x2, x3
+
+    @triton.jit
+    def _lane_xpos(x_base, xo, xmask, I: tl.constexpr, KIND: tl.constexpr,
+                   EVEN: tl.constexpr):  # fmt: skip
+        """x0..x3 of position I: _lane_x4 (Q6_K; xo [LANES]) or tg._gemv_x4 (xo [LANES, 2])."""
+        if KIND == 2:
+            x0, x1, x2, x3 = _lane_x4(x_base, xo + I, xmask, I, EVEN)
+        else:
+            x0, x1, x2, x3 = tg._gemv_x4(x_base, xo + I * 2, xmask, I, 0, 4, EVEN)
+        return x0, x1, x2, x3
+
+    @triton.jit
+    def _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr, b_ptr, KS,
+                   KIND: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
+        """One k-step of _kq_lane_gemv_kernel: acc [8, LANES] += lane l's 32 weights of each
+        row (low nibbles: 4 words of wa [8, 4*LANES]; high bits: ha from _lane_hi) times x,
+        with its sub-blocks' scales. The low-nibble plane is in the affine int4 order of
+        groups of 32 (Q6_K: 16), so the decode, x loads and FFMA chains are
+        triton_kernels' GEMV functions, unchanged. Q4_K, Q5_K: dot * d*sc - dmin*m * sum(x);
+        Q6_K, per sub-block of 16: (dot - 32 sum(x)) * d*sc, x by _lane_x4, its two int8 sc
+        as one uint16 load. Q4_K/Q5_K's scale offsets come from lane_s (the kernel's opaque
+        copy of lane)."""
+        TWO: tl.constexpr = KIND == 2  # Q6_K: words 0, 1 and 2, 3 are two sub-blocks
+        w0, w1, w2, w3 = tg._gemv_words(wa, LANES)
+        if KIND != 0:
+            h0, h1, h2, h3 = ha
+        p = tl.zeros([8, LANES], dtype=tl.float32)
+        pb = tl.zeros([8, LANES], dtype=tl.float32)
+        xo = x_pair0 + kb * (LANES * 16)  # 16 input pairs a lane
+        if KIND == 2:
+            xmask = (kb * LANES + lane) * 2 < KS  # sub-blocks 2l, 2l+1: both or neither
+        else:
+            sub = kb * LANES + lane
+            xmask = (sub < KS)[:, None]
+        xs_a = tl.zeros([LANES], dtype=tl.float32)  # sums of the lane's inputs * 2^-49
+        xs_b = tl.zeros([LANES], dtype=tl.float32)  # (words 2, 3 apart for Q6_K)
+        for i in tl.static_range(6):
+            x0, x1, x2, x3 = _lane_xpos(x_base, xo, xmask, i, KIND, EVEN)
+            p, pb = tg._gemv_fma(p, pb, w0, w1, w2, w3, x0, x1, x2, x3, i, 0, 4, TWO)
+            if KIND != 0:
+                p, pb = _lane_hi_fma(p, pb, h0, h1, h2, h3, x0, x1, x2, x3, i, KIND)
+            xs_a += (x0 + x1) * (1.401298464324817e-45 * (1 << (4 * i)))  # undoes 2^(100-4i)
+            xs_b += (x2 + x3) * (1.401298464324817e-45 * (1 << (4 * i)))
+        # positions 6, 7 as the affine kernel reads them: w >> 24 = q6 + 16*q7 with x6, and
+        # w >> 28 = q7 with x7 - 16*x6 (cancels the 16*q7 term)
+        y0, y1, y2, y3 = _lane_xpos(x_base, xo, xmask, 6, KIND, EVEN)
+        z0, z1, z2, z3 = _lane_xpos(x_base, xo, xmask, 7, KIND, EVEN)
+        if KIND != 0:
+            p, pb = _lane_hi_fma(p, pb, h0, h1, h2, h3, y0, y1, y2, y3, 6, KIND)
+            p, pb = _lane_hi_fma(p, pb, h0, h1, h2, h3, z0, z1, z2, z3, 7, KIND)
+        xs_a += (y0 + y1 + z0 + z1) * 1.401298464324817e-45
+        xs_b += (y2 + y3 + z2 + z3) * 1.401298464324817e-45
+        z0 = z0 - 16.0 * y0
+        z1 = z1 - 16.0 * y1
+        z2 = z2 - 16.0 * y2
+        z3 = z3 - 16.0 * y3
+        p, pb = tg._gemv_fma(p, pb, w0, w1, w2, w3, y0, y1, y2, y3, 6, 0, 4, TWO)
+        p, pb = tg._gemv_fma(p, pb, w0, w1, w2, w3, z0, z1, z2, z3, 7, 0, 4, TWO)
+        if KIND == 2:
+            # int8 sc of the lane's two sub-blocks of 16, d of their super-block
+            s0 = (kb * LANES + lane) * 2  # the first of the two
+            smask = n_mask[:, None] & (s0 < KS)[None, :]
+            # both as one uint16; int8 c + 128 into the mantissa of 2^23: exact
+            s16 = s_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
+            sab = tl.load(s16 + rn[:, None] * (KS // 2) + (s0 // 2)[None, :], mask=smask,
+                          other=0).to(tl.uint32)  # fmt: skip
+            sa = (((sab & 0xFF) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+            sb = (((sab >> 8) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+            sbk = (kb * LANES + lane) // 8  # super-block (16 sub-blocks)
+            d = tl.load(b_ptr + rn[:, None] * (KS // 16) + sbk[None, :], mask=smask, other=0.0)
+            d = d.to(tl.float32)
+            acc = (
+                acc + (p - 32.0 * xs_a[None, :]) * (d * sa) + (pb - 32.0 * xs_b[None, :]) * (d * sb)
+            )
+        else:
+            # (sc, m) of the sub-block as one uint16, (d, dmin) of its super-block as one
+            # word: 8 rows x 2 loads a lane per 256 weights
+            sub_s = kb * LANES + lane_s
+            smask = n_mask[:, None] & (sub_s < KS)[None, :]
+            s16 = s_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
+            scm = tl.load(s16 + rn[:, None] * KS + sub_s[None, :], mask=smask, other=0)
+            scm = scm.to(tl.uint32)
+            b32 = b_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+            dd = tl.load(b32 + rn[:, None] * (KS // 8) + (sub_s // 8)[None, :], mask=smask,
+                         other=0)  # fmt: skip
+            d = (dd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            dmin = (dd >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            # 6-bit integers into the mantissa of 2^23: exact, no int->float conversion
+            sc = ((scm & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            mn = ((scm >> 8) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            acc = acc + p * (d * sc) - (dmin * mn) * (xs_a + xs_b)[None, :]
+        return acc
+
+    @triton.jit
+    def _kq_lane_gemv_kernel(
+        x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, KS, stride_xm, stride_ym,
+        stride_w, KIND: tl.constexpr, SPLIT_K: tl.constexpr, KB_PER_SPLIT: tl.constexpr,
+        EVEN: tl.constexpr, KW: tl.constexpr, SW: tl.constexpr = 0, PDL: tl.constexpr = False,
+        SILU: tl.constexpr = False, WARPS: tl.constexpr = 1, PREFETCH: tl.constexpr = True,
+        KSC: tl.constexpr = 0,
+    ):  # fmt: skip
+        """K-quant GEMV, y[m, N] = x[m, K] @ W^T for one row m of x, laid out as
+        triton_kernels._gemv_kernel (read its docstring): 8 rows a program, WARPS warps,
+        lane l taking 32 weights (4 low-nibble words, and for Q5_K / Q6_K their high bits)
+        of every row per k-step of 128*WARPS words, one FFMA chain per row and lane, lanes
+        summed once at the end; split-K programs (axis 2) summed by the last one; PDL;
+        SILU (W = [gate; up]): rows 0-3 of a tile are gate rows, 4-7 their up rows, and
+        y = silu(gate) * up. KS: sub-blocks a row; KW: low-nibble words a row (K/8);
+        SW: the row stride in words as a constant (EVEN), or 0 (stride_w); KSC: KS as a
+        constant, or 0.
+        The scale products d*sc and dmin*m are exact in fp32 (an 11-bit significand times
+        a 6- or 8-bit integer)."""
+        LANES: tl.constexpr = 32 * WARPS
+        m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        if SW > 0:
+            swn = SW
+        else:
+            swn = stride_w
+        if KSC > 0:  # KS as a constant: the scale rows at immediate offsets
+            ksn = KSC
+        else:
+            ksn = KS
+        r8 = tl.arange(0, 8)
+        if SILU:
+            rn = pid_n * 4 + r8 % 4 + (r8 // 4) * (N // 2)
+        else:
+            rn = pid_n * 8 + r8
+        n_mask = rn < N
+        rkw = tl.arange(0, 4 * LANES)
+        lane = tl.arange(0, LANES)
+        # Q4_K/Q5_K's scale offsets, opaque to Triton's contiguity analysis (times a runtime
+        # 1): else it vectorizes their loads along the lanes, holds acc in that layout and
+        # moves p into it through shared memory every k-step (sm_90 SASS, Q4_K on 4 warps: 4
+        # BAR, 4 LDS, 3 STSM a k-step)
+        lane_s = lane * (N > 0).to(tl.int32)
+        if KIND == 2:  # x pairs (uint32 units) of sub-block 2l; 2l+1's are 8 further
+            x_pair0 = lane * 16
+        else:  # sub-block l of 32 inputs
+            x_pair0 = (lane * 16)[:, None] + tl.arange(0, 2)[None, :]
+        x_base = x_ptr + m * stride_xm
+        acc = tl.zeros([8, LANES], dtype=tl.float32)
+        kb0 = pid_k * KB_PER_SPLIT
+        kb_last = kb0 + KB_PER_SPLIT - 1
+        # the low-nibble words are the first KW of a row: _load_step's mask (k < row
+        # stride) reads the high words past K, never used (x is masked to 0 there)
+        wa = tg._load_step(w_ptr, rn, n_mask, rkw, kb0, swn, EVEN, 0, LANES)
+        ha = wa
+        if KIND != 0:
+            ha = _lane_hi(w_ptr, rn, n_mask, rkw, kb0, swn, KW, ksn, KIND, EVEN, LANES)
+        if PDL:  # the weights do not depend on the previous kernel; x does
+            tlc.gdc_wait()
+            tlc.gdc_launch_dependents()
+        if PREFETCH:
+            # two k-steps an iteration, each one's words loaded a step ahead (no register copies)
+            for j in range(0, KB_PER_SPLIT // 2):
+                kb = kb0 + 2 * j
+                wb = tg._load_step(w_ptr, rn, n_mask, rkw, kb + 1, swn, EVEN, 0, LANES)
+                hb = wb
+                if KIND != 0:
+                    hb = _lane_hi(w_ptr, rn, n_mask, rkw, kb + 1, swn, KW, ksn, KIND, EVEN, LANES)
+                acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr,
+                                 b_ptr, ksn, KIND, EVEN, LANES)  # fmt: skip
+                kn = tl.minimum(kb + 2, kb_last)  # past the last step: reload it, never used
+                wa = tg._load_step(w_ptr, rn, n_mask, rkw, kn, swn, EVEN, 0, LANES)
+                if KIND != 0:
+                    ha = _lane_hi(w_ptr, rn, n_mask, rkw, kn, swn, KW, ksn, KIND, EVEN, LANES)
+                acc = _lane_step(acc, wb, hb, kb + 1, x_base, x_pair0, lane, lane_s, rn, n_mask,
+                                 s_ptr, b_ptr, ksn, KIND, EVEN, LANES)  # fmt: skip
+            if KB_PER_SPLIT % 2 == 1:
+                acc = _lane_step(acc, wa, ha, kb_last, x_base, x_pair0, lane, lane_s, rn, n_mask,
+                                 s_ptr, b_ptr, ksn, KIND, EVEN, LANES)  # fmt: skip
+        else:  # each step's words loaded in the step: fewer registers, more resident warps
+            acc = _lane_step(acc, wa, ha, kb0, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr,
+                             b_ptr, ksn, KIND, EVEN, LANES)  # fmt: skip
+            for j in range(1, KB_PER_SPLIT):
+                kb = kb0 + j
+                wa = tg._load_step(w_ptr, rn, n_mask, rkw, kb, swn, EVEN, 0, LANES)
+                if KIND != 0:
+                    ha = _lane_hi(w_ptr, rn, n_mask, rkw, kb, swn, KW, ksn, KIND, EVEN, LANES)
+                acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr,
+                                 b_ptr, ksn, KIND, EVEN, LANES)  # fmt: skip
+        out = tl.sum(acc, axis=1) * 562949953421312.0  # [8]: undo the decode's 2^-49
+        tile = m * tl.num_programs(1) + pid_n
+        if SILU:
+            g, u = tl.split(tl.trans(tl.reshape(out, [2, 4])))  # rows 0-3 gate, 4-7 up
+            rg = pid_n * 4 + tl.arange(0, 4)
+            tg._silu_epilogue(g, u, y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr, rg,
+                              rg + N // 2, N, M * N, tile, pid_k, SPLIT_K)  # fmt: skip
+        else:
+            tk._splitk_epilogue(out[None, :], y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr,
+                                tl.arange(0, 1), rn, 1, N, 0, M * N, tile, pid_k,
+                                SPLIT_K)  # fmt: skip
