@@ -113,27 +113,34 @@ def _kl(dense: np.ndarray, q: np.ndarray) -> float:
     return float((np.exp(p) * (p - lq)).sum(-1).mean())
 
 
-def test_calibrated_moe_is_closer_to_dense_than_rounding(moe_dir, tmp_path):
-    """AWQ and GPTQ on a tiny Qwen3-MoE (experts in layer 0, a dense MLP in layer 1):
-    KL to the dense model on held-out text below round-to-nearest int4 g32's, the
-    experts stored stacked in the packed format the loader reads, and the file generates."""
-    d = moe_dir
+def _three_ways(d, tmp_path, grid):
+    """Convert d to int4 g32 by rounding, AWQ and GPTQ on the same random calibration text:
+    yields (method, out dir, convert's notes, loaded model, KL to d's dense logits on
+    held-out tokens) for method None, "awq", "gptq"."""
     rng = np.random.default_rng(0)
     calib = tmp_path / "calib.txt"
     calib.write_text(" ".join(f"w{i}" for i in rng.integers(3, VOCAB, 2000)))
     held = [int(i) for i in np.random.default_rng(1).integers(3, VOCAB, 128)]
     dense = mlxrun.load(str(d), backend="cpu", dtype="float32", progress=False)
     ref = dense.logits(held)
-    kl = {}
     for method in (None, "awq", "gptq"):
         out = tmp_path / str(method)
         opts = None
         if method:
-            opts = CalibOptions(method, str(calib), samples=4, seq_len=64, grid=10)
+            opts = CalibOptions(method, str(calib), samples=4, seq_len=64, grid=grid)
         notes = convert(str(d), str(out), quant="int4", group_size=32, progress=False,
                         calibrate=opts)  # fmt: skip
         m = mlxrun.load(str(out), backend="cpu", dtype="float32", progress=False)
-        kl[method] = _kl(ref, m.logits(held))
+        yield method, out, notes, m, _kl(ref, m.logits(held))
+
+
+def test_calibrated_moe_is_closer_to_dense_than_rounding(moe_dir, tmp_path):
+    """AWQ and GPTQ on a tiny Qwen3-MoE (experts in layer 0, a dense MLP in layer 1):
+    KL to the dense model on held-out text below round-to-nearest int4 g32's, the
+    experts stored stacked in the packed format the loader reads, and the file generates."""
+    kl = {}
+    for method, out, notes, m, kl_method in _three_ways(moe_dir, tmp_path, grid=10):
+        kl[method] = kl_method
         if method:
             assert any("0 of 4 saw fewer than 64 calibration tokens" in n for n in notes), notes
             e = m.transformer.layers[0].moe
@@ -226,23 +233,9 @@ def test_calibrated_gpt_oss_is_closer_to_dense_than_rounding(gpt_oss_dir, tmp_pa
     SwiGLU; transformers' fused expert layout): KL to the dense model on held-out text
     below round-to-nearest int4 g32's; the experts are written stacked with their biases,
     and the file loads and generates."""
-    d = gpt_oss_dir
-    rng = np.random.default_rng(0)
-    calib = tmp_path / "calib.txt"
-    calib.write_text(" ".join(f"w{i}" for i in rng.integers(3, VOCAB, 2000)))
-    held = [int(i) for i in np.random.default_rng(1).integers(3, VOCAB, 128)]
-    dense = mlxrun.load(str(d), backend="cpu", dtype="float32", progress=False)
-    ref = dense.logits(held)
     kl = {}
-    for method in (None, "awq", "gptq"):
-        out = tmp_path / str(method)
-        opts = None
-        if method:
-            opts = CalibOptions(method, str(calib), samples=4, seq_len=64, grid=5)
-        convert(str(d), str(out), quant="int4", group_size=32, progress=False,
-                calibrate=opts)  # fmt: skip
-        m = mlxrun.load(str(out), backend="cpu", dtype="float32", progress=False)
-        kl[method] = _kl(ref, m.logits(held))
+    for method, _, _, m, kl_method in _three_ways(gpt_oss_dir, tmp_path, grid=5):
+        kl[method] = kl_method
         if method:
             e = m.transformer.layers[0].moe
             assert (e.gate.mode, e.gate.bits, e.down.group_size) == ("affine", 4, 32)
