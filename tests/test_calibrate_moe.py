@@ -79,20 +79,11 @@ def test_experts_see_their_tokens_and_starved_ones_round_to_nearest():
         assert ((got - want) ** 2).sum() < 0.9 * ((near - want) ** 2).sum(), e
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    """A tiny random Qwen3-MoE whose norms make 4 of the 64 hidden channels 8x louder, as
-    real layers have a few (what AWQ's scales are for; without them a random model's
-    activations leave calibration nothing to find: measured KL 0.28 rounding, 0.27 GPTQ)."""
+def _loud_and_saved(hf, d):
+    """Make 4 of hf's 64 hidden channels 8x louder in every layernorm (the few loud channels
+    real layers have, which AWQ's scales are for), save it over d's weights, return d."""
     import torch
 
-    kw = dict(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=64, intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[1],
-    )  # fmt: skip
-    d, hf = write_random(tmp_path_factory.mktemp("calib_moe") / "q", "qwen3_moe", kw, 0, std=0.2)
     loud = torch.from_numpy(np.random.default_rng(5).choice(64, 4, replace=False))
     with torch.no_grad():
         for n, p in hf.named_parameters():
@@ -100,6 +91,21 @@ def moe_dir(tmp_path_factory):
                 p[loud] *= 8.0
     hf.save_pretrained(d, safe_serialization=True)
     return d
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    """A tiny random Qwen3-MoE whose norms make 4 of the 64 hidden channels 8x louder, as
+    real layers have a few (what AWQ's scales are for; without them a random model's
+    activations leave calibration nothing to find: measured KL 0.28 rounding, 0.27 GPTQ)."""
+    kw = dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=64, intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[1],
+    )  # fmt: skip
+    d, hf = write_random(tmp_path_factory.mktemp("calib_moe") / "q", "qwen3_moe", kw, 0, std=0.2)
+    return _loud_and_saved(hf, d)
 
 
 def _kl(dense: np.ndarray, q: np.ndarray) -> float:
@@ -213,19 +219,12 @@ def test_calibration_runs_each_layer_as_the_model_does(tiny_moe_dirs):
 def gpt_oss_dir(tmp_path_factory):
     """A tiny random gpt-oss (TINY_MOE's: a window of 8 on layer 0, sinks, biases, the
     clamped SwiGLU) with 4 of its 64 hidden channels 8x louder, as moe_dir."""
-    import torch
 
     from .conftest import _MOE_BASE, TINY_MOE
 
     kw = {**_MOE_BASE, **TINY_MOE["gpt_oss"], "max_position_embeddings": 256}
     d, hf = write_random(tmp_path_factory.mktemp("calib_oss") / "g", "gpt_oss", kw, 0, std=0.2)
-    loud = torch.from_numpy(np.random.default_rng(5).choice(64, 4, replace=False))
-    with torch.no_grad():
-        for n, p in hf.named_parameters():
-            if "layernorm" in n:
-                p[loud] *= 8.0
-    hf.save_pretrained(d, safe_serialization=True)
-    return d
+    return _loud_and_saved(hf, d)
 
 
 def test_calibrated_gpt_oss_is_closer_to_dense_than_rounding(gpt_oss_dir, tmp_path):

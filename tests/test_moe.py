@@ -261,13 +261,19 @@ def test_quantized_expert_bytes_are_counted(variant):
 def test_planner_counts_every_expert_as_loaded(variant, tmp_path, layout):
     """The planner's weight bytes from the headers alone equal what the loaded model holds
     (every expert, quantized on load; the router as stored), in either stored layout."""
-    from mlxrun.memory import footprint, header_shapes
-    from mlxrun.quant.formats import resolve
-
     d, hf = variant("mixtral")
     if layout == "switch_mlp":
         _to_switch_layout(d, tmp_path / "sw", "mixtral", hf.config.num_local_experts)
         d = tmp_path / "sw"
+    _check_plan(d, hf)
+
+
+def _check_plan(d, hf):
+    """The planner's bytes from d's headers equal the loaded model's (MLX, as stored and
+    int4 g32 on load), and its parameter count transformers' model hf's."""
+    from mlxrun.memory import footprint, header_shapes
+    from mlxrun.quant.formats import resolve
+
     for quant in (None, "int4"):
         m = mlxrun.load(str(d), backend="mlx", dtype="float32", progress=False, quant=quant,
                         group_size=32)  # fmt: skip

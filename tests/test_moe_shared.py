@@ -17,7 +17,7 @@ from mlxrun.config import ModelConfig
 from mlxrun.errors import MlxrunError
 
 from .conftest import rel_err, write_random
-from .test_moe import _check, _hf
+from .test_moe import _check, _check_plan, _hf
 
 VOCAB = 64
 BASE = dict(
@@ -132,17 +132,7 @@ def test_int4_matches_transformers_on_its_bytes(variant):
 
 
 def test_planner_counts_the_shared_expert(variant):
-    from mlxrun.memory import footprint, header_shapes
-    from mlxrun.quant.formats import resolve
-
-    d, hf = variant()
-    for quant in (None, "int4"):
-        m = mlxrun.load(str(d), backend="mlx", dtype="float32", progress=False, quant=quant,
-                        group_size=32)  # fmt: skip
-        spec = None if quant is None else resolve(quant, group_size=32)
-        fp = footprint(m.transformer.config, header_shapes(d), "float32", spec, backend="mlx")
-        assert fp.weight_bytes == m.transformer.weight_bytes(), quant
-        assert fp.n_params == sum(p.numel() for p in hf.parameters())
+    _check_plan(*variant())
 
 
 def test_qwen1_5_moe_shape_plans_by_total_and_reads_the_shared_expert():
