@@ -260,65 +260,6 @@ def _names(i: int, moe: bool = False) -> dict[str, str]:
     return out
 
 
-def _mixed_specs(load, shell, hs, chunk, cfg, spec, espec, dtype, opts, progress):
-    """Per-linear specs {path: QuantSpec} (only those off `spec`'s width) meeting
-    `opts.target_bpw`. A linear's sensitivity at b bits is the error its rounding alone
-    causes in its layer's output, mean((h' - h)^2) / mean(h^2), on the first `chunk`
-    calibration windows carried through the dense model: the residual stream is where
-    every linear's error lands, so errors of q (through the softmax), gate (through the
-    activation) and down compare on one scale. A layer of experts' stacked projections
-    (gate/up/down of every expert, mlx-lm's `switch_mlp.gate_proj` ...) are one tensor
-    each: one width for all its experts (as mlx-lm's per-layer overrides store it), its
-    bytes counted over every expert, its error from rounding all of them at once."""
-    from tqdm.auto import tqdm  # noqa: PLC0415
-
-    from mlxrun.quant.mixed_bits import BITS, allocate, matrix_bytes  # noqa: PLC0415
-
-    if spec.mode != "affine":
-        raise MlxrunError(
-            f"--target-bpw mixes affine widths; {spec.label} has one width: use --quant int4"
-        )
-    be = shell.be
-    errs, shapes = {}, {}
-    sub = hs[:chunk]
-    for i in tqdm(range(cfg.num_hidden_layers), "measuring sensitivity", disable=not progress):
-        names, _, w, ln_in, ln_post, extra = load(i)
-        base, _ = _run(shell, _layer(be, w, ln_in, ln_post, extra), sub, chunk, None, i)
-        energy = max(float(np.mean(base.astype(np.float64) ** 2)), 1e-30)
-
-        def err(wq, ex, sub=sub, base=base, energy=energy, ln_in=ln_in, ln_post=ln_post, i=i):
-            got, _ = _run(shell, _layer(be, wq, ln_in, ln_post, ex), sub, chunk, None, i)
-            return float(np.mean((got - base).astype(np.float64) ** 2)) / energy
-
-        for k, n in names.items():
-            errs[n], shapes[n] = {}, w[k].shape
-            for b in BITS:
-                wq = dict(w)
-                wq[k] = fake_quant(w[k], QuantSpec(spec.mode, b, spec.group_size), dtype)
-                errs[n][b] = err(wq, extra)
-        if "experts" in w:  # a layer of experts: each stacked projection as one tensor
-            from mlxrun.moe import expert_names  # noqa: PLC0415
-
-            ew, stacked = w["experts"], expert_names(cfg.model_type, f"model.layers.{i}").stacked
-            for proj in LINEARS[4:]:
-                n, (E, out, inp) = f"{stacked}.{proj}", ew[proj].shape
-                errs[n], shapes[n] = {}, (E * out, inp)  # bytes and weights of all experts
-                for b in BITS:
-                    sp = QuantSpec(spec.mode, b, spec.group_size)
-                    q = {**ew, proj: fake_quant(ew[proj].reshape(-1, inp), sp, dtype)}
-                    q[proj] = q[proj].reshape(E, out, inp)
-                    ex = dataclasses.replace(
-                        extra["moe"], **{k[:-5]: be.array(q[k]) for k in LINEARS[4:]}
-                    )  # the projections rounded; the router and biases as they are
-                    errs[n][b] = err(w, {**extra, "moe": ex})
-        sub = base
-    vocab = cfg.vocab_size * cfg.hidden_size
-    heads = 1 if cfg.tie_word_embeddings else 2
-    fixed = heads * matrix_bytes((cfg.vocab_size, cfg.hidden_size), espec, dtype)
-    bits = allocate(errs, shapes, spec, dtype, opts.target_bpw, fixed, heads * vocab)
-    return {n: QuantSpec(spec.mode, b, spec.group_size) for n, b in bits.items() if b != spec.bits}
-
-
 def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", progress=True):
     """Quantize the dense checkpoint `ckpt` (its matrices float32-able) to `spec` with
     calibration `opts`, running the layers on `backend`. Returns (tensors, block, notes):
@@ -502,7 +443,9 @@ def calibrate(ckpt, spec: QuantSpec, opts: CalibOptions, backend: str = "cpu", p
 
     specs: dict[str, QuantSpec] = {}  # per-linear widths other than the spec's
     if opts.target_bpw is not None:
-        specs = _mixed_specs(load, shell, hs, chunk, cfg, spec, espec, dtype, opts, progress)
+        from mlxrun.quant.mixed_bits import mixed_specs  # noqa: PLC0415
+
+        specs = mixed_specs(load, shell, hs, chunk, cfg, spec, espec, dtype, opts, progress)
         for name, sp in specs.items():
             block[name] = to_config(sp)
         notes.append(
