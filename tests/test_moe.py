@@ -434,6 +434,36 @@ def test_mlx_lm_interop_both_ways(variant, tmp_path, name):
         assert rel_err(m.logits(ids), want) < 1e-4, path.name
 
 
+def test_gpt_oss_int4_loads_in_mlx_lm(variant, tmp_path):
+    """gpt-oss converted to int4 gives mlx-lm's model the logits mlxrun computes. mlx-lm's
+    gpt-oss fixes swiglu_limit at 7.0, reads YaRN from `rope_scaling` only and always
+    truncates YaRN's correction range, so the config here is one it represents (the tiny
+    model's own limit of 0.5 and truncate=False differ from it by 0.85 relative)."""
+    import json
+    import shutil
+
+    mx = pytest.importorskip("mlx.core")
+    mlx_lm = pytest.importorskip("mlx_lm")
+    from mlxrun.convert import convert
+
+    src, _ = variant("gpt_oss")
+    d = tmp_path / "src"
+    shutil.copytree(src, d)
+    _legacy_keys(d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["swiglu_limit"] = 7.0
+    cfg["rope_parameters"]["truncate"] = True
+    cfg["rope_scaling"] = cfg["rope_parameters"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "int4"
+    assert convert(str(d), str(out), quant="int4", group_size=32, progress=False) == []
+    ids = PROMPT[:12].tolist()
+    model, _ = mlx_lm.load(str(out))
+    want = np.array(model(mx.array([ids])).astype(mx.float32))[0]
+    m = mlxrun.load(str(out), backend="mlx", dtype="float32", progress=False)
+    assert rel_err(m.logits(ids), want) < 1e-4
+
+
 def test_gpt_oss_mxfp4_plans_and_converts_as_stored(variant, tmp_path):
     """Both MXFP4 layouts plan at the bytes the loaded model holds; convert rewrites
     OpenAI's layout as mlx-lm's (config quantization block included) with the same bytes."""
