@@ -342,6 +342,19 @@ def _write_shards(tmp: Path, items, shard_bytes: int, progress: bool) -> None:
     )
 
 
+def _legacy_rope(config: dict) -> None:
+    """Spell transformers 5's `rope_parameters` also as `rope_theta` / `rope_scaling`, as the
+    published checkpoints do: mlx-lm reads only those, and without them it would run a YaRN
+    or llama3-scaled model with plain rope, without a word. (Gemma 3's per-layer-type
+    parameters have no legacy spelling and stay as they are.)"""
+    rp = config.get("rope_parameters")
+    if not isinstance(rp, dict) or "rope_theta" not in rp:
+        return
+    config.setdefault("rope_theta", rp["rope_theta"])
+    if rp.get("rope_type", "default") != "default":
+        config.setdefault("rope_scaling", {k: v for k, v in rp.items() if k != "rope_theta"})
+
+
 def convert(
     model: str,
     out_dir: str,
@@ -399,6 +412,7 @@ def convert(
             config.pop("quantization_config", None)
         if plan.block is not None:
             config["quantization"] = config["quantization_config"] = plan.block
+        _legacy_rope(config)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for name, text in ckpt.tokenizer_files.items():
             (tmp / name).write_text(text)

@@ -436,9 +436,10 @@ def test_mlx_lm_interop_both_ways(variant, tmp_path, name):
 
 def test_gpt_oss_int4_loads_in_mlx_lm(variant, tmp_path):
     """gpt-oss converted to int4 gives mlx-lm's model the logits mlxrun computes. mlx-lm's
-    gpt-oss fixes swiglu_limit at 7.0, reads YaRN from `rope_scaling` only and always
-    truncates YaRN's correction range, so the config here is one it represents (the tiny
-    model's own limit of 0.5 and truncate=False differ from it by 0.85 relative)."""
+    gpt-oss fixes swiglu_limit at 7.0 and always truncates YaRN's correction range, so the
+    config here is one it represents (the tiny model's own limit of 0.5 and truncate=False
+    differ from it by 0.85 relative). It reads YaRN only from `rope_scaling`, which this
+    transformers 5 config lacks: convert writes it."""
     import json
     import shutil
 
@@ -453,10 +454,11 @@ def test_gpt_oss_int4_loads_in_mlx_lm(variant, tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["swiglu_limit"] = 7.0
     cfg["rope_parameters"]["truncate"] = True
-    cfg["rope_scaling"] = cfg["rope_parameters"]
     (d / "config.json").write_text(json.dumps(cfg))
+    assert "rope_scaling" not in cfg
     out = tmp_path / "int4"
     assert convert(str(d), str(out), quant="int4", group_size=32, progress=False) == []
+    assert json.loads((out / "config.json").read_text())["rope_scaling"]["rope_type"] == "yarn"
     ids = PROMPT[:12].tolist()
     model, _ = mlx_lm.load(str(out))
     want = np.array(model(mx.array([ids])).astype(mx.float32))[0]
