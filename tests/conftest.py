@@ -10,6 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mlxrun.convert import convert
+from mlxrun.weights import Tensor, save_safetensors
+
 try:
     import mlx.core as _mx
 except ImportError:
@@ -248,3 +251,82 @@ def real():
     if not REAL.is_file():
         pytest.skip("SmolLM2 GGUF not installed")
     return read_gguf(REAL)
+
+
+# The quantization tests' checkpoint (tests/test_quantized.py, tests/test_requantize.py), read
+# only: a dense llama and its conversions, built once a session.
+# A llama whose every matrix has input size 128 or 256, so all group sizes quantize all of it.
+WIDE = dict(
+    model_type="llama",
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    tie_word_embeddings=False,
+    rope_theta=10000.0,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    torch_dtype="float32",
+)
+
+
+@pytest.fixture(scope="session")
+def wide(tmp_path_factory):
+    """A random float32 llama (hidden 128) written as a Hugging Face directory."""
+    d = tmp_path_factory.mktemp("wide") / "dense"
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    H, I, V, L = 128, 256, 128, WIDE["num_hidden_layers"]
+    kv = WIDE["num_key_value_heads"] * H // WIDE["num_attention_heads"]
+    shapes = {
+        "model.embed_tokens.weight": (V, H),
+        "model.norm.weight": (H,),
+        "lm_head.weight": (V, H),
+    }
+    for i in range(L):
+        p = f"model.layers.{i}"
+        shapes.update(
+            {
+                f"{p}.input_layernorm.weight": (H,),
+                f"{p}.post_attention_layernorm.weight": (H,),
+                f"{p}.self_attn.q_proj.weight": (H, H),
+                f"{p}.self_attn.k_proj.weight": (kv, H),
+                f"{p}.self_attn.v_proj.weight": (kv, H),
+                f"{p}.self_attn.o_proj.weight": (H, H),
+                f"{p}.mlp.gate_proj.weight": (I, H),
+                f"{p}.mlp.up_proj.weight": (I, H),
+                f"{p}.mlp.down_proj.weight": (H, I),
+            }
+        )
+    tensors = {}
+    for name, shape in shapes.items():
+        base = 1.0 if name.endswith("norm.weight") else 0.0
+        scale = 0.2 if base else 0.12
+        w = (base + scale * rng.standard_normal(shape)).astype(np.float32)
+        tensors[name] = Tensor("F32", w)
+    save_safetensors(d / "model.safetensors", tensors)
+    (d / "config.json").write_text(json.dumps(WIDE))
+    (d / "tokenizer.json").write_text(word_tokenizer_json(V))
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return d
+
+
+@pytest.fixture(scope="session")
+def converted(wide, tmp_path_factory):
+    """(quant, group) -> a directory written by `mlxrun convert --quant`."""
+    root = tmp_path_factory.mktemp("converted")
+    cache = {}
+
+    def get(quant, group):
+        if (quant, group) not in cache:
+            out = root / f"{quant}_g{group}"
+            notes = convert(str(wide), str(out), quant=quant, group_size=group, progress=False)
+            assert notes == []  # every matrix of WIDE is quantized
+            cache[quant, group] = out
+        return cache[quant, group]
+
+    return get
