@@ -168,6 +168,15 @@ def tiny_dir(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def int4_tiny(tiny_dir, tmp_path_factory):
+    """llama_gqa_tied converted to int4 g32 by `mlxrun convert` (read only)."""
+    d, _ = tiny_dir("llama_gqa_tied")
+    out = tmp_path_factory.mktemp("qtiny") / "int4"
+    convert(str(d), str(out), quant="int4", group_size=32, progress=False)
+    return out
+
+
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
