@@ -23,7 +23,7 @@ from mlxrun.quant.gguf_encode import q4_k, q6_k
 from mlxrun.sampling import SamplingParams
 
 from .conftest import rel_err
-from .test_gguf_archs import TEMPLATE, byte_vocab
+from .test_gguf_archs import _add_tokenizer, byte_vocab
 
 Q = gguf.GGMLQuantizationType
 H, I, S, E, K = 256, 256, 512, 4, 2  # widths of whole 256-weight K-quant blocks
@@ -67,19 +67,6 @@ def _encode(a: np.ndarray, kind: str) -> tuple[np.ndarray, object]:
         enc = {"Q4_K": q4_k, "Q6_K": q6_k}[kind](a.reshape(-1, a.shape[-1]))
         return enc.reshape(*a.shape[:-1], -1), Q[kind]
     return gguf.quants.quantize(a, Q[kind]), Q[kind]
-
-
-def _add_tokenizer(w, pre: str, tokens, ttypes, merges) -> None:
-    """The byte-level BPE vocabulary, its ids and the chat template, as llama.cpp writes them."""
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(ttypes)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(len(tokens) - 3)
-    w.add_eos_token_id(len(tokens) - 1)
-    w.add_add_bos_token(False)
-    w.add_chat_template(TEMPLATE)
 
 
 def write_moe_gguf(path, arch: str, hf, types: dict) -> dict[str, np.ndarray]:
