@@ -181,6 +181,17 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def hf_greedy(hf, ids, n: int) -> list[int]:
+    """The token oracle: transformers' greedy continuation of `ids` by exactly `n` tokens
+    (EOS does not stop it)."""
+    import torch
+
+    with torch.no_grad():
+        out = hf.generate(torch.tensor(ids)[None], max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    return out[0, len(ids) :].tolist()
+
+
 # Tiny mixture-of-experts checkpoints for the tensor-parallel tests: 64 rows an expert
 # (32 a rank over two: whole groups of 32 for int4 g32 and MXFP4); vocabulary 96 > hidden 64,
 # so the ranks split it too.

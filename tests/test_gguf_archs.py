@@ -17,7 +17,7 @@ from mlxrun.quant import gguf_blocks as gb
 from mlxrun.sampling import SamplingParams
 from mlxrun.weights import load_safetensors
 
-from .conftest import rel_err
+from .conftest import hf_greedy, rel_err
 from .test_gguf_blocks import random_rows
 
 Q = gguf.GGMLQuantizationType
@@ -171,14 +171,7 @@ def test_logits_and_greedy_match_transformers_gguf(model_file, backend):
         int(t[0])
         for t in generate_step(m.transformer, [ids.tolist()], SamplingParams(), max_tokens=8)
     ]
-    want = hf.generate(
-        torch.tensor(ids)[None],
-        max_new_tokens=8,
-        min_new_tokens=8,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )[0, len(ids) :].tolist()
+    want = hf_greedy(hf, ids, 8)
     assert toks == want
 
 
