@@ -8,7 +8,7 @@ import sys
 import click
 
 from .cli_io import convert_summary
-from .cli_options import show_notes, verbosity_options
+from .cli_options import group_size_option, show_notes, verbosity_options
 from .errors import MlxrunError
 
 
@@ -26,7 +26,7 @@ from .errors import MlxrunError
     help="Quantize: int4, int8, fp8, fp4 or nvfp4 (mlx-lm's format); none dequantizes a "
     "quantized source [default: keep the weights as stored].",
 )
-@click.option("--group-size", type=int, default=None, help="Quantization group size.")
+@group_size_option
 @click.option("--bits", type=int, default=None, help="Quantization bits (a check for --quant).")
 @click.option(
     "--calibrate",

@@ -8,7 +8,22 @@ import sys
 import click
 
 from .cli_io import check_writable, read_prompts, stdin_text, write_jsonl
-from .cli_options import kv_quant_option, model_options, show_notes, verbosity_options
+from .cli_options import (
+    bits_option,
+    draft_option,
+    group_size_option,
+    kv_quant_option,
+    load_quant_option,
+    min_p_option,
+    model_options,
+    num_draft_option,
+    seed_option,
+    show_notes,
+    temp_option,
+    top_k_option,
+    top_p_option,
+    verbosity_options,
+)
 from .cli_structured import constraint_from, constraint_options
 from .errors import MlxrunError
 
@@ -75,20 +90,10 @@ def _weights_line(m) -> str:
     show_default=True,
     help="Most tokens to generate (>= 1).",
 )
-@click.option(
-    "--temp", type=float, default=0.0, show_default=True, help="Sampling temperature; 0 is greedy."
-)
-@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass.")
-@click.option(
-    "--top-k", type=int, default=0, show_default=True, help="Keep the k likeliest (0: off)."
-)
-@click.option(
-    "--min-p",
-    type=float,
-    default=0.0,
-    show_default=True,
-    help="Drop tokens under min-p x the top probability.",
-)
+@temp_option
+@top_p_option
+@top_k_option
+@min_p_option
 @click.option(
     "--repetition-penalty",
     type=float,
@@ -96,18 +101,11 @@ def _weights_line(m) -> str:
     show_default=True,
     help="Penalise recently generated tokens (1: off).",
 )
-@click.option("--seed", type=int, default=None, help="Seed for reproducible sampling.")
+@seed_option
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable).")
-@click.option(
-    "--quant",
-    default=None,
-    help="Quantize on load: int4, int8, fp8, fp4, nvfp4, auto or none. On an already "
-    "quantized model, layers already in that format are kept and the others re-quantized; "
-    "none dequantizes them [default: as stored, or dequantized where the device runs dense "
-    "weights faster and they fit (PyTorch on the CPU)].",
-)
-@click.option("--group-size", type=int, default=None, help="Quantization group size.")
-@click.option("--bits", type=int, default=None, help="Quantization bits (int formats).")
+@load_quant_option
+@group_size_option
+@bits_option
 @click.option(
     "--check-weights/--no-check-weights",
     default=True,
@@ -122,19 +120,8 @@ def _weights_line(m) -> str:
     help="Speculative decoding with this small model (same tokenizer) drafting tokens "
     "that the model checks in one pass; greedy output is unchanged.",
 )
-@click.option(
-    "--draft",
-    type=click.Choice(["ngram"]),
-    default=None,
-    help="Speculative decoding with prompt lookup: draft the tokens that followed the "
-    "latest earlier occurrence of the last few tokens.",
-)
-@click.option(
-    "--num-draft",
-    type=int,
-    default=None,
-    help="Tokens drafted per verify pass [default: 4 with --draft-model, 8 with --draft ngram].",
-)
+@draft_option
+@num_draft_option
 @verbosity_options
 def generate(
     model,

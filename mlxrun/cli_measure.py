@@ -10,11 +10,17 @@ import click
 
 from .cli_io import check_writable, emit_json
 from .cli_options import (
-    DTYPE_CHOICES,
     batch_option,
+    bits_option,
+    draft_option,
+    dtype_option,
     json_option,
     kv_quant_option,
+    min_p_option,
     model_options,
+    num_draft_option,
+    top_k_option,
+    top_p_option,
 )
 from .errors import MlxrunError
 
@@ -101,7 +107,7 @@ def plan(model, backend, dtype, quant, context, batch, prompt_tokens, tp, kv_qua
     "against --model's dense weights; repeat for several.",
 )
 @click.option("--group-size", type=int, default=None, help="Group size for entries without :gG.")
-@click.option("--bits", type=int, default=None, help="Quantization bits (int formats).")
+@bits_option
 @click.option(
     "--text",
     default=None,
@@ -227,18 +233,13 @@ def _csv(value: str) -> list[str]:
     show_default=True,
     help="Above 0: each format is also timed sampling with this temperature (its own row).",
 )
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--top-k", type=int, default=0, show_default=True)
-@click.option("--min-p", type=float, default=0.0, show_default=True)
+@top_p_option
+@top_k_option
+@min_p_option
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of sampled rows.")
 @click.option("--json", "json_path", default=None, help="Write every number to this file.")
 @click.option("--plot", "plot_path", default=None, help="Draw decode tok/s vs roofline (PNG).")
-@click.option(
-    "--dtype",
-    type=click.Choice(DTYPE_CHOICES),
-    default=None,
-    help="Compute dtype [default: float32 on CPU, bfloat16 on GPUs, float16 on MPS].",
-)
+@dtype_option
 @click.option(
     "--draft-model",
     default=None,
@@ -246,8 +247,8 @@ def _csv(value: str) -> list[str]:
     "acceptance and effective tok/s against plain decode (random weights: the verify "
     "pass's cost instead).",
 )
-@click.option("--draft", type=click.Choice(["ngram"]), default=None, help="Prompt lookup drafts.")
-@click.option("--num-draft", type=int, default=None, help="Tokens drafted per verify pass.")
+@draft_option
+@num_draft_option
 @click.option(
     "--kv-quant",
     default=None,

@@ -1,5 +1,7 @@
-"""Options that several CLI commands share (--model/--backend/--dtype, --json, --kv-quant,
---verbose/--quiet), and how a command shows what loading decided."""
+"""Options that several CLI commands share (--model/--backend/--dtype, --quant on load,
+the sampling options, --json, --kv-quant, --verbose/--quiet), and how a command shows what
+loading decided. Each is defined once here, so its help and default cannot drift between
+commands; an option whose meaning differs by command (bench's comma lists) stays there."""
 
 from __future__ import annotations
 
@@ -66,13 +68,66 @@ def model_options(f):
         help="mlx (Metal / mlx-cuda / CPU), cuda, mps or cpu (PyTorch); auto picks "
         "MLX on Apple Silicon, CUDA where present, else PyTorch CPU.",
     )(f)
-    f = click.option(
-        "--dtype",
-        type=click.Choice(DTYPE_CHOICES),
-        default=None,
-        help="Compute dtype [default: float32 on CPU, bfloat16 on GPUs, float16 on MPS].",
-    )(f)
-    return f
+    return dtype_option(f)
+
+
+dtype_option = click.option(
+    "--dtype",
+    type=click.Choice(DTYPE_CHOICES),
+    default=None,
+    help="Compute dtype [default: float32 on CPU, bfloat16 on GPUs, float16 on MPS].",
+)
+# The formats `load` takes as quant=, for every command that quantizes on load
+LOAD_QUANTS = "int4, int8, fp8, fp4, nvfp4, auto or none"
+# generate's --quant (serve and chat load without `fastest`, so their default differs)
+load_quant_option = click.option(
+    "--quant",
+    default=None,
+    help=f"Quantize on load: {LOAD_QUANTS}. On an already "
+    "quantized model, layers already in that format are kept and the others re-quantized; "
+    "none dequantizes them [default: as stored, or dequantized where the device runs dense "
+    "weights faster and they fit (PyTorch on the CPU)].",
+)
+group_size_option = click.option(
+    "--group-size", type=int, default=None, help="Quantization group size."
+)
+bits_option = click.option(
+    "--bits", type=int, default=None, help="Quantization bits (int formats)."
+)
+
+# Sampling (mlxrun.sampling.SamplingParams)
+temp_option = click.option(
+    "--temp", type=float, default=0.0, show_default=True, help="Sampling temperature; 0 is greedy."
+)
+top_p_option = click.option(
+    "--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass."
+)
+top_k_option = click.option(
+    "--top-k", type=int, default=0, show_default=True, help="Keep the k likeliest (0: off)."
+)
+min_p_option = click.option(
+    "--min-p",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Drop tokens under min-p x the top probability.",
+)
+seed_option = click.option("--seed", type=int, default=None, help="Seed for reproducible sampling.")
+
+# Speculative decoding without a draft model, and the draft length either way
+draft_option = click.option(
+    "--draft",
+    type=click.Choice(["ngram"]),
+    default=None,
+    help="Speculative decoding with prompt lookup: draft the tokens that followed the "
+    "latest earlier occurrence of the last few tokens.",
+)
+num_draft_option = click.option(
+    "--num-draft",
+    type=int,
+    default=None,
+    help="Tokens drafted per verify pass [default: 4 with --draft-model, 8 with --draft ngram].",
+)
 
 
 def show_notes(notes: list[str], quiet: bool) -> None:

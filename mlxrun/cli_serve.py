@@ -9,7 +9,14 @@ import sys
 
 import click
 
-from .cli_options import kv_quant_option, model_options
+from .cli_options import (
+    LOAD_QUANTS,
+    kv_quant_option,
+    model_options,
+    seed_option,
+    temp_option,
+    top_p_option,
+)
 from .cli_structured import (
     compile_timeout_option,
     constraint_from,
@@ -21,7 +28,9 @@ from .errors import MlxrunError
 
 def engine_options(f):
     f = click.option(
-        "--quant", default=None, help="Quantize on load (as generate): int4, fp8, fp4, auto, none."
+        "--quant",
+        default=None,
+        help=f"Quantize on load (as generate): {LOAD_QUANTS} [default: as stored].",
     )(f)
     f = click.option(
         "--max-batch",
@@ -118,9 +127,9 @@ def serve(model, backend, dtype, quant, max_batch, context, no_prefix_cache, kv_
 @engine_options
 @click.option("--system", default=None, help="System message.")
 @click.option("--max-tokens", type=int, default=512, show_default=True, help="Most tokens a turn.")
-@click.option("--temp", type=float, default=0.0, show_default=True, help="Sampling temperature.")
-@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass.")
-@click.option("--seed", type=int, default=None, help="Seed for reproducible sampling.")
+@temp_option
+@top_p_option
+@seed_option
 @constraint_options
 def chat(model, backend, dtype, quant, max_batch, context, no_prefix_cache, kv_quant, system,
          max_tokens, temp, top_p, seed, json_schema, grammar):  # fmt: skip

@@ -11,7 +11,7 @@ import numpy as np
 from . import rope
 from .errors import MlxrunError
 from .moe import MOE_KEYS, MoEOptions, moe_options
-from .validate import check_config
+from .validate import REQUIRED_SIZES, check_config
 
 SUPPORTED_MODEL_TYPES = (
     "llama",
@@ -115,13 +115,7 @@ class ModelConfig:
             )
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in names and k != "extra"}
-        for req in (
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "vocab_size",
-        ):
+        for req in REQUIRED_SIZES:
             if req not in kw:
                 raise MlxrunError(f"config.json has no {req!r}; is this a {mt} checkpoint?")
         kw.setdefault("num_key_value_heads", kw["num_attention_heads"])

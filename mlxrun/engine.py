@@ -6,12 +6,12 @@ prefill one chunk of one admitted prompt, run one decode step for every running 
 hand each new token to its request's callback, and retire finished or cancelled sequences
 at once. Rows have their own lengths, masks and rope positions (backends/slots.py), so a
 sequence's tokens do not depend on its batch-mates. How a step is sampled, and the
-fixed-shape steps that run ahead of the host, are in engine_steps.py.
+fixed-shape steps that run ahead of the host, are in engine_steps.py; what a request sees
+of each token (text, stop strings, finish reasons) is in engine_seq.py.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import queue
 import sys
@@ -22,16 +22,15 @@ from collections.abc import Iterator
 import numpy as np
 
 from .backends.base import QuantizedWeight
-from .engine_io import Event, QueueFull, Request, TokenLogprob
+from .engine_io import Event, QueueFull, Request
+from .engine_seq import Emits, _Seq
 from .engine_steps import FixedSteps, _Flight, sample_rows
 from .engine_steps import token_logprobs as token_logprobs
 from .engine_tp import IDLE_BEAT_S, StepSync, fix_seed, from_wire, to_wire
 from .errors import MlxrunError
-from .generate import _stop_hold
 from .memory import prefill_chunk_for
 from .model import Transformer
 from .phases import Phases, now
-from .sampling import row_seed
 from .structured import grammars_for
 from .tokenizer import Tokenizer
 
@@ -40,31 +39,6 @@ from .tokenizer import Tokenizer
 MIN_PREFIX = 4
 # How many requests' first-token phases the engine keeps (`Engine.recent`)
 RECENT = 64
-log = logging.getLogger("mlxrun.engine")
-
-
-class _Seq:
-    """A request in a slot: prefilling while done < len(prompt), then decoding."""
-
-    def __init__(self, req: Request, slot: int, cached: int, tokenizer: Tokenizer, matcher=None):
-        self.req, self.slot, self.cached = req, slot, cached
-        self.matcher = matcher  # the request's grammar state (`mlxrun.structured`), or None
-        self.done = cached  # prompt tokens whose k, v are in the slot
-        self.history = list(req.prompt)  # for the repetition penalty
-        self.seed = row_seed(req.params)  # one per request: its draws ignore batch-mates
-        self.detok = tokenizer.detokenizer(req.markup)
-        self.stops = [s for s in req.stop if s]
-        self.n = 0  # tokens generated
-        self.sent = 0  # characters of detok.text already handed out
-        self.last = -1  # the token the next decode step feeds
-
-
-def not_finite(n: int) -> str:
-    return (
-        f"the model's logits are NaN or infinite at generated token {n + 1}: this request "
-        "stops rather than emitting garbage (the others go on); the weights or activations "
-        "overflow, so try --dtype float32 or another checkpoint"
-    )
 
 
 def _materialize(model: Transformer) -> None:
@@ -89,7 +63,7 @@ def _common(a: list[int], b: list[int]) -> int:
     return int(diff[0]) if len(diff) else n
 
 
-class Engine(FixedSteps):
+class Engine(FixedSteps, Emits):
     """Continuous batching over `max_batch` cache slots of `context` positions each.
 
     submit() queues a request (raising QueueFull at `max_queue` waiting, MlxrunError for a
@@ -406,69 +380,6 @@ class Engine(FixedSteps):
         ok = be.to_numpy(be.finite_rows(logits)).reshape(-1)
         for s, t, lp, f in zip(seqs, toks.tolist(), lps, ok.tolist()):
             self._emit(s, t, lp, bool(f))
-
-    def _emit(self, s: _Seq, token: int, lp: TokenLogprob | None, finite: bool = True) -> None:
-        """Hand one token to its request (as `generate.stream` turns tokens into text); a
-        row whose logits were not finite ends its request with an error instead."""
-        if not finite:
-            self.stats["failed"] += 1
-            msg = not_finite(s.n)
-            self._send(s, Event("", None, None, "error", len(s.req.prompt), s.n, s.cached, msg))
-            self._retire(s, keep=False)
-            self.cache.clear(s.slot)  # its keys and values may hold NaN
-            return
-        s.n += 1
-        if s.n == 1:
-            s.req.phases.first_token = now()
-        s.last = token
-        s.history.append(token)
-        self.stats["generated_tokens"] += 1
-        finish = None
-        m = s.matcher
-        if m is not None and not m.done and not m.advance(token):
-            self._send(s, Event("", token, lp, "error", len(s.req.prompt), s.n, s.cached,
-                                f"the grammar rejected a token: {m.error}"))  # fmt: skip
-            self._retire(s, keep=False)
-            return
-        if token in self.tokenizer.eos_token_ids:
-            finish = "stop"
-            s.detok.flush()
-        else:
-            s.detok.add(token)
-            if m is not None and m.done:  # the structure is complete: only the end may follow
-                finish = "stop"
-                s.detok.flush()
-            elif s.n == s.req.max_tokens:
-                finish = "length"
-                s.detok.flush()
-        text = s.detok.text
-        hits = [i for stop in s.stops if (i := text.find(stop, s.sent)) >= 0]
-        if hits:
-            text, finish = text[: min(hits)], "stop"
-        end = len(text) if finish else len(text) - _stop_hold(text, s.stops)
-        piece, s.sent = text[s.sent : end], max(s.sent, end)
-        if s.n == 1:
-            s.req.phases.first_event = now()
-        self._send(s, Event(piece, token, lp, finish, len(s.req.prompt), s.n, s.cached))
-        if s.n == 1:
-            self._first(s.req.phases)
-        if finish:
-            self.stats["finished"] += 1
-            self._retire(s)
-
-    def _first(self, ph: Phases) -> None:
-        """A request's first token is out: keep its phases (`recent`, /health)."""
-        self.recent.append(ph)
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("first token: %s", ph.breakdown())
-
-    def _send(self, s: _Seq, ev: Event) -> None:
-        if s.req.on_event is not None and not s.req.cancelled:
-            try:
-                s.req.on_event(ev)
-            except Exception as e:  # a broken consumer loses its request, not the engine
-                print(f"mlxrun: dropping request {s.req.id}: {e}", file=sys.stderr)
-                s.req.cancel()
 
     def _retire(self, s: _Seq, keep: bool = True) -> None:
         """Free the slot now; its keys and values stay as a prefix for later requests."""

@@ -4,9 +4,9 @@
 read, sample it under grammar masks, land its tokens.
 
 Separate from engine.py, which decides what runs (admission, the prefix cache, prefill
-chunks, emitting and retiring): this is how a decided step runs on the device and comes
-back. The methods read the Engine's `be`, `graphs`, `cache`, `held`, `seqs` and `_flight`,
-and hand tokens to its `_emit`."""
+chunks, retiring), and engine_seq.py, which turns tokens into a request's events: this is
+how a decided step runs on the device and comes back. The methods read the Engine's `be`,
+`graphs`, `cache`, `held`, `seqs` and `_flight`, and hand tokens to its `_emit`."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from .sampling import mask_words, pack, plan_for
 from .structured import fill_masks
 
 if TYPE_CHECKING:
-    from .engine import _Seq
+    from .engine_seq import _Seq
 
 # Launch a fixed-shape decode step before reading the previous one's tokens (CUDA);
 # MLXRUN_SERVE_OVERLAP=0 reads each step's tokens first (for A/B timing).

@@ -19,13 +19,12 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from pathlib import Path
 
 import numpy as np
 
 from .config import ModelConfig
 from .dense import dense_checkpoint, quantize_tensors
-from .errors import MlxrunError
+from .errors import MlxrunError, read_user_text
 from .loader import Checkpoint, open_checkpoint
 from .weights import Tensor
 
@@ -189,14 +188,7 @@ def eval_text(text: str | None = None) -> str:
     """The text to score: a file path, or None for the bundled mlxrun/data/eval.txt."""
     if text is None:
         return resources.files("mlxrun").joinpath("data/eval.txt").read_text(encoding="utf-8")
-    try:
-        body = Path(text).expanduser().read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise MlxrunError(f"--text {text}: no such file; give a UTF-8 text file") from None
-    except UnicodeDecodeError:
-        raise MlxrunError(f"--text {text}: not UTF-8 text; give a plain text file") from None
-    except OSError as e:
-        raise MlxrunError(f"--text {text}: cannot be read ({e.strerror or e})") from None
+    body = read_user_text(text, "--text", "a UTF-8 text file")
     if not body.strip():
         raise MlxrunError(f"--text {text}: the file is empty; give a few paragraphs of text")
     return body

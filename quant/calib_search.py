@@ -14,8 +14,7 @@ from mlxrun.quant.reference import (
     e2m1_encode,
     e4m3_decode,
     e4m3_encode,
-    e8m0_encode,
-    e8m0_exponent,
+    float_scales,
     pack,
     round_to,
 )
@@ -87,13 +86,7 @@ def make_grid(w: np.ndarray, spec: QuantSpec, dtype: str, shrink=None) -> Grid:
         return Grid(spec, dtype, round_to(s[..., 0], dtype), round_to(b[..., 0], dtype))
     amax = np.abs(wg).max(-1) * shrink
     s = round_to(amax / np.float32(6.0 if spec.bits == 4 else 448.0), dtype)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        if spec.mode == "nvfp4":
-            sb = e4m3_encode(s)
-            val = e4m3_decode(sb)
-        else:
-            sb = e8m0_encode(s)
-            val = np.ldexp(np.float32(1.0), e8m0_exponent(s)).astype(np.float32)
+    sb, val = float_scales(s, spec.mode)
     return Grid(spec, dtype, val.astype(np.float32), None, sb)
 
 

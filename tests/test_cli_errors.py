@@ -162,17 +162,6 @@ def test_convert_failure_leaves_nothing(tmp_path, tiny_dir):
 # ---------------------------------------------------------------- quantization input
 
 
-@pytest.fixture(scope="module")
-def quantized_tiny(tiny_dir, tmp_path_factory):
-    """llama_gqa_tied converted to int4 g32 by `mlxrun convert`."""
-    from mlxrun.convert import convert
-
-    d, _ = tiny_dir("llama_gqa_tied")
-    out = tmp_path_factory.mktemp("qtiny") / "int4"
-    convert(str(d), str(out), quant="int4", group_size=32, progress=False)
-    return out
-
-
 def _edit_quant(src, dst, **changes):
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
@@ -212,8 +201,8 @@ def test_group_size_or_bits_not_allowed_cli(capsys, tiny_dir, tmp_path, command,
     assert not (tmp_path / "out").exists()
 
 
-def test_checkpoint_with_unknown_mode_cli(capsys, quantized_tiny, tmp_path):
-    d = _edit_quant(quantized_tiny, tmp_path / "bad", mode="int3")
+def test_checkpoint_with_unknown_mode_cli(capsys, int4_tiny, tmp_path):
+    d = _edit_quant(int4_tiny, tmp_path / "bad", mode="int3")
     for args in (
         ["generate", "--model", str(d), "--backend", "cpu"],
         ["generate", "--model", str(d), "--backend", "mlx", "--quant", "int8"],
@@ -224,8 +213,8 @@ def test_checkpoint_with_unknown_mode_cli(capsys, quantized_tiny, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_packed_shapes_do_not_match_config_cli(capsys, quantized_tiny, tmp_path):
-    d = _edit_quant(quantized_tiny, tmp_path / "bad", bits=8)  # the files hold 4-bit values
+def test_packed_shapes_do_not_match_config_cli(capsys, int4_tiny, tmp_path):
+    d = _edit_quant(int4_tiny, tmp_path / "bad", bits=8)  # the files hold 4-bit values
     for backend in ("cpu", "mlx"):
         code, err = run_cli(capsys, "generate", "--model", str(d), "--backend", backend)
         assert_one_line_error(

@@ -165,16 +165,6 @@ def test_devices_json_and_verbose_says_each_note_once():
 # --- choices the tool makes: the fast default, warnings for known-bad choices -----------------
 
 
-@pytest.fixture(scope="module")
-def int4_tiny(tiny_dir, tmp_path_factory):
-    from mlxrun.convert import convert
-
-    d, _ = tiny_dir("llama_gqa_tied")
-    out = tmp_path_factory.mktemp("q") / "int4"
-    convert(str(d), str(out), quant="int4", group_size=32, progress=False)
-    return out
-
-
 def test_default_expands_packed_weights_where_dense_is_faster(int4_tiny):
     args = ["generate", "-m", int4_tiny, "-b", "cpu", "--no-chat", "-p", "w5 w6", "--max-tokens", 4]
     default, none = invoke(*args), invoke(*args, "--quant", "none")

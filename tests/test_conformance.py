@@ -18,7 +18,7 @@ from mlxrun.errors import MlxrunError
 from mlxrun.generate import generate_step
 from mlxrun.sampling import SamplingParams
 
-from .conftest import rel_err, write_random
+from .conftest import hf_greedy, rel_err, write_random
 
 VOCAB = 64
 BASE = dict(
@@ -101,9 +101,7 @@ def test_variant_matches_transformers(variant, name):
     ids = np.random.default_rng(1).integers(3, VOCAB, size=20)
     with torch.no_grad():
         ref = hf(torch.tensor(ids)[None]).logits[0].numpy()
-        out = hf.generate(torch.tensor(ids)[None], max_new_tokens=8, min_new_tokens=8,
-                          do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
-    want = out[0, len(ids) :].tolist()
+    want = hf_greedy(hf, ids, 8)
     for backend in ("cpu", "mlx"):
         m = mlxrun.load(str(d), backend=backend, dtype="float32", progress=False)
         assert rel_err(m.logits(ids), ref) < 1e-4, backend
@@ -270,9 +268,7 @@ def test_cuda_graph_decode_matches_transformers(variant, name):
     """On a GPU: the captured decode step with windows, biases and activations."""
     d, hf = variant(name)
     ids = np.random.default_rng(1).integers(3, VOCAB, size=20)
-    with torch.no_grad():
-        out = hf.generate(torch.tensor(ids)[None], max_new_tokens=12, min_new_tokens=12,
-                          do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    want = hf_greedy(hf, ids, 12)
     m = mlxrun.load(str(d), backend="cuda", dtype="float32", progress=False)
     steps = generate_step(m.transformer, [ids.tolist()], SamplingParams(), max_tokens=12)
-    assert [int(t[0]) for t in steps] == out[0, len(ids) :].tolist()
+    assert [int(t[0]) for t in steps] == want

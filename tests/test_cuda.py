@@ -13,7 +13,7 @@ from mlxrun.backends.torch_backend import TorchBackend
 from mlxrun.generate import generate_step
 from mlxrun.sampling import SamplingParams
 
-from .conftest import TINY, rel_err
+from .conftest import TINY, hf_greedy, rel_err
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
@@ -54,14 +54,7 @@ def test_cuda_matches_transformers(tiny_dir, name):
         ref = hf(torch.tensor(ids)[None]).logits[0].numpy()
     m = mlxrun.load(str(d), backend="cuda", dtype="float32", progress=False)
     assert rel_err(m.logits(ids), ref) < 1e-4
-    want = hf.generate(
-        torch.tensor(ids)[None],
-        max_new_tokens=32,
-        min_new_tokens=32,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )[0, 24:].tolist()
+    want = hf_greedy(hf, ids, 32)
     assert [t[0] for t in _greedy(m, [ids.tolist()], 32)] == want
 
 

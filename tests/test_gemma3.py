@@ -13,7 +13,7 @@ import mlxrun
 from mlxrun.generate import generate_step
 from mlxrun.sampling import SamplingParams
 
-from .conftest import rel_err, write_random
+from .conftest import hf_greedy, rel_err, write_random
 
 GEMMA3 = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -44,10 +44,7 @@ def test_logits_and_greedy_match_transformers(gemma3, backend):
         int(t[0])
         for t in generate_step(m.transformer, [ids.tolist()], SamplingParams(), max_tokens=6)
     ]
-    want = hf.generate(
-        torch.tensor(ids)[None], max_new_tokens=6, min_new_tokens=6, do_sample=False,
-        eos_token_id=None, pad_token_id=0,
-    )[0, len(ids) :].tolist()  # fmt: skip
+    want = hf_greedy(hf, ids, 6)
     assert toks == want
 
 

@@ -17,7 +17,7 @@ from mlxrun.quant import gguf_blocks as gb
 from mlxrun.sampling import SamplingParams
 from mlxrun.weights import load_safetensors
 
-from .conftest import rel_err
+from .conftest import hf_greedy, rel_err
 from .test_gguf_blocks import random_rows
 
 Q = gguf.GGMLQuantizationType
@@ -63,6 +63,19 @@ def byte_vocab() -> tuple[list[str], list[str], list[int]]:
     return tokens, merges, types
 
 
+def _add_tokenizer(w, pre: str, tokens, ttypes, merges) -> None:
+    """The byte-level BPE vocabulary, its ids and the chat template, as llama.cpp writes them."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(ttypes)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(len(tokens) - 3)
+    w.add_eos_token_id(len(tokens) - 1)
+    w.add_add_bos_token(False)
+    w.add_chat_template(TEMPLATE)
+
+
 def blocks(kind: str, rows: int, n: int, rng, std: float = 0.08) -> np.ndarray:
     """Random `kind` blocks for a [rows, n] matrix, scaled so the weights have about `std`."""
     raw = random_rows(kind, rows, n // gb.BLOCKS[kind][1], int(rng.integers(1 << 30)), False)
@@ -96,15 +109,7 @@ def write_model(path, arch: str, tied: bool) -> None:
     w.add_value_length(hd)
     w.add_rope_freq_base(1e6)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if arch != "llama" else "llama-bpe")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(len(tokens) - 3)
-    w.add_eos_token_id(len(tokens) - 1)
-    w.add_add_bos_token(False)
-    w.add_chat_template(TEMPLATE)
+    _add_tokenizer(w, "qwen2" if arch != "llama" else "llama-bpe", tokens, types, merges)
     h, v = D["hidden"], len(tokens)
     w.add_tensor("token_embd.weight", blocks("Q8_0", v, h, rng, 0.5), raw_dtype=Q.Q8_0)
     shapes = dict(
@@ -166,14 +171,7 @@ def test_logits_and_greedy_match_transformers_gguf(model_file, backend):
         int(t[0])
         for t in generate_step(m.transformer, [ids.tolist()], SamplingParams(), max_tokens=8)
     ]
-    want = hf.generate(
-        torch.tensor(ids)[None],
-        max_new_tokens=8,
-        min_new_tokens=8,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )[0, len(ids) :].tolist()
+    want = hf_greedy(hf, ids, 8)
     assert toks == want
 
 

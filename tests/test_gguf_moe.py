@@ -22,8 +22,8 @@ from mlxrun.generate import generate_step
 from mlxrun.quant.gguf_encode import q4_k, q6_k
 from mlxrun.sampling import SamplingParams
 
-from .conftest import rel_err
-from .test_gguf_archs import TEMPLATE, byte_vocab
+from .conftest import hf_greedy, rel_err
+from .test_gguf_archs import _add_tokenizer, byte_vocab
 
 Q = gguf.GGMLQuantizationType
 H, I, S, E, K = 256, 256, 512, 4, 2  # widths of whole 256-weight K-quant blocks
@@ -67,19 +67,6 @@ def _encode(a: np.ndarray, kind: str) -> tuple[np.ndarray, object]:
         enc = {"Q4_K": q4_k, "Q6_K": q6_k}[kind](a.reshape(-1, a.shape[-1]))
         return enc.reshape(*a.shape[:-1], -1), Q[kind]
     return gguf.quants.quantize(a, Q[kind]), Q[kind]
-
-
-def _add_tokenizer(w, pre: str, tokens, ttypes, merges) -> None:
-    """The byte-level BPE vocabulary, its ids and the chat template, as llama.cpp writes them."""
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(ttypes)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(len(tokens) - 3)
-    w.add_eos_token_id(len(tokens) - 1)
-    w.add_add_bos_token(False)
-    w.add_chat_template(TEMPLATE)
 
 
 def write_moe_gguf(path, arch: str, hf, types: dict) -> dict[str, np.ndarray]:
@@ -201,9 +188,7 @@ def test_moe_gguf_matches_transformers_gguf_loader(moe_file):
     ids = np.random.default_rng(3).integers(0, 259, size=24)
     with torch.no_grad():
         ref = hf(torch.tensor(ids)[None]).logits[0].numpy()
-        want = hf.generate(torch.tensor(ids)[None], max_new_tokens=4, min_new_tokens=4,
-                           do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
-    want = want[0, len(ids) :].tolist()
+    want = hf_greedy(hf, ids, 4)
     for backend in ("cpu", "mlx"):
         m = mlxrun.load(str(path), backend=backend, dtype="float32", progress=False)
         assert rel_err(m.logits(ids), ref) < 1e-4, backend
@@ -369,9 +354,7 @@ def test_gpt_oss_gguf_mxfp4_experts_load_as_stored(tmp_path):
     with torch.no_grad():
         want_logits = ref(torch.tensor(ids)[None]).logits[0].numpy()
         assert rel_err(want_logits, src(torch.tensor(ids)[None]).logits[0].numpy()) > 1e-3
-        want = ref.generate(torch.tensor(ids)[None], max_new_tokens=4, min_new_tokens=4,
-                            do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
-    want = want[0, len(ids) :].tolist()
+    want = hf_greedy(ref, ids, 4)
     raw = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
     stored = np.asarray(raw["blk.0.ffn_down_exps.weight"].data).reshape(-1, 17)
     for backend in ("cpu", "mlx"):

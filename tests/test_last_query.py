@@ -18,7 +18,7 @@ import mlxrun.model
 from mlxrun.generate import generate_step
 from mlxrun.sampling import SamplingParams
 
-from .conftest import rel_err, write_random
+from .conftest import hf_greedy, rel_err, write_random
 
 VOCAB = 64
 BASE = dict(
@@ -53,13 +53,6 @@ def models(tmp_path_factory):
     return get
 
 
-def _hf_greedy(hf, ids, n: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor(ids)[None], max_new_tokens=n, min_new_tokens=n,
-                          do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
-    return out[0, len(ids) :].tolist()
-
-
 def _no_cut(q, mask):  # the code before the cut: every query attends, the output is sliced
     return q, mask
 
@@ -82,7 +75,7 @@ def test_last_query_cut_keeps_logits_and_tokens(models, name, backend, monkeypat
     d, hf = models(name)
     with torch.no_grad():
         ref = hf(torch.tensor(PROMPT)[None]).logits[0, -1].numpy()
-    want = _hf_greedy(hf, PROMPT, 6)
+    want = hf_greedy(hf, PROMPT, 6)
     m = mlxrun.load(str(d), backend=backend, dtype="float32", progress=False)
     t, be = m.transformer, m.backend
     rows = _query_rows(be, monkeypatch)
@@ -115,4 +108,4 @@ def test_last_query_cut_in_a_left_padded_batch(models, backend):
     m = mlxrun.load(str(d), backend=backend, dtype="float32", progress=False)
     steps = list(generate_step(m.transformer, prompts, SamplingParams(), 5, prefill_chunk=CHUNK))
     for b, p in enumerate(prompts):
-        assert [int(s[b]) for s in steps] == _hf_greedy(hf, p, 5), b
+        assert [int(s[b]) for s in steps] == hf_greedy(hf, p, 5), b

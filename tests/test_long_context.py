@@ -16,7 +16,7 @@ from mlxrun.errors import MlxrunError
 from mlxrun.generate import generate_step
 from mlxrun.sampling import SamplingParams
 
-from .conftest import rel_err, write_random
+from .conftest import hf_greedy, rel_err, write_random
 
 # (imported here, at collection: without a GPU it turns the Triton interpreter on before
 # anything imports triton)
@@ -133,12 +133,10 @@ def test_dynamic_ntk_prefill_and_decode_match_transformers(root):
                                                                   "factor": 4.0}}  # fmt: skip
     d, hf = write_random(root / "dynamic", "llama", kw, std=0.2)
     ids = np.random.default_rng(2).integers(3, VOCAB, size=40)
+    want = hf_greedy(hf, ids, 8)
     with torch.no_grad():
-        out = hf.generate(torch.tensor(ids)[None], max_new_tokens=8, min_new_tokens=8,
-                          do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
         hf.model.rotary_emb.__init__(hf.config)  # the generation grew its cached length
         ref = hf(torch.tensor(ids)[None]).logits[0].numpy()
-    want = out[0, len(ids) :].tolist()
     for backend in ("cpu", "mlx"):
         m = mlxrun.load(str(d), backend=backend, dtype="float32", progress=False)
         assert rel_err(m.logits(ids), ref) < 1e-4, backend
@@ -222,10 +220,8 @@ def test_window_ring_graph_mode_equals_unbounded_cache(root):
 
 
 def _hf_greedy(hf, prompt, n, eos=2):
-    with torch.no_grad():
-        out = hf.generate(torch.tensor(prompt)[None], max_new_tokens=n, min_new_tokens=n,
-                          do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
-    toks = out[0, len(prompt) :].tolist()
+    """hf_greedy up to and including the first `eos` (the engine stops there)."""
+    toks = hf_greedy(hf, prompt, n)
     return toks[: toks.index(eos) + 1] if eos in toks else toks
 
 

@@ -25,6 +25,20 @@ mlx_lm = pytest.importorskip("mlx_lm")
 RECIPES = {"mixed_2_6": (2, 6), "mixed_3_4": (3, 4), "mixed_3_6": (3, 6), "mixed_4_6": (4, 6)}
 
 
+def _match_mlx_lm(out) -> list:
+    """mlx-lm's files at `out` loaded by mlxrun on torch-cpu and on MLX: each gives mlx-lm's
+    own logits (rel err < 1e-4). Returns the two mlxrun models."""
+    ids = np.random.default_rng(2).integers(3, VOCAB, size=12)
+    theirs, _ = mlx_lm.load(str(out))
+    want = np.array(theirs(mx.array(ids[None])).astype(mx.float32))[0]
+    models = []
+    for backend in ("cpu", "mlx"):
+        ours = mlxrun.load(str(out), backend=backend, dtype="float32", progress=False)
+        assert rel_err(ours.logits(ids), want) < 1e-4, backend
+        models.append(ours)
+    return models
+
+
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_mixed_recipe_matches_mlx_lm(tmp_path, recipe):
     # every input width a multiple of 64 (mlx-lm's group); untied: lm_head takes high bits
@@ -111,13 +125,8 @@ def test_mlx_lm_calibrated_files_match_mlx_lm(tmp_path, method):
     out = tmp_path / method
     save(str(out), str(src), model, tok, config)
 
-    ids = np.random.default_rng(2).integers(3, VOCAB, size=12)
-    theirs, _ = mlx_lm.load(str(out))
-    want = np.array(theirs(mx.array(ids[None])).astype(mx.float32))[0]
-    for backend in ("cpu", "mlx"):
-        ours = mlxrun.load(str(out), backend=backend, dtype="float32", progress=False)
+    for ours in _match_mlx_lm(out):
         assert isinstance(ours.transformer.layers[0].down_proj, QuantizedWeight)
-        assert rel_err(ours.logits(ids), want) < 1e-4, backend
 
 
 def test_mlx_lm_dynamic_quant_file_matches_mlx_lm(tmp_path):
@@ -147,12 +156,7 @@ def test_mlx_lm_dynamic_quant_file_matches_mlx_lm(tmp_path):
     bits = {e["bits"] for e in config["quantization"].values() if isinstance(e, dict)}
     assert bits == {8}  # some layers took the high bits, the rest the default 4
 
-    ids = np.random.default_rng(2).integers(3, VOCAB, size=12)
-    theirs, _ = mlx_lm.load(str(out))
-    want = np.array(theirs(mx.array(ids[None])).astype(mx.float32))[0]
-    for backend in ("cpu", "mlx"):
-        ours = mlxrun.load(str(out), backend=backend, dtype="float32", progress=False)
-        assert rel_err(ours.logits(ids), want) < 1e-4, backend
+    _match_mlx_lm(out)
 
 
 def test_mlx_lm_dwq_file_matches_mlx_lm(tmp_path):
@@ -178,9 +182,4 @@ def test_mlx_lm_dwq_file_matches_mlx_lm(tmp_path):
     out = tmp_path / "dwq"
     save(str(out), str(src), q, tok, config)
 
-    ids = np.random.default_rng(2).integers(3, VOCAB, size=12)
-    theirs, _ = mlx_lm.load(str(out))
-    want = np.array(theirs(mx.array(ids[None])).astype(mx.float32))[0]
-    for backend in ("cpu", "mlx"):
-        ours = mlxrun.load(str(out), backend=backend, dtype="float32", progress=False)
-        assert rel_err(ours.logits(ids), want) < 1e-4, backend
+    _match_mlx_lm(out)

@@ -11,25 +11,13 @@ import mlxrun
 from mlxrun.generate import generate_step
 from mlxrun.sampling import SamplingParams
 
-from .conftest import TINY, rel_err
+from .conftest import TINY, hf_greedy, rel_err
 
 BACKENDS = ["cpu", "mlx"]
 
 
 def _ids(n: int, seed: int = 1) -> np.ndarray:
     return np.random.default_rng(seed).integers(3, 96, size=n)
-
-
-def _hf_greedy(hf, ids: np.ndarray, n: int) -> list[int]:
-    out = hf.generate(
-        torch.tensor(ids)[None],
-        max_new_tokens=n,
-        min_new_tokens=n,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return out[0, len(ids) :].tolist()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -49,7 +37,7 @@ def test_logits_and_greedy_match_transformers(tiny_dir, name, backend):
             m.transformer, [ids.tolist()], SamplingParams(), max_tokens=32, prefill_chunk=7
         )
     ]
-    assert toks == _hf_greedy(hf, ids, 32)
+    assert toks == hf_greedy(hf, ids, 32)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -19,7 +19,7 @@ from mlxrun.moe import MoEOptions
 from mlxrun.sampling import SamplingParams
 from mlxrun.weights import Tensor, load_safetensors, save_safetensors
 
-from .conftest import rel_err, write_random
+from .conftest import hf_greedy, rel_err, write_random
 
 VOCAB = 64
 BASE = dict(
@@ -92,9 +92,7 @@ def variant(tmp_path_factory):
 def _hf(hf, ids, new=6):
     with torch.no_grad():
         ref = hf(torch.tensor(ids)[None]).logits[0].numpy()
-        out = hf.generate(torch.tensor(ids)[None], max_new_tokens=new, min_new_tokens=new,
-                          do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
-    return ref, out[0, len(ids) :].tolist()
+    return ref, hf_greedy(hf, ids, new)
 
 
 def _check(m, ids, ref, want, tol, what):
