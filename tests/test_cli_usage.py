@@ -133,7 +133,10 @@ def test_plan_says_when_prompt_tokens_changes_nothing(tiny_dir):
     d, _ = tiny_dir("llama_gqa_tied")
     a = invoke("plan", "-m", d, "-b", "cpu", "--context", 128, "--prompt-tokens", 16)
     b = invoke("plan", "-m", d, "-b", "cpu", "--context", 128)
-    assert a.stdout == b.stdout and "--prompt-tokens does not change the plan" in a.stderr
+    # (the free memory the plan reports may move between the two runs)
+    same = [ln for ln in a.stdout.splitlines() if "available" not in ln]
+    assert same == [ln for ln in b.stdout.splitlines() if "available" not in ln]
+    assert "GiB" in a.stdout and "--prompt-tokens does not change the plan" in a.stderr
 
 
 def test_eval_short_text_error_and_json(capsys, tiny_dir, tmp_path):
