@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import numpy as np
 
@@ -238,6 +239,18 @@ def choose_kq_config(m: int, w: KQLinear, device) -> KQConfig:
 Q6K_MAXNREG = 128
 
 
+def kq_variant() -> int:
+    """The lane GEMV's variant, MLXRUN_KQ_VARIANT (for A/B timing): 0 the previous loads
+    (each high word loaded once per low word it serves, the Q6_K scales in a [8, lanes]
+    tile: on Triton 3.6, 2 and 4 warps spill 856 B at 255 registers), Q6_K on one warp; 1
+    the high words and Q6_K scales loaded in the lanes' layout (2 warps: 128 registers, no
+    spill), Q6_K still on one warp; 2 as 1, Q6_K on several warps as Q4_K."""
+    v = os.environ.get("MLXRUN_KQ_VARIANT", "1")
+    if v not in ("0", "1", "2"):
+        raise MlxrunError(f"MLXRUN_KQ_VARIANT={v!r}: use 0, 1 or 2")
+    return int(v)
+
+
 def _maxnreg(w: KQLinear, warps: int) -> dict:
     """The lane GEMV's register cap: Q6K_MAXNREG for Q6_K on one warp, else none."""
     return {"maxnreg": Q6K_MAXNREG} if w.kind == "Q6_K" and warps == 1 else {}
@@ -257,7 +270,8 @@ def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
     # (2-4) and 14.1 us on one (profile_decode.py --linears; 4096x14336: 38.1 against 31.2);
     # still so without the x loads' layout conversions (2 / 4 warps 33.6 / 210.4 us against
     # 13.3; benchmarks/KERNEL_NOTES.md, 2026-11-26)
-    while warps < tch.GEMV_WARPS and 256 * warps <= kw and w.kind != "Q6_K":
+    q6_one = w.kind == "Q6_K" and kq_variant() < 2
+    while warps < tch.GEMV_WARPS and 256 * warps <= kw and not q6_one:
         warps *= 2
     ksteps = math.ceil(kw / (128 * warps))
     tiles = m * math.ceil(w.n / 8)
@@ -300,7 +314,7 @@ def _lane_gemv(x2, w: KQLinear, y, silu: bool, cfg: tk.KernelConfig | None) -> N
         x2, w.weight, w.scales, w.biases, y, part, cnt, m, w.n, ks, x2.stride(0), y.stride(0),
         w.weight.stride(0), KIND=KINDS[w.kind], SPLIT_K=split, KB_PER_SPLIT=per, EVEN=even,
         KW=kw, SW=sw if even else 0, SILU=silu, WARPS=cfg.num_warps, PREFETCH=cfg.prefetch,
-        KSC=ks if even else 0,
+        KSC=ks if even else 0, V=min(kq_variant(), 1),
         num_warps=cfg.num_warps, **_maxnreg(w, cfg.num_warps),
         **tk.pdl_args(x2.device),
     )  # fmt: skip

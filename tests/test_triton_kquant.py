@@ -143,22 +143,32 @@ def test_lane_gemv_configs_and_silu(kind):
 
 
 @pytest.mark.parametrize(
-    "n,nb,sk,nw,dtype,silu",
+    "n,nb,sk,nw,dtype,silu,v",
     [
-        (16, 8, 2, 1, torch.bfloat16, False),
-        (20, 3, 2, 2, torch.float32, False),
-        (16, 8, 1, 2, torch.bfloat16, True),
+        (16, 8, 2, 1, torch.bfloat16, False, "1"),
+        (20, 3, 2, 2, torch.float32, False, "1"),
+        (16, 8, 1, 2, torch.bfloat16, True, "1"),
+        (20, 6, 2, 4, torch.bfloat16, False, "2"),
+        (20, 3, 2, 2, torch.float32, False, "0"),
     ],
-    ids=["1warp-split2", "2warps-masked-split2-fp32", "2warps-silu"],
+    ids=[
+        "1warp-split2",
+        "2warps-masked-split2-fp32",
+        "2warps-silu",
+        "4warps-masked-split2",
+        "old-loads-2warps-masked",
+    ],  # fmt: skip
 )
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
-def test_q6k_lane_gemv(n, nb, sk, nw, dtype, silu):
-    """Q6_K's lane GEMV (_lane_x4's 1-D x loads, the uint16 scale pair) on one and several
-    warps, x in bf16 pairs and fp32, with row and K masks (20 rows, 3 super-blocks),
-    split-K and the SiLU epilogue: the dequantized product, and silu_mul of it bit for
-    bit."""
+def test_q6k_lane_gemv(n, nb, sk, nw, dtype, silu, v, monkeypatch):
+    """Q6_K's lane GEMV (_lane_x4's 1-D x loads, the uint16 scale pair, the high words and
+    scales loaded in the lanes' layout) on one and several warps, x in bf16 pairs and fp32,
+    with row and K masks (20 rows, 3 or 6 super-blocks), split-K and the SiLU epilogue:
+    the dequantized product, and silu_mul of it bit for bit; also the previous loads
+    (MLXRUN_KQ_VARIANT=0, kept for A/B timing)."""
     from mlxrun.backends import cuda_ops
 
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", v)
     w, ref = _case("Q6_K", n, nb, seed=31)
     x = torch.randn(1, w.k, generator=torch.Generator().manual_seed(6)).to(dtype)
     cfg = tk.KernelConfig("gemv", 1, 8, sk, num_warps=nw, prefetch=False)
@@ -170,13 +180,19 @@ def test_q6k_lane_gemv(n, nb, sk, nw, dtype, silu):
 
 
 def test_q6k_launch_settings(monkeypatch):
-    """Q6_K's lane GEMV runs on one warp (Q4_K takes several) with its register cap."""
+    """Q6_K's lane GEMV runs on one warp (Q4_K takes several) with its register cap; on
+    several with MLXRUN_KQ_VARIANT=2; a bad variant is one clear error."""
     w = kq.random_kquant("Q6_K", 64, 4096, "cpu")
     q4 = kq.random_kquant("Q4_K", 64, 4096, "cpu")
     cuda = torch.device("cuda")
     monkeypatch.setattr(kq.tk, "_num_sms", lambda device: 132)
     assert kq.lane_config(1, w, cuda).num_warps == 1
     assert kq.lane_config(1, q4, cuda).num_warps > 1
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "2")
+    assert kq.lane_config(1, w, cuda).num_warps == kq.lane_config(1, q4, cuda).num_warps > 1
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "x")
+    with pytest.raises(kq.MlxrunError, match="MLXRUN_KQ_VARIANT"):
+        kq.lane_config(1, w, cuda)
     assert kq._maxnreg(w, 1) == {"maxnreg": kq.Q6K_MAXNREG}
     assert kq._maxnreg(w, 2) == {} and kq._maxnreg(q4, 1) == {}
 
