@@ -8,7 +8,8 @@ For each kind and Llama-3-8B linear shape (qkv, o, gate+up, down, the head): ran
 in the kernels' layout (quant/triton_kquant.py random_kquant), enough copies to cycle past
 the L2, one kqmatmul per copy captured in a CUDA graph and replayed; the variants alternate
 within each repetition and the minimum is kept. A variant is MLXRUN_KQ_VARIANT's value, with
-"wN" capping the warps a program at N (triton_launch.GEMV_WARPS). Each output is checked
+"wN" capping the warps a program at N (triton_launch.GEMV_WARPS) and "rN" the registers a
+thread at N (every warp count; else the shipped cap). Each output is checked
 against x @ the dequantized weight in fp32 (relative to its largest value).
 """
 
@@ -18,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -31,13 +33,23 @@ SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 409
 DRY_SHAPES = [(16, 2048), (24, 768)]
 
 
+_MAXNREG = kq._maxnreg
+
+
 def _set(variant: str) -> None:
-    v, _, w = variant.partition("w")
-    os.environ["MLXRUN_KQ_VARIANT"] = v
-    tch.GEMV_WARPS = int(w) if w else 4
+    """ "2w2r128": MLXRUN_KQ_VARIANT=2, at most 2 warps, at most 128 registers a thread."""
+    m = re.fullmatch(r"(\d)(?:w(\d+))?(?:r(\d+))?", variant)
+    if m is None:
+        raise SystemExit(f"variant {variant!r}: V[wWARPS][rREGS]")
+    os.environ["MLXRUN_KQ_VARIANT"] = m[1]
+    tch.GEMV_WARPS = int(m[2]) if m[2] else 4
+    if m[3]:
+        kq._maxnreg = lambda w, warps: {"maxnreg": int(m[3])}
+    else:
+        kq._maxnreg = _MAXNREG
 
 
-def _regs(out) -> None:
+def _regs(out, label: str) -> None:
     """Registers and spills of every lane GEMV compiled in this process."""
     fn = kq.kk._kq_lane_gemv_kernel
     for caches in getattr(fn, "device_caches", {}).values():
@@ -48,7 +60,7 @@ def _regs(out) -> None:
                 kind = {0: "Q4_K", 1: "Q5_K", 2: "Q6_K"}.get(k.src.constants.get("KIND"), "?")
             except Exception:  # noqa: BLE001 (the fields differ between Triton versions)
                 nw, kind = "?", "?"
-            line = f"lane GEMV {kind} {nw} warps: {k.n_regs} registers, {k.n_spills} B spilled"
+            line = f"[{label}] lane GEMV {kind} {nw} warps: {k.n_regs} registers, {k.n_spills} B spilled"
             print(line, file=out)
 
 
@@ -122,7 +134,7 @@ def main() -> None:
             print(f"{kind} {row['shape']} ({row['mb']:.1f} MB): " + " | ".join(parts), flush=True)
             results.append(row)
     if a.regs:
-        _regs(sys.stdout)
+        _regs(sys.stdout, a.warm or a.variants)
     if a.json:
         with open(a.json + ".tmp", "w") as f:
             json.dump(results, f, indent=1)
