@@ -9,13 +9,15 @@ in the kernels' layout (quant/triton_kquant.py random_kquant), enough copies to 
 the L2, one kqmatmul per copy captured in a CUDA graph and replayed; the variants alternate
 within each repetition and the minimum is kept. A variant is MLXRUN_KQ_VARIANT's value, with
 "wN" capping the warps a program at N (triton_launch.GEMV_WARPS) and "rN" the registers a
-thread at N (every warp count; else the shipped cap). Each output is checked
+thread at N (every warp count; else the shipped cap), a final "p" the next k-step's words
+loaded during this one (prefetch). Each output is checked
 against x @ the dequantized weight in fp32 (relative to its largest value).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -36,17 +38,19 @@ DRY_SHAPES = [(16, 2048), (24, 768)]
 _MAXNREG = kq._maxnreg
 
 
-def _set(variant: str) -> None:
-    """ "2w2r128": MLXRUN_KQ_VARIANT=2, at most 2 warps, at most 128 registers a thread."""
-    m = re.fullmatch(r"(\d)(?:w(\d+))?(?:r(\d+))?", variant)
+def _set(variant: str) -> bool:
+    """'2w2r128p': MLXRUN_KQ_VARIANT=2, at most 2 warps, at most 128 registers a thread,
+    the next k-step's words in flight (prefetch). Returns whether to prefetch."""
+    m = re.fullmatch(r"(\d)(?:w(\d+))?(?:r(\d+))?(p?)", variant)
     if m is None:
-        raise SystemExit(f"variant {variant!r}: V[wWARPS][rREGS]")
+        raise SystemExit(f"variant {variant!r}: V[wWARPS][rREGS][p]")
     os.environ["MLXRUN_KQ_VARIANT"] = m[1]
     tch.GEMV_WARPS = int(m[2]) if m[2] else 4
     if m[3]:
         kq._maxnreg = lambda w, warps: {"maxnreg": int(m[3])}
     else:
         kq._maxnreg = _MAXNREG
+    return m[4] == "p"
 
 
 def _regs(out, label: str) -> None:
@@ -83,14 +87,15 @@ def main() -> None:
             w0 = kq.random_kquant(kind, n, k, dev, seed=1)
             copies = 1 if a.dry else max(1, math.ceil((256 << 20) / w0.nbytes))
             ws = [w0] + [kq.random_kquant(kind, n, k, dev, seed=2 + i) for i in range(copies - 1)]
-            x = torch.randn(1, k, device=dev).bfloat16()
+            x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).bfloat16().to(dev)
             ref = x.float() @ kq.dequantize_kquant(w0, torch.float32).T
             row = {"kind": kind, "shape": f"{n}x{k}", "mb": w0.nbytes / 1e6, "runs": {}}
             graphs = {}
             for v in variants:
-                _set(v)
+                pf = _set(v)
                 cfg = kq.lane_config(1, w0, dev)
-                y = kq.kqmatmul(x, w0)
+                cfg = dataclasses.replace(cfg, prefetch=pf or cfg.prefetch)
+                y = kq.kqmatmul(x, w0, cfg)
                 err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
                 row["runs"][v] = {
                     "warps": cfg.num_warps,
@@ -101,12 +106,12 @@ def main() -> None:
                 if a.dry or a.warm:
                     continue
                 for wi in ws:  # compiled and the split-K tickets touched before capture
-                    kq.kqmatmul(x, wi)
+                    kq.kqmatmul(x, wi, cfg)
                 torch.cuda.synchronize()
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
                     for wi in ws:
-                        kq.kqmatmul(x, wi)
+                        kq.kqmatmul(x, wi, cfg)
                 graphs[v] = g
             for _ in range(0 if a.dry or a.warm else a.reps):
                 for v in variants:
