@@ -208,13 +208,20 @@ if triton is not None:
             # (sc, m) of the sub-block as one uint16, (d, dmin) of its super-block as one
             # word: 8 rows x 2 loads a lane per 256 weights
             sub_s = kb * LANES + lane_s
-            smask = n_mask[:, None] & (sub_s < KS)[None, :]
             s16 = s_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
-            scm = tl.load(s16 + rn[:, None] * KS + sub_s[None, :], mask=smask, other=0)
-            scm = scm.to(tl.uint32)
             b32 = b_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
-            dd = tl.load(b32 + rn[:, None] * (KS // 8) + (sub_s // 8)[None, :], mask=smask,
-                         other=0)  # fmt: skip
+            if V == 1:  # [LANES, 8] then transposed: the lanes get the threads (_lane_hi)
+                smt = n_mask[None, :] & (sub_s < KS)[:, None]
+                scm = tl.trans(tl.load(s16 + rn[None, :] * KS + sub_s[:, None], mask=smt, other=0))
+                dd = tl.load(b32 + rn[None, :] * (KS // 8) + (sub_s // 8)[:, None], mask=smt,
+                             other=0)  # fmt: skip
+                dd = tl.trans(dd)
+            else:
+                smask = n_mask[:, None] & (sub_s < KS)[None, :]
+                scm = tl.load(s16 + rn[:, None] * KS + sub_s[None, :], mask=smask, other=0)
+                dd = tl.load(b32 + rn[:, None] * (KS // 8) + (sub_s // 8)[None, :], mask=smask,
+                             other=0)  # fmt: skip
+            scm = scm.to(tl.uint32)
             d = (dd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
             dmin = (dd >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
             # 6-bit integers into the mantissa of 2^23: exact, no int->float conversion

@@ -241,10 +241,12 @@ Q6K_MAXNREG = 128
 
 def kq_variant() -> int:
     """The lane GEMV's variant, MLXRUN_KQ_VARIANT (for A/B timing): 0 the previous loads
-    (each high word loaded once per low word it serves, the Q6_K scales in a [8, lanes]
-    tile: on Triton 3.6, 2 and 4 warps spill 856 B at 255 registers), Q6_K on one warp; 1
-    the high words and Q6_K scales loaded in the lanes' layout (2 warps: 128 registers, no
-    spill), Q6_K still on one warp; 2 as 1, Q6_K on several warps as Q4_K."""
+    (Q6_K's high words loaded once per low word they serve, the sub-block scales in a [8,
+    lanes] tile; on Triton 3.6 that tile's layout has its threads along the rows, so acc is
+    converted every k-step and Q6_K on 2 or 4 warps spills 856 B at 255 registers), Q6_K
+    on one warp; 1 those loads built lanes-first (Q6_K on 2 warps: 128 registers, no spill;
+    Q4_K on 4 warps 3.36 -> 3.06 instructions a weight), Q6_K still on one warp; 2 as 1,
+    Q6_K on several warps as Q4_K (benchmarks/KERNEL_NOTES.md, 2026-11-26)."""
     v = os.environ.get("MLXRUN_KQ_VARIANT", "1")
     if v not in ("0", "1", "2"):
         raise MlxrunError(f"MLXRUN_KQ_VARIANT={v!r}: use 0, 1 or 2")

@@ -142,6 +142,18 @@ def test_lane_gemv_configs_and_silu(kind):
         kq.kqmatmul(x, w, silu=True)
 
 
+@pytest.mark.parametrize("v", ["0", "1"])
+def test_q4k_lane_gemv_scale_loads(v, monkeypatch):
+    """Q4_K's (sc, m) and (d, dmin) loaded lanes-first (MLXRUN_KQ_VARIANT=1, the default)
+    and as before (0, kept for A/B timing), on 2 warps with row and K masks (20 rows, 3
+    super-blocks), split in 2: the dequantized product."""
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", v)
+    w, ref = _case("Q4_K", 20, 3, seed=17)
+    x = torch.randn(1, w.k, generator=torch.Generator().manual_seed(7)).bfloat16()
+    cfg = tk.KernelConfig("gemv", 1, 8, 2, num_warps=2, prefetch=False)
+    _check(kq.kqmatmul(x.to(DEV), w, cfg), x, ref)
+
+
 @pytest.mark.parametrize(
     "n,nb,sk,nw,dtype,silu,v",
     [
