@@ -18,13 +18,14 @@ tlc = tk.tlc
 if triton is not None:
 
     @triton.jit
-    def _lane_hi(w_ptr, rn, n_mask, rkw, kb, stride_w, KW, KS, KIND: tl.constexpr,
+    def _lane_hi(w_ptr, rn, n_mask, rkw, lane_s, kb, stride_w, KW, KS, KIND: tl.constexpr,
                  EVEN: tl.constexpr, LANES: tl.constexpr, V: tl.constexpr = 1):  # fmt: skip
         """The high-bit words of lane l's 32 weights of k-step kb, one per low word w, with
         word w's bits at bit HB*i for its position i (Q5_K: one word a sub-block of 32,
         shifted by 8w; Q6_K: one a sub-block of 16, words 0, 1 its two halves): 4 x [8,
-        LANES] uint32. KS: sub-blocks a row. V=1, Q6_K: each high word loaded once, a lane's
-        two as the last axis of a [8, LANES, 2] tile. Else (V=0 kept for A/B): loaded as
+        LANES] uint32. KS: sub-blocks a row; lane_s: the lanes, opaque to the contiguity
+        analysis. V=1: each high word loaded once, built lanes-first (Q6_K: a lane's two as
+        the last axis of a [LANES, 8, 2] tile; Q5_K: [LANES, 8]). V=0 (kept for A/B): loaded as
         _load_step loads the low words, each high word once per low word it serves, so that
         it lands in the low words' layout; Triton 3.6 instead gives that tile a layout of its
         own on 2 and 4 warps and converts it through shared memory every k-step."""
@@ -42,6 +43,17 @@ if triton is not None:
                 mask = n_mask[None, :, None] & (hw < KS)[:, None, :]  # one high word a sub-block
                 h = tl.load(ptrs, mask=mask, other=0)
             h0, h2 = tl.split(tl.permute(h.to(tl.uint32, bitcast=True), (1, 0, 2)))
+        elif V == 1:
+            # Q5_K: one high word a lane, [LANES, 8] at opaque lane offsets (lane_s: not
+            # vectorized along the lanes), then transposed
+            hw = kb * LANES + lane_s
+            ptrs = w_ptr + rn[None, :] * stride_w + KW + hw[:, None]
+            if EVEN:
+                h = tl.load(ptrs)
+            else:
+                h = tl.load(ptrs, mask=n_mask[None, :] & (hw < KS)[:, None], other=0)
+            h0 = tl.trans(h.to(tl.uint32, bitcast=True))
+            h2 = h0
         else:
             hw = kb * (4 * LANES // PER) + rkw // PER
             ptrs = w_ptr + rn[:, None] * stride_w + KW + hw[None, :]
@@ -287,7 +299,8 @@ if triton is not None:
         wa = tg._load_step(w_ptr, rn, n_mask, rkw, kb0, swn, EVEN, 0, LANES)
         ha = wa
         if KIND != 0:
-            ha = _lane_hi(w_ptr, rn, n_mask, rkw, kb0, swn, KW, ksn, KIND, EVEN, LANES, V)
+            ha = _lane_hi(w_ptr, rn, n_mask, rkw, lane_s, kb0, swn, KW, ksn, KIND, EVEN, LANES,
+                          V)  # fmt: skip
         if PDL:  # the weights do not depend on the previous kernel; x does
             tlc.gdc_wait()
             tlc.gdc_launch_dependents()
@@ -298,15 +311,15 @@ if triton is not None:
                 wb = tg._load_step(w_ptr, rn, n_mask, rkw, kb + 1, swn, EVEN, 0, LANES)
                 hb = wb
                 if KIND != 0:
-                    hb = _lane_hi(
-                        w_ptr, rn, n_mask, rkw, kb + 1, swn, KW, ksn, KIND, EVEN, LANES, V
-                    )
+                    hb = _lane_hi(w_ptr, rn, n_mask, rkw, lane_s, kb + 1, swn, KW, ksn, KIND, EVEN,
+                                  LANES, V)  # fmt: skip
                 acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr,
                                  b_ptr, ksn, KIND, EVEN, LANES, V)  # fmt: skip
                 kn = tl.minimum(kb + 2, kb_last)  # past the last step: reload it, never used
                 wa = tg._load_step(w_ptr, rn, n_mask, rkw, kn, swn, EVEN, 0, LANES)
                 if KIND != 0:
-                    ha = _lane_hi(w_ptr, rn, n_mask, rkw, kn, swn, KW, ksn, KIND, EVEN, LANES, V)
+                    ha = _lane_hi(w_ptr, rn, n_mask, rkw, lane_s, kn, swn, KW, ksn, KIND, EVEN,
+                                  LANES, V)  # fmt: skip
                 acc = _lane_step(acc, wb, hb, kb + 1, x_base, x_pair0, lane, lane_s, rn, n_mask,
                                  s_ptr, b_ptr, ksn, KIND, EVEN, LANES, V)  # fmt: skip
             if KB_PER_SPLIT % 2 == 1:
@@ -319,7 +332,9 @@ if triton is not None:
                 kb = kb0 + j
                 wa = tg._load_step(w_ptr, rn, n_mask, rkw, kb, swn, EVEN, 0, LANES)
                 if KIND != 0:
-                    ha = _lane_hi(w_ptr, rn, n_mask, rkw, kb, swn, KW, ksn, KIND, EVEN, LANES, V)
+                    ha = _lane_hi(
+                        w_ptr, rn, n_mask, rkw, lane_s, kb, swn, KW, ksn, KIND, EVEN, LANES, V
+                    )
                 acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr,
                                  b_ptr, ksn, KIND, EVEN, LANES, V)  # fmt: skip
         out = tl.sum(acc, axis=1) * 562949953421312.0  # [8]: undo the decode's 2^-49
