@@ -192,21 +192,29 @@ def test_q6k_lane_gemv(n, nb, sk, nw, dtype, silu, v, monkeypatch):
 
 
 def test_q6k_launch_settings(monkeypatch):
-    """Q6_K's lane GEMV runs on one warp (Q4_K takes several) with its register cap; on
-    several with MLXRUN_KQ_VARIANT=2; a bad variant is one clear error."""
+    """Q6_K's lane GEMV: 2 warps where N <= 4096, 4 above, one for the head-sized (64+ row
+    blocks a SM) with its register cap; one warp with the previous loads
+    (MLXRUN_KQ_VARIANT=0), as many as Q4_K with 2; a bad variant is one clear error."""
+    import dataclasses
+
     w = kq.random_kquant("Q6_K", 64, 4096, "cpu")
     q4 = kq.random_kquant("Q4_K", 64, 4096, "cpu")
     cuda = torch.device("cuda")
     monkeypatch.setattr(kq.tk, "_num_sms", lambda device: 132)
-    assert kq.lane_config(1, w, cuda).num_warps == 1
-    assert kq.lane_config(1, q4, cuda).num_warps > 1
+    assert kq.lane_config(1, w, cuda).num_warps == 2
+    assert kq.lane_config(1, dataclasses.replace(w, n=6144), cuda).num_warps == 4
+    assert kq.lane_config(1, dataclasses.replace(w, n=128256), cuda).num_warps == 1
+    assert kq.lane_config(1, q4, cuda).num_warps == 4
+    assert kq._loads(w) == 1 and kq._loads(q4) == 0
+    assert kq._maxnreg(w, 1) == {"maxnreg": kq.Q6K_MAXNREG}
+    assert kq._maxnreg(w, 2) == {} and kq._maxnreg(q4, 1) == {}
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "0")
+    assert kq.lane_config(1, w, cuda).num_warps == 1 and kq._loads(w) == 0
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "2")
-    assert kq.lane_config(1, w, cuda).num_warps == kq.lane_config(1, q4, cuda).num_warps > 1
+    assert kq.lane_config(1, w, cuda).num_warps == 4
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "x")
     with pytest.raises(kq.MlxrunError, match="MLXRUN_KQ_VARIANT"):
         kq.lane_config(1, w, cuda)
-    assert kq._maxnreg(w, 1) == {"maxnreg": kq.Q6K_MAXNREG}
-    assert kq._maxnreg(w, 2) == {} and kq._maxnreg(q4, 1) == {}
 
 
 def test_concat_and_shapes():
