@@ -32,7 +32,8 @@ import mlxrun.quant.kquant_kernels as kk  # noqa: E402
 import mlxrun.quant.triton_kquant as kq  # noqa: E402
 
 
-def compile_gemv(kind: str, warps: int, n=4096, k=4096, x="bf16", silu=False, prefetch=True):
+def compile_gemv(kind: str, warps: int, n=4096, k=4096, x="bf16", silu=False, prefetch=True,
+                 variant=1, maxnreg=0):  # fmt: skip
     fn = kk._kq_lane_gemv_kernel
     sw = kq._shapes(kind, n, k)["weight"][1]
     ks = k // (16 if kind == "Q6_K" else 32)
@@ -41,7 +42,7 @@ def compile_gemv(kind: str, warps: int, n=4096, k=4096, x="bf16", silu=False, pr
                 b_ptr="*fp16", y_ptr=f"*{x}", part_ptr="*fp32", cnt_ptr="*i32")  # fmt: skip
     params = dict(M=1, KIND=kq.KINDS[kind], SPLIT_K=1, KB_PER_SPLIT=8, EVEN=True, KW=k // 8,
                   SW=sw, PDL=True, SILU=silu, WARPS=warps, PREFETCH=prefetch,
-                  KSC=ks)  # fmt: skip
+                  KSC=ks, V=variant)  # fmt: skip
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in ptrs:
@@ -55,9 +56,10 @@ def compile_gemv(kind: str, warps: int, n=4096, k=4096, x="bf16", silu=False, pr
             sig[name] = "constexpr"
             consts[name] = params[name]
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1}
-    )
+    opts = {"num_warps": warps, "num_stages": 1}
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
 def compile_gemm(kind: str, bm: int, bn: int, warps: int, stages: int, n=4096, k=4096,
@@ -108,16 +110,21 @@ def main() -> None:
     ap.add_argument("--warps", default="1,2,4")
     ap.add_argument("--hist", action="store_true", help="print the loop's opcode histogram")
     ap.add_argument("--gemm", action="store_true", help="the tile GEMM at M=32 instead")
+    ap.add_argument("--variant", type=int, default=1, help="the GEMV's V (0: the old loads)")
+    ap.add_argument("--maxnreg", type=int, default=0, help="register cap (0: none)")
+    ap.add_argument("--prefetch", default="1,0", help="prefetch settings to compile")
     a = ap.parse_args()
     if a.gemm:
         for kind in a.kinds.split(","):
             report_gemm(kind, a.hist)
         return
     runs = [(kd, int(wp)) for kd in a.kinds.split(",") for wp in a.warps.split(",")]
-    for (kind, warps), pf in itertools.product(runs, (True, False)):
+    pfs = [p == "1" for p in a.prefetch.split(",")]
+    for (kind, warps), pf in itertools.product(runs, pfs):
         # 8 whole k-steps of 32 weights a lane: with KS a constant (KSC) the compiler sees
         # steps past K as masked, so K must hold them
-        c = compile_gemv(kind, warps, k=8192 * warps, prefetch=pf)
+        c = compile_gemv(kind, warps, k=8192 * warps, prefetch=pf, variant=a.variant,
+                         maxnreg=a.maxnreg)  # fmt: skip
         sass, res = sass_of(c)
         body = main_loop(parse(sass))
         per_step = len(body) / (2 if pf else 1)  # prefetch: two k-steps an iteration

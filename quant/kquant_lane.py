@@ -18,23 +18,51 @@ tlc = tk.tlc
 if triton is not None:
 
     @triton.jit
-    def _lane_hi(w_ptr, rn, n_mask, rkw, kb, stride_w, KW, KS, KIND: tl.constexpr,
-                 EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
+    def _lane_hi(w_ptr, rn, n_mask, rkw, lane_s, kb, stride_w, KW, KS, KIND: tl.constexpr,
+                 EVEN: tl.constexpr, LANES: tl.constexpr, V: tl.constexpr = 1):  # fmt: skip
         """The high-bit words of lane l's 32 weights of k-step kb, one per low word w, with
         word w's bits at bit HB*i for its position i (Q5_K: one word a sub-block of 32,
         shifted by 8w; Q6_K: one a sub-block of 16, words 0, 1 its two halves): 4 x [8,
-        LANES] uint32. Loaded as _load_step loads the low words (each high word once per
-        low word it serves: cached) so that they land in the low words' registers layout
-        (no shared-memory conversion). KS: sub-blocks a row."""
+        LANES] uint32. KS: sub-blocks a row; lane_s: the lanes, opaque to the contiguity
+        analysis. V=1: each high word loaded once, built lanes-first (Q6_K: a lane's two as
+        the last axis of a [LANES, 8, 2] tile; Q5_K: [LANES, 8]). V=0 (kept for A/B): loaded as
+        _load_step loads the low words, each high word once per low word it serves, so that
+        it lands in the low words' layout; Triton 3.6 instead gives that tile a layout of its
+        own on 2 and 4 warps and converts it through shared memory every k-step."""
         PER: tl.constexpr = 4 if KIND == 1 else 2  # low words a high word serves
-        hw = kb * (4 * LANES // PER) + rkw // PER
-        ptrs = w_ptr + rn[:, None] * stride_w + KW + hw[None, :]
-        if EVEN:
-            h = tl.load(ptrs)
+        if V == 1 and KIND == 2:
+            # built as [LANES, 8, 2] and permuted: Triton 3.6's coalescing orders the axes
+            # by contiguity, ties to the first, so the lanes (not the rows) get the threads;
+            # a [8, 2 * LANES] tile gets 4 words a thread and 16 threads along K, and every
+            # FFMA chain is converted to that layout
+            hw = kb * (LANES * 2) + (tl.arange(0, LANES) * 2)[:, None] + tl.arange(0, 2)[None, :]
+            ptrs = w_ptr + rn[None, :, None] * stride_w + KW + hw[:, None, :]
+            if EVEN:
+                h = tl.load(ptrs)
+            else:
+                mask = n_mask[None, :, None] & (hw < KS)[:, None, :]  # one high word a sub-block
+                h = tl.load(ptrs, mask=mask, other=0)
+            h0, h2 = tl.split(tl.permute(h.to(tl.uint32, bitcast=True), (1, 0, 2)))
+        elif V == 1:
+            # Q5_K: one high word a lane, [LANES, 8] at opaque lane offsets (lane_s: not
+            # vectorized along the lanes), then transposed
+            hw = kb * LANES + lane_s
+            ptrs = w_ptr + rn[None, :] * stride_w + KW + hw[:, None]
+            if EVEN:
+                h = tl.load(ptrs)
+            else:
+                h = tl.load(ptrs, mask=n_mask[None, :] & (hw < KS)[:, None], other=0)
+            h0 = tl.trans(h.to(tl.uint32, bitcast=True))
+            h2 = h0
         else:
-            mask = n_mask[:, None] & (hw < KS)[None, :]  # one high word a sub-block
-            h = tl.load(ptrs, mask=mask, other=0)
-        h0, h1, h2, h3 = tg._gemv_words(h, LANES)  # (copies: the loads of h1, h3 are dead)
+            hw = kb * (4 * LANES // PER) + rkw // PER
+            ptrs = w_ptr + rn[:, None] * stride_w + KW + hw[None, :]
+            if EVEN:
+                h = tl.load(ptrs)
+            else:
+                mask = n_mask[:, None] & (hw < KS)[None, :]  # one high word a sub-block
+                h = tl.load(ptrs, mask=mask, other=0)
+            h0, h1, h2, h3 = tg._gemv_words(h, LANES)  # (copies: the loads of h1, h3 are dead)
         if KIND == 1:
             return h0, h0 >> 8, h0 >> 16, h0 >> 24
         else:
@@ -118,7 +146,8 @@ if triton is not None:
 
     @triton.jit
     def _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr, b_ptr, KS,
-                   KIND: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
+                   KIND: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr,
+                   V: tl.constexpr = 1):  # fmt: skip
         """One k-step of _kq_lane_gemv_kernel: acc [8, LANES] += lane l's 32 weights of each
         row (low nibbles: 4 words of wa [8, 4*LANES]; high bits: ha from _lane_hi) times x,
         with its sub-blocks' scales. The low-nibble plane is in the affine int4 order of
@@ -166,16 +195,24 @@ if triton is not None:
         if KIND == 2:
             # int8 sc of the lane's two sub-blocks of 16, d of their super-block
             s0 = (kb * LANES + lane) * 2  # the first of the two
-            smask = n_mask[:, None] & (s0 < KS)[None, :]
-            # both as one uint16; int8 c + 128 into the mantissa of 2^23: exact
+            sbk = s0 // 16  # super-block (16 sub-blocks)
             s16 = s_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
-            sab = tl.load(s16 + rn[:, None] * (KS // 2) + (s0 // 2)[None, :], mask=smask,
-                          other=0).to(tl.uint32)  # fmt: skip
+            if V == 1:
+                # [LANES, 8] then transposed: the lanes get the threads (see _lane_hi)
+                smt = n_mask[None, :] & (s0 < KS)[:, None]
+                sab = tl.load(s16 + rn[None, :] * (KS // 2) + (s0 // 2)[:, None], mask=smt, other=0)
+                sab = tl.trans(sab).to(tl.uint32)
+                d = tl.load(b_ptr + rn[None, :] * (KS // 16) + sbk[:, None], mask=smt, other=0.0)
+                d = tl.trans(d).to(tl.float32)
+            else:
+                smask = n_mask[:, None] & (s0 < KS)[None, :]
+                sab = tl.load(s16 + rn[:, None] * (KS // 2) + (s0 // 2)[None, :], mask=smask,
+                              other=0).to(tl.uint32)  # fmt: skip
+                d = tl.load(b_ptr + rn[:, None] * (KS // 16) + sbk[None, :], mask=smask, other=0.0)
+                d = d.to(tl.float32)
+            # two int8 sc as one uint16; int8 c + 128 into the mantissa of 2^23: exact
             sa = (((sab & 0xFF) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
             sb = (((sab >> 8) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
-            sbk = (kb * LANES + lane) // 8  # super-block (16 sub-blocks)
-            d = tl.load(b_ptr + rn[:, None] * (KS // 16) + sbk[None, :], mask=smask, other=0.0)
-            d = d.to(tl.float32)
             acc = (
                 acc + (p - 32.0 * xs_a[None, :]) * (d * sa) + (pb - 32.0 * xs_b[None, :]) * (d * sb)
             )
@@ -183,13 +220,20 @@ if triton is not None:
             # (sc, m) of the sub-block as one uint16, (d, dmin) of its super-block as one
             # word: 8 rows x 2 loads a lane per 256 weights
             sub_s = kb * LANES + lane_s
-            smask = n_mask[:, None] & (sub_s < KS)[None, :]
             s16 = s_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
-            scm = tl.load(s16 + rn[:, None] * KS + sub_s[None, :], mask=smask, other=0)
-            scm = scm.to(tl.uint32)
             b32 = b_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
-            dd = tl.load(b32 + rn[:, None] * (KS // 8) + (sub_s // 8)[None, :], mask=smask,
-                         other=0)  # fmt: skip
+            if V == 1:  # [LANES, 8] then transposed: the lanes get the threads (_lane_hi)
+                smt = n_mask[None, :] & (sub_s < KS)[:, None]
+                scm = tl.trans(tl.load(s16 + rn[None, :] * KS + sub_s[:, None], mask=smt, other=0))
+                dd = tl.load(b32 + rn[None, :] * (KS // 8) + (sub_s // 8)[:, None], mask=smt,
+                             other=0)  # fmt: skip
+                dd = tl.trans(dd)
+            else:
+                smask = n_mask[:, None] & (sub_s < KS)[None, :]
+                scm = tl.load(s16 + rn[:, None] * KS + sub_s[None, :], mask=smask, other=0)
+                dd = tl.load(b32 + rn[:, None] * (KS // 8) + (sub_s // 8)[None, :], mask=smask,
+                             other=0)  # fmt: skip
+            scm = scm.to(tl.uint32)
             d = (dd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
             dmin = (dd >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
             # 6-bit integers into the mantissa of 2^23: exact, no int->float conversion
@@ -204,7 +248,7 @@ if triton is not None:
         stride_w, KIND: tl.constexpr, SPLIT_K: tl.constexpr, KB_PER_SPLIT: tl.constexpr,
         EVEN: tl.constexpr, KW: tl.constexpr, SW: tl.constexpr = 0, PDL: tl.constexpr = False,
         SILU: tl.constexpr = False, WARPS: tl.constexpr = 1, PREFETCH: tl.constexpr = True,
-        KSC: tl.constexpr = 0,
+        KSC: tl.constexpr = 0, V: tl.constexpr = 1,
     ):  # fmt: skip
         """K-quant GEMV, y[m, N] = x[m, K] @ W^T for one row m of x, laid out as
         triton_kernels._gemv_kernel (read its docstring): 8 rows a program, WARPS warps,
@@ -255,7 +299,8 @@ if triton is not None:
         wa = tg._load_step(w_ptr, rn, n_mask, rkw, kb0, swn, EVEN, 0, LANES)
         ha = wa
         if KIND != 0:
-            ha = _lane_hi(w_ptr, rn, n_mask, rkw, kb0, swn, KW, ksn, KIND, EVEN, LANES)
+            ha = _lane_hi(w_ptr, rn, n_mask, rkw, lane_s, kb0, swn, KW, ksn, KIND, EVEN, LANES,
+                          V)  # fmt: skip
         if PDL:  # the weights do not depend on the previous kernel; x does
             tlc.gdc_wait()
             tlc.gdc_launch_dependents()
@@ -266,28 +311,32 @@ if triton is not None:
                 wb = tg._load_step(w_ptr, rn, n_mask, rkw, kb + 1, swn, EVEN, 0, LANES)
                 hb = wb
                 if KIND != 0:
-                    hb = _lane_hi(w_ptr, rn, n_mask, rkw, kb + 1, swn, KW, ksn, KIND, EVEN, LANES)
+                    hb = _lane_hi(w_ptr, rn, n_mask, rkw, lane_s, kb + 1, swn, KW, ksn, KIND, EVEN,
+                                  LANES, V)  # fmt: skip
                 acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr,
-                                 b_ptr, ksn, KIND, EVEN, LANES)  # fmt: skip
+                                 b_ptr, ksn, KIND, EVEN, LANES, V)  # fmt: skip
                 kn = tl.minimum(kb + 2, kb_last)  # past the last step: reload it, never used
                 wa = tg._load_step(w_ptr, rn, n_mask, rkw, kn, swn, EVEN, 0, LANES)
                 if KIND != 0:
-                    ha = _lane_hi(w_ptr, rn, n_mask, rkw, kn, swn, KW, ksn, KIND, EVEN, LANES)
+                    ha = _lane_hi(w_ptr, rn, n_mask, rkw, lane_s, kn, swn, KW, ksn, KIND, EVEN,
+                                  LANES, V)  # fmt: skip
                 acc = _lane_step(acc, wb, hb, kb + 1, x_base, x_pair0, lane, lane_s, rn, n_mask,
-                                 s_ptr, b_ptr, ksn, KIND, EVEN, LANES)  # fmt: skip
+                                 s_ptr, b_ptr, ksn, KIND, EVEN, LANES, V)  # fmt: skip
             if KB_PER_SPLIT % 2 == 1:
                 acc = _lane_step(acc, wa, ha, kb_last, x_base, x_pair0, lane, lane_s, rn, n_mask,
-                                 s_ptr, b_ptr, ksn, KIND, EVEN, LANES)  # fmt: skip
+                                 s_ptr, b_ptr, ksn, KIND, EVEN, LANES, V)  # fmt: skip
         else:  # each step's words loaded in the step: fewer registers, more resident warps
             acc = _lane_step(acc, wa, ha, kb0, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr,
-                             b_ptr, ksn, KIND, EVEN, LANES)  # fmt: skip
+                             b_ptr, ksn, KIND, EVEN, LANES, V)  # fmt: skip
             for j in range(1, KB_PER_SPLIT):
                 kb = kb0 + j
                 wa = tg._load_step(w_ptr, rn, n_mask, rkw, kb, swn, EVEN, 0, LANES)
                 if KIND != 0:
-                    ha = _lane_hi(w_ptr, rn, n_mask, rkw, kb, swn, KW, ksn, KIND, EVEN, LANES)
+                    ha = _lane_hi(
+                        w_ptr, rn, n_mask, rkw, lane_s, kb, swn, KW, ksn, KIND, EVEN, LANES, V
+                    )
                 acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr,
-                                 b_ptr, ksn, KIND, EVEN, LANES)  # fmt: skip
+                                 b_ptr, ksn, KIND, EVEN, LANES, V)  # fmt: skip
         out = tl.sum(acc, axis=1) * 562949953421312.0  # [8]: undo the decode's 2^-49
         tile = m * tl.num_programs(1) + pid_n
         if SILU:

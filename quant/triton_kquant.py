@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import numpy as np
 
@@ -238,6 +239,21 @@ def choose_kq_config(m: int, w: KQLinear, device) -> KQConfig:
 Q6K_MAXNREG = 128
 
 
+def kq_variant() -> int:
+    """The lane GEMV's variant, MLXRUN_KQ_VARIANT (for A/B timing): 0 the previous loads
+    (Q6_K's high words loaded once per low word they serve, the sub-block scales in a [8,
+    lanes] tile; on Triton 3.6 that tile's layout has its threads along the rows, so acc is
+    converted every k-step and Q6_K on 2 or 4 warps spills 856 B at 255 registers), Q6_K
+    on one warp; 1 (default) those loads built lanes-first (Q6_K on 2 warps: 128 registers,
+    no spill; Q4_K on 4 warps 3.36 -> 3.06 instructions a weight) with Q6_K on 1, 2 or 4
+    warps by shape (lane_config) and Q4_K's K <= 4096 on the previous loads (_loads); 2 as
+    1, Q6_K on as many warps as Q4_K (benchmarks/KERNEL_NOTES.md, 2026-11-26)."""
+    v = os.environ.get("MLXRUN_KQ_VARIANT", "1")
+    if v not in ("0", "1", "2"):
+        raise MlxrunError(f"MLXRUN_KQ_VARIANT={v!r}: use 0, 1 or 2")
+    return int(v)
+
+
 def _maxnreg(w: KQLinear, warps: int) -> dict:
     """The lane GEMV's register cap: Q6K_MAXNREG for Q6_K on one warp, else none."""
     return {"maxnreg": Q6K_MAXNREG} if w.kind == "Q6_K" and warps == 1 else {}
@@ -253,14 +269,22 @@ def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
     sms = tk._num_sms(device)
     kw = w.k // 8
     warps = 1
-    # Q6_K on one warp: on the H100 its 6144x4096 GEMV took 228.8 us with the warps split
-    # (2-4) and 14.1 us on one (profile_decode.py --linears; 4096x14336: 38.1 against 31.2);
-    # still so without the x loads' layout conversions (2 / 4 warps 33.6 / 210.4 us against
-    # 13.3; benchmarks/KERNEL_NOTES.md, 2026-11-26)
-    while warps < tch.GEMV_WARPS and 256 * warps <= kw and w.kind != "Q6_K":
+    # Q6_K: with the loads built lanes-first (kq_variant 1) several warps a row, except the
+    # head-sized (64+ row blocks a SM: one warp, 4 k-steps a program); 2 warps where N <=
+    # 4096. H200, us, one warp (previous loads) -> this (kq_ab.py, KERNEL_NOTES 2026-11-26):
+    # 6144x4096 13.6 -> 10.6 (4 warps), 4096x4096 9.7 -> 7.6 (2), 28672x4096 52.4 -> 38.9
+    # (4), 4096x14336 27.8 -> 22.6 (2), the head 216.4 -> 142.8 (1). The previous loads
+    # spill on 2-4 warps under Triton 3.6 (variant 0: one warp)
+    v = kq_variant()
+    top = tch.GEMV_WARPS
+    tiles = m * math.ceil(w.n / 8)
+    if w.kind == "Q6_K" and v == 1:
+        top = 1 if tiles >= 64 * sms else min(top, 2 if w.n <= 4096 else 4)
+    elif w.kind == "Q6_K" and v == 0:
+        top = 1
+    while warps < top and 256 * warps <= kw:
         warps *= 2
     ksteps = math.ceil(kw / (128 * warps))
-    tiles = m * math.ceil(w.n / 8)
     sk = tk._split(tiles * warps, ksteps, sms, 6.0)
     divs = [d for d in range(1, ksteps + 1) if ksteps % d == 0]
     near = min(divs, key=lambda d: (abs(math.log(d / sk)), -d))
@@ -279,6 +303,16 @@ def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
     # sm_90, benchmarks/sass_kquant.py); Q4_K on the H100 is as fast or faster without (4096x14336 20.9 -> 17.3 us,
     # 4096x4096 5.9 -> 5.6, the others within 0.1)
     return tk.KernelConfig("gemv", 1, 8, sk, num_warps=warps, prefetch=False)
+
+
+def _loads(w: KQLinear) -> int:
+    """The lane GEMV's V: 1 (loads built lanes-first) but for variant 0, and Q4_K rows of
+    K <= 4096, where the previous loads were as fast or faster (H200, us, previous -> new:
+    6144x4096 6.6 -> 7.2, 28672x4096 23.4 -> 23.9, 128256x4096 93.3 -> 105.6, 4096x4096
+    5.4 -> 4.9; 4096x14336 16.0 -> 12.8)."""
+    if kq_variant() == 0 or (w.kind == "Q4_K" and w.k <= 4096):
+        return 0
+    return 1
 
 
 def _lane_gemv(x2, w: KQLinear, y, silu: bool, cfg: tk.KernelConfig | None) -> None:
@@ -300,7 +334,7 @@ def _lane_gemv(x2, w: KQLinear, y, silu: bool, cfg: tk.KernelConfig | None) -> N
         x2, w.weight, w.scales, w.biases, y, part, cnt, m, w.n, ks, x2.stride(0), y.stride(0),
         w.weight.stride(0), KIND=KINDS[w.kind], SPLIT_K=split, KB_PER_SPLIT=per, EVEN=even,
         KW=kw, SW=sw if even else 0, SILU=silu, WARPS=cfg.num_warps, PREFETCH=cfg.prefetch,
-        KSC=ks if even else 0,
+        KSC=ks if even else 0, V=_loads(w),
         num_warps=cfg.num_warps, **_maxnreg(w, cfg.num_warps),
         **tk.pdl_args(x2.device),
     )  # fmt: skip

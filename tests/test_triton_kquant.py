@@ -142,23 +142,45 @@ def test_lane_gemv_configs_and_silu(kind):
         kq.kqmatmul(x, w, silu=True)
 
 
+@pytest.mark.parametrize("v", ["0", "1"])
+def test_q4k_lane_gemv_scale_loads(v, monkeypatch):
+    """Q4_K's (sc, m) and (d, dmin) loaded lanes-first (MLXRUN_KQ_VARIANT=1, the default)
+    and as before (0, kept for A/B timing), on 2 warps with row and K masks (20 rows, 3
+    super-blocks), split in 2: the dequantized product."""
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", v)
+    w, ref = _case("Q4_K", 20, 3, seed=17)
+    x = torch.randn(1, w.k, generator=torch.Generator().manual_seed(7)).bfloat16()
+    cfg = tk.KernelConfig("gemv", 1, 8, 2, num_warps=2, prefetch=False)
+    _check(kq.kqmatmul(x.to(DEV), w, cfg), x, ref)
+
+
 @pytest.mark.parametrize(
-    "n,nb,sk,nw,dtype,silu",
+    "n,nb,sk,nw,dtype,silu,v",
     [
-        (16, 8, 2, 1, torch.bfloat16, False),
-        (20, 3, 2, 2, torch.float32, False),
-        (16, 8, 1, 2, torch.bfloat16, True),
+        (16, 8, 2, 1, torch.bfloat16, False, "1"),
+        (20, 3, 2, 2, torch.float32, False, "1"),
+        (16, 8, 1, 2, torch.bfloat16, True, "1"),
+        (20, 6, 2, 4, torch.bfloat16, False, "2"),
+        (20, 3, 2, 2, torch.float32, False, "0"),
     ],
-    ids=["1warp-split2", "2warps-masked-split2-fp32", "2warps-silu"],
+    ids=[
+        "1warp-split2",
+        "2warps-masked-split2-fp32",
+        "2warps-silu",
+        "4warps-masked-split2",
+        "old-loads-2warps-masked",
+    ],  # fmt: skip
 )
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
-def test_q6k_lane_gemv(n, nb, sk, nw, dtype, silu):
-    """Q6_K's lane GEMV (_lane_x4's 1-D x loads, the uint16 scale pair) on one and several
-    warps, x in bf16 pairs and fp32, with row and K masks (20 rows, 3 super-blocks),
-    split-K and the SiLU epilogue: the dequantized product, and silu_mul of it bit for
-    bit."""
+def test_q6k_lane_gemv(n, nb, sk, nw, dtype, silu, v, monkeypatch):
+    """Q6_K's lane GEMV (_lane_x4's 1-D x loads, the uint16 scale pair, the high words and
+    scales loaded in the lanes' layout) on one and several warps, x in bf16 pairs and fp32,
+    with row and K masks (20 rows, 3 or 6 super-blocks), split-K and the SiLU epilogue:
+    the dequantized product, and silu_mul of it bit for bit; also the previous loads
+    (MLXRUN_KQ_VARIANT=0, kept for A/B timing)."""
     from mlxrun.backends import cuda_ops
 
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", v)
     w, ref = _case("Q6_K", n, nb, seed=31)
     x = torch.randn(1, w.k, generator=torch.Generator().manual_seed(6)).to(dtype)
     cfg = tk.KernelConfig("gemv", 1, 8, sk, num_warps=nw, prefetch=False)
@@ -170,15 +192,29 @@ def test_q6k_lane_gemv(n, nb, sk, nw, dtype, silu):
 
 
 def test_q6k_launch_settings(monkeypatch):
-    """Q6_K's lane GEMV runs on one warp (Q4_K takes several) with its register cap."""
+    """Q6_K's lane GEMV: 2 warps where N <= 4096, 4 above, one for the head-sized (64+ row
+    blocks a SM) with its register cap; one warp with the previous loads
+    (MLXRUN_KQ_VARIANT=0), as many as Q4_K with 2; a bad variant is one clear error."""
+    import dataclasses
+
     w = kq.random_kquant("Q6_K", 64, 4096, "cpu")
     q4 = kq.random_kquant("Q4_K", 64, 4096, "cpu")
     cuda = torch.device("cuda")
     monkeypatch.setattr(kq.tk, "_num_sms", lambda device: 132)
-    assert kq.lane_config(1, w, cuda).num_warps == 1
-    assert kq.lane_config(1, q4, cuda).num_warps > 1
+    assert kq.lane_config(1, w, cuda).num_warps == 2
+    assert kq.lane_config(1, dataclasses.replace(w, n=6144), cuda).num_warps == 4
+    assert kq.lane_config(1, dataclasses.replace(w, n=128256), cuda).num_warps == 1
+    assert kq.lane_config(1, q4, cuda).num_warps == 4
+    assert kq._loads(w) == 1 and kq._loads(q4) == 0
     assert kq._maxnreg(w, 1) == {"maxnreg": kq.Q6K_MAXNREG}
     assert kq._maxnreg(w, 2) == {} and kq._maxnreg(q4, 1) == {}
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "0")
+    assert kq.lane_config(1, w, cuda).num_warps == 1 and kq._loads(w) == 0
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "2")
+    assert kq.lane_config(1, w, cuda).num_warps == 4
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "x")
+    with pytest.raises(kq.MlxrunError, match="MLXRUN_KQ_VARIANT"):
+        kq.lane_config(1, w, cuda)
 
 
 def test_concat_and_shapes():

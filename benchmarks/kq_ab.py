@@ -1,0 +1,150 @@
+"""A/B timing of the K-quant lane GEMV's variants (MLXRUN_KQ_VARIANT) on one GPU, batch 1.
+
+    python3 benchmarks/kq_ab.py --kinds Q6_K,Q4_K --variants 0,1,2,2w2 --reps 3
+    python3 benchmarks/kq_ab.py --warm 2w2 --regs      # compile one variant, print registers
+    TRITON_INTERPRET=1 python3 benchmarks/kq_ab.py --dry    # CPU: tiny shapes, no timing
+
+For each kind and Llama-3-8B linear shape (qkv, o, gate+up, down, the head): random weights
+in the kernels' layout (quant/triton_kquant.py random_kquant), enough copies to cycle past
+the L2, one kqmatmul per copy captured in a CUDA graph and replayed; the variants alternate
+within each repetition and the minimum is kept. A variant is MLXRUN_KQ_VARIANT's value, with
+"wN" capping the warps a program at N (triton_launch.GEMV_WARPS) and "rN" the registers a
+thread at N (every warp count; else the shipped cap), a final "p" the next k-step's words
+loaded during this one (prefetch). Each output is checked
+against x @ the dequantized weight in fp32 (relative to its largest value).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+import mlxrun.quant.triton_kquant as kq  # noqa: E402
+import mlxrun.quant.triton_launch as tch  # noqa: E402
+
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+DRY_SHAPES = [(16, 2048), (24, 768)]
+
+
+_MAXNREG = kq._maxnreg
+
+
+def _set(variant: str) -> bool:
+    """'2w2r128p': MLXRUN_KQ_VARIANT=2, at most 2 warps, at most 128 registers a thread,
+    the next k-step's words in flight (prefetch). Returns whether to prefetch."""
+    m = re.fullmatch(r"(\d)(?:w(\d+))?(?:r(\d+))?(p?)", variant)
+    if m is None:
+        raise SystemExit(f"variant {variant!r}: V[wWARPS][rREGS][p]")
+    os.environ["MLXRUN_KQ_VARIANT"] = m[1]
+    tch.GEMV_WARPS = int(m[2]) if m[2] else 4
+    if m[3]:
+        kq._maxnreg = lambda w, warps: {"maxnreg": int(m[3])}
+    else:
+        kq._maxnreg = _MAXNREG
+    return m[4] == "p"
+
+
+def _regs(out, label: str) -> None:
+    """Registers and spills of every lane GEMV compiled in this process."""
+    fn = kq.kk._kq_lane_gemv_kernel
+    for caches in getattr(fn, "device_caches", {}).values():
+        for k in caches[0].values():
+            try:
+                k._init_handles()
+                nw = k.metadata.num_warps
+                kind = {0: "Q4_K", 1: "Q5_K", 2: "Q6_K"}.get(k.src.constants.get("KIND"), "?")
+            except Exception:  # noqa: BLE001 (the fields differ between Triton versions)
+                nw, kind = "?", "?"
+            line = f"[{label}] lane GEMV {kind} {nw} warps: {k.n_regs} registers, {k.n_spills} B spilled"
+            print(line, file=out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kinds", default="Q6_K,Q4_K")
+    ap.add_argument("--variants", default="0,1,2,2w2")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--warm", help="compile this variant only (every shape), then stop")
+    ap.add_argument("--regs", action="store_true", help="print registers of the kernels built")
+    ap.add_argument("--dry", action="store_true", help="tiny shapes, no graphs (CPU check)")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    dev = torch.device("cpu" if a.dry else "cuda")
+    shapes = DRY_SHAPES if a.dry else SHAPES
+    variants = [a.warm] if a.warm else a.variants.split(",")
+    results = []
+    for kind in a.kinds.split(","):
+        for n, k in shapes:
+            w0 = kq.random_kquant(kind, n, k, dev, seed=1)
+            copies = 1 if a.dry else max(1, math.ceil((256 << 20) / w0.nbytes))
+            ws = [w0] + [kq.random_kquant(kind, n, k, dev, seed=2 + i) for i in range(copies - 1)]
+            x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).bfloat16().to(dev)
+            ref = x.float() @ kq.dequantize_kquant(w0, torch.float32).T
+            row = {"kind": kind, "shape": f"{n}x{k}", "mb": w0.nbytes / 1e6, "runs": {}}
+            graphs = {}
+            for v in variants:
+                pf = _set(v)
+                cfg = kq.lane_config(1, w0, dev)
+                cfg = dataclasses.replace(cfg, prefetch=pf or cfg.prefetch)
+                y = kq.kqmatmul(x, w0, cfg)
+                err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                row["runs"][v] = {
+                    "warps": cfg.num_warps,
+                    "split": cfg.split_k,
+                    "err": err,
+                    "us": [],
+                }
+                if a.dry or a.warm:
+                    continue
+                for wi in ws:  # compiled and the split-K tickets touched before capture
+                    kq.kqmatmul(x, wi, cfg)
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for wi in ws:
+                        kq.kqmatmul(x, wi, cfg)
+                graphs[v] = g
+            for _ in range(0 if a.dry or a.warm else a.reps):
+                for v in variants:
+                    g = graphs[v]
+                    g.replay()
+                    torch.cuda.synchronize()
+                    reps = max(3, int(2e9 / (w0.nbytes * len(ws))))  # ~2 GB read a timing
+                    t0, t1 = (
+                        torch.cuda.Event(enable_timing=True),
+                        torch.cuda.Event(enable_timing=True),
+                    )
+                    t0.record()
+                    for _ in range(reps):
+                        g.replay()
+                    t1.record()
+                    torch.cuda.synchronize()
+                    row["runs"][v]["us"].append(t0.elapsed_time(t1) * 1e3 / (reps * len(ws)))
+            del graphs, ws
+            parts = []
+            for v, r in row["runs"].items():
+                t = min(r["us"]) if r["us"] else float("nan")
+                gbs = w0.nbytes / t / 1e3 if r["us"] else float("nan")
+                parts.append(f"v{v} w{r['warps']} s{r['split']} {t:.1f} us {gbs:.0f} GB/s "
+                             f"err {r['err']:.1e}")  # fmt: skip
+            print(f"{kind} {row['shape']} ({row['mb']:.1f} MB): " + " | ".join(parts), flush=True)
+            results.append(row)
+    if a.regs:
+        _regs(sys.stdout, a.warm or a.variants)
+    if a.json:
+        with open(a.json + ".tmp", "w") as f:
+            json.dump(results, f, indent=1)
+        os.replace(a.json + ".tmp", a.json)
+
+
+if __name__ == "__main__":
+    main()
