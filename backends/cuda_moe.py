@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 
 import torch
 import triton
@@ -36,6 +37,7 @@ from mlxrun.backends.cuda_moe_kernels import (
     _moe_qgemv,
     _route_kernel,
 )
+from mlxrun.errors import MlxrunError
 from mlxrun.quant.triton_kernels import qmatmul
 from mlxrun.quant.triton_launch import GEMV_WARPS, _counters, pdl_args
 from mlxrun.quant.triton_layout import _MODE_ID, SCALE_ROWS, QLinear, prepare
@@ -192,10 +194,41 @@ class QConfig:
     prefetch: bool
 
 
+_QCFG_PART = re.compile(r"(gu|dn):(?:w(1|2|4|8))?(?:n(8|16))?(?:p([01]))?")
+
+
+def parse_qcfg(spec: str) -> dict[str, dict]:
+    """MLXRUN_MOE_QCFG, e.g. "gu:w2n16,dn:w1n8p0" -> {"gu": {...}, "dn": {...}}: the packed
+    kernel's launch for gate/up (gu) or down (dn) in place of choose_qconfig's, field by
+    field (w: warps a program, n: rows a program, 8 or 16, p: prefetch 0 or 1), for A/B
+    timing (benchmarks/moe_kernels.py --qcfg, moe_fused_ab.py --qcfg)."""
+    out: dict[str, dict] = {}
+    for part in filter(None, spec.replace(" ", "").split(",")):
+        m = _QCFG_PART.fullmatch(part)
+        if m is None:
+            raise MlxrunError(
+                f"MLXRUN_MOE_QCFG: cannot read {part!r}: write gu: or dn: then any of w1/w2/w4/"
+                "w8 (warps), n8/n16 (rows a program), p0/p1 (prefetch), e.g. gu:w2n16,dn:n8"
+            )
+        w, n, pf = m.group(2, 3, 4)
+        out[m.group(1)] = {k: v for k, v in (("warps", w and int(w)), ("block_n", n and int(n)),
+                                             ("prefetch", pf and pf == "1")) if v is not None}  # fmt: skip
+    return out
+
+
+QCFG = parse_qcfg(os.environ.get("MLXRUN_MOE_QCFG", ""))
+
+
 def choose_qconfig(p: PackedExperts) -> QConfig:
     """As choose_config picks for a dense GEMV row of x: up to GEMV_WARPS warps while each
     gets 256 words of a row; 16 rows (two halves sharing x) for affine, 8 for the float
-    formats (they spill at 16 with one warp); no prefetch for E4M3 with many 4-warp steps."""
+    formats (they spill at 16 with one warp); no prefetch for E4M3 with many 4-warp steps.
+    QCFG (MLXRUN_MOE_QCFG) replaces any of these for gate/up or down."""
+    cfg = _default_qconfig(p)
+    return dataclasses.replace(cfg, **QCFG.get("gu" if p.gated else "dn", {}))
+
+
+def _default_qconfig(p: PackedExperts) -> QConfig:
     w = p.w
     kw = p.k * w.bits // 32
     warps = 1

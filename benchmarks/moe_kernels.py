@@ -6,6 +6,7 @@ step actually reads, against the copy bandwidth measured in the same run.
     python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --warps auto,1,2,4   # A/B
     python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --path slot,grouped --batch 8,16,32,64
     python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --batch 1 --fused 0,1 --no-per-slot
+    python3 benchmarks/moe_kernels.py --batch 1 --no-per-slot --qcfg 'auto;gu:w2;dn:n8'
     TRITON_INTERPRET=1 python3 benchmarks/moe_kernels.py --tiny        # CPU: values only
 
 Shapes: gpt-oss-20b (32 experts, top-4, hidden = intermediate = 2880, biases, clamped
@@ -227,6 +228,7 @@ def row(shape, name, o, layers, stored, batch, calls, bw, slots) -> str:
 _CHOOSE = cm.choose_qconfig
 _WINS = cm.grouped_wins
 _FUSED = cm.FUSED
+_QCFG = cm.QCFG
 
 
 def _forced(grouped: bool):
@@ -255,6 +257,9 @@ def main() -> None:
     ap.add_argument("--fused", default="auto",
                     help="slot sum in the down kernel: auto,0,1 (a row each; as "
                          "MLXRUN_MOE_FUSED)")  # fmt: skip
+    ap.add_argument("--qcfg", default="auto",
+                    help="packed kernel launches to time, ';' between them, each as "
+                         "MLXRUN_MOE_QCFG, e.g. 'auto;gu:w2;dn:n8' (a row each: /q1, /q2..)")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="CPU values check (TRITON_INTERPRET=1)")
     a = ap.parse_args()
     if a.tiny:
@@ -265,6 +270,10 @@ def main() -> None:
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e9:.0f} GB/s (read + write), "
           f"L2 {l2 >> 20} MiB")  # fmt: skip
+    qcfgs = a.qcfg.split(";")
+    for i, q in enumerate(qcfgs):
+        if q != "auto":
+            print(f"# q{i}: MLXRUN_MOE_QCFG={q}")
     print(f"{'shape':<14} {'format':<9} {'batch':>5} {'experts':>7} {'MB':>7} "
           f"{'us':>8} {'GB/s':>6} {'%copy':>6} {'route+us':>8} {'err0':>7} {'per-slot us':>11} "
           f"{'%copy':>6} {'err':>8}")  # fmt: skip
@@ -290,12 +299,16 @@ def main() -> None:
                         cm.choose_qconfig = _with_warps(warps)
                         for fused in a.fused.split(","):
                             cm.FUSED = _FUSED if fused == "auto" else fused != "0"
-                            label = name + ("" if path == "auto" else f"/{path[0]}")
-                            label += "" if warps == "auto" else f"/w{warps}"
-                            label += "" if fused == "auto" else f"/f{fused}"
-                            print(row(shape, label, o, layers, stored, batch, a.calls, bw,
-                                      not a.no_per_slot), flush=True)  # fmt: skip
+                            for qi, q in enumerate(qcfgs if fmt is not None else ["auto"]):
+                                cm.QCFG = _QCFG if q == "auto" else cm.parse_qcfg(q)
+                                label = name + ("" if path == "auto" else f"/{path[0]}")
+                                label += "" if warps == "auto" else f"/w{warps}"
+                                label += "" if fused == "auto" else f"/f{fused}"
+                                label += "" if q == "auto" else f"/q{qi}"
+                                print(row(shape, label, o, layers, stored, batch, a.calls, bw,
+                                          not a.no_per_slot), flush=True)  # fmt: skip
                 cm.choose_qconfig, cm.grouped_wins, cm.FUSED = _CHOOSE, _WINS, _FUSED
+                cm.QCFG = _QCFG
             del layers, stored, one
             torch.cuda.empty_cache()
 

@@ -5,6 +5,7 @@ GPU."""
 
 import importlib
 import os
+import re
 
 import numpy as np
 import pytest
@@ -137,6 +138,57 @@ def test_packed_kernel_ksteps(fmt, k, prefetch):
     cm._qlaunch(x, ids, got, rw, one, None, None, 1, o, True, cm.QConfig(1, 16, prefetch))
     want = torch.cat([g, u], dim=1) * rw[:, None]
     assert float((got - want).norm() / want.norm()) < 1e-5
+
+
+# Launches MLXRUN_MOE_QCFG can ask for (cuda_moe.parse_qcfg): 2 and 4 warps a program (a
+# k-step of 256 / 512 words: K = 2048 4-bit is one step, or half of one, masked), 8 or 16
+# rows a program, with and without prefetch, for gate/up (gated) and down (routing weight).
+QCFGS = [
+    pytest.param(f, q, marks=() if (f, q) == (("affine", 4, 32), "gu:w2n8,dn:w4n16p0")
+                 else LONG_ON_CPU, id=f"{''.join(map(str, f))}-{q.replace(':', '').replace(',', '-')}")
+    for f in (("affine", 4, 32), ("mxfp4", 4, 32), ("mxfp8", 8, 32))
+    for q in ("gu:w2n8,dn:w4n16p0", "gu:w4n16p0,dn:w2n8", "gu:w1n16p1,dn:w1n8")
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt,qcfg", QCFGS)
+def test_packed_kernel_launch_overrides(fmt, qcfg, monkeypatch):
+    rng = np.random.default_rng(3)
+    E2, n, k, slots = 3, 8, 2048, 2
+    w = [(0.1 * rng.standard_normal((E2, n, k))).astype(np.float32) for _ in range(2)]
+    gate, up = (_stack(a, fmt) for a in w)
+    o = MoEOptions(E2, 1, n, act="silu")
+    x = torch.from_numpy(rng.standard_normal((slots, k))).float().to(DEV)
+    ids = torch.tensor([1, 2], dtype=torch.int32, device=DEV)
+    rw = torch.tensor([0.5, -1.5], device=DEV)
+    dense = [torch_moe._take(q, ids.long(), torch.float32) for q in (gate, up)]
+    g, u = (torch.einsum("snk,sk->sn", d, x) for d in dense)
+    packed = cm._prepare(Experts(None, gate, up, gate))
+    one = cm.PackedExperts(packed[0].w, 2 * n, k, False)  # down-like: 16 rows, no gate
+    monkeypatch.setattr(cm, "QCFG", cm.parse_qcfg(qcfg))
+    want_cfg = {p: dict(re.findall(r"([wnp])(\d+)", q)) for p, q in
+                (part.split(":") for part in qcfg.split(","))}  # fmt: skip
+    for p, gated in ((packed[0], "gu"), (one, "dn")):
+        cfg = cm.choose_qconfig(p)
+        assert (str(cfg.warps), str(cfg.block_n)) == (want_cfg[gated]["w"], want_cfg[gated]["n"])
+        if "p" in want_cfg[gated]:
+            assert cfg.prefetch == (want_cfg[gated]["p"] == "1")
+    got = torch.empty((slots, n), device=DEV)
+    cm._qlaunch(x, ids, got, rw, packed[0], None, None, 1, o, False)
+    want = torch.nn.functional.silu(g) * u
+    assert float((got - want).norm() / want.norm()) < 1e-5
+    got = torch.empty((slots, 2 * n), device=DEV)
+    cm._qlaunch(x, ids, got, rw, one, None, None, 1, o, True)
+    want = torch.cat([g, u], dim=1) * rw[:, None]
+    assert float((got - want).norm() / want.norm()) < 1e-5
+
+
+def test_qcfg_refuses_what_it_cannot_read():
+    assert cm.parse_qcfg("") == {}
+    assert cm.parse_qcfg("dn:p0") == {"dn": {"prefetch": False}}
+    for bad in ("gu:w3", "up:w2", "gu:n32", "gu w2"):
+        with pytest.raises(cm.MlxrunError, match="MLXRUN_MOE_QCFG"):
+            cm.parse_qcfg(bad)
 
 
 @pytest.mark.parametrize("routing,norm,E2,k", [("softmax_topk", True, 128, 8),
