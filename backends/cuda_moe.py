@@ -36,6 +36,7 @@ from mlxrun.backends.cuda_moe_kernels import (
     _moe_grouped,
     _moe_qgemv,
     _route_kernel,
+    _router_kernel,
 )
 from mlxrun.errors import MlxrunError
 from mlxrun.quant.triton_kernels import qmatmul
@@ -67,6 +68,34 @@ def route(logits: torch.Tensor, o) -> tuple[torch.Tensor, torch.Tensor]:
             **(pdl_args(logits.device) if FUSED else {}),
         )  # fmt: skip
     return w, ids
+
+
+# The router's linear as cuda_ops.dense_gemv launches it by default: 4 rows a program, 4
+# warps, 16 inputs a thread (its logits bit for bit, so the same experts are picked)
+ROUTER_ROWS, ROUTER_WARPS, ROUTER_VEC = 4, 4, 16
+
+
+def route_linear(x: torch.Tensor, w: torch.Tensor, bias, o) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (T, H) and the router w (E, H) (+ bias (E,)), dense in x's 16-bit dtype -> route's
+    (weights (T, k) float32, ids (T, k) int32) in one launch (_router_kernel): the linear's
+    logits, rounded as the linear and its bias add round them, then routed by the last
+    program of each token, where the linear, the bias add and `route` were three launches
+    (two without a bias)."""
+    T, K = x.shape
+    E = w.shape[0]
+    k = o.top_k
+    wout = torch.empty((T, k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((T, k), dtype=torch.int32, device=x.device)
+    if T:
+        logits = torch.empty((T, E), dtype=x.dtype, device=x.device)
+        _router_kernel[(T, triton.cdiv(E, ROUTER_ROWS))](
+            x.contiguous(), w, bias if bias is not None else w, logits, wout, ids,
+            _counters(x.device, T), E, K, HAS_BIAS=bias is not None, BLOCK_N=ROUTER_ROWS,
+            BLOCK_K=32 * ROUTER_WARPS * ROUTER_VEC, TOP_K=k, KP=triton.next_power_of_2(k),
+            BLOCK_E=triton.next_power_of_2(E), SOFTMAX_FIRST=o.routing == "softmax_topk",
+            NORM=o.norm_topk, num_warps=ROUTER_WARPS, **pdl_args(x.device),
+        )  # fmt: skip
+    return wout, ids
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,7 @@ step actually reads, against the copy bandwidth measured in the same run.
     python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --path slot,grouped --batch 8,16,32,64
     python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --batch 1 --fused 0,1 --no-per-slot
     python3 benchmarks/moe_kernels.py --batch 1 --no-per-slot --qcfg 'auto;gu:w2;dn:n8'
+    python3 benchmarks/moe_kernels.py --router      # router linear + route vs route_linear
     TRITON_INTERPRET=1 python3 benchmarks/moe_kernels.py --tiny        # CPU: values only
 
 Shapes: gpt-oss-20b (32 experts, top-4, hidden = intermediate = 2880, biases, clamped
@@ -225,6 +226,35 @@ def row(shape, name, o, layers, stored, batch, calls, bw, slots) -> str:
     return line
 
 
+def router_row(shape, calls, l2) -> str:
+    """The router alone: its linear as the model runs it (cuda_ops.dense_gemv, + bias) then
+    route (two or three launches) against route_linear (one), each in a CUDA graph cycling
+    through enough copies of the router (bf16 (E, H), as stored) that none stays in L2."""
+    from mlxrun.backends import cuda_ops  # noqa: PLC0415
+
+    E, _, H, _, oss = SHAPES[shape]
+    o = options(shape)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    n = max(calls, math.ceil(4 * l2 / (E * H * 2)))
+    ws = [(torch.randn(E, H, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+          for _ in range(n)]  # fmt: skip
+    b = (torch.randn(E, generator=gen, device="cuda") * 0.1).to(torch.bfloat16) if oss else None
+    xs = torch.randn(n, 1, H, generator=gen, device="cuda").to(torch.bfloat16)
+
+    def old(i):
+        logits = cuda_ops.dense_gemv(xs[i], ws[i])
+        return cm.route(logits if b is None else logits + b, o)
+
+    def new(i):
+        return cm.route_linear(xs[i], ws[i], b, o)
+
+    us_old = events_ms(graphed(old, n)) * 1e3 / n
+    us_new = events_ms(graphed(new, n)) * 1e3 / n
+    same = all(torch.equal(p, q) for i in range(n) for p, q in zip(old(i), new(i)))
+    return (f"{shape:<14} router {E}x{H}{' +bias' if b is not None else ''}: linear + route "
+            f"{us_old:6.2f} us, route_linear {us_new:6.2f} us, same ids and weights: {same}")  # fmt: skip
+
+
 _CHOOSE = cm.choose_qconfig
 _WINS = cm.grouped_wins
 _FUSED = cm.FUSED
@@ -260,6 +290,8 @@ def main() -> None:
     ap.add_argument("--qcfg", default="auto",
                     help="packed kernel launches to time, ';' between them, each as "
                          "MLXRUN_MOE_QCFG, e.g. 'auto;gu:w2;dn:n8' (a row each: /q1, /q2..)")  # fmt: skip
+    ap.add_argument("--router", action="store_true",
+                    help="time the router alone (linear + route against route_linear), then stop")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="CPU values check (TRITON_INTERPRET=1)")
     a = ap.parse_args()
     if a.tiny:
@@ -270,6 +302,10 @@ def main() -> None:
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e9:.0f} GB/s (read + write), "
           f"L2 {l2 >> 20} MiB")  # fmt: skip
+    if a.router:
+        for shape in a.shape.split(","):
+            print(router_row(shape, a.calls, l2), flush=True)
+        return
     qcfgs = a.qcfg.split(";")
     for i, q in enumerate(qcfgs):
         if q != "auto":

@@ -207,6 +207,48 @@ def test_route_kernel_matches_torch(routing, norm, E2, k):
         assert torch.allclose(w.sum(-1), torch.ones(5, device=DEV))
 
 
+# The router's linear and the routing in one launch (cuda_moe.route_linear) against the
+# linear as the model runs it (cuda_ops.dense_gemv, then + bias) and route: the same ids and
+# weights, bit for bit. Floats without a bias (qwen3's router: 128 experts, K 2048; a
+# partial last row block and K past one block), integers with one (gpt-oss's: every sum
+# exact, so the interpreter's rounding cannot differ from torch's bias add; ties everywhere,
+# to the lower index).
+ROUTER = [
+    pytest.param("softmax_topk", True, 128, 8, 2048, False, marks=LONG_ON_CPU, id="qwen3"),
+    pytest.param("softmax_topk", False, 12, 3, 2304, False, id="e12-k2304"),
+    pytest.param("topk_softmax", False, 32, 4, 2880, True, id="oss-bias-int"),
+]
+
+
+@pytest.mark.parametrize("routing,norm,E2,k,K2,bias", ROUTER)
+def test_router_kernel_matches_linear_and_route(routing, norm, E2, k, K2, bias):
+    from mlxrun.backends import cuda_ops  # noqa: PLC0415
+
+    if not HAS_CUDA and type(cuda_ops._dense_gemv_kernel).__name__ != "InterpretedFunction":
+        cuda_ops = importlib.reload(cuda_ops)
+    rng = np.random.default_rng(7)
+    o = MoEOptions(E2, k, 8, routing, norm_topk=norm)
+    T2 = 2
+    if bias:  # small integers: every product, sum and the bias add exact in bf16
+        x = torch.from_numpy(rng.integers(-1, 2, (T2, K2))).to(torch.bfloat16)
+        w = torch.from_numpy(rng.integers(-1, 2, (E2, K2)) * (rng.random((E2, 1)) < 0.05))
+        w, b = w.to(torch.bfloat16), torch.from_numpy(rng.integers(-4, 5, E2)).to(torch.bfloat16)
+    else:
+        x = torch.from_numpy(rng.standard_normal((T2, K2))).to(torch.bfloat16)
+        w = torch.from_numpy(0.05 * rng.standard_normal((E2, K2))).to(torch.bfloat16)
+        b = None
+    x, w = x.to(DEV), w.to(DEV)
+    b = None if b is None else b.to(DEV)
+    logits = cuda_ops.dense_gemv(x, w)
+    if b is not None:
+        logits = logits + b
+    w_want, ids_want = cm.route(logits, o)
+    for _ in range(2):  # the second launch finds the tickets reset by the first
+        w_got, ids_got = cm.route_linear(x, w, b, o)
+        assert ids_got.tolist() == ids_want.tolist()
+        assert torch.equal(w_got, w_want)
+
+
 GROUPED = [pytest.param(f, marks=() if f == ("mxfp4", 4, 32) else LONG_ON_CPU,
                         id="".join(map(str, f))) for f in FORMATS[1:]]  # fmt: skip
 
