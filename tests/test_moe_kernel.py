@@ -216,7 +216,7 @@ def test_route_kernel_matches_torch(routing, norm, E2, k):
 ROUTER = [
     pytest.param("softmax_topk", True, 128, 8, 2048, False, marks=LONG_ON_CPU, id="qwen3"),
     pytest.param("softmax_topk", False, 12, 3, 2304, False, id="e12-k2304"),
-    pytest.param("topk_softmax", False, 32, 4, 2880, True, id="oss-bias-int"),
+    pytest.param("topk_softmax", False, 32, 4, 640, True, id="oss-bias-int"),
 ]
 
 
