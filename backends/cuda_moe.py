@@ -75,6 +75,29 @@ def route(logits: torch.Tensor, o) -> tuple[torch.Tensor, torch.Tensor]:
 ROUTER_ROWS, ROUTER_WARPS, ROUTER_VEC = 4, 4, 16
 
 
+# The router's linear and the routing in one launch in decode (route_linear), where the
+# linear, its bias add and `route` were launched apart. MLXRUN_MOE_ROUTER=0: apart (A/B).
+ROUTER = os.environ.get("MLXRUN_MOE_ROUTER", "0") != "0"
+
+
+def routes_linear(x: torch.Tensor, e, o) -> bool:
+    """Whether moe runs route_linear for x (T, H): ROUTER on, a few rows of x (as many as
+    the linear would run cuda_ops.dense_gemv for: its logits, bit for bit), the router
+    dense in x's 16-bit dtype, rows contiguous."""
+    from mlxrun.quant.triton_kernels import GEMV_MAX_M  # noqa: PLC0415
+
+    r = e.router
+    return (
+        ROUTER
+        and 0 < x.shape[0] <= GEMV_MAX_M
+        and isinstance(r, torch.Tensor)
+        and r.dtype == x.dtype in (torch.bfloat16, torch.float16)
+        and r.stride(-1) == 1
+        and r.stride(0) == r.shape[1]
+        and (e.router_bias is None or e.router_bias.dtype == x.dtype)
+    )
+
+
 def route_linear(x: torch.Tensor, w: torch.Tensor, bias, o) -> tuple[torch.Tensor, torch.Tensor]:
     """x (T, H) and the router w (E, H) (+ bias (E,)), dense in x's 16-bit dtype -> route's
     (weights (T, k) float32, ids (T, k) int32) in one launch (_router_kernel): the linear's

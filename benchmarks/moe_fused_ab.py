@@ -6,6 +6,7 @@ order every other round), so load time and drift are shared.
     python3 benchmarks/moe_fused_ab.py --model shape:qwen3-30b-a3b --quant int4
     python3 benchmarks/moe_fused_ab.py --model shape:gpt-oss-20b --quant fp4 --rounds 3
     python3 benchmarks/moe_fused_ab.py --variants 1 --qcfg 'auto;gu:w2;dn:n8'
+    python3 benchmarks/moe_fused_ab.py --variants 1 --router 0,1
 
 H100 (benchmarks/results/h100-moe-fused.txt), ms a step, 0 -> 1: qwen3-30b-a3b int4 2.247 ->
 1.958 (445.1 -> 510.8 tok/s), gpt-oss-20b fp4 2.181 -> 2.075 (458.5 -> 482.0).
@@ -41,6 +42,9 @@ def main() -> None:
     ap.add_argument("--qcfg", default="auto",
                     help="packed kernel launches, ';' between them, each as MLXRUN_MOE_QCFG "
                          "(every one with every --variants value)")  # fmt: skip
+    ap.add_argument("--router", default="auto",
+                    help="cuda_moe.ROUTER values (as MLXRUN_MOE_ROUTER), e.g. 0,1: the router's "
+                         "linear and routing in one launch (1) or apart (0)")  # fmt: skip
     a = ap.parse_args()
     from mlxrun.backends.torch_backend import TorchBackend
     from mlxrun.bench import _quant_specs, build_random, shape_config
@@ -50,7 +54,8 @@ def main() -> None:
     be = TorchBackend("cuda", "bfloat16")
     (qn, spec), *_ = _quant_specs([a.quant]).items()
     model = build_random(cfg, be, spec)
-    variants = [(int(v), q) for v in a.variants.split(",") for q in a.qcfg.split(";")]
+    variants = [(int(v), q, r) for v in a.variants.split(",") for q in a.qcfg.split(";")
+                for r in a.router.split(",")]  # fmt: skip
     cache = model.make_cache(1, a.context + a.reps + 64)
     ids = torch.randint(0, cfg.vocab_size, (1, a.context), device="cuda")
     chunk = prefill_chunk_for(be.name, be.memory_kind, 1)
@@ -63,23 +68,24 @@ def main() -> None:
     base = cache.offset  # every capture decodes from here: the same positions for each
     print(f"{torch.cuda.get_device_name()} {a.model} {qn} batch 1, context {a.context}")
     res: dict[tuple, list[float]] = {v: [] for v in variants}
-    qcfg = cm.QCFG
+    qcfg, router = cm.QCFG, cm.ROUTER
     for r in range(a.rounds):
-        for v, q in variants if r % 2 == 0 else variants[::-1]:
+        for v, q, rt in variants if r % 2 == 0 else variants[::-1]:
             cm.FUSED = bool(v)
             cm.QCFG = qcfg if q == "auto" else cm.parse_qcfg(q)
+            cm.ROUTER = router if rt == "auto" else rt != "0"
             be._session = None  # a new capture with this variant's kernels
             cache.offset = base
             dec = be.decode_step(model, cache, 1, None)
             tok = dec(y.view(-1))
             ms = events_ms(lambda dec=dec, tok=tok: dec(tok), reps=a.reps)
             dec.close()
-            res[v, q].append(ms)
-            print(f"  round {r} fused={v} qcfg={q}: {ms:.4f} ms/step {1e3 / ms:8.1f} tok/s",
-                  flush=True)  # fmt: skip
-    for (v, q), ms in res.items():
+            res[v, q, rt].append(ms)
+            print(f"  round {r} fused={v} qcfg={q} router={rt}: {ms:.4f} ms/step "
+                  f"{1e3 / ms:8.1f} tok/s", flush=True)  # fmt: skip
+    for (v, q, rt), ms in res.items():
         best = min(ms)
-        print(f"{a.model} {qn} fused={v} qcfg={q}: best {best:.4f} ms/step {1e3 / best:.1f} tok/s "
+        print(f"{a.model} {qn} fused={v} qcfg={q} router={rt}: best {best:.4f} ms/step {1e3 / best:.1f} tok/s "
               f"(all: {', '.join(f'{m:.4f}' for m in ms)})")  # fmt: skip
 
 

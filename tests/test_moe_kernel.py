@@ -220,12 +220,17 @@ ROUTER = [
 ]
 
 
-@pytest.mark.parametrize("routing,norm,E2,k,K2,bias", ROUTER)
-def test_router_kernel_matches_linear_and_route(routing, norm, E2, k, K2, bias):
+def _cuda_ops():
     from mlxrun.backends import cuda_ops  # noqa: PLC0415
 
     if not HAS_CUDA and type(cuda_ops._dense_gemv_kernel).__name__ != "InterpretedFunction":
         cuda_ops = importlib.reload(cuda_ops)
+    return cuda_ops
+
+
+@pytest.mark.parametrize("routing,norm,E2,k,K2,bias", ROUTER)
+def test_router_kernel_matches_linear_and_route(routing, norm, E2, k, K2, bias):
+    cuda_ops = _cuda_ops()
     rng = np.random.default_rng(7)
     o = MoEOptions(E2, k, 8, routing, norm_topk=norm)
     T2 = 2
@@ -247,6 +252,41 @@ def test_router_kernel_matches_linear_and_route(routing, norm, E2, k, K2, bias):
         w_got, ids_got = cm.route_linear(x, w, b, o)
         assert ids_got.tolist() == ids_want.tolist()
         assert torch.equal(w_got, w_want)
+
+
+def test_moe_without_logits_routes_in_one_launch(monkeypatch):
+    """torch_moe.moe given no logits (as the model calls it): with cuda_moe.ROUTER the
+    router kernel's routing, else the backend's linear then route; the same output, and
+    the linear not called in the first case."""
+    cuda_ops = _cuda_ops()
+    rng = np.random.default_rng(8)
+    E2, k2, H2, I2 = 6, 2, 64, 32
+    o = MoEOptions(E2, k2, I2, "topk_softmax", act="swiglu_clamped", bias=True)
+    bf = torch.bfloat16
+    # the router's logits small integers (exact however the interpreter rounds; ties to the
+    # lower index), the experts random
+    router = rng.integers(-1, 2, (E2, H2)) * (rng.random((E2, H2)) < 0.2)
+    e = Experts(torch.from_numpy(router).to(bf).to(DEV),
+                *(torch.from_numpy(0.2 * rng.standard_normal(s)).to(bf).to(DEV)
+                  for s in ((E2, I2, H2), (E2, I2, H2), (E2, H2, I2))),
+                router_bias=torch.from_numpy(rng.integers(-2, 3, E2)).to(bf).to(DEV))  # fmt: skip
+    for n, width in (("gate_bias", I2), ("up_bias", I2), ("down_bias", H2)):
+        setattr(e, n, torch.from_numpy(0.3 * rng.standard_normal((E2, width))).to(bf).to(DEV))
+    x = torch.from_numpy(rng.integers(-2, 3, (1, 1, H2))).to(bf).to(DEV)
+    calls = []
+
+    def linear(a, w, b):
+        calls.append(w)
+        return cuda_ops.dense_gemv(a, w) + b
+
+    monkeypatch.setattr(cm, "ROUTER", False)
+    want = torch_moe.moe(x, None, e, o, kernel=True, linear=linear)
+    assert len(calls) == 1 and not cm.routes_linear(x.view(1, H2), e, o)
+    monkeypatch.setattr(cm, "ROUTER", True)
+    assert cm.routes_linear(x.view(1, H2), e, o)
+    got = torch_moe.moe(x, None, e, o, kernel=True, linear=linear)
+    assert len(calls) == 1 and got.shape == want.shape
+    assert torch.equal(got, want)
 
 
 GROUPED = [pytest.param(f, marks=() if f == ("mxfp4", 4, 32) else LONG_ON_CPU,
