@@ -52,6 +52,15 @@ _MODE = {"dense": 0, "affine": 1, "mxfp4": 2, "nvfp4": 3, "mxfp8": 4}
 FUSED = os.environ.get("MLXRUN_MOE_FUSED", "1") != "0"
 
 
+# The top-k by ranks (one comparison matrix) instead of k rounds of max (_topk_store), up
+# to 128 experts. MLXRUN_MOE_TOPK=rank turns it on (A/B).
+TOPK_RANK = os.environ.get("MLXRUN_MOE_TOPK", "loop") == "rank"
+
+
+def _rank(E: int) -> bool:
+    return TOPK_RANK and E <= 128
+
+
 def route(logits: torch.Tensor, o) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits (N, E) -> (weights (N, k) float32, expert ids (N, k) int32) in one
     launch: torch_moe.route's arithmetic without its topk/softmax/copy kernels (~10 a layer
@@ -64,7 +73,7 @@ def route(logits: torch.Tensor, o) -> tuple[torch.Tensor, torch.Tensor]:
         _route_kernel[(n,)](
             logits.contiguous(), w, ids, E, TOP_K=k, KP=triton.next_power_of_2(k),
             BLOCK_E=triton.next_power_of_2(E), SOFTMAX_FIRST=o.routing == "softmax_topk",
-            NORM=o.norm_topk, num_warps=1 if E <= 128 else 4,
+            NORM=o.norm_topk, RANK=_rank(E), num_warps=1 if E <= 128 else 4,
             **(pdl_args(logits.device) if FUSED else {}),
         )  # fmt: skip
     return w, ids
@@ -116,7 +125,7 @@ def route_linear(x: torch.Tensor, w: torch.Tensor, bias, o) -> tuple[torch.Tenso
             _counters(x.device, T), E, K, HAS_BIAS=bias is not None, BLOCK_N=ROUTER_ROWS,
             BLOCK_K=32 * ROUTER_WARPS * ROUTER_VEC, TOP_K=k, KP=triton.next_power_of_2(k),
             BLOCK_E=triton.next_power_of_2(E), SOFTMAX_FIRST=o.routing == "softmax_topk",
-            NORM=o.norm_topk, num_warps=ROUTER_WARPS, **pdl_args(x.device),
+            NORM=o.norm_topk, RANK=_rank(E), num_warps=ROUTER_WARPS, **pdl_args(x.device),
         )  # fmt: skip
     return wout, ids
 
