@@ -120,10 +120,12 @@ def route_linear(x: torch.Tensor, w: torch.Tensor, bias, o) -> tuple[torch.Tenso
     ids = torch.empty((T, k), dtype=torch.int32, device=x.device)
     if T:
         logits = torch.empty((T, E), dtype=x.dtype, device=x.device)
+        block_k = 32 * ROUTER_WARPS * ROUTER_VEC
         _router_kernel[(T, triton.cdiv(E, ROUTER_ROWS))](
             x.contiguous(), w, bias if bias is not None else w, logits, wout, ids,
             _counters(x.device, T), E, K, HAS_BIAS=bias is not None, BLOCK_N=ROUTER_ROWS,
-            BLOCK_K=32 * ROUTER_WARPS * ROUTER_VEC, TOP_K=k, KP=triton.next_power_of_2(k),
+            BLOCK_K=block_k, EVEN=E % ROUTER_ROWS == 0 and K % block_k == 0,
+            ONE_STEP=K <= block_k, TOP_K=k, KP=triton.next_power_of_2(k),
             BLOCK_E=triton.next_power_of_2(E), SOFTMAX_FIRST=o.routing == "softmax_topk",
             NORM=o.norm_topk, RANK=_rank(E), num_warps=ROUTER_WARPS, **pdl_args(x.device),
         )  # fmt: skip

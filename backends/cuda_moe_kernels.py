@@ -328,7 +328,8 @@ def _topk_store(z, m, offs, WOUT, IDS, TOP_K: tl.constexpr, KP: tl.constexpr,
 
 @triton.jit
 def _router_kernel(X, W, BIAS, L, WOUT, IDS, CNT, E, K, HAS_BIAS: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TOP_K: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+                   ONE_STEP: tl.constexpr, TOP_K: tl.constexpr,
                    KP: tl.constexpr, BLOCK_E: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
                    NORM: tl.constexpr, RANK: tl.constexpr = False,
                    PDL: tl.constexpr = False):  # fmt: skip
@@ -338,25 +339,41 @@ def _router_kernel(X, W, BIAS, L, WOUT, IDS, CNT, E, K, HAS_BIAS: tl.constexpr,
     and its bias add round them), stored to L[t]; the token's ticket is taken (CNT[t]) and
     the last of its programs reads the E logits back and routes them (_topk_store, as
     _route_kernel), resetting the ticket for the next launch. PDL: the weights are loaded
-    before waiting for x."""
+    before waiting for x. EVEN: whole row blocks and K blocks (no masks); ONE_STEP: K fits
+    one block."""
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < E
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = W + rn[:, None].to(tl.int64) * K + rk[None, :]
-    w = tl.load(w_ptrs, mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
+    if EVEN:
+        w = tl.load(w_ptrs)
+    else:
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
     if PDL:
         tlc.gdc_wait()  # x is the previous kernel's output; the weights are not
         tlc.gdc_launch_dependents()
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     x_row = X + t.to(tl.int64) * K
-    for k in range(0, K, BLOCK_K):
-        kn = k + BLOCK_K
-        w_next = tl.load(w_ptrs + kn, mask=n_ok[:, None] & (kn + rk < K)[None, :], other=0.0)
-        x = tl.load(x_row + k + rk, mask=k + rk < K, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        w = w_next
+    if ONE_STEP:  # K <= BLOCK_K: no next block in flight (its registers made ptxas spill)
+        if EVEN:
+            x = tl.load(x_row + rk)
+        else:
+            x = tl.load(x_row + rk, mask=rk < K, other=0.0)
+        acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            kn = k + BLOCK_K
+            if EVEN:
+                w_next = tl.load(w_ptrs + tl.minimum(kn, K - BLOCK_K))
+                x = tl.load(x_row + k + rk)
+            else:
+                w_next = tl.load(w_ptrs + kn, mask=n_ok[:, None] & (kn + rk < K)[None, :],
+                                 other=0.0)  # fmt: skip
+                x = tl.load(x_row + k + rk, mask=k + rk < K, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            w = w_next
     z = tl.sum(acc, axis=1).to(L.dtype.element_ty)
     if HAS_BIAS:
         b = tl.load(BIAS + rn, mask=n_ok, other=0.0)
