@@ -52,15 +52,6 @@ _MODE = {"dense": 0, "affine": 1, "mxfp4": 2, "nvfp4": 3, "mxfp8": 4}
 FUSED = os.environ.get("MLXRUN_MOE_FUSED", "1") != "0"
 
 
-# The top-k by ranks (one comparison matrix) instead of k rounds of max (_topk_store), up
-# to 128 experts. MLXRUN_MOE_TOPK=rank turns it on (A/B).
-TOPK_RANK = os.environ.get("MLXRUN_MOE_TOPK", "loop") == "rank"
-
-
-def _rank(E: int) -> bool:
-    return TOPK_RANK and E <= 128
-
-
 def route(logits: torch.Tensor, o) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits (N, E) -> (weights (N, k) float32, expert ids (N, k) int32) in one
     launch: torch_moe.route's arithmetic without its topk/softmax/copy kernels (~10 a layer
@@ -73,7 +64,7 @@ def route(logits: torch.Tensor, o) -> tuple[torch.Tensor, torch.Tensor]:
         _route_kernel[(n,)](
             logits.contiguous(), w, ids, E, TOP_K=k, KP=triton.next_power_of_2(k),
             BLOCK_E=triton.next_power_of_2(E), SOFTMAX_FIRST=o.routing == "softmax_topk",
-            NORM=o.norm_topk, RANK=_rank(E), num_warps=1 if E <= 128 else 4,
+            NORM=o.norm_topk, num_warps=1 if E <= 128 else 4,
             **(pdl_args(logits.device) if FUSED else {}),
         )  # fmt: skip
     return w, ids
@@ -85,19 +76,23 @@ ROUTER_ROWS, ROUTER_WARPS, ROUTER_VEC = 4, 4, 16
 
 
 # The router's linear and the routing in one launch in decode (route_linear), where the
-# linear, its bias add and `route` were launched apart. MLXRUN_MOE_ROUTER=0: apart (A/B).
-ROUTER = os.environ.get("MLXRUN_MOE_ROUTER", "0") != "0"
+# linear, its bias add and `route` were launched apart: for routers with a bias (gpt-oss:
+# three launches to one; H200, alone, 5.25 -> 4.15 us). Without one (qwen3: two to one) it
+# is slower (3.43 -> 4.79 us; in the step 1.822 -> 1.901 ms): its top-k runs on 4 warps,
+# where the route kernel's runs on one. MLXRUN_MOE_ROUTER: "bias" (default), "1" every
+# router, "0" none (A/B).
+ROUTER = os.environ.get("MLXRUN_MOE_ROUTER", "bias")
 
 
 def routes_linear(x: torch.Tensor, e, o) -> bool:
-    """Whether moe runs route_linear for x (T, H): ROUTER on, a few rows of x (as many as
+    """Whether moe runs route_linear for x (T, H): ROUTER on for this router, a few rows of x (as many as
     the linear would run cuda_ops.dense_gemv for: its logits, bit for bit), the router
     dense in x's 16-bit dtype, rows contiguous."""
     from mlxrun.quant.triton_kernels import GEMV_MAX_M  # noqa: PLC0415
 
     r = e.router
     return (
-        ROUTER
+        (ROUTER == "1" or (ROUTER == "bias" and e.router_bias is not None))
         and 0 < x.shape[0] <= GEMV_MAX_M
         and isinstance(r, torch.Tensor)
         and r.dtype == x.dtype in (torch.bfloat16, torch.float16)
@@ -127,7 +122,7 @@ def route_linear(x: torch.Tensor, w: torch.Tensor, bias, o) -> tuple[torch.Tenso
             BLOCK_K=block_k, EVEN=E % ROUTER_ROWS == 0 and K % block_k == 0,
             ONE_STEP=K <= block_k, TOP_K=k, KP=triton.next_power_of_2(k),
             BLOCK_E=triton.next_power_of_2(E), SOFTMAX_FIRST=o.routing == "softmax_topk",
-            NORM=o.norm_topk, RANK=_rank(E), num_warps=ROUTER_WARPS, **pdl_args(x.device),
+            NORM=o.norm_topk, num_warps=ROUTER_WARPS, **pdl_args(x.device),
         )  # fmt: skip
     return wout, ids
 
@@ -284,7 +279,7 @@ QCFG = parse_qcfg(os.environ.get("MLXRUN_MOE_QCFG", ""))
 
 def choose_qconfig(p: PackedExperts) -> QConfig:
     """As choose_config picks for a dense GEMV row of x: up to GEMV_WARPS warps while each
-    gets 256 words of a row; 16 rows (two halves sharing x) for affine, 8 for the float
+    gets 256 words of a row and the steps divide it; 16 rows (two halves sharing x) for affine, 8 for the float
     formats (they spill at 16 with one warp); no prefetch for E4M3 with many 4-warp steps.
     QCFG (MLXRUN_MOE_QCFG) replaces any of these for gate/up or down."""
     cfg = _default_qconfig(p)
@@ -295,7 +290,10 @@ def _default_qconfig(p: PackedExperts) -> QConfig:
     w = p.w
     kw = p.k * w.bits // 32
     warps = 1
-    while warps < GEMV_WARPS and 256 * warps <= kw:
+    # more warps only while their k-step divides the row: gpt-oss-20b's 2880 inputs (360
+    # 4-bit words) in one 2-warp step of 256 and a part-masked one ran slower than in 1-warp
+    # steps of 128 (H200, a layer's mxfp4 experts at batch 1: 39.2 -> 33.4 us)
+    while warps < GEMV_WARPS and 256 * warps <= kw and kw % (256 * warps) == 0:
         warps *= 2
     ksteps = math.ceil(kw / (128 * warps))
     bn = 16 if w.mode == "affine" else 8

@@ -43,10 +43,9 @@ def main() -> None:
                     help="packed kernel launches, ';' between them, each as MLXRUN_MOE_QCFG "
                          "(every one with every --variants value)")  # fmt: skip
     ap.add_argument("--router", default="auto",
-                    help="cuda_moe.ROUTER values (as MLXRUN_MOE_ROUTER), e.g. 0,1: the router's "
-                         "linear and routing in one launch (1) or apart (0)")  # fmt: skip
-    ap.add_argument("--topk", default="auto",
-                    help="the routing's top-k: loop,rank (as MLXRUN_MOE_TOPK)")  # fmt: skip
+                    help="cuda_moe.ROUTER values (as MLXRUN_MOE_ROUTER), e.g. 0,1,bias: the "
+                         "router's linear and routing in one launch (1; bias: for routers with "
+                         "a bias) or apart (0)")  # fmt: skip
     a = ap.parse_args()
     from mlxrun.backends.torch_backend import TorchBackend
     from mlxrun.bench import _quant_specs, build_random, shape_config
@@ -56,8 +55,8 @@ def main() -> None:
     be = TorchBackend("cuda", "bfloat16")
     (qn, spec), *_ = _quant_specs([a.quant]).items()
     model = build_random(cfg, be, spec)
-    variants = [(int(v), q, f"{r}/{t}") for v in a.variants.split(",") for q in a.qcfg.split(";")
-                for r in a.router.split(",") for t in a.topk.split(",")]  # fmt: skip
+    variants = [(int(v), q, r) for v in a.variants.split(",") for q in a.qcfg.split(";")
+                for r in a.router.split(",")]  # fmt: skip
     cache = model.make_cache(1, a.context + a.reps + 64)
     ids = torch.randint(0, cfg.vocab_size, (1, a.context), device="cuda")
     chunk = prefill_chunk_for(be.name, be.memory_kind, 1)
@@ -70,14 +69,12 @@ def main() -> None:
     base = cache.offset  # every capture decodes from here: the same positions for each
     print(f"{torch.cuda.get_device_name()} {a.model} {qn} batch 1, context {a.context}")
     res: dict[tuple, list[float]] = {v: [] for v in variants}
-    qcfg, router, rank = cm.QCFG, cm.ROUTER, cm.TOPK_RANK
+    qcfg, router = cm.QCFG, cm.ROUTER
     for r in range(a.rounds):
         for v, q, rt in variants if r % 2 == 0 else variants[::-1]:
             cm.FUSED = bool(v)
             cm.QCFG = qcfg if q == "auto" else cm.parse_qcfg(q)
-            r_, t_ = rt.split("/")
-            cm.ROUTER = router if r_ == "auto" else r_ != "0"
-            cm.TOPK_RANK = rank if t_ == "auto" else t_ == "rank"
+            cm.ROUTER = router if rt == "auto" else rt
             be._session = None  # a new capture with this variant's kernels
             cache.offset = base
             dec = be.decode_step(model, cache, 1, None)
@@ -85,11 +82,11 @@ def main() -> None:
             ms = events_ms(lambda dec=dec, tok=tok: dec(tok), reps=a.reps)
             dec.close()
             res[v, q, rt].append(ms)
-            print(f"  round {r} fused={v} qcfg={q} router/topk={rt}: {ms:.4f} ms/step "
+            print(f"  round {r} fused={v} qcfg={q} router={rt}: {ms:.4f} ms/step "
                   f"{1e3 / ms:8.1f} tok/s", flush=True)  # fmt: skip
     for (v, q, rt), ms in res.items():
         best = min(ms)
-        print(f"{a.model} {qn} fused={v} qcfg={q} router/topk={rt}: best {best:.4f} ms/step {1e3 / best:.1f} tok/s "
+        print(f"{a.model} {qn} fused={v} qcfg={q} router={rt}: best {best:.4f} ms/step {1e3 / best:.1f} tok/s "
               f"(all: {', '.join(f'{m:.4f}' for m in ms)})")  # fmt: skip
 
 

@@ -195,24 +195,18 @@ def test_qcfg_refuses_what_it_cannot_read():
                                                ("softmax_topk", False, 8, 2),
                                                ("topk_softmax", False, 32, 4),
                                                ("topk_softmax", False, 12, 3)])  # fmt: skip
-def test_route_kernel_matches_torch(routing, norm, E2, k, monkeypatch):
+def test_route_kernel_matches_torch(routing, norm, E2, k):
     rng = np.random.default_rng(2)
     o = MoEOptions(E2, k, 8, routing, norm_topk=norm)
     logits = torch.from_numpy(rng.standard_normal((5, E2))).float().to(DEV)
     logits[0, 1] = logits[0, 3] = logits[0].max() + 1  # a tie on top: the lower index first
     w_want, ids_want = torch_moe.route(logits, o)
     ids_want[0, :2] = torch.tensor([1, 3])  # torch.topk orders ties as it likes
-    w_loop = None
-    for rank in (False, True):  # k rounds of max, or the ranks (MLXRUN_MOE_TOPK=rank)
-        monkeypatch.setattr(cm, "TOPK_RANK", rank)
-        w, ids = cm.route(logits, o)
-        assert ids.dtype == torch.int32 and ids.tolist() == ids_want.tolist()
-        assert torch.allclose(w, w_want, rtol=1e-6, atol=1e-7)
-        if norm:
-            assert torch.allclose(w.sum(-1), torch.ones(5, device=DEV))
-        if w_loop is not None:  # the same values, bit for bit
-            assert torch.equal(w, w_loop)
-        w_loop = w
+    w, ids = cm.route(logits, o)
+    assert ids.dtype == torch.int32 and ids.tolist() == ids_want.tolist()
+    assert torch.allclose(w, w_want, rtol=1e-6, atol=1e-7)
+    if norm:
+        assert torch.allclose(w.sum(-1), torch.ones(5, device=DEV))
 
 
 # The router's linear and the routing in one launch (cuda_moe.route_linear) against the
@@ -237,7 +231,7 @@ def _cuda_ops():
 
 
 @pytest.mark.parametrize("routing,norm,E2,k,K2,bias", ROUTER)
-def test_router_kernel_matches_linear_and_route(routing, norm, E2, k, K2, bias, monkeypatch):
+def test_router_kernel_matches_linear_and_route(routing, norm, E2, k, K2, bias):
     cuda_ops = _cuda_ops()
     rng = np.random.default_rng(7)
     o = MoEOptions(E2, k, 8, routing, norm_topk=norm)
@@ -256,8 +250,7 @@ def test_router_kernel_matches_linear_and_route(routing, norm, E2, k, K2, bias, 
     if b is not None:
         logits = logits + b
     w_want, ids_want = cm.route(logits, o)
-    for rank in (False, True):  # the second launch finds the tickets reset by the first
-        monkeypatch.setattr(cm, "TOPK_RANK", rank)
+    for _ in range(2):  # the second launch finds the tickets reset by the first
         w_got, ids_got = cm.route_linear(x, w, b, o)
         assert ids_got.tolist() == ids_want.tolist()
         assert torch.equal(w_got, w_want)
@@ -288,14 +281,18 @@ def test_moe_without_logits_routes_in_one_launch(monkeypatch):
         calls.append(w)
         return cuda_ops.dense_gemv(a, w) + b
 
-    monkeypatch.setattr(cm, "ROUTER", False)
+    monkeypatch.setattr(cm, "ROUTER", "0")
     want = torch_moe.moe(x, None, e, o, kernel=True, linear=linear)
     assert len(calls) == 1 and not cm.routes_linear(x.view(1, H2), e, o)
-    monkeypatch.setattr(cm, "ROUTER", True)
+    monkeypatch.setattr(cm, "ROUTER", "bias")  # the default: this router has a bias
     assert cm.routes_linear(x.view(1, H2), e, o)
     got = torch_moe.moe(x, None, e, o, kernel=True, linear=linear)
     assert len(calls) == 1 and got.shape == want.shape
     assert torch.equal(got, want)
+    e.router_bias = None  # without a bias: apart by default, in one launch with "1"
+    assert not cm.routes_linear(x.view(1, H2), e, o)
+    monkeypatch.setattr(cm, "ROUTER", "1")
+    assert cm.routes_linear(x.view(1, H2), e, o)
 
 
 GROUPED = [pytest.param(f, marks=() if f == ("mxfp4", 4, 32) else LONG_ON_CPU,
