@@ -71,8 +71,10 @@ def route(logits: torch.Tensor, o) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # The router's linear as cuda_ops.dense_gemv launches it by default: 4 rows a program, 4
-# warps, 16 inputs a thread (its logits bit for bit, so the same experts are picked)
-ROUTER_ROWS, ROUTER_WARPS, ROUTER_VEC = 4, 4, 16
+# warps, 16 inputs a thread (its logits bit for bit, so the same experts are picked).
+# MLXRUN_MOE_ROUTER_TILE="rows,warps,vec" sets others (A/B; e.g. "1,1,64": the top-k of the
+# last program on one warp, as the route kernel's; the sums in another order).
+ROUTER_TILE = tuple(int(v) for v in os.environ.get("MLXRUN_MOE_ROUTER_TILE", "4,4,16").split(","))
 
 
 # The router's linear and the routing in one launch in decode (route_linear), where the
@@ -115,14 +117,15 @@ def route_linear(x: torch.Tensor, w: torch.Tensor, bias, o) -> tuple[torch.Tenso
     ids = torch.empty((T, k), dtype=torch.int32, device=x.device)
     if T:
         logits = torch.empty((T, E), dtype=x.dtype, device=x.device)
-        block_k = 32 * ROUTER_WARPS * ROUTER_VEC
-        _router_kernel[(T, triton.cdiv(E, ROUTER_ROWS))](
+        rows, warps, vec = ROUTER_TILE
+        block_k = 32 * warps * vec
+        _router_kernel[(T, triton.cdiv(E, rows))](
             x.contiguous(), w, bias if bias is not None else w, logits, wout, ids,
-            _counters(x.device, T), E, K, HAS_BIAS=bias is not None, BLOCK_N=ROUTER_ROWS,
-            BLOCK_K=block_k, EVEN=E % ROUTER_ROWS == 0 and K % block_k == 0,
+            _counters(x.device, T), E, K, HAS_BIAS=bias is not None, BLOCK_N=rows,
+            BLOCK_K=block_k, EVEN=E % rows == 0 and K % block_k == 0,
             ONE_STEP=K <= block_k, TOP_K=k, KP=triton.next_power_of_2(k),
             BLOCK_E=triton.next_power_of_2(E), SOFTMAX_FIRST=o.routing == "softmax_topk",
-            NORM=o.norm_topk, num_warps=ROUTER_WARPS, **pdl_args(x.device),
+            NORM=o.norm_topk, num_warps=warps, **pdl_args(x.device),
         )  # fmt: skip
     return wout, ids
 

@@ -231,7 +231,7 @@ def _cuda_ops():
 
 
 @pytest.mark.parametrize("routing,norm,E2,k,K2,bias", ROUTER)
-def test_router_kernel_matches_linear_and_route(routing, norm, E2, k, K2, bias):
+def test_router_kernel_matches_linear_and_route(routing, norm, E2, k, K2, bias, monkeypatch):
     cuda_ops = _cuda_ops()
     rng = np.random.default_rng(7)
     o = MoEOptions(E2, k, 8, routing, norm_topk=norm)
@@ -254,6 +254,11 @@ def test_router_kernel_matches_linear_and_route(routing, norm, E2, k, K2, bias):
         w_got, ids_got = cm.route_linear(x, w, b, o)
         assert ids_got.tolist() == ids_want.tolist()
         assert torch.equal(w_got, w_want)
+    if bias:  # exact sums: any tile gives the same (MLXRUN_MOE_ROUTER_TILE), one warp too
+        for tile in ((1, 1, 64), (2, 1, 16)):
+            monkeypatch.setattr(cm, "ROUTER_TILE", tile)
+            w_got, ids_got = cm.route_linear(x, w, b, o)
+            assert ids_got.tolist() == ids_want.tolist() and torch.equal(w_got, w_want)
 
 
 def test_moe_without_logits_routes_in_one_launch(monkeypatch):
