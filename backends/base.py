@@ -122,7 +122,8 @@ class Backend(Protocol):
     def moe(
         self, x: Array, logits: Array, experts, opts
     ) -> Array: ...  # x (B, T, H), router logits (B, T, E), mlxrun.moe.Experts and
-    # MoEOptions -> (B, T, H): each token's top-k experts, weighted by the routing, summed
+    # MoEOptions -> (B, T, H): each token's top-k experts, weighted by the routing, summed;
+    # logits None: the backend computes them, linear(x, experts.router, .router_bias)
     def moe_sum(
         self, x: Array, logits: Array, experts, opts, shared: tuple | None = None
     ) -> Array: ...  # moe with every expert split by its intermediate rows over the ranks:

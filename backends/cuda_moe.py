@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 
 import torch
 import triton
@@ -35,7 +36,9 @@ from mlxrun.backends.cuda_moe_kernels import (
     _moe_grouped,
     _moe_qgemv,
     _route_kernel,
+    _router_kernel,
 )
+from mlxrun.errors import MlxrunError
 from mlxrun.quant.triton_kernels import qmatmul
 from mlxrun.quant.triton_launch import GEMV_WARPS, _counters, pdl_args
 from mlxrun.quant.triton_layout import _MODE_ID, SCALE_ROWS, QLinear, prepare
@@ -65,6 +68,66 @@ def route(logits: torch.Tensor, o) -> tuple[torch.Tensor, torch.Tensor]:
             **(pdl_args(logits.device) if FUSED else {}),
         )  # fmt: skip
     return w, ids
+
+
+# The router's linear as cuda_ops.dense_gemv launches it by default: 4 rows a program, 4
+# warps, 16 inputs a thread (its logits bit for bit, so the same experts are picked).
+# MLXRUN_MOE_ROUTER_TILE="rows,warps,vec" sets others (A/B; e.g. "1,1,64": the top-k of the
+# last program on one warp, as the route kernel's; the sums in another order).
+ROUTER_TILE = tuple(int(v) for v in os.environ.get("MLXRUN_MOE_ROUTER_TILE", "4,4,16").split(","))
+
+
+# The router's linear and the routing in one launch in decode (route_linear), where the
+# linear, its bias add and `route` were launched apart: for routers with a bias (gpt-oss:
+# three launches to one; H200, alone, 5.25 -> 4.15 us). Without one (qwen3: two to one) it
+# is slower (3.43 -> 4.79 us; in the step 1.822 -> 1.901 ms): its top-k runs on 4 warps,
+# where the route kernel's runs on one. MLXRUN_MOE_ROUTER: "bias" (default), "1" every
+# router, "0" none (A/B).
+ROUTER = os.environ.get("MLXRUN_MOE_ROUTER", "bias")
+
+
+def routes_linear(x: torch.Tensor, e, o) -> bool:
+    """Whether moe runs route_linear for x (T, H): ROUTER on for this router, a few rows of x (as many as
+    the linear would run cuda_ops.dense_gemv for: its logits, bit for bit), the router
+    dense in x's 16-bit dtype, rows contiguous."""
+    from mlxrun.quant.triton_kernels import GEMV_MAX_M  # noqa: PLC0415
+
+    r = e.router
+    return (
+        (ROUTER == "1" or (ROUTER == "bias" and e.router_bias is not None))
+        and 0 < x.shape[0] <= GEMV_MAX_M
+        and isinstance(r, torch.Tensor)
+        and r.dtype == x.dtype in (torch.bfloat16, torch.float16)
+        and r.stride(-1) == 1
+        and r.stride(0) == r.shape[1]
+        and (e.router_bias is None or e.router_bias.dtype == x.dtype)
+    )
+
+
+def route_linear(x: torch.Tensor, w: torch.Tensor, bias, o) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (T, H) and the router w (E, H) (+ bias (E,)), dense in x's 16-bit dtype -> route's
+    (weights (T, k) float32, ids (T, k) int32) in one launch (_router_kernel): the linear's
+    logits, rounded as the linear and its bias add round them, then routed by the last
+    program of each token, where the linear, the bias add and `route` were three launches
+    (two without a bias)."""
+    T, K = x.shape
+    E = w.shape[0]
+    k = o.top_k
+    wout = torch.empty((T, k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((T, k), dtype=torch.int32, device=x.device)
+    if T:
+        logits = torch.empty((T, E), dtype=x.dtype, device=x.device)
+        rows, warps, vec = ROUTER_TILE
+        block_k = 32 * warps * vec
+        _router_kernel[(T, triton.cdiv(E, rows))](
+            x.contiguous(), w, bias if bias is not None else w, logits, wout, ids,
+            _counters(x.device, T), E, K, HAS_BIAS=bias is not None, BLOCK_N=rows,
+            BLOCK_K=block_k, EVEN=E % rows == 0 and K % block_k == 0,
+            ONE_STEP=K <= block_k, TOP_K=k, KP=triton.next_power_of_2(k),
+            BLOCK_E=triton.next_power_of_2(E), SOFTMAX_FIRST=o.routing == "softmax_topk",
+            NORM=o.norm_topk, num_warps=warps, **pdl_args(x.device),
+        )  # fmt: skip
+    return wout, ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,14 +255,48 @@ class QConfig:
     prefetch: bool
 
 
+_QCFG_PART = re.compile(r"(gu|dn):(?:w(1|2|4|8))?(?:n(8|16))?(?:p([01]))?")
+
+
+def parse_qcfg(spec: str) -> dict[str, dict]:
+    """MLXRUN_MOE_QCFG, e.g. "gu:w2n16,dn:w1n8p0" -> {"gu": {...}, "dn": {...}}: the packed
+    kernel's launch for gate/up (gu) or down (dn) in place of choose_qconfig's, field by
+    field (w: warps a program, n: rows a program, 8 or 16, p: prefetch 0 or 1), for A/B
+    timing (benchmarks/moe_kernels.py --qcfg, moe_fused_ab.py --qcfg)."""
+    out: dict[str, dict] = {}
+    for part in filter(None, spec.replace(" ", "").split(",")):
+        m = _QCFG_PART.fullmatch(part)
+        if m is None:
+            raise MlxrunError(
+                f"MLXRUN_MOE_QCFG: cannot read {part!r}: write gu: or dn: then any of w1/w2/w4/"
+                "w8 (warps), n8/n16 (rows a program), p0/p1 (prefetch), e.g. gu:w2n16,dn:n8"
+            )
+        w, n, pf = m.group(2, 3, 4)
+        out[m.group(1)] = {k: v for k, v in (("warps", w and int(w)), ("block_n", n and int(n)),
+                                             ("prefetch", pf and pf == "1")) if v is not None}  # fmt: skip
+    return out
+
+
+QCFG = parse_qcfg(os.environ.get("MLXRUN_MOE_QCFG", ""))
+
+
 def choose_qconfig(p: PackedExperts) -> QConfig:
     """As choose_config picks for a dense GEMV row of x: up to GEMV_WARPS warps while each
-    gets 256 words of a row; 16 rows (two halves sharing x) for affine, 8 for the float
-    formats (they spill at 16 with one warp); no prefetch for E4M3 with many 4-warp steps."""
+    gets 256 words of a row and the steps divide it; 16 rows (two halves sharing x) for affine, 8 for the float
+    formats (they spill at 16 with one warp); no prefetch for E4M3 with many 4-warp steps.
+    QCFG (MLXRUN_MOE_QCFG) replaces any of these for gate/up or down."""
+    cfg = _default_qconfig(p)
+    return dataclasses.replace(cfg, **QCFG.get("gu" if p.gated else "dn", {}))
+
+
+def _default_qconfig(p: PackedExperts) -> QConfig:
     w = p.w
     kw = p.k * w.bits // 32
     warps = 1
-    while warps < GEMV_WARPS and 256 * warps <= kw:
+    # more warps only while their k-step divides the row: gpt-oss-20b's 2880 inputs (360
+    # 4-bit words) in one 2-warp step of 256 and a part-masked one ran slower than in 1-warp
+    # steps of 128 (H200, a layer's mxfp4 experts at batch 1: 39.2 -> 33.4 us)
+    while warps < GEMV_WARPS and 256 * warps <= kw and kw % (256 * warps) == 0:
         warps *= 2
     ksteps = math.ceil(kw / (128 * warps))
     bn = 16 if w.mode == "affine" else 8

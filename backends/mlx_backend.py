@@ -378,6 +378,8 @@ class MLXBackend:
         top-k experts (B, T, H), through mx.gather_mm / mx.gather_qmm as mlx-lm's
         SwitchGLU runs them (token slots sorted by expert when there are many)."""
         shape, k = x.shape, o.top_k
+        if logits is None:
+            logits = self.linear(x, e.router, e.router_bias)
         lg = logits.reshape(-1, logits.shape[-1])
         if o.routing == "softmax_topk":  # transformers' routers: softmax in float32
             p = mx.softmax(lg.astype(mx.float32), axis=-1)

@@ -273,7 +273,7 @@ class TorchBackend(TorchWeights):
         """The top-k experts of each token, weighted and summed (backends/torch_moe.py)."""
         from .torch_moe import moe  # noqa: PLC0415
 
-        return moe(x, logits, experts, opts, kernel=self.triton_kernels)
+        return moe(x, logits, experts, opts, kernel=self.triton_kernels, linear=self.linear)
 
     def moe_sum(self, x, logits, experts, opts, shared=None):
         """moe over experts split by their intermediate rows (mlxrun/shard.py), plus the
@@ -288,7 +288,7 @@ class TorchBackend(TorchWeights):
         from .torch_moe import moe  # noqa: PLC0415
 
         f32 = torch.float32
-        y = moe(x, logits, experts, opts, kernel=self.triton_kernels, out_dtype=f32)
+        y = moe(x, logits, experts, opts, self.triton_kernels, f32, self.linear)
         if shared is not None:
             a, down, scale = shared
             y = y + scale.to(f32) * self.linear(a, down, out_dtype=f32)

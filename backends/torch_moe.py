@@ -111,19 +111,27 @@ def moe(
     o: MoEOptions,
     kernel: bool = False,
     out_dtype: torch.dtype | None = None,
+    linear=None,
 ) -> torch.Tensor:
     """x (B, T, H), router logits (B, T, E) -> the weighted sum of the top-k experts'
     outputs (B, T, H), in `out_dtype` (x's when None; float32 for a tensor-parallel rank:
     its down products and their sum stay unrounded partial sums, as torch_tp.py explains).
     kernel: run the Triton kernels (backends/cuda_moe.py) for up to KERNEL_MAX_SLOTS token
-    slots."""
+    slots. logits None: linear(x, e.router, e.router_bias) (the backend's), or with the
+    kernels the router's linear and the routing in one launch (cuda_moe.route_linear)."""
     dt = out_dtype or x.dtype
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    logits = logits.reshape(-1, logits.shape[-1])
     if kernel:
         from . import cuda_moe  # noqa: PLC0415
 
+        if logits is None and cuda_moe.routes_linear(x2, e, o):
+            w, ids = cuda_moe.route_linear(x2, e.router, e.router_bias, o)
+            return cuda_moe.moe_experts(x2, ids, w, e, o, out_dtype=out_dtype).view(shape)
+    if logits is None:
+        logits = linear(x, e.router, e.router_bias)
+    logits = logits.reshape(-1, logits.shape[-1])
+    if kernel:
         if x2.shape[0] * o.top_k <= KERNEL_MAX_SLOTS:
             w, ids = cuda_moe.route(logits, o)
             return cuda_moe.moe_experts(x2, ids, w, e, o, out_dtype=out_dtype).view(shape)

@@ -5,6 +5,8 @@ order every other round), so load time and drift are shared.
 
     python3 benchmarks/moe_fused_ab.py --model shape:qwen3-30b-a3b --quant int4
     python3 benchmarks/moe_fused_ab.py --model shape:gpt-oss-20b --quant fp4 --rounds 3
+    python3 benchmarks/moe_fused_ab.py --variants 1 --qcfg 'auto;gu:w2;dn:n8'
+    python3 benchmarks/moe_fused_ab.py --variants 1 --router 0,1
 
 H100 (benchmarks/results/h100-moe-fused.txt), ms a step, 0 -> 1: qwen3-30b-a3b int4 2.247 ->
 1.958 (445.1 -> 510.8 tok/s), gpt-oss-20b fp4 2.181 -> 2.075 (458.5 -> 482.0).
@@ -37,6 +39,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="times each variant is captured")
     ap.add_argument("--reps", type=int, default=30, help="timed replays a capture")
     ap.add_argument("--variants", default="1,0", help="cuda_moe.FUSED values, in turn")
+    ap.add_argument("--qcfg", default="auto",
+                    help="packed kernel launches, ';' between them, each as MLXRUN_MOE_QCFG "
+                         "(every one with every --variants value)")  # fmt: skip
+    ap.add_argument("--router", default="auto",
+                    help="cuda_moe.ROUTER values (as MLXRUN_MOE_ROUTER), e.g. 0,1,bias: the "
+                         "router's linear and routing in one launch (1; bias: for routers with "
+                         "a bias) or apart (0)")  # fmt: skip
+    ap.add_argument("--router-tile", default="auto",
+                    help="route_linear's tiles, ';' between them, as MLXRUN_MOE_ROUTER_TILE "
+                         "(rows,warps,vec), e.g. 'auto;1,1,64'")  # fmt: skip
     a = ap.parse_args()
     from mlxrun.backends.torch_backend import TorchBackend
     from mlxrun.bench import _quant_specs, build_random, shape_config
@@ -46,7 +58,9 @@ def main() -> None:
     be = TorchBackend("cuda", "bfloat16")
     (qn, spec), *_ = _quant_specs([a.quant]).items()
     model = build_random(cfg, be, spec)
-    variants = [int(v) for v in a.variants.split(",")]
+    variants = [(int(v), q, r + "/" + t) for v in a.variants.split(",")
+                for q in a.qcfg.split(";") for r in a.router.split(",")
+                for t in a.router_tile.split(";")]  # fmt: skip
     cache = model.make_cache(1, a.context + a.reps + 64)
     ids = torch.randint(0, cfg.vocab_size, (1, a.context), device="cuda")
     chunk = prefill_chunk_for(be.name, be.memory_kind, 1)
@@ -58,21 +72,27 @@ def main() -> None:
     torch.cuda.synchronize()
     base = cache.offset  # every capture decodes from here: the same positions for each
     print(f"{torch.cuda.get_device_name()} {a.model} {qn} batch 1, context {a.context}")
-    res: dict[int, list[float]] = {v: [] for v in variants}
+    res: dict[tuple, list[float]] = {v: [] for v in variants}
+    qcfg, router, tile = cm.QCFG, cm.ROUTER, cm.ROUTER_TILE
     for r in range(a.rounds):
-        for v in variants if r % 2 == 0 else variants[::-1]:
+        for v, q, rt in variants if r % 2 == 0 else variants[::-1]:
             cm.FUSED = bool(v)
+            cm.QCFG = qcfg if q == "auto" else cm.parse_qcfg(q)
+            r_, t_ = rt.split("/")
+            cm.ROUTER = router if r_ == "auto" else r_
+            cm.ROUTER_TILE = tile if t_ == "auto" else tuple(int(v) for v in t_.split(","))
             be._session = None  # a new capture with this variant's kernels
             cache.offset = base
             dec = be.decode_step(model, cache, 1, None)
             tok = dec(y.view(-1))
             ms = events_ms(lambda dec=dec, tok=tok: dec(tok), reps=a.reps)
             dec.close()
-            res[v].append(ms)
-            print(f"  round {r} fused={v}: {ms:.4f} ms/step {1e3 / ms:8.1f} tok/s", flush=True)
-    for v, ms in res.items():
+            res[v, q, rt].append(ms)
+            print(f"  round {r} fused={v} qcfg={q} router/tile={rt}: {ms:.4f} ms/step "
+                  f"{1e3 / ms:8.1f} tok/s", flush=True)  # fmt: skip
+    for (v, q, rt), ms in res.items():
         best = min(ms)
-        print(f"{a.model} {qn} fused={v}: best {best:.4f} ms/step {1e3 / best:.1f} tok/s "
+        print(f"{a.model} {qn} fused={v} qcfg={q} router/tile={rt}: best {best:.4f} ms/step {1e3 / best:.1f} tok/s "
               f"(all: {', '.join(f'{m:.4f}' for m in ms)})")  # fmt: skip
 
 

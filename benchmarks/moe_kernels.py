@@ -6,6 +6,8 @@ step actually reads, against the copy bandwidth measured in the same run.
     python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --warps auto,1,2,4   # A/B
     python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --path slot,grouped --batch 8,16,32,64
     python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --batch 1 --fused 0,1 --no-per-slot
+    python3 benchmarks/moe_kernels.py --batch 1 --no-per-slot --qcfg 'auto;gu:w2;dn:n8'
+    python3 benchmarks/moe_kernels.py --router      # router linear + route vs route_linear
     TRITON_INTERPRET=1 python3 benchmarks/moe_kernels.py --tiny        # CPU: values only
 
 Shapes: gpt-oss-20b (32 experts, top-4, hidden = intermediate = 2880, biases, clamped
@@ -224,9 +226,40 @@ def row(shape, name, o, layers, stored, batch, calls, bw, slots) -> str:
     return line
 
 
+def router_row(shape, calls, l2) -> str:
+    """The router alone: its linear as the model runs it (cuda_ops.dense_gemv, + bias) then
+    route (two or three launches) against route_linear (one), each in a CUDA graph cycling
+    through enough copies of the router (bf16 (E, H), as stored) that none stays in L2."""
+    from mlxrun.backends import cuda_ops  # noqa: PLC0415
+
+    E, _, H, _, oss = SHAPES[shape]
+    o = options(shape)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    n = max(calls, math.ceil(4 * l2 / (E * H * 2)))
+    ws = [(torch.randn(E, H, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+          for _ in range(n)]  # fmt: skip
+    b = (torch.randn(E, generator=gen, device="cuda") * 0.1).to(torch.bfloat16) if oss else None
+    xs = torch.randn(n, 1, H, generator=gen, device="cuda").to(torch.bfloat16)
+
+    def old(i):
+        logits = cuda_ops.dense_gemv(xs[i], ws[i])
+        return cm.route(logits if b is None else logits + b, o)
+
+    def new(i):
+        return cm.route_linear(xs[i], ws[i], b, o)
+
+    us_old = events_ms(graphed(old, n)) * 1e3 / n
+    us_new = events_ms(graphed(new, n)) * 1e3 / n
+    diff = sum(not all(torch.equal(p, q) for p, q in zip(old(i), new(i))) for i in range(n))
+    return (f"{shape:<14} router {E}x{H}{' +bias' if b is not None else ''}: linear + route "
+            f"{us_old:6.2f} us, route_linear {us_new:6.2f} us, calls whose ids or weights "
+            f"differ: {diff} of {n}")  # fmt: skip
+
+
 _CHOOSE = cm.choose_qconfig
 _WINS = cm.grouped_wins
 _FUSED = cm.FUSED
+_QCFG = cm.QCFG
 
 
 def _forced(grouped: bool):
@@ -255,6 +288,11 @@ def main() -> None:
     ap.add_argument("--fused", default="auto",
                     help="slot sum in the down kernel: auto,0,1 (a row each; as "
                          "MLXRUN_MOE_FUSED)")  # fmt: skip
+    ap.add_argument("--qcfg", default="auto",
+                    help="packed kernel launches to time, ';' between them, each as "
+                         "MLXRUN_MOE_QCFG, e.g. 'auto;gu:w2;dn:n8' (a row each: /q1, /q2..)")  # fmt: skip
+    ap.add_argument("--router", action="store_true",
+                    help="time the router alone (linear + route against route_linear), then stop")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="CPU values check (TRITON_INTERPRET=1)")
     a = ap.parse_args()
     if a.tiny:
@@ -265,6 +303,14 @@ def main() -> None:
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e9:.0f} GB/s (read + write), "
           f"L2 {l2 >> 20} MiB")  # fmt: skip
+    if a.router:
+        for shape in a.shape.split(","):
+            print(router_row(shape, a.calls, l2), flush=True)
+        return
+    qcfgs = a.qcfg.split(";")
+    for i, q in enumerate(qcfgs):
+        if q != "auto":
+            print(f"# q{i}: MLXRUN_MOE_QCFG={q}")
     print(f"{'shape':<14} {'format':<9} {'batch':>5} {'experts':>7} {'MB':>7} "
           f"{'us':>8} {'GB/s':>6} {'%copy':>6} {'route+us':>8} {'err0':>7} {'per-slot us':>11} "
           f"{'%copy':>6} {'err':>8}")  # fmt: skip
@@ -290,12 +336,16 @@ def main() -> None:
                         cm.choose_qconfig = _with_warps(warps)
                         for fused in a.fused.split(","):
                             cm.FUSED = _FUSED if fused == "auto" else fused != "0"
-                            label = name + ("" if path == "auto" else f"/{path[0]}")
-                            label += "" if warps == "auto" else f"/w{warps}"
-                            label += "" if fused == "auto" else f"/f{fused}"
-                            print(row(shape, label, o, layers, stored, batch, a.calls, bw,
-                                      not a.no_per_slot), flush=True)  # fmt: skip
+                            for qi, q in enumerate(qcfgs if fmt is not None else ["auto"]):
+                                cm.QCFG = _QCFG if q == "auto" else cm.parse_qcfg(q)
+                                label = name + ("" if path == "auto" else f"/{path[0]}")
+                                label += "" if warps == "auto" else f"/w{warps}"
+                                label += "" if fused == "auto" else f"/f{fused}"
+                                label += "" if q == "auto" else f"/q{qi}"
+                                print(row(shape, label, o, layers, stored, batch, a.calls, bw,
+                                          not a.no_per_slot), flush=True)  # fmt: skip
                 cm.choose_qconfig, cm.grouped_wins, cm.FUSED = _CHOOSE, _WINS, _FUSED
+                cm.QCFG = _QCFG
             del layers, stored, one
             torch.cuda.empty_cache()
 

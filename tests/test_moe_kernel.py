@@ -5,6 +5,7 @@ GPU."""
 
 import importlib
 import os
+import re
 
 import numpy as np
 import pytest
@@ -139,6 +140,57 @@ def test_packed_kernel_ksteps(fmt, k, prefetch):
     assert float((got - want).norm() / want.norm()) < 1e-5
 
 
+# Launches MLXRUN_MOE_QCFG can ask for (cuda_moe.parse_qcfg): 2 and 4 warps a program (a
+# k-step of 256 / 512 words: K = 2048 4-bit is one step, or half of one, masked), 8 or 16
+# rows a program, with and without prefetch, for gate/up (gated) and down (routing weight).
+QCFGS = [
+    pytest.param(f, q, marks=() if (f, q) == (("affine", 4, 32), "gu:w2n8,dn:w4n16p0")
+                 else LONG_ON_CPU, id=f"{''.join(map(str, f))}-{q.replace(':', '').replace(',', '-')}")
+    for f in (("affine", 4, 32), ("mxfp4", 4, 32), ("mxfp8", 8, 32))
+    for q in ("gu:w2n8,dn:w4n16p0", "gu:w4n16p0,dn:w2n8", "gu:w1n16p1,dn:w1n8")
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt,qcfg", QCFGS)
+def test_packed_kernel_launch_overrides(fmt, qcfg, monkeypatch):
+    rng = np.random.default_rng(3)
+    E2, n, k, slots = 3, 8, 2048, 2
+    w = [(0.1 * rng.standard_normal((E2, n, k))).astype(np.float32) for _ in range(2)]
+    gate, up = (_stack(a, fmt) for a in w)
+    o = MoEOptions(E2, 1, n, act="silu")
+    x = torch.from_numpy(rng.standard_normal((slots, k))).float().to(DEV)
+    ids = torch.tensor([1, 2], dtype=torch.int32, device=DEV)
+    rw = torch.tensor([0.5, -1.5], device=DEV)
+    dense = [torch_moe._take(q, ids.long(), torch.float32) for q in (gate, up)]
+    g, u = (torch.einsum("snk,sk->sn", d, x) for d in dense)
+    packed = cm._prepare(Experts(None, gate, up, gate))
+    one = cm.PackedExperts(packed[0].w, 2 * n, k, False)  # down-like: 16 rows, no gate
+    monkeypatch.setattr(cm, "QCFG", cm.parse_qcfg(qcfg))
+    want_cfg = {p: dict(re.findall(r"([wnp])(\d+)", q)) for p, q in
+                (part.split(":") for part in qcfg.split(","))}  # fmt: skip
+    for p, gated in ((packed[0], "gu"), (one, "dn")):
+        cfg = cm.choose_qconfig(p)
+        assert (str(cfg.warps), str(cfg.block_n)) == (want_cfg[gated]["w"], want_cfg[gated]["n"])
+        if "p" in want_cfg[gated]:
+            assert cfg.prefetch == (want_cfg[gated]["p"] == "1")
+    got = torch.empty((slots, n), device=DEV)
+    cm._qlaunch(x, ids, got, rw, packed[0], None, None, 1, o, False)
+    want = torch.nn.functional.silu(g) * u
+    assert float((got - want).norm() / want.norm()) < 1e-5
+    got = torch.empty((slots, 2 * n), device=DEV)
+    cm._qlaunch(x, ids, got, rw, one, None, None, 1, o, True)
+    want = torch.cat([g, u], dim=1) * rw[:, None]
+    assert float((got - want).norm() / want.norm()) < 1e-5
+
+
+def test_qcfg_refuses_what_it_cannot_read():
+    assert cm.parse_qcfg("") == {}
+    assert cm.parse_qcfg("dn:p0") == {"dn": {"prefetch": False}}
+    for bad in ("gu:w3", "up:w2", "gu:n32", "gu w2"):
+        with pytest.raises(cm.MlxrunError, match="MLXRUN_MOE_QCFG"):
+            cm.parse_qcfg(bad)
+
+
 @pytest.mark.parametrize("routing,norm,E2,k", [("softmax_topk", True, 128, 8),
                                                ("softmax_topk", False, 8, 2),
                                                ("topk_softmax", False, 32, 4),
@@ -147,12 +199,105 @@ def test_route_kernel_matches_torch(routing, norm, E2, k):
     rng = np.random.default_rng(2)
     o = MoEOptions(E2, k, 8, routing, norm_topk=norm)
     logits = torch.from_numpy(rng.standard_normal((5, E2))).float().to(DEV)
+    logits[0, 1] = logits[0, 3] = logits[0].max() + 1  # a tie on top: the lower index first
     w_want, ids_want = torch_moe.route(logits, o)
+    ids_want[0, :2] = torch.tensor([1, 3])  # torch.topk orders ties as it likes
     w, ids = cm.route(logits, o)
     assert ids.dtype == torch.int32 and ids.tolist() == ids_want.tolist()
     assert torch.allclose(w, w_want, rtol=1e-6, atol=1e-7)
     if norm:
         assert torch.allclose(w.sum(-1), torch.ones(5, device=DEV))
+
+
+# The router's linear and the routing in one launch (cuda_moe.route_linear) against the
+# linear as the model runs it (cuda_ops.dense_gemv, then + bias) and route: the same ids and
+# weights, bit for bit. Floats without a bias (qwen3's router: 128 experts, K 2048; a
+# partial last row block and K past one block), integers with one (gpt-oss's: every sum
+# exact, so the interpreter's rounding cannot differ from torch's bias add; ties everywhere,
+# to the lower index).
+ROUTER = [
+    pytest.param("softmax_topk", True, 128, 8, 2048, False, marks=LONG_ON_CPU, id="qwen3"),
+    pytest.param("softmax_topk", False, 12, 3, 2304, False, id="e12-k2304"),
+    pytest.param("topk_softmax", False, 32, 4, 640, True, id="oss-bias-int"),
+]
+
+
+def _cuda_ops():
+    from mlxrun.backends import cuda_ops  # noqa: PLC0415
+
+    if not HAS_CUDA and type(cuda_ops._dense_gemv_kernel).__name__ != "InterpretedFunction":
+        cuda_ops = importlib.reload(cuda_ops)
+    return cuda_ops
+
+
+@pytest.mark.parametrize("routing,norm,E2,k,K2,bias", ROUTER)
+def test_router_kernel_matches_linear_and_route(routing, norm, E2, k, K2, bias, monkeypatch):
+    cuda_ops = _cuda_ops()
+    rng = np.random.default_rng(7)
+    o = MoEOptions(E2, k, 8, routing, norm_topk=norm)
+    T2 = 2
+    if bias:  # small integers: every product, sum and the bias add exact in bf16
+        x = torch.from_numpy(rng.integers(-1, 2, (T2, K2))).to(torch.bfloat16)
+        w = torch.from_numpy(rng.integers(-1, 2, (E2, K2)) * (rng.random((E2, 1)) < 0.05))
+        w, b = w.to(torch.bfloat16), torch.from_numpy(rng.integers(-4, 5, E2)).to(torch.bfloat16)
+    else:
+        x = torch.from_numpy(rng.standard_normal((T2, K2))).to(torch.bfloat16)
+        w = torch.from_numpy(0.05 * rng.standard_normal((E2, K2))).to(torch.bfloat16)
+        b = None
+    x, w = x.to(DEV), w.to(DEV)
+    b = None if b is None else b.to(DEV)
+    logits = cuda_ops.dense_gemv(x, w)
+    if b is not None:
+        logits = logits + b
+    w_want, ids_want = cm.route(logits, o)
+    for _ in range(2):  # the second launch finds the tickets reset by the first
+        w_got, ids_got = cm.route_linear(x, w, b, o)
+        assert ids_got.tolist() == ids_want.tolist()
+        assert torch.equal(w_got, w_want)
+    if bias:  # exact sums: any tile gives the same (MLXRUN_MOE_ROUTER_TILE), one warp too
+        for tile in ((1, 1, 64), (2, 1, 16)):
+            monkeypatch.setattr(cm, "ROUTER_TILE", tile)
+            w_got, ids_got = cm.route_linear(x, w, b, o)
+            assert ids_got.tolist() == ids_want.tolist() and torch.equal(w_got, w_want)
+
+
+def test_moe_without_logits_routes_in_one_launch(monkeypatch):
+    """torch_moe.moe given no logits (as the model calls it): with cuda_moe.ROUTER the
+    router kernel's routing, else the backend's linear then route; the same output, and
+    the linear not called in the first case."""
+    cuda_ops = _cuda_ops()
+    rng = np.random.default_rng(8)
+    E2, k2, H2, I2 = 6, 2, 64, 32
+    o = MoEOptions(E2, k2, I2, "topk_softmax", act="swiglu_clamped", bias=True)
+    bf = torch.bfloat16
+    # the router's logits small integers (exact however the interpreter rounds; ties to the
+    # lower index), the experts random
+    router = rng.integers(-1, 2, (E2, H2)) * (rng.random((E2, H2)) < 0.2)
+    e = Experts(torch.from_numpy(router).to(bf).to(DEV),
+                *(torch.from_numpy(0.2 * rng.standard_normal(s)).to(bf).to(DEV)
+                  for s in ((E2, I2, H2), (E2, I2, H2), (E2, H2, I2))),
+                router_bias=torch.from_numpy(rng.integers(-2, 3, E2)).to(bf).to(DEV))  # fmt: skip
+    for n, width in (("gate_bias", I2), ("up_bias", I2), ("down_bias", H2)):
+        setattr(e, n, torch.from_numpy(0.3 * rng.standard_normal((E2, width))).to(bf).to(DEV))
+    x = torch.from_numpy(rng.integers(-2, 3, (1, 1, H2))).to(bf).to(DEV)
+    calls = []
+
+    def linear(a, w, b):
+        calls.append(w)
+        return cuda_ops.dense_gemv(a, w) + b
+
+    monkeypatch.setattr(cm, "ROUTER", "0")
+    want = torch_moe.moe(x, None, e, o, kernel=True, linear=linear)
+    assert len(calls) == 1 and not cm.routes_linear(x.view(1, H2), e, o)
+    monkeypatch.setattr(cm, "ROUTER", "bias")  # the default: this router has a bias
+    assert cm.routes_linear(x.view(1, H2), e, o)
+    got = torch_moe.moe(x, None, e, o, kernel=True, linear=linear)
+    assert len(calls) == 1 and got.shape == want.shape
+    assert torch.equal(got, want)
+    e.router_bias = None  # without a bias: apart by default, in one launch with "1"
+    assert not cm.routes_linear(x.view(1, H2), e, o)
+    monkeypatch.setattr(cm, "ROUTER", "1")
+    assert cm.routes_linear(x.view(1, H2), e, o)
 
 
 GROUPED = [pytest.param(f, marks=() if f == ("mxfp4", 4, 32) else LONG_ON_CPU,
