@@ -37,6 +37,18 @@ GEMV_MAX_M = 4  # above this many rows the tensor-core kernel wins (per-row FMA 
 # The most warps a GEMV program splits K across; MLXRUN_GEMV_WARPS=1 gives the one-warp
 # configs (for A/B timing)
 GEMV_WARPS = int(os.environ.get("MLXRUN_GEMV_WARPS", "4"))
+
+
+def _small_m_gemm(spec: str) -> tuple:
+    """Parse "BLOCK_N,warps,stages,groups,waves" (SMALL_M_GEMM's five) into numbers."""
+    bn, warps, stages, ng, waves = spec.split(",")
+    return int(bn), int(warps), int(stages), int(ng), float(waves)
+
+
+# The batched-decode GEMM (4 < M <= 64): W rows a tile, warps, stages, groups a k-step (at
+# least 128 inputs), split-K to this many waves of programs. MLXRUN_SMALL_M_GEMM (the same
+# five, comma-separated) overrides it for A/B timing.
+SMALL_M_GEMM = _small_m_gemm(os.environ.get("MLXRUN_SMALL_M_GEMM", "128,4,4,2,1"))
 _COUNTERS: dict = {}  # device -> zeroed int32 tickets, reset by the kernels themselves
 _OUTGROWN: list = []  # replaced ticket buffers: a captured CUDA graph may still use one
 
@@ -221,12 +233,13 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
         # and x's rows its narrow side, split K to about one wave. Measured at M = 32 on the
         # 8B shapes (profile_decode.py --linears): 0.6x the time of the 128x128 tiles.
         # The split divides the k-steps where it can (no k masks in the loop: EVEN_K).
+        bn, warps, stages, ng, waves = SMALL_M_GEMM
         bm = 32 if m <= 32 else 64
-        ng = max(2, 128 // g)  # g128: 2 groups a step, so the scale loads are 4 bytes (async)
+        ng = max(ng, 128 // g)  # g128: 2 groups a step, so the scale loads are 4 bytes (async)
         ksteps = math.ceil(w.k / (ng * g))
-        tiles = math.ceil(m / bm) * math.ceil(w.n / 128)
-        sk = _split_even(tiles, ksteps, sms, 1.0)
-        return KernelConfig("gemm", bm, 128, sk, ng, 4, 4, swap=True)
+        tiles = math.ceil(m / bm) * math.ceil(w.n / bn)
+        sk = _split_even(tiles, ksteps, sms, waves)
+        return KernelConfig("gemm", bm, bn, sk, ng, warps, stages, swap=True)
     elif w.mode == "affine" and w.bits == 4:
         # measured best for g64 (0.81x the time); with bf16 x the swap puts the packed decode
         # straight into wgmma's register operand (no shared-memory round trip), any g
