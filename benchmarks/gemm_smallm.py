@@ -47,8 +47,8 @@ SPECS = [
     "128,4,3,4,1",  # 256 inputs a step: 128 contiguous bytes of each row
     "128,4,4,4,1",
     "64,4,4,4,2",
-    "128,4,6,2,1",  # deeper pipelines
-    "128,4,8,2,1",
+    "128,4,6,2,1",  # a deeper pipeline
+    "128,8,4,4,1",  # two warpgroups of 64 rows, 256 inputs a step (128 registers)
 ]
 
 
