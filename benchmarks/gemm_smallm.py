@@ -7,9 +7,10 @@ min over reps; every launch's output checked against x @ the dequantized weight 
     python3 benchmarks/gemm_smallm.py --warm 128,4,4,2,1   # compile one launch's kernels only
     TRITON_INTERPRET=1 python3 benchmarks/gemm_smallm.py --dry   # CPU: small shapes, no timing
 
-A launch is triton_launch.SMALL_M_GEMM's five numbers, "BLOCK_N,warps,stages,groups,waves"
+A launch is triton_launch.SMALL_M_GEMM's numbers, "BLOCK_N,warps,stages,groups,waves[,l2]"
 (the form MLXRUN_SMALL_M_GEMM takes): W rows a program, warps, pipeline stages, groups of G
-inputs a k-step (at least 128 inputs), and split-K to that many waves of programs. The step
+inputs a k-step (at least 128 inputs), split-K to that many waves of programs, and k-steps
+of weights prefetched into L2 before the PDL wait (0: none). The step
 estimate is 32 x (the four layer shapes) + the head, as in an 8B decode step's GEMMs.
 """
 
@@ -41,14 +42,15 @@ SPECS = [
     "256,8,4,2,1",
     "128,8,4,2,1",  # two warpgroups of 64 rows
     "64,4,4,2,2",  # 64-row tiles, twice the programs
-    "64,4,3,2,3",
     "64,4,3,4,2",
     "64,2,3,2,4",  # two warps: mma.sync (v2), not wgmma
     "128,4,3,4,1",  # 256 inputs a step: 128 contiguous bytes of each row
     "128,4,4,4,1",
-    "64,4,4,4,2",
     "128,4,6,2,1",  # a deeper pipeline
     "128,8,4,4,1",  # two warpgroups of 64 rows, 256 inputs a step (128 registers)
+    "128,4,4,2,1,4",  # shipped, the first 4 k-steps into L2 before the PDL wait
+    "128,4,4,2,1,8",
+    "128,4,3,4,1,2",
 ]
 
 

@@ -40,15 +40,18 @@ GEMV_WARPS = int(os.environ.get("MLXRUN_GEMV_WARPS", "4"))
 
 
 def _small_m_gemm(spec: str) -> tuple:
-    """Parse "BLOCK_N,warps,stages,groups,waves" (SMALL_M_GEMM's five) into numbers."""
-    bn, warps, stages, ng, waves = spec.split(",")
-    return int(bn), int(warps), int(stages), int(ng), float(waves)
+    """Parse "BLOCK_N,warps,stages,groups,waves[,l2]" (SMALL_M_GEMM's six) into numbers."""
+    v = spec.split(",")
+    bn, warps, stages, ng, waves = v[:5]
+    l2 = int(v[5]) if len(v) > 5 else 0
+    return int(bn), int(warps), int(stages), int(ng), float(waves), l2
 
 
 # The batched-decode GEMM (4 < M <= 64): W rows a tile, warps, stages, groups a k-step (at
-# least 128 inputs), split-K to this many waves of programs. MLXRUN_SMALL_M_GEMM (the same
-# five, comma-separated) overrides it for A/B timing.
-SMALL_M_GEMM = _small_m_gemm(os.environ.get("MLXRUN_SMALL_M_GEMM", "128,4,4,2,1"))
+# least 128 inputs), split-K to this many waves of programs, k-steps of weights brought
+# into L2 before the PDL wait (KernelConfig.l2_prefetch). MLXRUN_SMALL_M_GEMM (the same,
+# comma-separated) overrides it for A/B timing.
+SMALL_M_GEMM = _small_m_gemm(os.environ.get("MLXRUN_SMALL_M_GEMM", "128,4,4,2,1,0"))
 _COUNTERS: dict = {}  # device -> zeroed int32 tickets, reset by the kernels themselves
 _OUTGROWN: list = []  # replaced ticket buffers: a captured CUDA graph may still use one
 
@@ -120,7 +123,8 @@ class KernelConfig:
 
     kernel: "gemv" (num_warps warps per program, splitting each k-step of 128*num_warps
     words per row) or "gemm" (tl.dot, k-steps of ng groups). split_k: programs along K whose
-    partials the last one sums.
+    partials the last one sums. l2_prefetch (gemm, with PDL): k-steps of each program's
+    weight rows, scales and biases brought into L2 before it waits for the previous kernel.
     """
 
     kernel: str
@@ -133,6 +137,7 @@ class KernelConfig:
     group_m: int = 8
     prefetch: bool = True
     swap: bool = False
+    l2_prefetch: int = 0
 
 
 def _split(n_tiles: int, ksteps: int, sms: int, waves: float) -> int:
@@ -233,13 +238,13 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
         # and x's rows its narrow side, split K to about one wave. Measured at M = 32 on the
         # 8B shapes (profile_decode.py --linears): 0.6x the time of the 128x128 tiles.
         # The split divides the k-steps where it can (no k masks in the loop: EVEN_K).
-        bn, warps, stages, ng, waves = SMALL_M_GEMM
+        bn, warps, stages, ng, waves, l2 = SMALL_M_GEMM
         bm = 32 if m <= 32 else 64
         ng = max(ng, 128 // g)  # g128: 2 groups a step, so the scale loads are 4 bytes (async)
         ksteps = math.ceil(w.k / (ng * g))
         tiles = math.ceil(m / bm) * math.ceil(w.n / bn)
         sk = _split_even(tiles, ksteps, sms, waves)
-        return KernelConfig("gemm", bm, bn, sk, ng, warps, stages, swap=True)
+        return KernelConfig("gemm", bm, bn, sk, ng, warps, stages, swap=True, l2_prefetch=l2)
     elif w.mode == "affine" and w.bits == 4:
         # measured best for g64 (0.81x the time); with bf16 x the swap puts the packed decode
         # straight into wgmma's register operand (no shared-memory round trip), any g

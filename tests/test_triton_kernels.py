@@ -258,14 +258,15 @@ def test_gemm_small_m_swap_packed(mode, bits, group_size, m):
 
 @pytest.mark.parametrize(
     "spec,m",
-    [("", 8), ("256,8,3,2,1", 64), ("64,4,3,4,2", 17)],
-    ids=["default-m8", "256rows-m64", "64rows-k256-m17"],
+    [("", 8), ("256,8,3,2,1", 64), ("64,4,3,4,2", 17), ("128,4,4,2,1,4", 32)],
+    ids=["default-m8", "256rows-m64", "64rows-k256-m17", "l2-prefetch-m32"],
 )
 def test_small_m_gemm_launches_as_an_h100_runs_them(monkeypatch, spec, m):
     """The batched-decode launches (triton_launch.SMALL_M_GEMM, MLXRUN_SMALL_M_GEMM) as
     choose_config gives them a 132-SM GPU, against the float64 decoder: int4 g64, N = 264
     (a partial row tile for 64, 128 and 256 rows), K = 576 (a part k-step), split-K, row
-    tiles of 32 or 64 with M = 8, 17 (masked rows) and 64."""
+    tiles of 32 or 64 with M = 8, 17 (masked rows), 32 and 64; on a GPU (PDL) the L2
+    prefetch before the wait too."""
     import mlxrun.quant.triton_launch as launch
 
     if spec:
