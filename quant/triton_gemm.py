@@ -260,8 +260,9 @@ def _l2_prefetch_tile(w_ptr, s_ptr, b_ptr, rn, n_mask, s_row, kb0, stride_wn, KG
     WORDS: tl.constexpr = STEPS * NG * WPG
     NL: tl.constexpr = (WORDS + LINE - 1) // LINE + 1  # +1: the span may straddle a line
     i = tl.minimum(tl.arange(0, triton.next_power_of_2(NL)) * LINE, WORDS - 1)
+    col = tl.minimum(kb0 * (NG * WPG) + i, KG * WPG - 1)  # (a last split's part k-step)
     rows = tl.where(n_mask, rn, 0)
-    _l2_prefetch(w_ptr + rows[:, None] * stride_wn + kb0 * (NG * WPG) + i[None, :])
+    _l2_prefetch(w_ptr + rows[:, None] * stride_wn + col[None, :])
     g = tl.minimum(kb0 * NG + tl.arange(0, 2) * (STEPS * NG - 1), KG - 1)  # first, last
     s_offs = tl.where(n_mask, s_row, 0)[:, None] + g[None, :] * 8
     _l2_prefetch(s_ptr + s_offs)
