@@ -603,7 +603,8 @@ def test_fused_small_ops_equal_the_stock_ops(dtype):
 def test_decode_attention_equals_sdpa(dtype):
     """One new token per sequence against a GQA cache, split across programs over the keys:
     what SDPA gives, with no mask, with a per-sequence mask (left padding, an unfilled tail
-    that whole blocks of keys skip), and with one mask for the batch."""
+    that whole blocks of keys skip), and with one mask for the batch; in one split, the
+    output written by the attention kernel itself."""
     import torch.nn.functional as F
 
     from mlxrun.backends import cuda_attention
@@ -628,6 +629,15 @@ def test_decode_attention_equals_sdpa(dtype):
         got = cuda_attention.decode_attention(q, k, v, 0.2, mask)
         assert got.shape == q.shape and got.dtype == dtype
         assert rel_err(got.float().cpu(), want.cpu()) < tol
+        # one block of 256 keys, so one split: the attention kernel writes the output (no
+        # combine), equal to what the combine makes of the one split
+        one_split = cuda_attention.AttnLaunch(block=256)
+        got = cuda_attention.decode_attention(q, k, v, 0.2, mask, launch=one_split)
+        assert rel_err(got.float().cpu(), want.cpu()) < tol
+        combined = dataclasses.replace(one_split, direct=False)
+        assert torch.equal(
+            got, cuda_attention.decode_attention(q, k, v, 0.2, mask, launch=combined)
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
