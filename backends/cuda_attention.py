@@ -487,8 +487,9 @@ class AttnLaunch:
     combine_chunk: int = 64
     fp8_f16: bool | None = None  # fp8 dots in float16; None: where q is bf16 / float16
     # one split and no sinks: the attention kernel writes the output, no combine launch
-    # (which at batch 64, context 1024, 8B shape, took 0.73 ms a step: one split already)
-    direct: bool = True
+    # (which at batch 64, context 1024, 8B shape, took 0.73 ms a step: one split already);
+    # MLXRUN_ATTN_DIRECT=0 keeps the combine (for A/B timing)
+    direct: bool = os.environ.get("MLXRUN_ATTN_DIRECT", "1") == "1"
 
     @classmethod
     def from_spec(cls, spec: str) -> AttnLaunch:
