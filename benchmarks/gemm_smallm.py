@@ -35,7 +35,7 @@ from mlxrun.quant import triton_launch as launch  # noqa: E402
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 LAYERS = 32
 SPECS = [
-    "128,4,4,2,1",  # shipped
+    "128,4,4,2,1",  # shipped before 2026-11-26
     "128,4,4,2,2",  # two programs a SM (the split doubled)
     "128,4,3,2,3",
     "256,8,3,2,1",  # two warpgroups of 128 rows
@@ -56,13 +56,13 @@ SPECS = [
 
 def config_for(spec: str, m: int, w, sms: int):
     """The KernelConfig choose_config gives x [m, K] @ W^T under launch `spec` on `sms` SMs."""
-    saved, saved_sms = launch.SMALL_M_GEMM, launch._num_sms
-    launch.SMALL_M_GEMM = launch._small_m_gemm(spec)
+    saved = launch.SMALL_M_GEMM, launch.SMALL_M_GEMM_64, launch._num_sms
+    launch.SMALL_M_GEMM = launch.SMALL_M_GEMM_64 = launch._small_m_gemm(spec)
     launch._num_sms = lambda device: sms
     try:
         cfg = launch.choose_config(m, w, types.SimpleNamespace(type="cuda"), torch.bfloat16)
     finally:
-        launch.SMALL_M_GEMM, launch._num_sms = saved, saved_sms
+        launch.SMALL_M_GEMM, launch.SMALL_M_GEMM_64, launch._num_sms = saved
     assert cfg.kernel == "gemm", cfg
     return cfg
 

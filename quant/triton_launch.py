@@ -47,11 +47,17 @@ def _small_m_gemm(spec: str) -> tuple:
     return int(bn), int(warps), int(stages), int(ng), float(waves), l2
 
 
-# The batched-decode GEMM (4 < M <= 64): W rows a tile, warps, stages, groups a k-step (at
-# least 128 inputs), split-K to this many waves of programs, k-steps of weights brought
-# into L2 before the PDL wait (KernelConfig.l2_prefetch). MLXRUN_SMALL_M_GEMM (the same,
-# comma-separated) overrides it for A/B timing.
-SMALL_M_GEMM = _small_m_gemm(os.environ.get("MLXRUN_SMALL_M_GEMM", "128,4,4,2,1,0"))
+# The batched-decode GEMM (4 < M <= 32, and 32 < M <= 64): W rows a tile, warps, stages,
+# groups a k-step (128 to 256 inputs), split-K to this many waves of programs, k-steps of
+# weights brought into L2 before the PDL wait (KernelConfig.l2_prefetch). From
+# benchmarks/gemm_smallm.py on an H200 (8B int4 g64 shapes alone, cycled weights; the
+# 32 layers' GEMMs and the head against the previous 128,4,4,2,1,0): M = 32 0.891x with
+# 256-input steps in 3 stages and 2 steps prefetched, M = 64 0.953x with the old launch
+# and 4 steps prefetched (256-input steps lost there, 1.045x). MLXRUN_SMALL_M_GEMM (the
+# six, comma-separated; "128,4,4,2,1,0" the previous launch) overrides both for A/B timing.
+_SMALL_M_ENV = os.environ.get("MLXRUN_SMALL_M_GEMM")
+SMALL_M_GEMM = _small_m_gemm(_SMALL_M_ENV or "128,4,3,4,1,2")
+SMALL_M_GEMM_64 = _small_m_gemm(_SMALL_M_ENV or "128,4,4,2,1,4")
 _COUNTERS: dict = {}  # device -> zeroed int32 tickets, reset by the kernels themselves
 _OUTGROWN: list = []  # replaced ticket buffers: a captured CUDA graph may still use one
 
@@ -238,9 +244,11 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
         # and x's rows its narrow side, split K to about one wave. Measured at M = 32 on the
         # 8B shapes (profile_decode.py --linears): 0.6x the time of the 128x128 tiles.
         # The split divides the k-steps where it can (no k masks in the loop: EVEN_K).
-        bn, warps, stages, ng, waves, l2 = SMALL_M_GEMM
+        bn, warps, stages, ng, waves, l2 = SMALL_M_GEMM if m <= 32 else SMALL_M_GEMM_64
         bm = 32 if m <= 32 else 64
-        ng = max(ng, 128 // g)  # g128: 2 groups a step, so the scale loads are 4 bytes (async)
+        # at least 128 inputs a step, at most 256 where that takes more than 2 groups (g128
+        # keeps 2 groups, so the scale loads are 4 bytes, async; sm_90 registers, no spills)
+        ng = max(2, 128 // g, min(ng, 256 // g))
         ksteps = math.ceil(w.k / (ng * g))
         tiles = math.ceil(m / bm) * math.ceil(w.n / bn)
         sk = _split_even(tiles, ksteps, sms, waves)

@@ -258,8 +258,8 @@ def test_gemm_small_m_swap_packed(mode, bits, group_size, m):
 
 @pytest.mark.parametrize(
     "spec,m",
-    [("", 8), ("256,8,3,2,1", 64), ("64,4,3,4,2", 17), ("128,4,4,2,1,4", 32)],
-    ids=["default-m8", "256rows-m64", "64rows-k256-m17", "l2-prefetch-m32"],
+    [("", 8), ("", 64), ("256,8,3,2,1", 64), ("64,4,3,4,2", 17)],
+    ids=["default-m8", "default-m64", "256rows-m64", "64rows-k256-m17"],
 )
 def test_small_m_gemm_launches_as_an_h100_runs_them(monkeypatch, spec, m):
     """The batched-decode launches (triton_launch.SMALL_M_GEMM, MLXRUN_SMALL_M_GEMM) as
@@ -271,6 +271,7 @@ def test_small_m_gemm_launches_as_an_h100_runs_them(monkeypatch, spec, m):
 
     if spec:
         monkeypatch.setattr(launch, "SMALL_M_GEMM", launch._small_m_gemm(spec))
+        monkeypatch.setattr(launch, "SMALL_M_GEMM_64", launch._small_m_gemm(spec))
     monkeypatch.setattr(launch, "_num_sms", lambda device: 132)
     gen = torch.Generator().manual_seed(m)
     n, k = 264, 576  # 4.5 k-steps of 128 inputs: the last one masked
