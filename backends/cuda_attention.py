@@ -315,6 +315,7 @@ def _decode_attn_kernel(
     NSTAGES: tl.constexpr = 3,
     MB: tl.constexpr = 1024,
     F16: tl.constexpr = False,
+    DIRECT: tl.constexpr = False,
 ):
     # program (b * NKV + kv head, split): the G query heads of one kv head against keys
     # [split * KEYS_PER_SPLIT, +KEYS_PER_SPLIT), an online softmax over blocks of BL keys;
@@ -411,9 +412,17 @@ def _decode_attn_kernel(
             m_i, l_i, acc = _attn_block(q, kt, vt, ksc, vsc, ok, m_i, l_i, acc, scale, F32_DOT,
                                         QUANT)  # fmt: skip
     row = (bh * tl.num_programs(1) + sp) * G + rg  # [GP] rows of (B, NKV, SPLITS, G)
-    tl.store(part_ptr + row[:, None] * D + rd[None, :], acc, mask=gmask[:, None])
-    tl.store(stat_ptr + row * 2, m_i, mask=gmask)
-    tl.store(stat_ptr + row * 2 + 1, l_i, mask=gmask)
+    if DIRECT:
+        # one split and no sink: the output itself (part_ptr is out, (B, NH, 1, D), whose
+        # rows b * NH + kh * G + g are these), what the combine computes from one split:
+        # its weight e^(m - m) is 1, so o / den is acc / l
+        out = acc / l_i[:, None]
+        tl.store(part_ptr + row[:, None] * D + rd[None, :],
+                 out.to(part_ptr.dtype.element_ty), mask=gmask[:, None])  # fmt: skip
+    else:
+        tl.store(part_ptr + row[:, None] * D + rd[None, :], acc, mask=gmask[:, None])
+        tl.store(stat_ptr + row * 2, m_i, mask=gmask)
+        tl.store(stat_ptr + row * 2 + 1, l_i, mask=gmask)
 
 
 @triton.jit
@@ -477,6 +486,10 @@ class AttnLaunch:
     combine_warps: int = 1
     combine_chunk: int = 64
     fp8_f16: bool | None = None  # fp8 dots in float16; None: where q is bf16 / float16
+    # one split and no sinks: the attention kernel writes the output, no combine launch
+    # (which at batch 64, context 1024, 8B shape, took 0.73 ms a step: one split already);
+    # MLXRUN_ATTN_DIRECT=0 keeps the combine (for A/B timing)
+    direct: bool = os.environ.get("MLXRUN_ATTN_DIRECT", "1") == "1"
 
     @classmethod
     def from_spec(cls, spec: str) -> AttnLaunch:
@@ -484,7 +497,7 @@ class AttnLaunch:
         kw = {}
         for item in filter(None, spec.split(",")):
             key, val = item.split("=")
-            kw[key] = bool(int(val)) if key == "fp8_f16" else int(val)
+            kw[key] = bool(int(val)) if key in ("fp8_f16", "direct") else int(val)
         return cls(**kw)
 
 
@@ -502,7 +515,8 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
     one are not read: in graph decode the cache is masked to its filled prefix. (The
     combine as the last split's epilogue, by an atomic ticket, was slower on an H100: 0.35
     ms a step for the 32 layers against 0.21 for both kernels; its loop over the splits
-    runs in one program.)"""
+    runs in one program.) Where the keys take one split (and there are no sinks) the
+    attention kernel writes the output itself and the combine is not launched."""
     B, NH, _, D = q.shape
     NKV, S = k.shape[1], k.shape[2]
     G = NH // NKV
@@ -520,8 +534,13 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
-    part = torch.empty((B, NKV, splits, G, D), dtype=torch.float32, device=q.device)
-    stat = torch.empty((B, NKV, splits, G, 2), dtype=torch.float32, device=q.device)
+    direct = launch.direct and splits == 1 and sinks is None
+    out = torch.empty((B, NH, 1, D), dtype=q.dtype, device=q.device)
+    if direct:
+        part, stat = out, out
+    else:
+        part = torch.empty((B, NKV, splits, G, D), dtype=torch.float32, device=q.device)
+        stat = torch.empty((B, NKV, splits, G, 2), dtype=torch.float32, device=q.device)
     if mask is not None:
         mask = mask.reshape(mask.shape[0], S)
         if mask.stride(-1) != 1:
@@ -546,8 +565,10 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
         F32_DOT=q.dtype == torch.float32 or q.device.type != "cuda", **pd,
         LINES=lines if lines & (lines - 1) == 0 else 0,  # tl.arange takes powers of two
         EPL=128 // k.element_size(), NSTAGES=launch.stages, F16=quant == 2 and f16,
+        DIRECT=direct,
     )  # fmt: skip
-    out = torch.empty((B, NH, 1, D), dtype=q.dtype, device=q.device)
+    if direct:
+        return out
     _decode_attn_combine[(B * NH,)](
         part, stat, sinks if sinks is not None else part, out, splits, NH, G=G, D=D,
         SP=triton.next_power_of_2(splits), HAS_SINK=sinks is not None,

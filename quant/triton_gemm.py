@@ -235,6 +235,42 @@ def _tile_dot(acc, x_tile, w_tile, UPCAST: tl.constexpr, SWAP: tl.constexpr):
 
 
 @triton.jit
+def _l2_prefetch(ptrs):
+    """Bring the lines holding `ptrs` (in bounds) into L2, holding no registers for them
+    (as cuda_attention's decode attention does)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
+        "=r,l",
+        [ptrs.to(tl.int64, bitcast=True)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _l2_prefetch_tile(w_ptr, s_ptr, b_ptr, rn, n_mask, s_row, kb0, stride_wn, KG,
+                      MODE: tl.constexpr, NG: tl.constexpr, WPG: tl.constexpr,
+                      STEPS: tl.constexpr):  # fmt: skip
+    """Bring k-steps kb0 .. kb0+STEPS-1 of rows rn (their words, scales and biases) into
+    L2: one prefetch a row per 32 words (a 128-byte line; a row's k-steps are contiguous
+    words), and for the scales and the biases the lines of the first and last group (eight
+    rows' groups are contiguous: [N/8, K/G, 8])."""
+    LINE: tl.constexpr = 32  # words a line
+    WORDS: tl.constexpr = STEPS * NG * WPG
+    NL: tl.constexpr = (WORDS + LINE - 1) // LINE + 1  # +1: the span may straddle a line
+    i = tl.minimum(tl.arange(0, triton.next_power_of_2(NL)) * LINE, WORDS - 1)
+    col = tl.minimum(kb0 * (NG * WPG) + i, KG * WPG - 1)  # (a last split's part k-step)
+    rows = tl.where(n_mask, rn, 0)
+    _l2_prefetch(w_ptr + rows[:, None] * stride_wn + col[None, :])
+    g = tl.minimum(kb0 * NG + tl.arange(0, 2) * (STEPS * NG - 1), KG - 1)  # first, last
+    s_offs = tl.where(n_mask, s_row, 0)[:, None] + g[None, :] * 8
+    _l2_prefetch(s_ptr + s_offs)
+    if MODE == 0:
+        _l2_prefetch(b_ptr + s_offs)
+
+
+@triton.jit
 def _gemm_kernel(
     x_ptr,
     w_ptr,
@@ -264,6 +300,7 @@ def _gemm_kernel(
     EVEN_N: tl.constexpr = False,
     EVEN_K: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    L2_PF: tl.constexpr = 0,
 ):
     """y[M, N] = x[M, K] @ W^T on tensor cores; each W tile is dequantized in registers.
 
@@ -271,13 +308,13 @@ def _gemm_kernel(
     straight into the tensor-core register layout (_dequant_4bit_bf16x2); otherwise fp32
     per element.
     EVEN_N: N is a multiple of BLOCK_N; EVEN_K: every split's k-steps lie inside K (no
-    masks on the weight, scale and x loads; the loop has fewer instructions)."""
+    masks on the weight, scale and x loads; the loop has fewer instructions).
+    L2_PF (with PDL): the first L2_PF k-steps of this program's weight rows, scales and
+    biases are brought into L2 before the wait for the previous kernel (they depend on no
+    kernel), so their DRAM round trip overlaps that kernel's tail."""
     EPW: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = G // EPW
     BK: tl.constexpr = NG * G
-    if PDL:  # see _gemv_kernel; here everything waits (the loop reads x and W together)
-        tlc.gdc_wait()
-        tlc.gdc_launch_dependents()
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -297,11 +334,18 @@ def _gemm_kernel(
     rw = tl.arange(0, WPG)
     rk = tl.arange(0, BK)
     s_row = (rn // 8) * (KG * 8) + (rn % 8)  # scales are stored [N/8, K/G, 8]
+    kb0 = pid_k * KB_PER_SPLIT
+    if PDL:
+        if L2_PF > 0:
+            _l2_prefetch_tile(w_ptr, s_ptr, b_ptr, rn, n_mask, s_row, kb0, stride_wn, KG,
+                              MODE, NG, WPG, L2_PF)  # fmt: skip
+        # see _gemv_kernel; the loop waits (it reads x and W together)
+        tlc.gdc_wait()
+        tlc.gdc_launch_dependents()
     if SWAP:  # W tile as the first (register) operand: acc holds y^T [BLOCK_N, BLOCK_M]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    kb0 = pid_k * KB_PER_SPLIT
     for j in range(0, KB_PER_SPLIT):
         kb = kb0 + j
         g_idx = kb * NG + rg

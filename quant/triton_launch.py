@@ -37,6 +37,27 @@ GEMV_MAX_M = 4  # above this many rows the tensor-core kernel wins (per-row FMA 
 # The most warps a GEMV program splits K across; MLXRUN_GEMV_WARPS=1 gives the one-warp
 # configs (for A/B timing)
 GEMV_WARPS = int(os.environ.get("MLXRUN_GEMV_WARPS", "4"))
+
+
+def _small_m_gemm(spec: str) -> tuple:
+    """Parse "BLOCK_N,warps,stages,groups,waves[,l2]" (SMALL_M_GEMM's six) into numbers."""
+    v = spec.split(",")
+    bn, warps, stages, ng, waves = v[:5]
+    l2 = int(v[5]) if len(v) > 5 else 0
+    return int(bn), int(warps), int(stages), int(ng), float(waves), l2
+
+
+# The batched-decode GEMM (4 < M <= 32, and 32 < M <= 64): W rows a tile, warps, stages,
+# groups a k-step (128 to 256 inputs), split-K to this many waves of programs, k-steps of
+# weights brought into L2 before the PDL wait (KernelConfig.l2_prefetch). From
+# benchmarks/gemm_smallm.py on an H200 (8B int4 g64 shapes alone, cycled weights; the
+# 32 layers' GEMMs and the head against the previous 128,4,4,2,1,0): M = 32 0.891x with
+# 256-input steps in 3 stages and 2 steps prefetched, M = 64 0.953x with the old launch
+# and 4 steps prefetched (256-input steps lost there, 1.045x). MLXRUN_SMALL_M_GEMM (the
+# six, comma-separated; "128,4,4,2,1,0" the previous launch) overrides both for A/B timing.
+_SMALL_M_ENV = os.environ.get("MLXRUN_SMALL_M_GEMM")
+SMALL_M_GEMM = _small_m_gemm(_SMALL_M_ENV or "128,4,3,4,1,2")
+SMALL_M_GEMM_64 = _small_m_gemm(_SMALL_M_ENV or "128,4,4,2,1,4")
 _COUNTERS: dict = {}  # device -> zeroed int32 tickets, reset by the kernels themselves
 _OUTGROWN: list = []  # replaced ticket buffers: a captured CUDA graph may still use one
 
@@ -108,7 +129,8 @@ class KernelConfig:
 
     kernel: "gemv" (num_warps warps per program, splitting each k-step of 128*num_warps
     words per row) or "gemm" (tl.dot, k-steps of ng groups). split_k: programs along K whose
-    partials the last one sums.
+    partials the last one sums. l2_prefetch (gemm, with PDL): k-steps of each program's
+    weight rows, scales and biases brought into L2 before it waits for the previous kernel.
     """
 
     kernel: str
@@ -121,6 +143,7 @@ class KernelConfig:
     group_m: int = 8
     prefetch: bool = True
     swap: bool = False
+    l2_prefetch: int = 0
 
 
 def _split(n_tiles: int, ksteps: int, sms: int, waves: float) -> int:
@@ -221,12 +244,15 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
         # and x's rows its narrow side, split K to about one wave. Measured at M = 32 on the
         # 8B shapes (profile_decode.py --linears): 0.6x the time of the 128x128 tiles.
         # The split divides the k-steps where it can (no k masks in the loop: EVEN_K).
+        bn, warps, stages, ng, waves, l2 = SMALL_M_GEMM if m <= 32 else SMALL_M_GEMM_64
         bm = 32 if m <= 32 else 64
-        ng = max(2, 128 // g)  # g128: 2 groups a step, so the scale loads are 4 bytes (async)
+        # at least 128 inputs a step, at most 256 where that takes more than 2 groups (g128
+        # keeps 2 groups, so the scale loads are 4 bytes, async; sm_90 registers, no spills)
+        ng = max(2, 128 // g, min(ng, 256 // g))
         ksteps = math.ceil(w.k / (ng * g))
-        tiles = math.ceil(m / bm) * math.ceil(w.n / 128)
-        sk = _split_even(tiles, ksteps, sms, 1.0)
-        return KernelConfig("gemm", bm, 128, sk, ng, 4, 4, swap=True)
+        tiles = math.ceil(m / bm) * math.ceil(w.n / bn)
+        sk = _split_even(tiles, ksteps, sms, waves)
+        return KernelConfig("gemm", bm, bn, sk, ng, warps, stages, swap=True, l2_prefetch=l2)
     elif w.mode == "affine" and w.bits == 4:
         # measured best for g64 (0.81x the time); with bf16 x the swap puts the packed decode
         # straight into wgmma's register operand (no shared-memory round trip), any g

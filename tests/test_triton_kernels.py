@@ -9,6 +9,7 @@ tests run on the GPU where there is one and mlx is installed beside it.
 import dataclasses
 import importlib
 import os
+import types
 
 import numpy as np
 import pytest
@@ -253,6 +254,36 @@ def test_gemm_small_m_swap_packed(mode, bits, group_size, m):
     # the packed decode as the second (shared-memory) operand: no swap
     cfg = tk.KernelConfig("gemm", 32, 64, 1, ng, num_warps=4, num_stages=3)
     assert rel_err(tk.qmatmul(x.to(DEV), q, cfg).cpu(), want) < 1e-2
+
+
+@pytest.mark.parametrize(
+    "spec,m",
+    [("", 8), ("", 64), ("256,8,3,2,1", 64), ("64,4,3,4,2", 17)],
+    ids=["default-m8", "default-m64", "256rows-m64", "64rows-k256-m17"],
+)
+def test_small_m_gemm_launches_as_an_h100_runs_them(monkeypatch, spec, m):
+    """The batched-decode launches (triton_launch.SMALL_M_GEMM, MLXRUN_SMALL_M_GEMM) as
+    choose_config gives them a 132-SM GPU, against the float64 decoder: int4 g64, N = 264
+    (a partial row tile for 64, 128 and 256 rows), K = 576 (a part k-step), split-K, row
+    tiles of 32 or 64 with M = 8, 17 (masked rows), 32 and 64; on a GPU (PDL) the L2
+    prefetch before the wait too."""
+    import mlxrun.quant.triton_launch as launch
+
+    if spec:
+        monkeypatch.setattr(launch, "SMALL_M_GEMM", launch._small_m_gemm(spec))
+        monkeypatch.setattr(launch, "SMALL_M_GEMM_64", launch._small_m_gemm(spec))
+    monkeypatch.setattr(launch, "_num_sms", lambda device: 132)
+    gen = torch.Generator().manual_seed(m)
+    n, k = 264, 576  # 4.5 k-steps of 128 inputs: the last one masked
+    w, s, b = random_packed(n, k, "affine", 4, 64, gen)
+    ref = ref_dequant(w.numpy(), s.float().numpy(), b.float().numpy(), "affine", 4, 64)
+    q = tk.prepare(w.to(DEV), s.to(DEV), b.to(DEV), "affine", 4, 64)
+    cfg = tk.choose_config(m, q, types.SimpleNamespace(type="cuda"), torch.bfloat16)
+    bn = int((spec or "128").split(",")[0])
+    assert (cfg.kernel, cfg.block_n, cfg.swap) == ("gemm", bn, True) and cfg.split_k > 1
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    y = tk.qmatmul(x.to(DEV), q, cfg)
+    assert y.shape == (m, n) and rel_err(y.cpu(), x.double() @ torch.from_numpy(ref).T) < 1e-2
 
 
 @LONG_ON_CPU
@@ -573,7 +604,8 @@ def test_fused_small_ops_equal_the_stock_ops(dtype):
 def test_decode_attention_equals_sdpa(dtype):
     """One new token per sequence against a GQA cache, split across programs over the keys:
     what SDPA gives, with no mask, with a per-sequence mask (left padding, an unfilled tail
-    that whole blocks of keys skip), and with one mask for the batch."""
+    that whole blocks of keys skip), and with one mask for the batch; in one split, the
+    output written by the attention kernel itself."""
     import torch.nn.functional as F
 
     from mlxrun.backends import cuda_attention
@@ -598,6 +630,15 @@ def test_decode_attention_equals_sdpa(dtype):
         got = cuda_attention.decode_attention(q, k, v, 0.2, mask)
         assert got.shape == q.shape and got.dtype == dtype
         assert rel_err(got.float().cpu(), want.cpu()) < tol
+        # one block of 256 keys, so one split: the attention kernel writes the output (no
+        # combine), equal to what the combine makes of the one split
+        one_split = cuda_attention.AttnLaunch(block=256)
+        got = cuda_attention.decode_attention(q, k, v, 0.2, mask, launch=one_split)
+        assert rel_err(got.float().cpu(), want.cpu()) < tol
+        combined = dataclasses.replace(one_split, direct=False)
+        assert torch.equal(
+            got, cuda_attention.decode_attention(q, k, v, 0.2, mask, launch=combined)
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
