@@ -107,8 +107,9 @@ class KernelConfig:
     """Launch parameters.
 
     kernel: "gemv" (num_warps warps per program, splitting each k-step of 128*num_warps
-    words per row) or "gemm" (tl.dot, k-steps of ng groups). split_k: programs along K whose
-    partials the last one sums.
+    words per row), "stream" (the same k-steps, per_sm programs a SM each streaming row
+    tiles: triton_gemv_stream.py) or "gemm" (tl.dot, k-steps of ng groups). split_k:
+    programs along K whose partials the last one sums.
     """
 
     kernel: str
@@ -121,6 +122,7 @@ class KernelConfig:
     group_m: int = 8
     prefetch: bool = True
     swap: bool = False
+    per_sm: int = 0
 
 
 def _split(n_tiles: int, ksteps: int, sms: int, waves: float) -> int:
@@ -149,6 +151,21 @@ def _split_even(n_tiles: int, ksteps: int, sms: int, waves: float) -> int:
         if ksteps % d == 0 and d >= 0.9 * want:
             return d if d <= 2 * want + 1 else _split(n_tiles, ksteps, sms, waves)
     return ksteps
+
+
+# The 8-bit GEMV: "old" (one-shot programs) or "stream" (persistent programs that stream
+# row tiles, triton_gemv_stream.py), and the stream's programs a SM
+GEMV8 = os.environ.get("MLXRUN_GEMV8", "old")
+STREAM_PER_SM = int(os.environ.get("MLXRUN_STREAM_PER_SM", "2"))
+
+
+def stream_even(w, block_n: int, warps: int, silu: bool = False) -> bool:
+    """Whether the streaming GEMV takes w (a QLinear, or anything with its n, k, bits):
+    whole row tiles (gate/up halves with silu) and whole k-steps of 128*warps words."""
+    kw = w.k * w.bits // 32
+    rows = w.n // 2 if silu else w.n
+    tile = block_n // 2 if silu else block_n
+    return kw % (128 * warps) == 0 and rows % tile == 0 and (not silu or w.n % 2 == 0)
 
 
 def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
@@ -209,6 +226,8 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
         # warp has many k-steps, more resident warps beat the prefetch (mxfp8 4096x14336,
         # 7 four-warp steps: 23.5 -> 22.6 us without it; 4096x4096, 2 steps: 7.4 -> 9.5)
         prefetch = not (w.mode == "mxfp8" and warps > 1 and ksteps > 2)
+        if w.bits == 8 and GEMV8 == "stream" and stream_even(w, bn, warps):
+            return KernelConfig("stream", 1, bn, 1, num_warps=warps, per_sm=STREAM_PER_SM)
         return KernelConfig("gemv", 1, bn, sk, num_warps=warps, prefetch=prefetch)
     g = w.group_size
     swap = False
@@ -243,6 +262,21 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
     tiles = math.ceil(m / bm) * math.ceil(w.n / bn)
     sk = _split(tiles, ksteps, sms, 2.0) if tiles < sms else 1
     return KernelConfig("gemm", bm, bn, sk, ng, warps, 3, swap=swap)
+
+
+def _stream_constexprs(w, cfg: KernelConfig, silu: bool = False) -> dict:
+    """_gemv_stream_kernel's constexprs for w under cfg (a "stream" config)."""
+    kw = w.k * w.bits // 32
+    return dict(
+        MODE=_MODE_ID[w.mode],
+        BITS=w.bits,
+        G=w.group_size,
+        BLOCK_N=cfg.block_n,
+        KSTEPS=kw // (128 * cfg.num_warps),
+        KW=kw,
+        SILU=silu,
+        WARPS=cfg.num_warps,
+    )
 
 
 def _constexprs(w, cfg: KernelConfig, per: int, split: int) -> dict:

@@ -29,7 +29,7 @@ from mlxrun.errors import MlxrunError  # noqa: E402
 if not HAS_CUDA and type(tk._gemv_kernel).__name__ != "InterpretedFunction":
     # imported earlier without the interpreter: decorate the kernels again (the GEMV module
     # first: the GEMM imports its helpers), then rebind them where qmatmul launches them
-    for part in ("triton_gemv", "triton_gemm"):
+    for part in ("triton_gemv", "triton_gemv_stream", "triton_gemm"):
         importlib.reload(importlib.import_module(f"mlxrun.quant.{part}"))
     tk = importlib.reload(tk)
 
@@ -285,6 +285,49 @@ def test_silu_in_the_gate_up_epilogue(mode, bits, group_size):
     assert not tk.silu_fusable(x, w, gemm)
     with pytest.raises(ValueError, match="silu"):
         tk.qmatmul(x, w, gemm, silu=True)
+
+
+EIGHT_BIT = [FORMATS[i] for i in (3, 4, 5, 8)]  # affine 8-bit g32/64/128, mxfp8
+
+
+@LONG_ON_CPU
+@pytest.mark.parametrize(
+    "mode,bits,group_size", EIGHT_BIT, ids=[f"{m}{b}g{g}" for m, b, g in EIGHT_BIT]
+)
+def test_streaming_gemv_equals_the_one_shot_gemv(mode, bits, group_size):
+    """The persistent 8-bit GEMV (programs streaming row tiles, the next tile's words loaded
+    during the last k-step) gives the one-shot GEMV's result bit for bit (the same per-lane
+    sums in the same order), on bf16 and fp32 x, 1 and 3 rows, 8 and 16 rows a tile, 1, 2
+    and 4 warps, fewer programs than tiles (so each streams several, and the last ones
+    clamp their look-ahead), with the SiLU epilogue, and within tolerance of the float64
+    decoder; shapes it does not take run the one-shot kernel."""
+    from mlxrun.backends import cuda_ops
+
+    gen = torch.Generator().manual_seed(group_size + bits)
+    n, k = 80, 1024  # 10 tiles of 8 rows (5 of 16), 1 to 2 k-steps
+    w, s, b = random_packed(n, k, mode, bits, group_size, gen)
+    sn = s.float().numpy() if mode == "affine" else s.numpy()
+    ref = ref_dequant(w.numpy(), sn, None if b is None else b.float().numpy(), mode, bits,
+                      group_size)  # fmt: skip
+    q = tk.prepare(w.to(DEV), s.to(DEV), None if b is None else b.to(DEV), mode, bits, group_size)
+    ref = torch.from_numpy(ref)
+    for bn, nw, per_sm in ((8, 1, 1), (16, 2, 1), (8, 4, 2), (16, 1, 3)):
+        st = tk.KernelConfig("stream", 1, bn, 1, num_warps=nw, per_sm=per_sm)
+        one = tk.KernelConfig("gemv", 1, bn, 1, num_warps=nw)
+        for m, dt in ((1, torch.bfloat16), (3, torch.float32)):
+            x = torch.randn(m, k, generator=gen).to(dt).to(DEV)
+            y = tk.qmatmul(x, q, st)
+            assert torch.equal(y, tk.qmatmul(x, q, one)), (bn, nw, m)
+            assert rel_err(y.cpu(), x.double().cpu() @ ref.T) < (1e-2 if m == 1 else 1e-5)
+            if m == 1:
+                want = cuda_ops.silu_mul(y[:, : n // 2], y[:, n // 2 :])
+                assert torch.equal(tk.qmatmul(x, q, st, silu=True), want), (bn, nw)
+    # 40 rows: no whole 16-row tiles; the one-shot kernel runs instead
+    q40 = tk.prepare(w[:40].to(DEV), s[:40].to(DEV), None if b is None else b[:40].to(DEV),
+                     mode, bits, group_size)  # fmt: skip
+    x = torch.randn(1, k, generator=gen).to(DEV)
+    st = tk.KernelConfig("stream", 1, 16, 1, num_warps=1, per_sm=1)
+    assert rel_err(tk.qmatmul(x, q40, st).cpu(), x.double().cpu() @ ref[:40].T) < 1e-5
 
 
 def test_leading_dims_and_errors():
