@@ -156,7 +156,7 @@ def _split_even(n_tiles: int, ksteps: int, sms: int, waves: float) -> int:
 # The 8-bit GEMV: "old" (one-shot programs) or "stream" (persistent programs that stream
 # row tiles, triton_gemv_stream.py), and the stream's programs a SM
 GEMV8 = os.environ.get("MLXRUN_GEMV8", "old")
-STREAM_PER_SM = int(os.environ.get("MLXRUN_STREAM_PER_SM", "2"))
+STREAM_PER_SM = int(os.environ.get("MLXRUN_STREAM_PER_SM", "3"))
 
 
 def stream_even(w, block_n: int, warps: int, silu: bool = False) -> bool:
@@ -226,8 +226,10 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
         # warp has many k-steps, more resident warps beat the prefetch (mxfp8 4096x14336,
         # 7 four-warp steps: 23.5 -> 22.6 us without it; 4096x4096, 2 steps: 7.4 -> 9.5)
         prefetch = not (w.mode == "mxfp8" and warps > 1 and ksteps > 2)
-        if w.bits == 8 and GEMV8 == "stream" and stream_even(w, bn, warps):
-            return KernelConfig("stream", 1, bn, 1, num_warps=warps, per_sm=STREAM_PER_SM)
+        if w.bits == 8 and GEMV8 == "stream":
+            bn = 8 if w.mode == "mxfp8" else bn  # E4M3 at 16 rows spills in the stream
+            if stream_even(w, bn, warps):
+                return KernelConfig("stream", 1, bn, 1, num_warps=warps, per_sm=STREAM_PER_SM)
         return KernelConfig("gemv", 1, bn, sk, num_warps=warps, prefetch=prefetch)
     g = w.group_size
     swap = False
