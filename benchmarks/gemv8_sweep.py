@@ -8,8 +8,9 @@ against the dequantized fp32 product.
     python3 benchmarks/gemv8_sweep.py --warm s8w4p3     # compile one variant's kernels only
 
 A variant is "old" (choose_config's one-shot GEMV), "gBNwWsS[nopf]" (the one-shot GEMV:
-BN rows, W warps, S splits, prefetch off) or "sBNwWpP" (the streaming GEMV of
-quant/triton_gemv_stream.py: P programs a SM). The gate/up shape (28672x4096) runs with the
+BN rows, W warps, S splits, prefetch off), "sBNwWpP" (the streaming GEMV of
+quant/triton_gemv_stream.py: P programs a SM) or "cBNwWpP" (the same, mxfp8 decoded a word
+at a time). The gate/up shape (28672x4096) runs with the
 SiLU epilogue, as in the model.
 """
 
@@ -38,10 +39,10 @@ def config(name: str, m: int, w, device):
 
     if name == "old":
         return tk.choose_config(m, w, device, torch.bfloat16)
-    mt = re.fullmatch(r"s(\d+)w(\d+)p(\d+)", name)
+    mt = re.fullmatch(r"(s|c)(\d+)w(\d+)p(\d+)", name)
     if mt:
-        bn, nw, ps = (int(v) for v in mt.groups())
-        return tk.KernelConfig("stream", 1, bn, 1, num_warps=nw, per_sm=ps)
+        bn, nw, ps = (int(v) for v in mt.groups()[1:])
+        return tk.KernelConfig("stream", 1, bn, 1, num_warps=nw, per_sm=ps, cvt=mt[1] == "c")
     mt = re.fullmatch(r"g(\d+)w(\d+)s(\d+)(nopf)?", name)
     if mt:
         bn, nw, sk = (int(v) for v in mt.groups()[:3])

@@ -142,7 +142,7 @@ def qmatmul(
         grid = (m, min(tiles, cfg.per_sm * _num_sms(x.device)))
         _gemv_stream_kernel[grid](
             x2, w.weight, w.scales, w.biases if w.biases is not None else w.scales, y, w.n,
-            w.k, x2.stride(0), y.stride(0), **_stream_constexprs(w, cfg, silu),
+            w.k, x2.stride(0), y.stride(0), **_stream_constexprs(w, cfg, silu, x.device.type == "cuda"),
             num_warps=cfg.num_warps, **pdl_args(x.device),
         )  # fmt: skip
         return y.reshape(*lead, y.shape[-1])

@@ -108,7 +108,7 @@ class KernelConfig:
 
     kernel: "gemv" (num_warps warps per program, splitting each k-step of 128*num_warps
     words per row), "stream" (the same k-steps, per_sm programs a SM each streaming row
-    tiles: triton_gemv_stream.py) or "gemm" (tl.dot, k-steps of ng groups). split_k:
+    tiles: triton_gemv_stream.py; cvt: E4M3 decoded a word at a time) or "gemm" (tl.dot, k-steps of ng groups). split_k:
     programs along K whose partials the last one sums.
     """
 
@@ -123,6 +123,7 @@ class KernelConfig:
     prefetch: bool = True
     swap: bool = False
     per_sm: int = 0
+    cvt: bool = False
 
 
 def _split(n_tiles: int, ksteps: int, sms: int, waves: float) -> int:
@@ -226,10 +227,11 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
         # warp has many k-steps, more resident warps beat the prefetch (mxfp8 4096x14336,
         # 7 four-warp steps: 23.5 -> 22.6 us without it; 4096x4096, 2 steps: 7.4 -> 9.5)
         prefetch = not (w.mode == "mxfp8" and warps > 1 and ksteps > 2)
-        if w.bits == 8 and GEMV8 == "stream":
-            bn = 8 if w.mode == "mxfp8" else bn  # E4M3 at 16 rows spills in the stream
-            if stream_even(w, bn, warps):
-                return KernelConfig("stream", 1, bn, 1, num_warps=warps, per_sm=STREAM_PER_SM)
+        if w.bits == 8 and GEMV8 == "stream" and stream_even(w, bn, warps):
+            # E4M3 a word at a time: the tile-wide conversion spills at 16 rows in the stream
+            # (Triton 3.6: 255 registers + 272 B; a word at a time 128, none)
+            return KernelConfig("stream", 1, bn, 1, num_warps=warps, per_sm=STREAM_PER_SM,
+                                cvt=True)  # fmt: skip
         return KernelConfig("gemv", 1, bn, sk, num_warps=warps, prefetch=prefetch)
     g = w.group_size
     swap = False
@@ -266,9 +268,11 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
     return KernelConfig("gemm", bm, bn, sk, ng, warps, 3, swap=swap)
 
 
-def _stream_constexprs(w, cfg: KernelConfig, silu: bool = False) -> dict:
-    """_gemv_stream_kernel's constexprs for w under cfg (a "stream" config)."""
+def _stream_constexprs(w, cfg: KernelConfig, silu: bool = False, ptx: bool = True) -> dict:
+    """_gemv_stream_kernel's constexprs for w under cfg (a "stream" config); ptx: the
+    per-word E4M3 decode in PTX (else through Triton's fp8 type: the interpreter)."""
     kw = w.k * w.bits // 32
+    cvt = (2 if ptx else 1) if cfg.cvt and w.mode == "mxfp8" else 0
     return dict(
         MODE=_MODE_ID[w.mode],
         BITS=w.bits,
@@ -278,6 +282,7 @@ def _stream_constexprs(w, cfg: KernelConfig, silu: bool = False) -> dict:
         KW=kw,
         SILU=silu,
         WARPS=cfg.num_warps,
+        CVT=cvt,
     )
 
 
