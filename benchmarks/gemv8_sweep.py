@@ -70,7 +70,7 @@ def graphed(fn, calls: int):
     return g
 
 
-def time_us(g, calls: int, reps: int = 10) -> float:
+def time_us(g, calls: int, reps: int = 5) -> float:
     g.replay()
     torch.cuda.synchronize()
     ev = []
