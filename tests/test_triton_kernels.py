@@ -338,6 +338,26 @@ def test_streaming_gemv_equals_the_one_shot_gemv(mode, bits, group_size):
     assert rel_err(tk.qmatmul(x, q40, st).cpu(), x.double().cpu() @ ref[:40].T) < 1e-5
 
 
+@pytest.mark.parametrize("mode,bits,group_size", [FORMATS[4], FORMATS[8]], ids=["int8", "mxfp8"])
+def test_streaming_gemv_small(mode, bits, group_size):
+    """The streaming GEMV's default-run check (the long test sweeps its launches): 10 row
+    tiles over 4 programs (2 or 3 each), one k-step, bf16 x, against the one-shot GEMV
+    (mxfp8: decoded a word at a time) and with the SiLU epilogue."""
+    gen = torch.Generator().manual_seed(5)
+    n, k = 80, 512
+    packed = random_packed(n, k, mode, bits, group_size, gen)
+    q = tk.prepare(*(None if t is None else t.to(DEV) for t in packed), mode, bits, group_size)
+    st = tk.KernelConfig("stream", 1, 8, 1, per_sm=1, cvt=mode == "mxfp8")
+    x = torch.randn(1, k, generator=gen).bfloat16().to(DEV)
+    y = tk.qmatmul(x, q, st)
+    want = tk.qmatmul(x, q, tk.KernelConfig("gemv", 1, 8, 1))
+    assert rel_err(y.cpu(), want.double().cpu()) < 1e-2
+    assert (y.float() - want.float()).abs().max() <= want.float().abs().max() * 2**-7
+    silu = tk.qmatmul(x, q, st, silu=True)
+    g, u = (t.float() for t in want.split(n // 2, -1))
+    assert rel_err(silu.cpu(), (torch.nn.functional.silu(g) * u).double().cpu()) < 1e-2
+
+
 def test_leading_dims_and_errors():
     gen = torch.Generator().manual_seed(0)
     w, s, b = random_packed(16, 128, "affine", 4, 64, gen)
