@@ -139,7 +139,9 @@ def qmatmul(
         if x2.dtype == torch.bfloat16 and (x2.data_ptr() % 4 or (m > 1 and x2.stride(0) % 2)):
             x2 = x2.clone()  # bf16 x is read as uint32 pairs: 4-byte aligned rows
         tiles = (w.n // 2 if silu else w.n) // (cfg.block_n // 2 if silu else cfg.block_n)
-        grid = (m, min(tiles, cfg.per_sm * _num_sms(x.device)))
+        # per_sm programs a SM in all: the rows of x share them (and read each tile's
+        # weights together, the second from L2)
+        grid = (m, max(1, min(tiles, cfg.per_sm * _num_sms(x.device) // m)))
         _gemv_stream_kernel[grid](
             x2, w.weight, w.scales, w.biases if w.biases is not None else w.scales, y, w.n,
             w.k, x2.stride(0), y.stride(0), **_stream_constexprs(w, cfg, silu, x.device.type == "cuda"),
