@@ -25,7 +25,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import mlxrun.quant.triton_kernels as tk  # noqa: E402
 
-FORMATS = {"mxfp8": ("mxfp8", 8, 32), "int8": ("affine", 8, 64)}
+FORMATS = {"mxfp8": ("mxfp8", 8, 32), "int8": ("affine", 8, 64), "nvfp4": ("nvfp4", 4, 16)}
 
 
 def compile_stream(mode, bits, g, bn, warps, k, silu=False, cvt=0):
@@ -61,8 +61,8 @@ def main() -> None:
     ap.add_argument("--silu", action="store_true", help="with the SiLU epilogue")
     ap.add_argument("--hist", action="store_true")
     a = ap.parse_args()
-    print(f"sm_90, triton {triton.__version__}; instructions a weight = loop / (BN * 4 * 4 * "
-          f"k-steps) (a lane's 16 bytes a row a k-step)")  # fmt: skip
+    print(f"sm_90, triton {triton.__version__}; instructions a weight = loop / (BN * 16 "
+          f"bytes * weights a byte * k-steps): a lane's share")  # fmt: skip
     for fmt in a.formats.split(","):
         mode, bits, g = FORMATS[fmt]
         for v in a.variants.split(","):
@@ -79,7 +79,7 @@ def main() -> None:
                 spill = sum(int(re.search(rf"{f}:(\d+)", res).group(1)) for f in ("STACK", "LOCAL"))
                 body = main_loop(parse(sass))
                 ksteps = k * bits // 32 // (128 * warps)
-                per = len(body) / (bn * 16 * ksteps)
+                per = len(body) / (bn * 16 * 8 // bits * ksteps)  # 16 bytes a lane a row
                 print(f"{fmt:<6} {v:<6} K={k:<6} regs {regs:3d} spill {spill:4d} B  loop "
                       f"{len(body):5d} ({ksteps} k-steps, {per:.2f} a weight)")  # fmt: skip
                 if a.hist:
