@@ -156,8 +156,10 @@ def _split_even(n_tiles: int, ksteps: int, sms: int, waves: float) -> int:
 
 # The 8-bit GEMV: "old" (one-shot programs) or "stream" (persistent programs that stream
 # row tiles, triton_gemv_stream.py), and the stream's programs a SM
-GEMV8 = os.environ.get("MLXRUN_GEMV8", "old")
-STREAM_PER_SM = int(os.environ.get("MLXRUN_STREAM_PER_SM", "3"))
+GEMV8 = os.environ.get("MLXRUN_GEMV8", "stream")
+# 4 at 4 warps and 16 rows: 128 registers a thread (E4M3 a word at a time, int8), so all 4
+# are resident (H200, mxfp8 28672x4096: 2, 3, 4 a SM 34.2, 36.2, 30.8 us)
+STREAM_PER_SM = int(os.environ.get("MLXRUN_STREAM_PER_SM", "4"))
 
 
 def stream_even(w, block_n: int, warps: int, silu: bool = False) -> bool:
@@ -227,11 +229,21 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
         # warp has many k-steps, more resident warps beat the prefetch (mxfp8 4096x14336,
         # 7 four-warp steps: 23.5 -> 22.6 us without it; 4096x4096, 2 steps: 7.4 -> 9.5)
         prefetch = not (w.mode == "mxfp8" and warps > 1 and ksteps > 2)
-        if w.bits == 8 and GEMV8 == "stream" and stream_even(w, bn, warps):
-            # E4M3 a word at a time: the tile-wide conversion spills at 16 rows in the stream
-            # (Triton 3.6: 255 registers + 272 B; a word at a time 128, none)
-            return KernelConfig("stream", 1, bn, 1, num_warps=warps, per_sm=STREAM_PER_SM,
-                                cvt=True)  # fmt: skip
+        if w.bits == 8 and GEMV8 == "stream":
+            # The streaming GEMV where its programs take several tiles or a tile has long
+            # rows; the one-shot GEMV on the small K=4096 shapes. H200 (gemv8_sweep.py,
+            # cycled weights, us, one-shot -> stream): mxfp8 28672x4096 with SiLU 36.0 ->
+            # 30.8, 4096x14336 16.9 -> 15.1 (8 rows), head 126.5 -> 122.5; int8 34.5 ->
+            # 31.4, 21.2 -> 17.0, 137.6 -> 125.8; but 6144x4096 (one tile a program) mxfp8
+            # 7.6 -> 8.0, int8 8.1 -> 7.9, 4096x4096 6.0 -> 6.5, 6.4 -> 6.6. E4M3 is decoded
+            # a word at a time (the tile-wide conversion spills at 16 rows: Triton 3.6, 255
+            # registers + 272 B; a word at a time 128, none); 16 rows, but 8 for mxfp8's
+            # long rows (4096x14336: 15.1 us against 17.2)
+            sbn = 8 if w.mode == "mxfp8" and ksteps > 2 else 16
+            many = math.ceil(w.n / sbn) * m > STREAM_PER_SM * sms
+            if (many or ksteps > 2) and stream_even(w, sbn, warps):
+                return KernelConfig("stream", 1, sbn, 1, num_warps=warps,
+                                    per_sm=STREAM_PER_SM, cvt=True)  # fmt: skip
         return KernelConfig("gemv", 1, bn, sk, num_warps=warps, prefetch=prefetch)
     g = w.group_size
     swap = False
