@@ -358,6 +358,33 @@ def test_streaming_gemv_small(mode, bits, group_size):
     assert rel_err(silu.cpu(), (torch.nn.functional.silu(g) * u).double().cpu()) < 1e-2
 
 
+def test_streaming_gemv_is_chosen_where_it_was_faster(monkeypatch):
+    """choose_config on an H100-sized GPU: the streaming GEMV for the 8-bit formats where
+    its programs take several tiles (gate/up, head) or a tile has long rows (down); the
+    one-shot GEMV on q/k/v and o, for 4-bit, and everywhere with MLXRUN_GEMV8=old."""
+    import types
+
+    from mlxrun.quant import triton_launch
+
+    monkeypatch.setattr(triton_launch, "_num_sms", lambda device: 132)
+    gpu = types.SimpleNamespace(type="cuda")
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+    for mode, bits, g in (("mxfp8", 8, 32), ("affine", 8, 64), ("affine", 4, 64)):
+        got = []
+        for n, k in shapes:
+            w = types.SimpleNamespace(n=n, k=k, bits=bits, group_size=g, mode=mode)
+            cfg = tk.choose_config(1, w, gpu)
+            got.append((cfg.kernel, cfg.block_n) if cfg.kernel == "stream" else cfg.kernel)
+        if bits == 4:
+            assert got == ["gemv"] * 5
+        else:
+            down = 8 if mode == "mxfp8" else 16
+            assert got == ["gemv", "gemv", ("stream", 16), ("stream", down), ("stream", 16)]
+    monkeypatch.setattr(triton_launch, "GEMV8", "old")
+    w = types.SimpleNamespace(n=28672, k=4096, bits=8, group_size=32, mode="mxfp8")
+    assert tk.choose_config(1, w, gpu).kernel == "gemv"
+
+
 def test_leading_dims_and_errors():
     gen = torch.Generator().manual_seed(0)
     w, s, b = random_packed(16, 128, "affine", 4, 64, gen)
