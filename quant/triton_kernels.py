@@ -141,7 +141,10 @@ def qmatmul(
         tiles = (w.n // 2 if silu else w.n) // (cfg.block_n // 2 if silu else cfg.block_n)
         # per_sm programs a SM in all: the rows of x share them (and read each tile's
         # weights together, the second from L2)
-        grid = (m, max(1, min(tiles, cfg.per_sm * _num_sms(x.device) // m)))
+        progs = max(1, min(tiles, cfg.per_sm * _num_sms(x.device) // m))
+        if cfg.balance:  # as many tiles for every program
+            progs = math.ceil(tiles / math.ceil(tiles / progs))
+        grid = (m, progs)
         _gemv_stream_kernel[grid](
             x2, w.weight, w.scales, w.biases if w.biases is not None else w.scales, y, w.n,
             w.k, x2.stride(0), y.stride(0), **_stream_constexprs(w, cfg, silu, x.device.type == "cuda"),

@@ -108,7 +108,8 @@ class KernelConfig:
 
     kernel: "gemv" (num_warps warps per program, splitting each k-step of 128*num_warps
     words per row), "stream" (the same k-steps, per_sm programs a SM each streaming row
-    tiles: triton_gemv_stream.py; cvt: E4M3 decoded a word at a time) or "gemm" (tl.dot, k-steps of ng groups). split_k:
+    tiles: triton_gemv_stream.py; cvt: E4M3 decoded a word at a time; balance: fewer
+    programs where that gives each the same number of tiles) or "gemm" (tl.dot, k-steps of ng groups). split_k:
     programs along K whose partials the last one sums.
     """
 
@@ -124,6 +125,7 @@ class KernelConfig:
     swap: bool = False
     per_sm: int = 0
     cvt: bool = False
+    balance: bool = False
 
 
 def _split(n_tiles: int, ksteps: int, sms: int, waves: float) -> int:

@@ -341,13 +341,15 @@ def test_streaming_gemv_equals_the_one_shot_gemv(mode, bits, group_size):
 @pytest.mark.parametrize("mode,bits,group_size", [FORMATS[4], FORMATS[8]], ids=["int8", "mxfp8"])
 def test_streaming_gemv_small(mode, bits, group_size):
     """The streaming GEMV's default-run check (the long test sweeps its launches): 10 row
-    tiles over 4 programs (2 or 3 each), one k-step, bf16 x, against the one-shot GEMV
+    tiles over 4 programs (2 or 3 each; int8: 5 balanced programs), one k-step, bf16 x, against the one-shot GEMV
     (mxfp8: decoded a word at a time) and with the SiLU epilogue."""
     gen = torch.Generator().manual_seed(5)
     n, k = 80, 512
     packed = random_packed(n, k, mode, bits, group_size, gen)
     q = tk.prepare(*(None if t is None else t.to(DEV) for t in packed), mode, bits, group_size)
     st = tk.KernelConfig("stream", 1, 8, 1, per_sm=1, cvt=mode == "mxfp8")
+    if mode == "affine":  # 8 programs balanced to 5, two tiles each
+        st = tk.KernelConfig("stream", 1, 8, 1, per_sm=2, balance=True)
     x = torch.randn(1, k, generator=gen).bfloat16().to(DEV)
     y = tk.qmatmul(x, q, st)
     want = tk.qmatmul(x, q, tk.KernelConfig("gemv", 1, 8, 1))
