@@ -17,7 +17,9 @@ products stay normal; the power of two comes back once per group, with the scale
 (up to 4 warps per program stream 8 or 16 rows, each warp its own part of every k-step,
 summed once at the end; split-K across programs where that still leaves SMs idle, in one
 launch: the last program of each row block sums the split partials; rows of x are programs
-next to each other, so M > 1 re-reads the weights from L2), larger M
+next to each other, so M > 1 re-reads the weights from L2; the 8-bit formats, where the
+programs would be many or their rows long, run a persistent form whose programs stream row
+tiles with the next one's weights in flight: triton_gemv_stream.py), larger M
 uses a tensor-core GEMM (tl.dot) that dequantizes each weight tile in registers.
 Without Triton or a GPU, `dequantize_torch` gives the dense weight for one layer at a time.
 
