@@ -17,7 +17,9 @@ products stay normal; the power of two comes back once per group, with the scale
 (up to 4 warps per program stream 8 or 16 rows, each warp its own part of every k-step,
 summed once at the end; split-K across programs where that still leaves SMs idle, in one
 launch: the last program of each row block sums the split partials; rows of x are programs
-next to each other, so M > 1 re-reads the weights from L2), larger M
+next to each other, so M > 1 re-reads the weights from L2; the 8-bit formats, where the
+programs would be many or their rows long, run a persistent form whose programs stream row
+tiles with the next one's weights in flight: triton_gemv_stream.py), larger M
 uses a tensor-core GEMM (tl.dot) that dequantizes each weight tile in registers.
 Without Triton or a GPU, `dequantize_torch` gives the dense weight for one layer at a time.
 
@@ -28,6 +30,7 @@ launch parameters, device properties and PDL in triton_launch.py. This module la
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -41,8 +44,10 @@ from .triton_launch import (
     _counters,
     _gemv_constexprs,
     _packed_gemm,
+    _stream_constexprs,
     choose_config,
     pdl_args,
+    stream_even,
     torch,
     triton,
 )
@@ -65,6 +70,7 @@ if triton is not None:
     from .triton_gemv import _silu_store as _silu_store
     from .triton_gemv import _split_sum as _split_sum
     from .triton_gemv import _splitk_epilogue as _splitk_epilogue
+    from .triton_gemv_stream import _gemv_stream_kernel
 
 MAX_INDEX = 2**31 - 1  # element offsets the kernels compute in int32
 
@@ -89,7 +95,7 @@ def silu_fusable(x: torch.Tensor, w: QLinear, config: KernelConfig | None = None
     if not 0 < m <= GEMV_MAX_M or (w.n // 2) % SCALE_ROWS or w.n % 2:
         return False
     cfg = config or choose_config(m, w, x.device, x.dtype)
-    return cfg.kernel == "gemv"
+    return cfg.kernel in ("gemv", "stream")
 
 
 def qmatmul(
@@ -128,10 +134,28 @@ def qmatmul(
             y[r : r + rows] = qmatmul(x2[r : r + rows], w, config, out_dtype=out_dtype)
         return y.reshape(*lead, w.n)
     cfg = config or choose_config(m, w, x.device, x.dtype)
+    dense = w.weight.stride(0) == w.k * w.bits // 32 and w.scales.is_contiguous()
+    if cfg.kernel == "stream" and not (dense and stream_even(w, cfg.block_n, cfg.num_warps, silu)):
+        cfg = dataclasses.replace(cfg, kernel="gemv", split_k=1)  # partial tiles or k-steps
+    if cfg.kernel == "stream":
+        if x2.dtype == torch.bfloat16 and (x2.data_ptr() % 4 or (m > 1 and x2.stride(0) % 2)):
+            x2 = x2.clone()  # bf16 x is read as uint32 pairs: 4-byte aligned rows
+        tiles = (w.n // 2 if silu else w.n) // (cfg.block_n // 2 if silu else cfg.block_n)
+        # per_sm programs a SM in all: the rows of x share them (and read each tile's
+        # weights together, the second from L2)
+        progs = max(1, min(tiles, cfg.per_sm * _num_sms(x.device) // m))
+        if cfg.balance:  # as many tiles for every program
+            progs = math.ceil(tiles / math.ceil(tiles / progs))
+        grid = (m, progs)
+        _gemv_stream_kernel[grid](
+            x2, w.weight, w.scales, w.biases if w.biases is not None else w.scales, y, w.n,
+            w.k, x2.stride(0), y.stride(0), **_stream_constexprs(w, cfg, silu, x.device.type == "cuda"),
+            num_warps=cfg.num_warps, **pdl_args(x.device),
+        )  # fmt: skip
+        return y.reshape(*lead, y.shape[-1])
     if cfg.kernel == "gemv":
         if x2.dtype == torch.bfloat16 and (x2.data_ptr() % 4 or (m > 1 and x2.stride(0) % 2)):
             x2 = x2.clone()  # the GEMV reads bf16 x as uint32 pairs: 4-byte aligned rows
-        dense = w.weight.stride(0) == w.k * w.bits // 32 and w.scales.is_contiguous()
         consts = _gemv_constexprs(w, cfg, silu, dense)
         split = consts["SPLIT_K"]
         tiles = math.ceil(w.n / cfg.block_n)  # with silu: gate rows and their up rows a tile

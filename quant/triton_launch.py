@@ -128,9 +128,12 @@ class KernelConfig:
     """Launch parameters.
 
     kernel: "gemv" (num_warps warps per program, splitting each k-step of 128*num_warps
-    words per row) or "gemm" (tl.dot, k-steps of ng groups). split_k: programs along K whose
-    partials the last one sums. l2_prefetch (gemm, with PDL): k-steps of each program's
-    weight rows, scales and biases brought into L2 before it waits for the previous kernel.
+    words per row), "stream" (the same k-steps, per_sm programs a SM each streaming row
+    tiles: triton_gemv_stream.py; cvt: E4M3 decoded a word at a time; balance: fewer
+    programs where that gives each the same number of tiles) or "gemm" (tl.dot, k-steps of
+    ng groups). split_k: programs along K whose partials the last one sums. l2_prefetch
+    (gemm, with PDL): k-steps of each program's weight rows, scales and biases brought into
+    L2 before it waits for the previous kernel.
     """
 
     kernel: str
@@ -144,6 +147,9 @@ class KernelConfig:
     prefetch: bool = True
     swap: bool = False
     l2_prefetch: int = 0
+    per_sm: int = 0
+    cvt: bool = False
+    balance: bool = False
 
 
 def _split(n_tiles: int, ksteps: int, sms: int, waves: float) -> int:
@@ -172,6 +178,23 @@ def _split_even(n_tiles: int, ksteps: int, sms: int, waves: float) -> int:
         if ksteps % d == 0 and d >= 0.9 * want:
             return d if d <= 2 * want + 1 else _split(n_tiles, ksteps, sms, waves)
     return ksteps
+
+
+# The 8-bit GEMV: "old" (one-shot programs) or "stream" (persistent programs that stream
+# row tiles, triton_gemv_stream.py), and the stream's programs a SM
+GEMV8 = os.environ.get("MLXRUN_GEMV8", "stream")
+# 4 at 4 warps and 16 rows: 128 registers a thread (E4M3 a word at a time, int8), so all 4
+# are resident (H200, mxfp8 28672x4096: 2, 3, 4 a SM 34.2, 36.2, 30.8 us)
+STREAM_PER_SM = int(os.environ.get("MLXRUN_STREAM_PER_SM", "4"))
+
+
+def stream_even(w, block_n: int, warps: int, silu: bool = False) -> bool:
+    """Whether the streaming GEMV takes w (a QLinear, or anything with its n, k, bits):
+    whole row tiles (gate/up halves with silu) and whole k-steps of 128*warps words."""
+    kw = w.k * w.bits // 32
+    rows = w.n // 2 if silu else w.n
+    tile = block_n // 2 if silu else block_n
+    return kw % (128 * warps) == 0 and rows % tile == 0 and (not silu or w.n % 2 == 0)
 
 
 def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
@@ -232,6 +255,21 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
         # warp has many k-steps, more resident warps beat the prefetch (mxfp8 4096x14336,
         # 7 four-warp steps: 23.5 -> 22.6 us without it; 4096x4096, 2 steps: 7.4 -> 9.5)
         prefetch = not (w.mode == "mxfp8" and warps > 1 and ksteps > 2)
+        if w.bits == 8 and GEMV8 == "stream":
+            # The streaming GEMV where its programs take several tiles or a tile has long
+            # rows; the one-shot GEMV on the small K=4096 shapes. H200 (gemv8_sweep.py,
+            # cycled weights, us, one-shot -> stream): mxfp8 28672x4096 with SiLU 36.0 ->
+            # 30.8, 4096x14336 16.9 -> 15.1 (8 rows), head 126.5 -> 122.5; int8 34.5 ->
+            # 31.4, 21.2 -> 17.0, 137.6 -> 125.8; but 6144x4096 (one tile a program) mxfp8
+            # 7.6 -> 8.0, int8 8.1 -> 7.9, 4096x4096 6.0 -> 6.5, 6.4 -> 6.6. E4M3 is decoded
+            # a word at a time (the tile-wide conversion spills at 16 rows: Triton 3.6, 255
+            # registers + 272 B; a word at a time 128, none); 16 rows, but 8 for mxfp8's
+            # long rows (4096x14336: 15.1 us against 17.2)
+            sbn = 8 if w.mode == "mxfp8" and ksteps > 2 else 16
+            many = math.ceil(w.n / sbn) * m > STREAM_PER_SM * sms
+            if (many or ksteps > 2) and stream_even(w, sbn, warps):
+                return KernelConfig("stream", 1, sbn, 1, num_warps=warps,
+                                    per_sm=STREAM_PER_SM, cvt=True)  # fmt: skip
         return KernelConfig("gemv", 1, bn, sk, num_warps=warps, prefetch=prefetch)
     g = w.group_size
     swap = False
@@ -269,6 +307,24 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
     tiles = math.ceil(m / bm) * math.ceil(w.n / bn)
     sk = _split(tiles, ksteps, sms, 2.0) if tiles < sms else 1
     return KernelConfig("gemm", bm, bn, sk, ng, warps, 3, swap=swap)
+
+
+def _stream_constexprs(w, cfg: KernelConfig, silu: bool = False, ptx: bool = True) -> dict:
+    """_gemv_stream_kernel's constexprs for w under cfg (a "stream" config); ptx: the
+    per-word E4M3 decode in PTX (else through Triton's fp8 type: the interpreter)."""
+    kw = w.k * w.bits // 32
+    cvt = (2 if ptx else 1) if cfg.cvt and w.mode == "mxfp8" else 0
+    return dict(
+        MODE=_MODE_ID[w.mode],
+        BITS=w.bits,
+        G=w.group_size,
+        BLOCK_N=cfg.block_n,
+        KSTEPS=kw // (128 * cfg.num_warps),
+        KW=kw,
+        SILU=silu,
+        WARPS=cfg.num_warps,
+        CVT=cvt,
+    )
 
 
 def _constexprs(w, cfg: KernelConfig, per: int, split: int) -> dict:
