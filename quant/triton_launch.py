@@ -121,6 +121,7 @@ class KernelConfig:
     group_m: int = 8
     prefetch: bool = True
     swap: bool = False
+    seq: bool = False  # GEMV, 16 rows: each k-step's two 8-row halves one after the other
 
 
 def _split(n_tiles: int, ksteps: int, sms: int, waves: float) -> int:
@@ -276,4 +277,5 @@ def _gemv_constexprs(w, cfg: KernelConfig, silu: bool = False, dense: bool = Tru
         KW=kw if even else 0,
         SILU=silu,
         WARPS=cfg.num_warps,
+        SEQ=cfg.seq,
     )

@@ -287,6 +287,27 @@ def test_silu_in_the_gate_up_epilogue(mode, bits, group_size):
         tk.qmatmul(x, w, gemm, silu=True)
 
 
+def test_gemv_halves_in_sequence_equal_interleaved():
+    """seq (a 16-row tile's first 8 rows through every position, then the second 8) runs
+    the same FFMA chains as the interleaved order: bit-identical outputs, plain (on the
+    prefetch loop, and split-K without it) and with the SiLU epilogue; and near the float64
+    product of the dequantized weight."""
+    mode, bits, group_size = FORMATS[1]  # int4 g64: the format that runs 16-row tiles
+    gen = torch.Generator().manual_seed(11)
+    n, k = 32, 1024  # 2 tiles of 16 rows; one-warp k-steps of 128 words a row: 1
+    packed = random_packed(n, k, mode, bits, group_size, gen)
+    w = tk.prepare(*(None if t is None else t.to(DEV) for t in packed), mode, bits, group_size)
+    ref = tk.dequantize_torch(w).double().cpu()
+    x = torch.randn(1, k, generator=gen).bfloat16().to(DEV)
+    for s, pf, silu in ((1, True, False), (2, False, True)):
+        old = tk.KernelConfig("gemv", 1, 16, s, prefetch=pf)
+        new = dataclasses.replace(old, seq=True)
+        y = tk.qmatmul(x, w, new, silu=silu)
+        assert torch.equal(y, tk.qmatmul(x, w, old, silu=silu)), old
+        if not silu:
+            assert rel_err(y.cpu(), x.cpu().double() @ ref.T) < 1e-2
+
+
 def test_leading_dims_and_errors():
     gen = torch.Generator().manual_seed(0)
     w, s, b = random_packed(16, 128, "affine", 4, 64, gen)
