@@ -16,7 +16,8 @@ variant in parallel before the timed run: the compiles dominate).
 Variants: default; seq (16-row tiles: each k-step's two 8-row halves one after the other);
 down-w2 (K > N, the down projection: 8 rows, 2 warps, no split: whole k-steps, no masks);
 down-s2 (down: split K in 2 across programs); small-r8 (q/k/v and o: 8-row tiles);
-o-w2 (N == K: 2 warps); qkv-w2 (K < N < 2K: 2 warps).
+o-w2 (N == K: 2 warps); qkv-w2 (K < N < 2K: 2 warps); gu-r8 (the joint gate/up in 8-row
+tiles); head-r8 (the head in 8-row tiles).
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ def _apply(part: str, c, w):
         return r(c, block_n=8) if w.n * w.k <= 6144 * 4096 and w.k >= w.n * 2 // 3 else c
     if part == "o-w2":
         return r(c, num_warps=2) if w.n == w.k else c
+    if part == "gu-r8":  # the joint gate/up (SiLU epilogue: 4 gate rows and their 4 up)
+        return r(c, block_n=8) if 2 * w.k < w.n < 16 * w.k else c
+    if part == "head-r8":
+        return r(c, block_n=8) if w.n >= 16 * w.k else c
     if part == "qkv-w2":
         return r(c, num_warps=2) if w.k < w.n < 2 * w.k else c
     raise SystemExit(f"unknown variant part {part!r}")
@@ -151,7 +156,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warm", default=None, help="compile this variant's kernels only")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--profile", action="store_true", help="per-kernel times of each variant")
+    ap.add_argument("--profile", default="", help="variants to profile (per-kernel times)")
     a = ap.parse_args()
     from mlxrun.backends.cuda_graph import GraphDecoder
     from mlxrun.backends.torch_backend import TorchBackend
@@ -178,7 +183,7 @@ def main() -> None:
         torch.cuda.synchronize()
         print(f"{qn}: model and prefill {time.time() - t0:.1f} s", flush=True)
         if a.profile:
-            for v in variants:
+            for v in a.profile.split(","):
                 try:
                     per = profile(model, cache, a.context, v)
                 except Exception as e:  # the A/B below matters more
