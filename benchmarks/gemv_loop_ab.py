@@ -13,7 +13,8 @@ have disagreed with the loop before: KERNEL_NOTES.md). --warm builds each shape'
 alone and runs the variant's kernels once, filling Triton's cache (run one process a
 variant in parallel before the timed run: the compiles dominate).
 
-Variants: default; seq (16-row tiles: each k-step's two 8-row halves one after the other);
+Variants: default; early (one k-step a split: its scales loaded with its words, before
+the PDL wait); seq (16-row tiles: each k-step's two 8-row halves one after the other);
 down-w2 (K > N, the down projection: 8 rows, 2 warps, no split: whole k-steps, no masks);
 down-s2 (down: split K in 2 across programs); small-r8 (q/k/v and o: 8-row tiles);
 o-w2 (N == K: 2 warps); qkv-w2 (K < N < 2K: 2 warps); gu-r8 (the joint gate/up in 8-row
@@ -36,6 +37,8 @@ def _apply(part: str, c, w):
     r = dataclasses.replace
     if part == "default":
         return c
+    if part == "early":
+        return r(c, early=True)
     if part == "seq":
         return r(c, seq=True) if c.block_n == 16 else c
     if part == "down-w2":
@@ -83,6 +86,23 @@ def _shapes(cfg):
     q = cfg.num_attention_heads * cfg.head_dim
     kv = cfg.num_key_value_heads * cfg.head_dim
     return [(q + 2 * kv, H, False), (H, q, False), (2 * I, H, True), (H, I, False), (V, H, False)]
+
+
+def changes(cfg, quant: str, variant: str) -> bool:
+    """Whether the variant changes any of the shapes' GEMV settings under this quant."""
+    import types
+
+    from mlxrun.quant import triton_kernels as tk
+
+    mode, bits, g = FMT[quant]
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ws = [types.SimpleNamespace(n=n, k=k, bits=bits, group_size=g, mode=mode)
+          for n, k, _ in _shapes(cfg)]  # fmt: skip
+    old = [tk.choose_config(1, w, dev, torch.bfloat16) for w in ws]
+    undo = patch(variant)
+    new = [tk.choose_config(1, w, dev, torch.bfloat16) for w in ws]
+    undo()
+    return old != new
 
 
 def warm(cfg, quant: str, variant: str) -> None:
@@ -169,10 +189,11 @@ def main() -> None:
             warm(cfg, q, a.warm)
         return
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
-    variants = a.variants.split(",")
     out = {}
     be = TorchBackend("cuda", "bfloat16")
     for qn, spec in _quant_specs(a.quant.split(",")).items():
+        variants = a.variants.split(",")
+        variants = variants[:1] + [v for v in variants[1:] if changes(cfg, qn, v)]
         t0 = time.time()
         model = build_random(cfg, be, spec)
         cache = model.make_cache(1, a.context + a.steps + 16)

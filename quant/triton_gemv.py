@@ -455,6 +455,46 @@ def _gemv_kstep(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_r
 
 
 @triton.jit
+def _gemv_scales_of(kb, s_ptr, b_ptr, s_row, n_mask, g_a, KG, MODE: tl.constexpr,
+                    G: tl.constexpr, BITS: tl.constexpr, EVEN: tl.constexpr,
+                    LANES: tl.constexpr):  # fmt: skip
+    """The scales and biases [8, LANES] of k-step kb's groups of this lane (as _gemv_apply
+    loads them; not for TWO)."""
+    NG: tl.constexpr = 4 * LANES // (G // (32 // BITS))  # groups per k-step
+    g_idx = kb * NG + g_a
+    smask = n_mask[:, None] & (g_idx < KG)[None, :]
+    return _gemv_scale(s_ptr, b_ptr, s_row[:, None] + g_idx[None, :] * 8, smask, MODE, EVEN)
+
+
+@triton.jit
+def _gemv_one_step(wa, wa_h, sa, ba, sh, bh, kb, x_base, x_pair0, g_pair, KG,
+                   MODE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                   HALVES: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
+    """(acc, acc_h): a split of one k-step whose scales sa, sh and biases ba, bh are
+    already loaded; the sums _gemv_step gives (each half as _gemv_kstep's SEQ)."""
+    EPW: tl.constexpr = 32 // BITS
+    NG: tl.constexpr = 4 * LANES // (G // EPW)  # groups per k-step
+    xo = x_pair0 + kb * (NG * G // 2)
+    xmask = (kb * NG + g_pair) < KG
+    acc = tl.zeros([8, LANES], dtype=tl.float32)
+    acc_h = tl.zeros([8, LANES], dtype=tl.float32)
+    w0, w1, w2, w3 = _gemv_words(wa, LANES)
+    p, _, xsum = _gemv_half(w0, w1, w2, w3, x_base, xo, xmask, MODE, BITS, G, EVEN, LANES)
+    if MODE == 0:
+        acc = acc + p * sa + ba * xsum[None, :]
+    else:
+        acc = acc + p * sa
+    if HALVES == 2:
+        v0, v1, v2, v3 = _gemv_words(wa_h, LANES)
+        q, _, _ = _gemv_half(v0, v1, v2, v3, x_base, xo, xmask, MODE, BITS, G, EVEN, LANES)
+        if MODE == 0:
+            acc_h = acc_h + q * sh + bh * xsum[None, :]
+        else:
+            acc_h = acc_h + q * sh
+    return acc, acc_h
+
+
+@triton.jit
 def _gemv_lanes(lane, G: tl.constexpr, WPG: tl.constexpr, TWO: tl.constexpr):
     """Where lane l (`lane`: [LANES]) reads in a k-step: x_pair0 [LANES, 2], its inputs at
     position 0 in input pairs (pair c: words 4l+2c, 4l+2c+1; uint32 units of 2 inputs: one
@@ -479,7 +519,7 @@ def _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pai
                  BITS: tl.constexpr, G: tl.constexpr, HALVES: tl.constexpr,
                  EVEN: tl.constexpr, LANES: tl.constexpr, KSTEPS: tl.constexpr,
                  PREFETCH: tl.constexpr, PDL: tl.constexpr,
-                 SEQ: tl.constexpr = False):  # fmt: skip
+                 SEQ: tl.constexpr = False, EARLY: tl.constexpr = False):  # fmt: skip
     """(acc, acc_h) [8, LANES]: k-steps kb0 .. kb0 + KSTEPS of rows rn (and rn_h, the second
     half, when HALVES == 2) through _gemv_step, swn words a row. With PREFETCH the loop runs
     two k-steps an iteration, each step's words loaded one step ahead (two register
@@ -487,7 +527,25 @@ def _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pai
     with PREFETCH: the weights depend on no kernel) and let the next one launch."""
     acc = tl.zeros([8, LANES], dtype=tl.float32)
     acc_h = tl.zeros([8, LANES], dtype=tl.float32)
-    if PREFETCH:  # each step's words are in flight while the previous step computes
+    if EARLY and KSTEPS == 1 and MODE != 3 and G // (32 // BITS) >= 4:
+        # one k-step: its scales (and biases) are loaded with its words, before the wait,
+        # instead of after the FMAs (a DRAM round trip at the end of every program)
+        wa = _load_step(w_ptr, rn, n_mask, rkw, kb0, swn, EVEN, MODE, LANES)
+        sa, ba = _gemv_scales_of(kb0, s_ptr, b_ptr, s_row, n_mask, g_a, KG, MODE, G, BITS,
+                                 EVEN, LANES)  # fmt: skip
+        wa_h = wa
+        sh = sa
+        bh = ba
+        if HALVES == 2:
+            wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb0, swn, EVEN, MODE, LANES)
+            sh, bh = _gemv_scales_of(kb0, s_ptr, b_ptr, s_row_h, n_mask_h, g_a, KG, MODE, G,
+                                     BITS, EVEN, LANES)  # fmt: skip
+        if PDL:
+            tlc.gdc_wait()
+            tlc.gdc_launch_dependents()
+        acc, acc_h = _gemv_one_step(wa, wa_h, sa, ba, sh, bh, kb0, x_base, x_pair0, g_pair, KG,
+                                    MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
+    elif PREFETCH:  # each step's words are in flight while the previous step computes
         # (with PDL the first step's are issued before the wait, while the previous kernel
         # still runs; a second step issued there too made ptxas hold it through the loop:
         # 134 -> 168 registers at 8 rows, 4096x14336 16.4 -> 21.9 us on the H100)
@@ -580,6 +638,7 @@ def _gemv_kernel(
     SILU: tl.constexpr = False,
     WARPS: tl.constexpr = 1,
     SEQ: tl.constexpr = False,
+    EARLY: tl.constexpr = False,
 ):
     """y[m, N] = x[m, K] @ W^T for one row m of x: CUDA-core FMA on decoded codes.
 
@@ -610,6 +669,8 @@ def _gemv_kernel(
     silu(gate) * up, rounded as cuda_ops.silu_mul rounds the two products: no SiLU
     launch of its own.
     SEQ (16 rows): each k-step's first 8 rows, then its second 8 (_gemv_kstep).
+    EARLY (one k-step a split, not E4M3 or nvfp4): the scales and biases are loaded with
+    the words, before the PDL wait.
     """
     tl.static_assert(BLOCK_N == 8 or BLOCK_N == 16)
     HALVES: tl.constexpr = BLOCK_N // 8
@@ -647,7 +708,7 @@ def _gemv_kernel(
     acc, acc_h = _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pair0,
                               g_pair, g_a, g_b, s_row, s_row_h, s_ptr, b_ptr, KG, MODE, BITS, G,
                               HALVES, EVEN, LANES, KB_PER_SPLIT, PREFETCH, PDL,
-                              SEQ)  # fmt: skip
+                              SEQ, EARLY)  # fmt: skip
     out = _gemv_sum(acc, MODE)  # [8]
     tile = m * tl.num_programs(1) + pid_n
     if SILU and HALVES == 2:

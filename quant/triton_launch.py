@@ -122,6 +122,7 @@ class KernelConfig:
     prefetch: bool = True
     swap: bool = False
     seq: bool = False  # GEMV, 16 rows: each k-step's two 8-row halves one after the other
+    early: bool = False  # GEMV, one k-step a split: its scales loaded with its words
 
 
 def _split(n_tiles: int, ksteps: int, sms: int, waves: float) -> int:
@@ -278,4 +279,5 @@ def _gemv_constexprs(w, cfg: KernelConfig, silu: bool = False, dense: bool = Tru
         SILU=silu,
         WARPS=cfg.num_warps,
         SEQ=cfg.seq,
+        EARLY=cfg.early,
     )
