@@ -467,17 +467,34 @@ def _gemv_scales_of(kb, s_ptr, b_ptr, s_row, n_mask, g_a, KG, MODE: tl.constexpr
 
 
 @triton.jit
-def _gemv_one_step(wa, wa_h, sa, ba, sh, bh, kb, x_base, x_pair0, g_pair, KG,
+def _load_early(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb, swn, s_ptr, b_ptr, s_row, s_row_h,
+                g_a, KG, MODE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                HALVES: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
+    """k-step kb's words, scales and biases of both halves (the second half's = the first's
+    when HALVES == 1), for EARLY."""
+    wa = _load_step(w_ptr, rn, n_mask, rkw, kb, swn, EVEN, MODE, LANES)
+    sa, ba = _gemv_scales_of(kb, s_ptr, b_ptr, s_row, n_mask, g_a, KG, MODE, G, BITS, EVEN,
+                             LANES)  # fmt: skip
+    wa_h = wa
+    sh = sa
+    bh = ba
+    if HALVES == 2:
+        wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb, swn, EVEN, MODE, LANES)
+        sh, bh = _gemv_scales_of(kb, s_ptr, b_ptr, s_row_h, n_mask_h, g_a, KG, MODE, G, BITS,
+                                 EVEN, LANES)  # fmt: skip
+    return wa, wa_h, sa, ba, sh, bh
+
+
+@triton.jit
+def _gemv_one_step(acc, acc_h, wa, wa_h, sa, ba, sh, bh, kb, x_base, x_pair0, g_pair, KG,
                    MODE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
                    HALVES: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
-    """(acc, acc_h): a split of one k-step whose scales sa, sh and biases ba, bh are
-    already loaded; the sums _gemv_step gives (each half as _gemv_kstep's SEQ)."""
+    """_gemv_step with the scales sa, sh and biases ba, bh already loaded: the same sums
+    (each half as _gemv_kstep's SEQ); not for E4M3 or TWO."""
     EPW: tl.constexpr = 32 // BITS
     NG: tl.constexpr = 4 * LANES // (G // EPW)  # groups per k-step
     xo = x_pair0 + kb * (NG * G // 2)
     xmask = (kb * NG + g_pair) < KG
-    acc = tl.zeros([8, LANES], dtype=tl.float32)
-    acc_h = tl.zeros([8, LANES], dtype=tl.float32)
     w0, w1, w2, w3 = _gemv_words(wa, LANES)
     p, _, xsum = _gemv_half(w0, w1, w2, w3, x_base, xo, xmask, MODE, BITS, G, EVEN, LANES)
     if MODE == 0:
@@ -527,24 +544,39 @@ def _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pai
     with PREFETCH: the weights depend on no kernel) and let the next one launch."""
     acc = tl.zeros([8, LANES], dtype=tl.float32)
     acc_h = tl.zeros([8, LANES], dtype=tl.float32)
-    if EARLY and KSTEPS == 1 and MODE != 3 and G // (32 // BITS) >= 4:
-        # one k-step: its scales (and biases) are loaded with its words, before the wait,
-        # instead of after the FMAs (a DRAM round trip at the end of every program)
-        wa = _load_step(w_ptr, rn, n_mask, rkw, kb0, swn, EVEN, MODE, LANES)
-        sa, ba = _gemv_scales_of(kb0, s_ptr, b_ptr, s_row, n_mask, g_a, KG, MODE, G, BITS,
-                                 EVEN, LANES)  # fmt: skip
-        wa_h = wa
-        sh = sa
-        bh = ba
-        if HALVES == 2:
-            wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb0, swn, EVEN, MODE, LANES)
-            sh, bh = _gemv_scales_of(kb0, s_ptr, b_ptr, s_row_h, n_mask_h, g_a, KG, MODE, G,
-                                     BITS, EVEN, LANES)  # fmt: skip
+    if EARLY and MODE != 3 and G // (32 // BITS) >= 4:
+        # each step's scales (and biases) are loaded with its words, one step ahead (the
+        # first before the wait), instead of after its FMAs: a split of one k-step otherwise
+        # ends on a DRAM round trip for them
+        wa, wa_h, sa, ba, sh, bh = _load_early(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0,
+                                               swn, s_ptr, b_ptr, s_row, s_row_h, g_a, KG,
+                                               MODE, BITS, G, HALVES, EVEN,
+                                               LANES)  # fmt: skip
         if PDL:
             tlc.gdc_wait()
             tlc.gdc_launch_dependents()
-        acc, acc_h = _gemv_one_step(wa, wa_h, sa, ba, sh, bh, kb0, x_base, x_pair0, g_pair, KG,
-                                    MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
+        kb_last = kb0 + KSTEPS - 1
+        for j in range(0, KSTEPS // 2):
+            kb = kb0 + 2 * j
+            wb, wb_h, sb, bb, sbh, bbh = _load_early(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw,
+                                                     kb + 1, swn, s_ptr, b_ptr, s_row,
+                                                     s_row_h, g_a, KG, MODE, BITS, G, HALVES,
+                                                     EVEN, LANES)  # fmt: skip
+            acc, acc_h = _gemv_one_step(acc, acc_h, wa, wa_h, sa, ba, sh, bh, kb, x_base,
+                                        x_pair0, g_pair, KG, MODE, BITS, G, HALVES, EVEN,
+                                        LANES)  # fmt: skip
+            kn = tl.minimum(kb + 2, kb_last)  # past the last step: reloaded, never used
+            wa, wa_h, sa, ba, sh, bh = _load_early(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kn,
+                                                   swn, s_ptr, b_ptr, s_row, s_row_h, g_a, KG,
+                                                   MODE, BITS, G, HALVES, EVEN,
+                                                   LANES)  # fmt: skip
+            acc, acc_h = _gemv_one_step(acc, acc_h, wb, wb_h, sb, bb, sbh, bbh, kb + 1, x_base,
+                                        x_pair0, g_pair, KG, MODE, BITS, G, HALVES, EVEN,
+                                        LANES)  # fmt: skip
+        if KSTEPS % 2 == 1:
+            acc, acc_h = _gemv_one_step(acc, acc_h, wa, wa_h, sa, ba, sh, bh, kb_last, x_base,
+                                        x_pair0, g_pair, KG, MODE, BITS, G, HALVES, EVEN,
+                                        LANES)  # fmt: skip
     elif PREFETCH:  # each step's words are in flight while the previous step computes
         # (with PDL the first step's are issued before the wait, while the previous kernel
         # still runs; a second step issued there too made ptxas hold it through the loop:
@@ -669,8 +701,8 @@ def _gemv_kernel(
     silu(gate) * up, rounded as cuda_ops.silu_mul rounds the two products: no SiLU
     launch of its own.
     SEQ (16 rows): each k-step's first 8 rows, then its second 8 (_gemv_kstep).
-    EARLY (one k-step a split, not E4M3 or nvfp4): the scales and biases are loaded with
-    the words, before the PDL wait.
+    EARLY (not E4M3 or nvfp4): each k-step's scales and biases are loaded with its words
+    (the first step's before the PDL wait), not after its FMAs.
     """
     tl.static_assert(BLOCK_N == 8 or BLOCK_N == 16)
     HALVES: tl.constexpr = BLOCK_N // 8

@@ -122,7 +122,7 @@ class KernelConfig:
     prefetch: bool = True
     swap: bool = False
     seq: bool = False  # GEMV, 16 rows: each k-step's two 8-row halves one after the other
-    early: bool = False  # GEMV, one k-step a split: its scales loaded with its words
+    early: bool = False  # GEMV: each k-step's scales loaded with its words
 
 
 def _split(n_tiles: int, ksteps: int, sms: int, waves: float) -> int:
