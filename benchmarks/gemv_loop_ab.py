@@ -252,14 +252,14 @@ def main() -> None:
                   + f"  min {min(ms):.4f} ({1e3 / min(ms):.1f} tok/s, "
                   f"{100 * (min(ms) / base - 1):+.2f}% vs {variants[0]})", flush=True)  # fmt: skip
         out[qn] = res
+        if a.json:  # after each quant: a later one may run out of time
+            with open(a.json, "w") as f:
+                json.dump(out, f, indent=1)
         for d in decs.values():
             d.close()
         del decs, model, cache
         be.release()
         torch.cuda.empty_cache()
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":
