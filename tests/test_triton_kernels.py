@@ -295,9 +295,9 @@ def test_gemv_orders_equal_the_default(mode, bits, group_size):
     with the SiLU epilogue (int4: 16-row tiles; mxfp4: 8); and near the float64 product of
     the dequantized weight."""
     gen = torch.Generator().manual_seed(11)
-    # int4: 2 tiles of 16 rows, one one-warp k-step of 128 words a row; mxfp4: 4 tiles of
+    # int4: one tile of 16 rows, one one-warp k-step of 128 words a row; mxfp4: 2 tiles of
     # 8 rows, two k-steps (early's loop)
-    n, k = 32, 1024 if mode == "affine" else 2048
+    n, k = 16, 1024 if mode == "affine" else 2048
     packed = random_packed(n, k, mode, bits, group_size, gen)
     w = tk.prepare(*(None if t is None else t.to(DEV) for t in packed), mode, bits, group_size)
     ref = tk.dequantize_torch(w).double().cpu()
