@@ -14,7 +14,7 @@ alone and runs the variant's kernels once, filling Triton's cache (run one proce
 variant in parallel before the timed run: the compiles dominate).
 
 Variants: default; early (each k-step's scales loaded with its words: the first before the
-PDL wait); early-1 (early where a split has one k-step); seq (16-row tiles: each k-step's two 8-row halves one after the other);
+PDL wait); early-1 (early where a split has one k-step); late (early off); seq (16-row tiles: each k-step's two 8-row halves one after the other);
 down-w2 (K > N, the down projection: 8 rows, 2 warps, no split: whole k-steps, no masks);
 down-s2 (down: split K in 2 across programs); small-r8 (q/k/v and o: 8-row tiles);
 o-w2 (N == K: 2 warps); qkv-w2 (K < N < 2K: 2 warps); gu-r8 (the joint gate/up in 8-row
@@ -39,6 +39,8 @@ def _apply(part: str, c, w):
         return c
     if part == "early":
         return r(c, early=True)
+    if part == "late":  # the scales after the FMAs (the shipped default before early)
+        return r(c, early=False)
     if part == "early-1":  # only where a split has one k-step
         from mlxrun.quant import triton_kernels as tk
 

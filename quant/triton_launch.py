@@ -37,6 +37,9 @@ GEMV_MAX_M = 4  # above this many rows the tensor-core kernel wins (per-row FMA 
 # The most warps a GEMV program splits K across; MLXRUN_GEMV_WARPS=1 gives the one-warp
 # configs (for A/B timing)
 GEMV_WARPS = int(os.environ.get("MLXRUN_GEMV_WARPS", "4"))
+# Load a k-step's scales with its words (KernelConfig.early) where choose_config says;
+# MLXRUN_GEMV_EARLY=0 loads them after the FMAs, as before (for A/B timing)
+GEMV_EARLY = os.environ.get("MLXRUN_GEMV_EARLY", "1") != "0"
 _COUNTERS: dict = {}  # device -> zeroed int32 tickets, reset by the kernels themselves
 _OUTGROWN: list = []  # replaced ticket buffers: a captured CUDA graph may still use one
 
@@ -211,7 +214,13 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
         # warp has many k-steps, more resident warps beat the prefetch (mxfp8 4096x14336,
         # 7 four-warp steps: 23.5 -> 22.6 us without it; 4096x4096, 2 steps: 7.4 -> 9.5)
         prefetch = not (w.mode == "mxfp8" and warps > 1 and ksteps > 2)
-        return KernelConfig("gemv", 1, bn, sk, num_warps=warps, prefetch=prefetch)
+        # int4, one k-step a split (q/k/v, o, gate/up, head): the scales loaded with the
+        # words, before the PDL wait; otherwise the program ends on a DRAM round trip for
+        # them after its FMAs. 8B decode step (gemv_loop_ab.py, H200): 1.929 -> 1.868 ms.
+        # Not where a split loops (down: 128 -> 140 registers, the step +2.7%), nor fp4
+        # (one-step shapes 2.003 -> 2.002 ms, looping ones slower)
+        early = GEMV_EARLY and w.mode == "affine" and w.bits == 4 and math.ceil(ksteps / sk) == 1
+        return KernelConfig("gemv", 1, bn, sk, num_warps=warps, prefetch=prefetch, early=early)
     g = w.group_size
     swap = False
     if device.type == "cpu":  # interpreter: small tiles keep the CPU tests fast
