@@ -39,7 +39,7 @@ import mlxrun.quant.triton_launch as launch  # noqa: E402
 DEFAULT = ["affine4g64", "affine4g32", "affine4g128", "mxfp4", "nvfp4", "mxfp8", "affine8g64"]
 
 
-def gemv_params(mode, bits, g, n, k, m=1, sms=132, kb_per_split=None, block_n=None):
+def gemv_params(mode, bits, g, n, k, m=1, sms=132, kb_per_split=None, block_n=None, seq=False):
     """(constexprs, KernelConfig) as qmatmul would launch them on a GPU with `sms` SMs."""
     w = types.SimpleNamespace(n=n, k=k, bits=bits, group_size=g, mode=mode)
     # choose_config reads the SM count through triton_launch's own name
@@ -51,6 +51,8 @@ def gemv_params(mode, bits, g, n, k, m=1, sms=132, kb_per_split=None, block_n=No
         launch._num_sms = saved
     if block_n:
         cfg = dataclasses.replace(cfg, block_n=block_n)
+    if seq:
+        cfg = dataclasses.replace(cfg, seq=True)
     params = dict(tk._gemv_constexprs(w, cfg), PDL=True)  # as launched on an H100 (Triton 3.3+)
     if kb_per_split is not None:
         params["KB_PER_SPLIT"] = kb_per_split
@@ -161,11 +163,13 @@ def opcode_histogram(body):
     return dict(sorted(hist.items(), key=lambda kv: -kv[1]))
 
 
-def stats(name, n=4096, k=4096, m=1, kb_per_split=None, dump=None, hist=False, block_n=None):
+def stats(
+    name, n=4096, k=4096, m=1, kb_per_split=None, dump=None, hist=False, block_n=None, seq=False
+):
     """Registers/spills of the default launch; the loop is read from a build with 8 k-steps
     per split (a default of 2-3 k-steps can leave no loop: prefetch runs 2 steps/iteration)."""
     mode, bits, g = FORMATS[name]
-    params, cfg = gemv_params(mode, bits, g, n, k, m, block_n=block_n)
+    params, cfg = gemv_params(mode, bits, g, n, k, m, block_n=block_n, seq=seq)
     sass, res = sass_of(compile_gemv(params, n, k, m))
     lparams = dict(params, KB_PER_SPLIT=kb_per_split or 8)
     lparams["PREFETCH"] = cfg.prefetch
@@ -218,12 +222,13 @@ def main():
     ap.add_argument("--bn", type=int, default=None, help="override BLOCK_N (rows per program)")
     ap.add_argument("--dump", default=None, help="write the SASS of the (last) format here")
     ap.add_argument("--hist", action="store_true", help="opcode histogram of the loop body")
+    ap.add_argument("--seq", action="store_true", help="16-row tiles' halves in sequence")
     a = ap.parse_args()
     print(f"N={a.n} K={a.k} M={a.m}, sm_90, triton {triton.__version__}")
     print(f"{'format':<12} {'BN':>3} {'split':>5} {'kb/sp':>5} {'total':>6} {'loop':>5} "
           f"{'/kstep':>7} {'/elem':>6} {'regs':>5} {'spill':>5}")  # fmt: skip
     for name in a.fmt.split(","):
-        r = stats(name, a.n, a.k, a.m, a.kbps, a.dump, a.hist, a.bn)
+        r = stats(name, a.n, a.k, a.m, a.kbps, a.dump, a.hist, a.bn, a.seq)
         print(f"{r['fmt']:<12} {r['bn']:>3} {r['split']:>5} {r['kbps']:>5} {r['total']:>6} "
               f"{r['loop']:>5} {r['per_kstep']:>7.1f} {r['per_elem']:>6.2f} {r['regs']:>5} "
               f"{r['spills']:>5}")  # fmt: skip

@@ -393,6 +393,125 @@ def _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_ro
 
 
 @triton.jit
+def _gemv_half(w0, w1, w2, w3, x_base, xo, xmask, MODE: tl.constexpr, BITS: tl.constexpr,
+               G: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
+    """(p, pb, xsum): every position of one 8-row half's words w0..w3 [8, LANES] times x,
+    in _gemv_step's order (the same FFMA chains, so the same sums); for _gemv_step_seq."""
+    EPW: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = G // EPW
+    TWO: tl.constexpr = WPG < 4
+    TRICK: tl.constexpr = MODE == 0 and BITS == 4
+    NPOS: tl.constexpr = EPW - 2 if TRICK else EPW
+    p = tl.zeros([8, LANES], dtype=tl.float32)
+    pb = tl.zeros([8, LANES], dtype=tl.float32)
+    xsum = tl.zeros([LANES], dtype=tl.float32)
+    for i in tl.static_range(NPOS):
+        x0, x1, x2, x3 = _gemv_x4(x_base, xo + i * (WPG // 2), xmask, i, MODE, BITS, EVEN)
+        p, pb = _gemv_fma(p, pb, w0, w1, w2, w3, x0, x1, x2, x3, i, MODE, BITS, TWO)
+        if MODE == 0:
+            xsum += _gemv_xsum(x0, x1, x2, x3, i, BITS)
+    if TRICK:  # as _gemv_step
+        y0, y1, y2, y3 = _gemv_x4(x_base, xo + 6 * (WPG // 2), xmask, 6, MODE, BITS, EVEN)
+        z0, z1, z2, z3 = _gemv_x4(x_base, xo + 7 * (WPG // 2), xmask, 7, MODE, BITS, EVEN)
+        xsum += (y0 + y1 + y2 + y3 + z0 + z1 + z2 + z3) * 1.401298464324817e-45
+        z0 = z0 - 16.0 * y0
+        z1 = z1 - 16.0 * y1
+        z2 = z2 - 16.0 * y2
+        z3 = z3 - 16.0 * y3
+        p, pb = _gemv_fma(p, pb, w0, w1, w2, w3, y0, y1, y2, y3, 6, MODE, BITS, TWO)
+        p, pb = _gemv_fma(p, pb, w0, w1, w2, w3, z0, z1, z2, z3, 7, MODE, BITS, TWO)
+    return p, pb, xsum
+
+
+@triton.jit
+def _gemv_kstep(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_row, s_row_h,
+                n_mask, n_mask_h, s_ptr, b_ptr, KG, MODE: tl.constexpr, BITS: tl.constexpr,
+                G: tl.constexpr, HALVES: tl.constexpr, EVEN: tl.constexpr,
+                LANES: tl.constexpr, SEQ: tl.constexpr):  # fmt: skip
+    """_gemv_step, or with SEQ (16 rows, not E4M3) the first half's every position, then
+    the second's, instead of both halves a position at a time: the first half's FMAs then
+    need only its own words (loaded first) and may run while the second half's are still
+    in flight. The same FFMA chains in the same order: the same sums."""
+    if SEQ and HALVES == 2 and MODE != 3:
+        EPW: tl.constexpr = 32 // BITS
+        NG: tl.constexpr = 4 * LANES // (G // EPW)  # groups per k-step
+        xo = x_pair0 + kb * (NG * G // 2)
+        xmask = (kb * NG + g_pair) < KG
+        w0, w1, w2, w3 = _gemv_words(wa, LANES)
+        p, pb, xsum = _gemv_half(w0, w1, w2, w3, x_base, xo, xmask, MODE, BITS, G, EVEN,
+                                  LANES)  # fmt: skip
+        acc = _gemv_apply(acc, p, pb, xsum, s_ptr, b_ptr, s_row, n_mask, g_a, g_b, kb, KG,
+                          MODE, G, BITS, EVEN, LANES)  # fmt: skip
+        v0, v1, v2, v3 = _gemv_words(wa_h, LANES)
+        q, qb, _ = _gemv_half(v0, v1, v2, v3, x_base, xo, xmask, MODE, BITS, G, EVEN,
+                                  LANES)  # fmt: skip
+        acc_h = _gemv_apply(acc_h, q, qb, xsum, s_ptr, b_ptr, s_row_h, n_mask_h, g_a, g_b,
+                            kb, KG, MODE, G, BITS, EVEN, LANES)  # fmt: skip
+    else:
+        acc, acc_h = _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b,
+                                s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr, KG, MODE,
+                                BITS, G, HALVES, EVEN, LANES)  # fmt: skip
+    return acc, acc_h
+
+
+@triton.jit
+def _gemv_scales_of(kb, s_ptr, b_ptr, s_row, n_mask, g_a, KG, MODE: tl.constexpr,
+                    G: tl.constexpr, BITS: tl.constexpr, EVEN: tl.constexpr,
+                    LANES: tl.constexpr):  # fmt: skip
+    """The scales and biases [8, LANES] of k-step kb's groups of this lane (as _gemv_apply
+    loads them; not for TWO)."""
+    NG: tl.constexpr = 4 * LANES // (G // (32 // BITS))  # groups per k-step
+    g_idx = kb * NG + g_a
+    smask = n_mask[:, None] & (g_idx < KG)[None, :]
+    return _gemv_scale(s_ptr, b_ptr, s_row[:, None] + g_idx[None, :] * 8, smask, MODE, EVEN)
+
+
+@triton.jit
+def _load_early(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb, swn, s_ptr, b_ptr, s_row, s_row_h,
+                g_a, KG, MODE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                HALVES: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
+    """k-step kb's words, scales and biases of both halves (the second half's = the first's
+    when HALVES == 1), for EARLY."""
+    wa = _load_step(w_ptr, rn, n_mask, rkw, kb, swn, EVEN, MODE, LANES)
+    sa, ba = _gemv_scales_of(kb, s_ptr, b_ptr, s_row, n_mask, g_a, KG, MODE, G, BITS, EVEN,
+                             LANES)  # fmt: skip
+    wa_h = wa
+    sh = sa
+    bh = ba
+    if HALVES == 2:
+        wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb, swn, EVEN, MODE, LANES)
+        sh, bh = _gemv_scales_of(kb, s_ptr, b_ptr, s_row_h, n_mask_h, g_a, KG, MODE, G, BITS,
+                                 EVEN, LANES)  # fmt: skip
+    return wa, wa_h, sa, ba, sh, bh
+
+
+@triton.jit
+def _gemv_one_step(acc, acc_h, wa, wa_h, sa, ba, sh, bh, kb, x_base, x_pair0, g_pair, KG,
+                   MODE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                   HALVES: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
+    """_gemv_step with the scales sa, sh and biases ba, bh already loaded: the same sums
+    (each half as _gemv_kstep's SEQ); not for E4M3 or TWO."""
+    EPW: tl.constexpr = 32 // BITS
+    NG: tl.constexpr = 4 * LANES // (G // EPW)  # groups per k-step
+    xo = x_pair0 + kb * (NG * G // 2)
+    xmask = (kb * NG + g_pair) < KG
+    w0, w1, w2, w3 = _gemv_words(wa, LANES)
+    p, _, xsum = _gemv_half(w0, w1, w2, w3, x_base, xo, xmask, MODE, BITS, G, EVEN, LANES)
+    if MODE == 0:
+        acc = acc + p * sa + ba * xsum[None, :]
+    else:
+        acc = acc + p * sa
+    if HALVES == 2:
+        v0, v1, v2, v3 = _gemv_words(wa_h, LANES)
+        q, _, _ = _gemv_half(v0, v1, v2, v3, x_base, xo, xmask, MODE, BITS, G, EVEN, LANES)
+        if MODE == 0:
+            acc_h = acc_h + q * sh + bh * xsum[None, :]
+        else:
+            acc_h = acc_h + q * sh
+    return acc, acc_h
+
+
+@triton.jit
 def _gemv_lanes(lane, G: tl.constexpr, WPG: tl.constexpr, TWO: tl.constexpr):
     """Where lane l (`lane`: [LANES]) reads in a k-step: x_pair0 [LANES, 2], its inputs at
     position 0 in input pairs (pair c: words 4l+2c, 4l+2c+1; uint32 units of 2 inputs: one
@@ -416,7 +535,8 @@ def _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pai
                  g_a, g_b, s_row, s_row_h, s_ptr, b_ptr, KG, MODE: tl.constexpr,
                  BITS: tl.constexpr, G: tl.constexpr, HALVES: tl.constexpr,
                  EVEN: tl.constexpr, LANES: tl.constexpr, KSTEPS: tl.constexpr,
-                 PREFETCH: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                 PREFETCH: tl.constexpr, PDL: tl.constexpr,
+                 SEQ: tl.constexpr = False, EARLY: tl.constexpr = False):  # fmt: skip
     """(acc, acc_h) [8, LANES]: k-steps kb0 .. kb0 + KSTEPS of rows rn (and rn_h, the second
     half, when HALVES == 2) through _gemv_step, swn words a row. With PREFETCH the loop runs
     two k-steps an iteration, each step's words loaded one step ahead (two register
@@ -424,7 +544,40 @@ def _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pai
     with PREFETCH: the weights depend on no kernel) and let the next one launch."""
     acc = tl.zeros([8, LANES], dtype=tl.float32)
     acc_h = tl.zeros([8, LANES], dtype=tl.float32)
-    if PREFETCH:  # each step's words are in flight while the previous step computes
+    if EARLY and MODE != 3 and G // (32 // BITS) >= 4:
+        # each step's scales (and biases) are loaded with its words, one step ahead (the
+        # first before the wait), instead of after its FMAs: a split of one k-step otherwise
+        # ends on a DRAM round trip for them
+        wa, wa_h, sa, ba, sh, bh = _load_early(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0,
+                                               swn, s_ptr, b_ptr, s_row, s_row_h, g_a, KG,
+                                               MODE, BITS, G, HALVES, EVEN,
+                                               LANES)  # fmt: skip
+        if PDL:
+            tlc.gdc_wait()
+            tlc.gdc_launch_dependents()
+        kb_last = kb0 + KSTEPS - 1
+        for j in range(0, KSTEPS // 2):
+            kb = kb0 + 2 * j
+            wb, wb_h, sb, bb, sbh, bbh = _load_early(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw,
+                                                     kb + 1, swn, s_ptr, b_ptr, s_row,
+                                                     s_row_h, g_a, KG, MODE, BITS, G, HALVES,
+                                                     EVEN, LANES)  # fmt: skip
+            acc, acc_h = _gemv_one_step(acc, acc_h, wa, wa_h, sa, ba, sh, bh, kb, x_base,
+                                        x_pair0, g_pair, KG, MODE, BITS, G, HALVES, EVEN,
+                                        LANES)  # fmt: skip
+            kn = tl.minimum(kb + 2, kb_last)  # past the last step: reloaded, never used
+            wa, wa_h, sa, ba, sh, bh = _load_early(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kn,
+                                                   swn, s_ptr, b_ptr, s_row, s_row_h, g_a, KG,
+                                                   MODE, BITS, G, HALVES, EVEN,
+                                                   LANES)  # fmt: skip
+            acc, acc_h = _gemv_one_step(acc, acc_h, wb, wb_h, sb, bb, sbh, bbh, kb + 1, x_base,
+                                        x_pair0, g_pair, KG, MODE, BITS, G, HALVES, EVEN,
+                                        LANES)  # fmt: skip
+        if KSTEPS % 2 == 1:
+            acc, acc_h = _gemv_one_step(acc, acc_h, wa, wa_h, sa, ba, sh, bh, kb_last, x_base,
+                                        x_pair0, g_pair, KG, MODE, BITS, G, HALVES, EVEN,
+                                        LANES)  # fmt: skip
+    elif PREFETCH:  # each step's words are in flight while the previous step computes
         # (with PDL the first step's are issued before the wait, while the previous kernel
         # still runs; a second step issued there too made ptxas hold it through the loop:
         # 134 -> 168 registers at 8 rows, 4096x14336 16.4 -> 21.9 us on the H100)
@@ -442,9 +595,9 @@ def _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pai
             wb_h = wb
             if HALVES == 2:
                 wb_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb + 1, swn, EVEN, MODE, LANES)
-            acc, acc_h = _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a,
-                                    g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr, KG,
-                                    MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
+            acc, acc_h = _gemv_kstep(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a,
+                                     g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr, KG,
+                                     MODE, BITS, G, HALVES, EVEN, LANES, SEQ)  # fmt: skip
             # past the last step: reload it (in bounds, no predicate, never used; peeling
             # the last pair instead makes ptxas spill at 16 rows)
             kn = tl.minimum(kb + 2, kb_last)
@@ -452,13 +605,13 @@ def _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pai
             wa_h = wa
             if HALVES == 2:
                 wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kn, swn, EVEN, MODE, LANES)
-            acc, acc_h = _gemv_step(acc, acc_h, wb, wb_h, kb + 1, x_base, x_pair0, g_pair,
-                                    g_a, g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr,
-                                    KG, MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
+            acc, acc_h = _gemv_kstep(acc, acc_h, wb, wb_h, kb + 1, x_base, x_pair0, g_pair,
+                                     g_a, g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr,
+                                     KG, MODE, BITS, G, HALVES, EVEN, LANES, SEQ)  # fmt: skip
         if KSTEPS % 2 == 1:
-            acc, acc_h = _gemv_step(acc, acc_h, wa, wa_h, kb_last, x_base, x_pair0, g_pair,
-                                    g_a, g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr,
-                                    KG, MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
+            acc, acc_h = _gemv_kstep(acc, acc_h, wa, wa_h, kb_last, x_base, x_pair0, g_pair,
+                                     g_a, g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr,
+                                     KG, MODE, BITS, G, HALVES, EVEN, LANES, SEQ)  # fmt: skip
     else:
         if PDL:
             tlc.gdc_wait()
@@ -469,9 +622,9 @@ def _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pai
             wa_h = wa
             if HALVES == 2:
                 wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb, swn, EVEN, MODE, LANES)
-            acc, acc_h = _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a,
-                                    g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr, KG,
-                                    MODE, BITS, G, HALVES, EVEN, LANES)  # fmt: skip
+            acc, acc_h = _gemv_kstep(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a,
+                                     g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr, KG,
+                                     MODE, BITS, G, HALVES, EVEN, LANES, SEQ)  # fmt: skip
     return acc, acc_h
 
 
@@ -516,6 +669,8 @@ def _gemv_kernel(
     PDL: tl.constexpr = False,
     SILU: tl.constexpr = False,
     WARPS: tl.constexpr = 1,
+    SEQ: tl.constexpr = False,
+    EARLY: tl.constexpr = False,
 ):
     """y[m, N] = x[m, K] @ W^T for one row m of x: CUDA-core FMA on decoded codes.
 
@@ -545,6 +700,9 @@ def _gemv_kernel(
     rows, N/2 further on (16 rows: 8 and 8; 8 rows: 4 and 4), and y[m, N/2] =
     silu(gate) * up, rounded as cuda_ops.silu_mul rounds the two products: no SiLU
     launch of its own.
+    SEQ (16 rows): each k-step's first 8 rows, then its second 8 (_gemv_kstep).
+    EARLY (not E4M3 or nvfp4): each k-step's scales and biases are loaded with its words
+    (the first step's before the PDL wait), not after its FMAs.
     """
     tl.static_assert(BLOCK_N == 8 or BLOCK_N == 16)
     HALVES: tl.constexpr = BLOCK_N // 8
@@ -581,7 +739,8 @@ def _gemv_kernel(
     kb0 = pid_k * KB_PER_SPLIT
     acc, acc_h = _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pair0,
                               g_pair, g_a, g_b, s_row, s_row_h, s_ptr, b_ptr, KG, MODE, BITS, G,
-                              HALVES, EVEN, LANES, KB_PER_SPLIT, PREFETCH, PDL)  # fmt: skip
+                              HALVES, EVEN, LANES, KB_PER_SPLIT, PREFETCH, PDL,
+                              SEQ, EARLY)  # fmt: skip
     out = _gemv_sum(acc, MODE)  # [8]
     tile = m * tl.num_programs(1) + pid_n
     if SILU and HALVES == 2:

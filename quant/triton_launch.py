@@ -58,6 +58,9 @@ def _small_m_gemm(spec: str) -> tuple:
 _SMALL_M_ENV = os.environ.get("MLXRUN_SMALL_M_GEMM")
 SMALL_M_GEMM = _small_m_gemm(_SMALL_M_ENV or "128,4,3,4,1,2")
 SMALL_M_GEMM_64 = _small_m_gemm(_SMALL_M_ENV or "128,4,4,2,1,4")
+# Load a k-step's scales with its words (KernelConfig.early) where choose_config says;
+# MLXRUN_GEMV_EARLY=0 loads them after the FMAs, as before (for A/B timing)
+GEMV_EARLY = os.environ.get("MLXRUN_GEMV_EARLY", "1") != "0"
 _COUNTERS: dict = {}  # device -> zeroed int32 tickets, reset by the kernels themselves
 _OUTGROWN: list = []  # replaced ticket buffers: a captured CUDA graph may still use one
 
@@ -150,6 +153,8 @@ class KernelConfig:
     per_sm: int = 0
     cvt: bool = False
     balance: bool = False
+    seq: bool = False  # GEMV, 16 rows: each k-step's two 8-row halves one after the other
+    early: bool = False  # GEMV: each k-step's scales loaded with its words
 
 
 def _split(n_tiles: int, ksteps: int, sms: int, waves: float) -> int:
@@ -270,7 +275,13 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
             if (many or ksteps > 2) and stream_even(w, sbn, warps):
                 return KernelConfig("stream", 1, sbn, 1, num_warps=warps,
                                     per_sm=STREAM_PER_SM, cvt=True)  # fmt: skip
-        return KernelConfig("gemv", 1, bn, sk, num_warps=warps, prefetch=prefetch)
+        # int4, one k-step a split (q/k/v, o, gate/up, head): the scales loaded with the
+        # words, before the PDL wait; otherwise the program ends on a DRAM round trip for
+        # them after its FMAs. 8B decode step (gemv_loop_ab.py, H200): 1.929 -> 1.868 ms.
+        # Not where a split loops (down: 128 -> 140 registers, the step +2.7%), nor fp4
+        # (one-step shapes 2.003 -> 2.002 ms, looping ones slower)
+        early = GEMV_EARLY and w.mode == "affine" and w.bits == 4 and math.ceil(ksteps / sk) == 1
+        return KernelConfig("gemv", 1, bn, sk, num_warps=warps, prefetch=prefetch, early=early)
     g = w.group_size
     swap = False
     if device.type == "cpu":  # interpreter: small tiles keep the CPU tests fast
@@ -358,4 +369,6 @@ def _gemv_constexprs(w, cfg: KernelConfig, silu: bool = False, dense: bool = Tru
         KW=kw if even else 0,
         SILU=silu,
         WARPS=cfg.num_warps,
+        SEQ=cfg.seq,
+        EARLY=cfg.early,
     )

@@ -417,6 +417,34 @@ def test_streaming_gemv_is_chosen_where_it_was_faster(monkeypatch):
     w = types.SimpleNamespace(n=28672, k=4096, bits=8, group_size=32, mode="mxfp8")
     assert tk.choose_config(1, w, gpu).kernel == "gemv"
 
+@pytest.mark.parametrize("mode,bits,group_size", [FORMATS[1], FORMATS[6]], ids=["int4", "mxfp4"])
+def test_gemv_orders_equal_the_default(mode, bits, group_size):
+    """seq (a 16-row tile's first 8 rows through every position, then the second 8) and
+    early (one k-step's scales loaded with its words) run the same FFMA chains as the
+    default order: bit-identical outputs, plain (on the prefetch loop and without it) and
+    with the SiLU epilogue (int4: 16-row tiles; mxfp4: 8); and near the float64 product of
+    the dequantized weight."""
+    gen = torch.Generator().manual_seed(11)
+    # int4: one tile of 16 rows, one one-warp k-step of 128 words a row; mxfp4: 2 tiles of
+    # 8 rows, two k-steps (early's loop)
+    n, k = 16, 1024 if mode == "affine" else 2048
+    packed = random_packed(n, k, mode, bits, group_size, gen)
+    w = tk.prepare(*(None if t is None else t.to(DEV) for t in packed), mode, bits, group_size)
+    ref = tk.dequantize_torch(w).double().cpu()
+    x = torch.randn(1, k, generator=gen).bfloat16().to(DEV)
+    bn = 16 if mode == "affine" else 8
+    cases = [(True, False, ("seq", "early")), (False, True, ("early",))]
+    if mode != "affine":  # seq is the default order at 8 rows
+        cases = [(True, True, ("early",))]
+    for pf, silu, names in cases:
+        old = tk.KernelConfig("gemv", 1, bn, 1, prefetch=pf)
+        want = tk.qmatmul(x, w, old, silu=silu)
+        if not silu:
+            assert rel_err(want.cpu(), x.cpu().double() @ ref.T) < 1e-2
+        for name in names:
+            new = dataclasses.replace(old, **{name: True})
+            assert torch.equal(tk.qmatmul(x, w, new, silu=silu), want), new
+
 
 def test_leading_dims_and_errors():
     gen = torch.Generator().manual_seed(0)
