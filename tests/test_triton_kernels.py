@@ -417,6 +417,7 @@ def test_streaming_gemv_is_chosen_where_it_was_faster(monkeypatch):
     w = types.SimpleNamespace(n=28672, k=4096, bits=8, group_size=32, mode="mxfp8")
     assert tk.choose_config(1, w, gpu).kernel == "gemv"
 
+
 @pytest.mark.parametrize("mode,bits,group_size", [FORMATS[1], FORMATS[6]], ids=["int4", "mxfp4"])
 def test_gemv_orders_equal_the_default(mode, bits, group_size):
     """seq (a 16-row tile's first 8 rows through every position, then the second 8) and
