@@ -55,9 +55,11 @@ def _small_m_gemm(spec: str) -> tuple:
 # 256-input steps in 3 stages and 2 steps prefetched, M = 64 0.953x with the old launch
 # and 4 steps prefetched (256-input steps lost there, 1.045x). MLXRUN_SMALL_M_GEMM (the
 # six, comma-separated; "128,4,4,2,1,0" the previous launch) overrides both for A/B timing.
+# In the model those lost: H100 `bench --batch 32 --prompt-tokens 1024`, the same call,
+# 5,879.3 tok/s with 128,4,4,2,1,0 against 5,665.0 with them, so both stay at it.
 _SMALL_M_ENV = os.environ.get("MLXRUN_SMALL_M_GEMM")
-SMALL_M_GEMM = _small_m_gemm(_SMALL_M_ENV or "128,4,3,4,1,2")
-SMALL_M_GEMM_64 = _small_m_gemm(_SMALL_M_ENV or "128,4,4,2,1,4")
+SMALL_M_GEMM = _small_m_gemm(_SMALL_M_ENV or "128,4,4,2,1,0")
+SMALL_M_GEMM_64 = _small_m_gemm(_SMALL_M_ENV or "128,4,4,2,1,0")
 # Load a k-step's scales with its words (KernelConfig.early) where choose_config says;
 # MLXRUN_GEMV_EARLY=0 loads them after the FMAs, as before (for A/B timing)
 GEMV_EARLY = os.environ.get("MLXRUN_GEMV_EARLY", "1") != "0"
