@@ -63,7 +63,7 @@ case "${1:-}" in
 kernels)
     # CUDA correctness on the tiny models and every Triton kernel (no SmolLM2 needed).
     timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 -rs \
-        tests/test_cuda.py tests/test_triton_kernels.py -k "not smollm2" \
+        tests/test_cuda.py tests/test_triton_{qmatmul,stream,ops}.py -k "not smollm2" \
         2>&1 | tee "$OUT/kernels.log" | tail -15
     ;;
 tests)
@@ -126,7 +126,7 @@ ab)
     # Triton kernel's test with the last setting, then the batch-1 decode step with each
     last=${AB##* }
     env "$last" timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 \
-        tests/test_triton_kernels.py tests/test_cuda.py -k "not smollm2" 2>&1 |
+        tests/test_triton_{qmatmul,stream,ops}.py tests/test_cuda.py -k "not smollm2" 2>&1 |
         tee "$OUT/kernels-ab.log" | tail -4
     for v in $AB; do
         env "$v" timeout 200 python3 benchmarks/profile_decode.py --quant ${AB_QUANT:-int4} \

@@ -43,7 +43,7 @@ for step in "$@"; do
             2>&1 | tee "$OUT/r/tests.log" | grep -v "PASSED\|SKIPPED\|^$" | tail -25 ;;
     kernels)  # the Triton kernels and the CUDA code paths against their references
         timeout $(tm 240) python3 -m pytest -q -p no:cacheprovider -m "" -rfE --tb=line \
-            tests/test_triton_kernels.py tests/test_triton_kquant.py tests/test_moe_kernel.py \
+            tests/test_triton_{qmatmul,stream,ops}.py tests/test_triton_kquant.py tests/test_moe_kernel.py \
             tests/test_kv_quant.py tests/test_cuda.py tests/test_last_query.py \
             -k "not mlx" 2>&1 | tee "$OUT/r/kernels.log" | tail -15 ;;
     paris)  # the bundled SmolLM2 on CUDA, as a user runs it (after smol)

@@ -3,8 +3,6 @@
 Shared set-up and the numpy decoder: tests/_kernels.py.
 """
 
-import types
-
 import pytest
 
 from ._kernels import (
@@ -95,6 +93,7 @@ def test_streaming_gemv_is_chosen_where_it_was_faster(monkeypatch):
     """choose_config on an H100-sized GPU: the streaming GEMV for the 8-bit formats where
     its programs take several tiles (gate/up, head) or a tile has long rows (down); the
     one-shot GEMV on q/k/v and o, for 4-bit, and everywhere with MLXRUN_GEMV8=old."""
+    import types
 
     from mlxrun.quant import triton_launch
 
