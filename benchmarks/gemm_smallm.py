@@ -28,6 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from profile_decode import _events_ms, _graphed  # noqa: E402  (this script's directory)
+
 from mlxrun.quant import triton_kernels as tk  # noqa: E402
 from mlxrun.quant import triton_launch as launch  # noqa: E402
 
@@ -82,34 +84,6 @@ def rel_err(x, w, cfg, ref=None) -> float:
         ref = x.float() @ tk.dequantize_torch(w).float().T
     y = tk.qmatmul(x, w, cfg).float()
     return ((y - ref).abs().max() / ref.abs().max()).item()
-
-
-def _events_ms(fn, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        out.append((a, b))
-    torch.cuda.synchronize()
-    ms = sorted(a.elapsed_time(b) for a, b in out)
-    return ms[len(ms) // 2]
-
-
-def _graphed(fn, calls: int):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(0)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(i)
-    return g.replay
 
 
 def warm(spec: str, ms, shapes, sms: int) -> None:
@@ -209,7 +183,7 @@ def main() -> None:
                         lambda i, x=x, wq=wq, cfg=cfg: tk.qmatmul(x, wq[i % len(wq)], cfg),
                         a.calls,
                     )
-                    us = _events_ms(rep_fn) * 1e3 / a.calls
+                    us = _events_ms(rep_fn, reps=10) * 1e3 / a.calls
                     res.setdefault(f"{spec}|{m}|{n}x{k}", []).append(us)
         print(f"rep {rep} done at {time.time() - t0:.0f} s", flush=True)
         summary(res, ms, specs, weights, rep + 1)
