@@ -14,6 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from mlxrun.backends.cuda_ops import _dense_k_loop
 from mlxrun.quant.triton_gemm import _decode_tile
 from mlxrun.quant.triton_gemv import (
     _gemv_ksteps,
@@ -349,18 +350,7 @@ def _router_kernel(X, W, BIAS, L, WOUT, IDS, CNT, E, K, HAS_BIAS: tl.constexpr,
             x = tl.load(x_row + rk, mask=rk < K, other=0.0)
         acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
     else:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            kn = k + BLOCK_K
-            if EVEN:
-                w_next = tl.load(w_ptrs + tl.minimum(kn, K - BLOCK_K))
-                x = tl.load(x_row + k + rk)
-            else:
-                w_next = tl.load(w_ptrs + kn, mask=n_ok[:, None] & (kn + rk < K)[None, :],
-                                 other=0.0)  # fmt: skip
-                x = tl.load(x_row + k + rk, mask=k + rk < K, other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-            w = w_next
+        acc = _dense_k_loop(w, w_ptrs, x_row, rk, n_ok, K, BLOCK_N, BLOCK_K, EVEN)
     z = tl.sum(acc, axis=1).to(L.dtype.element_ty)
     if HAS_BIAS:
         b = tl.load(BIAS + rn, mask=n_ok, other=0.0)

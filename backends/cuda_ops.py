@@ -257,6 +257,28 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
 
 
 @triton.jit
+def _dense_k_loop(w, w_ptrs, x_row, rk, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  EVEN: tl.constexpr):  # fmt: skip
+    """The fp32 products of BLOCK_N rows of W with x_row [K], summed over the K blocks a
+    lane at a time ([BLOCK_N, BLOCK_K]; the caller sums the lanes): w is the rows' first
+    block (loaded at w_ptrs, before the PDL wait), and each next block's words are in flight
+    while this one's FMAs run. Shared by the dense GEMV and the MoE router kernel, whose
+    logits must be the GEMV's bit for bit. EVEN: whole row blocks and K blocks (no masks)."""
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        kn = k + BLOCK_K
+        if EVEN:
+            w_next = tl.load(w_ptrs + tl.minimum(kn, K - BLOCK_K))
+            x = tl.load(x_row + k + rk)
+        else:
+            w_next = tl.load(w_ptrs + kn, mask=n_ok[:, None] & (kn + rk < K)[None, :], other=0.0)
+            x = tl.load(x_row + k + rk, mask=k + rk < K, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w = w_next
+    return acc
+
+
+@triton.jit
 def _dense_gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_ym, stride_wn,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
                        SILU: tl.constexpr = False, PDL: tl.constexpr = False):  # fmt: skip
@@ -282,18 +304,7 @@ def _dense_gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_ym, stride_w
     if PDL:
         tlc.gdc_wait()  # x is the previous kernel's output; the weights are not
         tlc.gdc_launch_dependents()
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    x_row = x_ptr + m * stride_xm
-    for k in range(0, K, BLOCK_K):
-        kn = k + BLOCK_K
-        if EVEN:
-            w_next = tl.load(w_ptrs + tl.minimum(kn, K - BLOCK_K))
-            x = tl.load(x_row + k + rk)
-        else:
-            w_next = tl.load(w_ptrs + kn, mask=n_ok[:, None] & (kn + rk < K)[None, :], other=0.0)
-            x = tl.load(x_row + k + rk, mask=k + rk < K, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        w = w_next
+    acc = _dense_k_loop(w, w_ptrs, x_ptr + m * stride_xm, rk, n_ok, K, BLOCK_N, BLOCK_K, EVEN)
     out = tl.sum(acc, axis=1)
     if SILU:
         g, u = tl.split(tl.trans(tl.reshape(out, [2, H])))
