@@ -20,9 +20,7 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import triton  # noqa: E402
-from sass_count import main_loop, opcode_histogram, parse, sass_of  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from sass_count import compile_sm90, main_loop, opcode_histogram, parse, sass_of  # noqa: E402
 
 from mlxrun.backends import cuda_attention as ca  # noqa: E402
 
@@ -42,21 +40,9 @@ def compile_attn(kind: str, launch: ca.AttnLaunch, g: int = 4, d: int = 128):
     consts = dict(NKV=8, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, HAS_MASK=True,
                   F32_DOT=False, ROWS=False, PDL=True, LINES=1 if quant else 2,
                   EPL=128 if quant else 64, QUANT=quant, **params)  # fmt: skip
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in ptrs:
-            sig[name] = ptrs[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in consts:
-            sig[name] = "constexpr"
-        elif name == "scale":
-            sig[name] = "fp32"
-        else:  # sizes and strides, multiples of 16 at these shapes
-            sig[name] = "i32"
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    consts = {k: v for k, v in consts.items() if k in fn.arg_names}
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}), consts
+    # sizes and strides: multiples of 16 at these shapes
+    kern = compile_sm90(fn, ptrs, consts, {"scale": 1.0 / d**0.5}, other_int=16, num_warps=4)
+    return kern, consts
 
 
 def main():

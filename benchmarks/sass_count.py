@@ -59,8 +59,38 @@ def gemv_params(mode, bits, g, n, k, m=1, sms=132, kb_per_split=None, block_n=No
     return params, cfg
 
 
+def compile_sm90(fn, ptrs, consts, ints=None, other_int=None, **options):
+    """The cubin of Triton kernel `fn` for sm_90 (H100), its arguments specialised as Triton's
+    launcher specialises them there: `ptrs` (name -> "*bf16"...) 16-byte aligned; `ints`
+    (name -> its value at the compiled shape): a float an fp32, 1 a constant, an int that is a
+    multiple of 16 divisible by 16; `consts` the constexprs (names fn does not take are left
+    out); any other argument an int of value `other_int` (None: every one must be named)."""
+    ints = ints or {}
+    sig, cx, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in ptrs:
+            sig[name] = ptrs[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+            continue
+        if name in consts and name not in ints:
+            sig[name], cx[name] = "constexpr", consts[name]
+            continue
+        v = ints[name] if name in ints else other_int
+        if v is None:
+            raise KeyError(f"{fn.__name__}: no value for argument {name!r}")
+        if isinstance(v, float):
+            sig[name] = "fp32"
+        elif v == 1:  # the launcher specialises 1 as a constant
+            sig[name], cx[name] = "constexpr", 1
+        else:
+            sig[name] = "i32"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
 def compile_gemv(params, n, k, m=1, x_dtype="bf16", scale_dtype=None):
-    fn = tk._gemv_kernel
     ints = {
         "M": m,
         "N": n,
@@ -80,28 +110,8 @@ def compile_gemv(params, n, k, m=1, x_dtype="bf16", scale_dtype=None):
         "part_ptr": "*fp32",
         "cnt_ptr": "*i32",
     }
-    sig, consts, attrs = {}, {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in ptr_types:
-            sig[name] = ptr_types[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ints:
-            v = ints[name]
-            if v == 1:  # the launcher specialises 1 as a constant
-                sig[name] = "constexpr"
-                consts[name] = 1
-            else:
-                sig[name] = "i32"
-                if v % 16 == 0:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[name] = "constexpr"
-            consts[name] = params[name]
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(
-        src,
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": params.get("WARPS", 1), "num_stages": 1},
+    return compile_sm90(
+        tk._gemv_kernel, ptr_types, params, ints, num_warps=params.get("WARPS", 1), num_stages=1
     )
 
 

@@ -30,9 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import triton  # noqa: E402
 
 # the SASS reading is the GEMV script's (benchmarks/ is this script's directory)
-from sass_count import FORMATS, main_loop, opcode_histogram, parse, sass_of  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from sass_count import FORMATS, compile_sm90, main_loop, opcode_histogram, parse, sass_of  # noqa: E402
 
 import mlxrun.quant.triton_launch as launch  # noqa: E402
 
@@ -88,26 +86,8 @@ def compile_gemm(tk, params, cfg, n, k, m, x_dtype="bf16"):
     ptr_types = {"x_ptr": f"*{x_dtype}", "w_ptr": "*i32", "s_ptr": f"*{sdt}",
                  "b_ptr": f"*{sdt}", "y_ptr": f"*{x_dtype}", "part_ptr": "*fp32",
                  "cnt_ptr": "*i32"}  # fmt: skip
-    sig, consts, attrs = {}, {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in ptr_types:
-            sig[name] = ptr_types[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ints:
-            v = ints[name]
-            if v == 1:
-                sig[name] = "constexpr"
-                consts[name] = 1
-            else:
-                sig[name] = "i32"
-                if v % 16 == 0:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[name] = "constexpr"
-            consts[name] = params[name]
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    return compile_sm90(fn, ptr_types, params, ints, num_warps=cfg.num_warps,
+                        num_stages=cfg.num_stages)  # fmt: skip
 
 
 def stats(tk, name, n, k, m, dump=None, hist=False, extra=None):

@@ -19,9 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import triton  # noqa: E402
-from sass_count import main_loop, opcode_histogram, parse, sass_of  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from sass_count import compile_sm90, main_loop, opcode_histogram, parse, sass_of  # noqa: E402
 
 import mlxrun.quant.triton_kernels as tk  # noqa: E402
 
@@ -38,19 +36,8 @@ def compile_stream(mode, bits, g, bn, warps, k, silu=False, cvt=0):
                   CVT=cvt)  # fmt: skip
     sdt = "*bf16" if mode == "affine" else "*u8"
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": sdt, "b_ptr": sdt, "y_ptr": "*bf16"}
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in ptrs:
-            sig[name] = ptrs[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in consts:
-            sig[name] = "constexpr"
-        else:  # N, K, strides: multiples of 16 at the 8B shapes
-            sig[name] = "i32"
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps, "num_stages": 1})  # fmt: skip
+    # N, K, strides: multiples of 16 at the 8B shapes
+    return compile_sm90(fn, ptrs, consts, other_int=16, num_warps=warps, num_stages=1)
 
 
 def main() -> None:

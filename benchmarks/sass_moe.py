@@ -23,9 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import triton  # noqa: E402
 from kernels import FORMATS  # noqa: E402
-from sass_count import main_loop, parse, sass_of  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from sass_count import compile_sm90, main_loop, parse, sass_of  # noqa: E402
 
 import mlxrun.backends.cuda_moe as cm  # noqa: E402
 
@@ -37,28 +35,9 @@ SHAPES = {
 
 
 def _compile(fn, ptrs, ints, consts, warps):
-    sig, attrs, cx = {}, {}, dict(consts)
-    for i, name in enumerate(fn.arg_names):
-        if name in ptrs:
-            sig[name] = ptrs[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ints:
-            v = ints[name]
-            if v == 1:
-                sig[name], cx[name] = "constexpr", 1
-            else:
-                sig[name] = "fp32" if isinstance(v, float) else "i32"
-                if isinstance(v, int) and v % 16 == 0:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name not in cx:
-            sig[name] = "constexpr"
-            cx[name] = False  # PDL and other defaults
-        else:
-            sig[name] = "constexpr"
-    src = ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs)
-    return triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1}
-    )
+    # the constexprs not given (PDL and other switches) off
+    cx = {n: consts.get(n, False) for n in fn.arg_names if n not in ptrs and n not in ints}
+    return compile_sm90(fn, ptrs, cx, ints, num_warps=warps, num_stages=1)
 
 
 def _stats(kernel, elems_per_step, unroll):
