@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from mlxrun.backends.torch_kv import QuantKV
+from mlxrun.quant.triton_gemm import _l2_prefetch
 from mlxrun.quant.triton_kernels import _l2_bytes, _num_sms, pdl_args, tlc
 
 _QUANT_ID = {"int8": 1, "fp8": 2}  # a quantized KV cache's codes (mlxrun/kvquant.py)
@@ -196,21 +197,6 @@ def rope_qkv(q, k, v, positions, inv_freq, k_cache, v_cache, slot, rows=None) ->
         QUANT=quant, **pdl_args(q.device),
     )  # fmt: skip
     return out
-
-
-@triton.jit
-def _l2_prefetch(ptrs):
-    """Bring the lines holding `ptrs` (in bounds) into L2, holding no registers for them.
-    L2 is coherent for the whole GPU (L1 is not): a line the previous kernel writes after this
-    is read back up to date."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
-        "=r,l",
-        [ptrs.to(tl.int64, bitcast=True)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
 
 
 @triton.jit

@@ -237,7 +237,9 @@ def _tile_dot(acc, x_tile, w_tile, UPCAST: tl.constexpr, SWAP: tl.constexpr):
 @triton.jit
 def _l2_prefetch(ptrs):
     """Bring the lines holding `ptrs` (in bounds) into L2, holding no registers for them
-    (as cuda_attention's decode attention does)."""
+    (the batched GEMM's weights and the decode attention's keys and values, before the PDL
+    wait). L2 is coherent for the whole GPU (L1 is not): a line the previous kernel writes
+    after this is read back up to date."""
     tl.inline_asm_elementwise(
         "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
         "=r,l",
