@@ -247,7 +247,7 @@ def kq_variant() -> int:
     on one warp; 1 (default) those loads built lanes-first (Q6_K on 2 warps: 128 registers,
     no spill; Q4_K on 4 warps 3.36 -> 3.06 instructions a weight) with Q6_K on 1, 2 or 4
     warps by shape (lane_config) and Q4_K's K <= 4096 on the previous loads (_loads); 2 as
-    1, Q6_K on as many warps as Q4_K (benchmarks/KERNEL_NOTES.md, 2026-11-26)."""
+    1, Q6_K on as many warps as Q4_K and Q4_K on the new loads at every K (benchmarks/KERNEL_NOTES.md, 2026-11-26)."""
     v = os.environ.get("MLXRUN_KQ_VARIANT", "1")
     if v not in ("0", "1", "2"):
         raise MlxrunError(f"MLXRUN_KQ_VARIANT={v!r}: use 0, 1 or 2")
@@ -310,7 +310,8 @@ def _loads(w: KQLinear) -> int:
     K <= 4096, where the previous loads were as fast or faster (H200, us, previous -> new:
     6144x4096 6.6 -> 7.2, 28672x4096 23.4 -> 23.9, 128256x4096 93.3 -> 105.6, 4096x4096
     5.4 -> 4.9; 4096x14336 16.0 -> 12.8)."""
-    if kq_variant() == 0 or (w.kind == "Q4_K" and w.k <= 4096):
+    v = kq_variant()
+    if v == 0 or (w.kind == "Q4_K" and w.k <= 4096 and v == 1):
         return 0
     return 1
 
