@@ -77,10 +77,13 @@ def main() -> None:
     ap.add_argument("--warm", help="compile this variant only (every shape), then stop")
     ap.add_argument("--regs", action="store_true", help="print registers of the kernels built")
     ap.add_argument("--dry", action="store_true", help="tiny shapes, no graphs (CPU check)")
+    ap.add_argument("--shapes", help="NxK,... instead of Llama-3-8B's five (e.g. 1024x4096)")
     ap.add_argument("--json")
     a = ap.parse_args()
     dev = torch.device("cpu" if a.dry else "cuda")
     shapes = DRY_SHAPES if a.dry else SHAPES
+    if a.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     variants = [a.warm] if a.warm else a.variants.split(",")
     results = []
     for kind in a.kinds.split(","):
