@@ -36,6 +36,7 @@ import numpy as np
 from mlxrun.errors import MlxrunError
 from mlxrun.quant import gguf_blocks as gb
 from mlxrun.quant import kquant_kernels as kk
+from mlxrun.quant import kquant_stream as kst
 from mlxrun.quant import triton_kernels as tk
 from mlxrun.quant import triton_launch as tch
 
@@ -302,6 +303,10 @@ def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
     # instructions a weight, against 255 registers, 128 B spilled, 5.57 with them (SASS for
     # sm_90, benchmarks/sass_kquant.py); Q4_K on the H100 is as fast or faster without (4096x14336 20.9 -> 17.3 us,
     # 4096x4096 5.9 -> 5.6, the others within 0.1)
+    per_sm = kq_stream_per_sm()
+    if per_sm and w.kind != "Q6_K" and tiles >= 8 * sms and _stream_ok(w, warps):
+        # the streaming GEMV where each program gets several tiles (the gate/up, the head)
+        return tk.KernelConfig("stream", 1, 8, 1, num_warps=warps, per_sm=per_sm)
     return tk.KernelConfig("gemv", 1, 8, sk, num_warps=warps, prefetch=False)
 
 
@@ -316,9 +321,44 @@ def _loads(w: KQLinear) -> int:
     return 1
 
 
+def kq_stream_per_sm() -> int:
+    """MLXRUN_KQ_STREAM: programs a SM of the streaming K-quant GEMV (quant/kquant_stream.py)
+    where lane_config picks it, 0 (the default) never."""
+    v = os.environ.get("MLXRUN_KQ_STREAM", "0")
+    if not v.isdigit():
+        raise MlxrunError(f"MLXRUN_KQ_STREAM={v!r}: use 0 (off) or the programs a SM")
+    return int(v)
+
+
+def _stream_ok(w: KQLinear, warps: int) -> bool:
+    """Whether the streaming GEMV takes w: whole 8-row tiles and k-steps, dense planes."""
+    sw = _shapes(w.kind, w.n, w.k)["weight"][1]
+    dense = w.weight.stride(0) == sw and w.scales.is_contiguous() and w.biases.is_contiguous()
+    return dense and w.n % 8 == 0 and (w.k // 8) % (128 * warps) == 0
+
+
+def _stream_gemv(x2, w: KQLinear, y, silu: bool, cfg: tk.KernelConfig) -> None:
+    m = x2.shape[0]
+    kw = w.k // 8
+    tiles = w.n // 8
+    progs = min(tiles, cfg.per_sm * tk._num_sms(x2.device))
+    kst._kq_stream_kernel[(m, progs)](
+        x2, w.weight, w.scales, w.biases, y, w.n, x2.stride(0), y.stride(0),
+        KIND=KINDS[w.kind], KSTEPS=kw // (128 * cfg.num_warps), KW=kw,
+        SW=_shapes(w.kind, w.n, w.k)["weight"][1], KSC=w.k // gb.KQUANTS[w.kind][1],
+        SILU=silu, WARPS=cfg.num_warps, V=_loads(w), num_warps=cfg.num_warps,
+        **tk.pdl_args(x2.device),
+    )  # fmt: skip
+
+
 def _lane_gemv(x2, w: KQLinear, y, silu: bool, cfg: tk.KernelConfig | None) -> None:
     m = x2.shape[0]
     cfg = cfg or lane_config(m, w, x2.device)
+    if cfg.kernel == "stream":
+        if _stream_ok(w, cfg.num_warps):
+            _stream_gemv(x2, w, y, silu, cfg)
+            return
+        cfg = dataclasses.replace(cfg, kernel="gemv", split_k=1)
     kw = w.k // 8
     step = 128 * cfg.num_warps  # low-nibble words of a row per k-step (the warps split it)
     ksteps = math.ceil(kw / step)
@@ -415,6 +455,7 @@ def kqmatmul(
     # GEMM replaced, for A/B timing
     old = isinstance(config, KQConfig) and not (config.kernel == "gemv" and config.block_n == 8)
     kernel = config.kernel if config is not None else "gemv" if m <= tk.GEMV_MAX_M else "gemm"
+    kernel = "gemv" if kernel == "stream" else kernel  # the lane GEMV's persistent form
     if silu and (old or kernel != "gemv"):
         raise ValueError("kqmatmul: silu needs the lane GEMV")
     if not old and kernel == "gemv":
@@ -426,6 +467,8 @@ def kqmatmul(
             cfg = tk.KernelConfig(
                 "gemv", 1, 8, config.split_k, num_warps=config.num_warps, prefetch=pf
             )
+            if getattr(config, "kernel", "") == "stream":
+                cfg = config
         _lane_gemv(x2, w, y, silu, cfg)
         return y.reshape(*lead, y.shape[-1])
     if not old:

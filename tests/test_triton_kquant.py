@@ -191,6 +191,57 @@ def test_q6k_lane_gemv(n, nb, sk, nw, dtype, silu, v, monkeypatch):
         assert torch.equal(kq.kqmatmul(x.to(DEV), w, cfg, silu=True), want)
 
 
+@pytest.mark.parametrize(
+    "kind,nw,silu,dtype",
+    [
+        ("Q4_K", 1, False, torch.bfloat16),
+        ("Q4_K", 2, True, torch.bfloat16),
+        ("Q5_K", 1, False, torch.float32),
+    ],
+    ids=["q4k-1warp", "q4k-2warps-silu", "q5k-fp32"],
+)
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+def test_kq_stream_gemv(kind, nw, silu, dtype, monkeypatch):
+    """The streaming K-quant GEMV (quant/kquant_stream.py): 2 programs over 5 tiles of 8
+    rows (several tiles a program, the last one's look-ahead clamped), 2 k-steps a tile:
+    the dequantized product; with SiLU, silu_mul of the lane GEMV's product bit for bit,
+    and the lane GEMV's output bit for bit without (the same steps in the same order)."""
+    from mlxrun.backends import cuda_ops
+
+    monkeypatch.setattr(kq.tk, "_num_sms", lambda device: 1)
+    w, ref = _case(kind, 40, 8 * nw, seed=23)  # 256 * nw words a row: 2 k-steps
+    x = torch.randn(1, w.k, generator=torch.Generator().manual_seed(5)).to(dtype).to(DEV)
+    cfg = tk.KernelConfig("stream", 1, 8, 1, num_warps=nw, per_sm=2)
+    assert kq._stream_ok(w, nw) and (w.k // 8) // (128 * nw) == 2
+    lane = tk.KernelConfig("gemv", 1, 8, 1, num_warps=nw, prefetch=False)
+    y = kq.kqmatmul(x, w, cfg)
+    _check(y, x.cpu(), ref)
+    assert torch.equal(y, kq.kqmatmul(x, w, lane))
+    if silu:
+        want = cuda_ops.silu_mul(y[:, :20], y[:, 20:])
+        assert torch.equal(kq.kqmatmul(x, w, cfg, silu=True), want)
+
+
+def test_kq_stream_launch(monkeypatch):
+    """MLXRUN_KQ_STREAM=P: the stream (P programs a SM) for Q4_K/Q5_K shapes of 8+ tiles a
+    SM whose k-steps are whole, the lane GEMV elsewhere and for Q6_K; off by default; a
+    bad value is one clear error."""
+    monkeypatch.setattr(kq.tk, "_num_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    gu = kq.random_kquant("Q4_K", 28672, 4096, "cpu")
+    o = kq.random_kquant("Q4_K", 4096, 4096, "cpu")
+    head6 = kq.random_kquant("Q6_K", 8 * 132 * 8, 4096, "cpu")
+    assert kq.lane_config(1, gu, cuda).kernel == "gemv"
+    monkeypatch.setenv("MLXRUN_KQ_STREAM", "3")
+    c = kq.lane_config(1, gu, cuda)
+    assert (c.kernel, c.per_sm, c.split_k) == ("stream", 3, 1)
+    assert kq.lane_config(1, o, cuda).kernel == "gemv"
+    assert kq.lane_config(1, head6, cuda).kernel == "gemv"
+    monkeypatch.setenv("MLXRUN_KQ_STREAM", "x")
+    with pytest.raises(kq.MlxrunError, match="MLXRUN_KQ_STREAM"):
+        kq.lane_config(1, gu, cuda)
+
+
 def test_q6k_launch_settings(monkeypatch):
     """Q6_K's lane GEMV: 2 warps where N <= 4096, 4 above, one for the head-sized (64+ row
     blocks a SM) with its register cap; one warp with the previous loads
