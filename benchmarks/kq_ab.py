@@ -42,10 +42,11 @@ def _set(variant: str) -> tuple[bool, float]:
     """'2w2r128p': MLXRUN_KQ_VARIANT=2, at most 2 warps, at most 128 registers a thread,
     the next k-step's words in flight (prefetch); "x2" twice lane_config's split-K.
     Returns whether to prefetch and the split-K factor."""
-    m = re.fullmatch(r"(\d)(?:w(\d+))?(?:r(\d+))?(p?)(?:x([\d.]+))?", variant)
+    m = re.fullmatch(r"(\d)(?:w(\d+))?(?:r(\d+))?(p?)(?:x([\d.]+))?(?:s(\d+))?", variant)
     if m is None:
-        raise SystemExit(f"variant {variant!r}: V[wWARPS][rREGS][p][xSPLITFACTOR]")
+        raise SystemExit(f"variant {variant!r}: V[wWARPS][rREGS][p][xSPLITFACTOR][sSTREAM]")
     os.environ["MLXRUN_KQ_VARIANT"] = m[1]
+    os.environ["MLXRUN_KQ_STREAM"] = m[6] or "0"  # "s3": the stream, 3 programs a SM
     tch.GEMV_WARPS = int(m[2]) if m[2] else 4
     if m[3]:
         kq._maxnreg = lambda w, warps: {"maxnreg": int(m[3])}
