@@ -245,13 +245,14 @@ def kq_variant() -> int:
     (Q6_K's high words loaded once per low word they serve, the sub-block scales in a [8,
     lanes] tile; on Triton 3.6 that tile's layout has its threads along the rows, so acc is
     converted every k-step and Q6_K on 2 or 4 warps spills 856 B at 255 registers), Q6_K
-    on one warp; 1 (default) those loads built lanes-first (Q6_K on 2 warps: 128 registers,
-    no spill; Q4_K on 4 warps 3.36 -> 3.06 instructions a weight) with Q6_K on 1, 2 or 4
+    on one warp; 1 those loads built lanes-first (Q6_K on 2 warps: 128 registers, no
+    spill; Q4_K on 4 warps 3.36 -> 3.06 instructions a weight) with Q6_K on 1, 2 or 4
     warps by shape (lane_config) and Q4_K's K <= 4096 on the previous loads (_loads); 2 as
-    1, Q6_K on as many warps as Q4_K and Q4_K on the new loads at every K (benchmarks/KERNEL_NOTES.md, 2026-11-26)."""
-    v = os.environ.get("MLXRUN_KQ_VARIANT", "1")
-    if v not in ("0", "1", "2"):
-        raise MlxrunError(f"MLXRUN_KQ_VARIANT={v!r}: use 0, 1 or 2")
+    1, Q6_K on as many warps as Q4_K and Q4_K on the new loads at every K; 3 (default) as
+    1, Q4_K's N <= 4096 on the new loads too (benchmarks/KERNEL_NOTES.md, 2026-11-26/27)."""
+    v = os.environ.get("MLXRUN_KQ_VARIANT", "3")
+    if v not in ("0", "1", "2", "3"):
+        raise MlxrunError(f"MLXRUN_KQ_VARIANT={v!r}: use 0, 1, 2 or 3")
     return int(v)
 
 
@@ -279,7 +280,7 @@ def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
     v = kq_variant()
     top = tch.GEMV_WARPS
     tiles = m * math.ceil(w.n / 8)
-    if w.kind == "Q6_K" and v == 1:
+    if w.kind == "Q6_K" and v in (1, 3):
         top = 1 if tiles >= 64 * sms else min(top, 2 if w.n <= 4096 else 4)
     elif w.kind == "Q6_K" and v == 0:
         top = 1
@@ -312,11 +313,13 @@ def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
 
 def _loads(w: KQLinear) -> int:
     """The lane GEMV's V: 1 (loads built lanes-first) but for variant 0, and Q4_K rows of
-    K <= 4096, where the previous loads were as fast or faster (H200, us, previous -> new:
-    6144x4096 6.6 -> 7.2, 28672x4096 23.4 -> 23.9, 128256x4096 93.3 -> 105.6, 4096x4096
-    5.4 -> 4.9; 4096x14336 16.0 -> 12.8)."""
+    K <= 4096 with N > 4096 (variant 1: every N), where the previous loads were as fast or
+    faster. us, previous -> new loads, H200 / H100 (kq_ab.py, KERNEL_NOTES.md 2026-11-26/27):
+    6144x4096 6.6 -> 7.2 / 7.2 -> 8.1, 28672x4096 23.4 -> 23.9 / 27.5 -> 29.1, 128256x4096
+    93.3 -> 105.6 / 105.2 -> 120.0; but 4096x4096 5.4 -> 4.9 / 5.9 -> 5.6, and 4096x14336
+    16.0 -> 12.8 (H200)."""
     v = kq_variant()
-    if v == 0 or (w.kind == "Q4_K" and w.k <= 4096 and v == 1):
+    if v == 0 or (w.kind == "Q4_K" and w.k <= 4096 and (v == 1 or (v == 3 and w.n > 4096))):
         return 0
     return 1
 

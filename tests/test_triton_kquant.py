@@ -142,13 +142,14 @@ def test_lane_gemv_configs_and_silu(kind):
         kq.kqmatmul(x, w, silu=True)
 
 
-@pytest.mark.parametrize("v", ["0", "1"])
+@pytest.mark.parametrize("v", ["0", "3"])
 def test_q4k_lane_gemv_scale_loads(v, monkeypatch):
-    """Q4_K's (sc, m) and (d, dmin) loaded lanes-first (MLXRUN_KQ_VARIANT=1, the default)
-    and as before (0, kept for A/B timing), on 2 warps with row and K masks (20 rows, 3
-    super-blocks), split in 2: the dequantized product."""
+    """Q4_K's (sc, m) and (d, dmin) loaded lanes-first (MLXRUN_KQ_VARIANT=3, the default,
+    at N <= 4096) and as before (0, kept for A/B timing), on 2 warps with row and K masks
+    (20 rows, 3 super-blocks), split in 2: the dequantized product."""
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", v)
     w, ref = _case("Q4_K", 20, 3, seed=17)
+    assert kq._loads(w) == (v == "3")
     x = torch.randn(1, w.k, generator=torch.Generator().manual_seed(7)).bfloat16()
     cfg = tk.KernelConfig("gemv", 1, 8, 2, num_warps=2, prefetch=False)
     _check(kq.kqmatmul(x.to(DEV), w, cfg), x, ref)
@@ -193,12 +194,8 @@ def test_q6k_lane_gemv(n, nb, sk, nw, dtype, silu, v, monkeypatch):
 
 @pytest.mark.parametrize(
     "kind,nw,silu,dtype",
-    [
-        ("Q4_K", 1, False, torch.bfloat16),
-        ("Q4_K", 2, True, torch.bfloat16),
-        ("Q5_K", 1, False, torch.float32),
-    ],
-    ids=["q4k-1warp", "q4k-2warps-silu", "q5k-fp32"],
+    [("Q4_K", 2, True, torch.bfloat16), ("Q5_K", 1, False, torch.float32)],
+    ids=["q4k-2warps-silu", "q5k-1warp-fp32"],
 )
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 def test_kq_stream_gemv(kind, nw, silu, dtype, monkeypatch):
@@ -245,7 +242,9 @@ def test_kq_stream_launch(monkeypatch):
 def test_q6k_launch_settings(monkeypatch):
     """Q6_K's lane GEMV: 2 warps where N <= 4096, 4 above, one for the head-sized (64+ row
     blocks a SM) with its register cap; one warp with the previous loads
-    (MLXRUN_KQ_VARIANT=0), as many as Q4_K with 2; a bad variant is one clear error."""
+    (MLXRUN_KQ_VARIANT=0), as many as Q4_K with 2; Q4_K's K <= 4096 on the previous loads
+    but where N <= 4096 (the default, 3; variant 1: every N; 2: none); a bad variant is one
+    clear error."""
     import dataclasses
 
     w = kq.random_kquant("Q6_K", 64, 4096, "cpu")
@@ -256,13 +255,17 @@ def test_q6k_launch_settings(monkeypatch):
     assert kq.lane_config(1, dataclasses.replace(w, n=6144), cuda).num_warps == 4
     assert kq.lane_config(1, dataclasses.replace(w, n=128256), cuda).num_warps == 1
     assert kq.lane_config(1, q4, cuda).num_warps == 4
-    assert kq._loads(w) == 1 and kq._loads(q4) == 0
+    assert kq._loads(w) == 1 and kq._loads(q4) == 1  # Q4_K's N <= 4096: the new loads
+    assert kq._loads(dataclasses.replace(q4, n=6144)) == 0
     assert kq._maxnreg(w, 1) == {"maxnreg": kq.Q6K_MAXNREG}
     assert kq._maxnreg(w, 2) == {} and kq._maxnreg(q4, 1) == {}
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "0")
     assert kq.lane_config(1, w, cuda).num_warps == 1 and kq._loads(w) == 0
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "1")  # the previous default
+    assert kq.lane_config(1, w, cuda).num_warps == 2 and kq._loads(q4) == 0
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "2")
     assert kq.lane_config(1, w, cuda).num_warps == 4
+    assert kq._loads(dataclasses.replace(q4, n=6144)) == 1
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "x")
     with pytest.raises(kq.MlxrunError, match="MLXRUN_KQ_VARIANT"):
         kq.lane_config(1, w, cuda)
