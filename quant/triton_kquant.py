@@ -249,10 +249,11 @@ def kq_variant() -> int:
     spill; Q4_K on 4 warps 3.36 -> 3.06 instructions a weight) with Q6_K on 1, 2 or 4
     warps by shape (lane_config) and Q4_K's K <= 4096 on the previous loads (_loads); 2 as
     1, Q6_K on as many warps as Q4_K and Q4_K on the new loads at every K; 3 (default) as
-    1, Q4_K's N <= 4096 on the new loads too (benchmarks/KERNEL_NOTES.md, 2026-11-26/27)."""
+    1, Q4_K's N <= 4096 on the new loads too; 4 as 3, Q6_K's codes decoded as byte fields
+    (kquant_lane._q6_bytes) (benchmarks/KERNEL_NOTES.md, 2026-11-26/27)."""
     v = os.environ.get("MLXRUN_KQ_VARIANT", "3")
-    if v not in ("0", "1", "2", "3"):
-        raise MlxrunError(f"MLXRUN_KQ_VARIANT={v!r}: use 0, 1, 2 or 3")
+    if v not in ("0", "1", "2", "3", "4"):
+        raise MlxrunError(f"MLXRUN_KQ_VARIANT={v!r}: use 0, 1, 2, 3 or 4")
     return int(v)
 
 
@@ -280,7 +281,7 @@ def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
     v = kq_variant()
     top = tch.GEMV_WARPS
     tiles = m * math.ceil(w.n / 8)
-    if w.kind == "Q6_K" and v in (1, 3):
+    if w.kind == "Q6_K" and v in (1, 3, 4):
         top = 1 if tiles >= 64 * sms else min(top, 2 if w.n <= 4096 else 4)
     elif w.kind == "Q6_K" and v == 0:
         top = 1
@@ -319,9 +320,9 @@ def _loads(w: KQLinear) -> int:
     93.3 -> 105.6 / 105.2 -> 120.0; but 4096x4096 5.4 -> 4.9 / 5.9 -> 5.6, and 4096x14336
     16.0 -> 12.8 (H200)."""
     v = kq_variant()
-    if v == 0 or (w.kind == "Q4_K" and w.k <= 4096 and (v == 1 or (v == 3 and w.n > 4096))):
+    if v == 0 or (w.kind == "Q4_K" and w.k <= 4096 and (v == 1 or (v >= 3 and w.n > 4096))):
         return 0
-    return 1
+    return 2 if v == 4 and w.kind == "Q6_K" else 1
 
 
 def kq_stream_per_sm() -> int:

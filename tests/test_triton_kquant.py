@@ -163,6 +163,8 @@ def test_q4k_lane_gemv_scale_loads(v, monkeypatch):
         (16, 8, 1, 2, torch.bfloat16, True, "1"),
         (20, 6, 2, 4, torch.bfloat16, False, "2"),
         (20, 3, 2, 2, torch.float32, False, "0"),
+        (20, 6, 2, 2, torch.bfloat16, False, "4"),
+        (16, 8, 1, 1, torch.float32, False, "4"),
     ],
     ids=[
         "1warp-split2",
@@ -170,6 +172,8 @@ def test_q4k_lane_gemv_scale_loads(v, monkeypatch):
         "2warps-silu",
         "4warps-masked-split2",
         "old-loads-2warps-masked",
+        "byte-fields-2warps-masked-split2",
+        "byte-fields-1warp-fp32",
     ],  # fmt: skip
 )
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -178,7 +182,7 @@ def test_q6k_lane_gemv(n, nb, sk, nw, dtype, silu, v, monkeypatch):
     scales loaded in the lanes' layout) on one and several warps, x in bf16 pairs and fp32,
     with row and K masks (20 rows, 3 or 6 super-blocks), split-K and the SiLU epilogue:
     the dequantized product, and silu_mul of it bit for bit; also the previous loads
-    (MLXRUN_KQ_VARIANT=0, kept for A/B timing)."""
+    (MLXRUN_KQ_VARIANT=0, kept for A/B timing) and the codes decoded as byte fields (4)."""
     from mlxrun.backends import cuda_ops
 
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", v)
