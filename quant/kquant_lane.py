@@ -94,20 +94,15 @@ if triton is not None:
         return p, pb
 
     @triton.jit
-    def _lane_x4(x_ptr, xo, mask, I: tl.constexpr, EVEN: tl.constexpr, SHX: tl.constexpr = -1):
+    def _lane_x4(x_ptr, xo, mask, I: tl.constexpr, EVEN: tl.constexpr, SH: tl.constexpr):
         """Q6_K's inputs of position I for a lane's 4 words, as tg._gemv_x4 returns them
         (x0..x3 [LANES] fp32, times 2^(100-SH)): xo [LANES] is the offset, in input pairs, of
         the pair of words 0, 1 (sub-block 2l); words 2, 3 read the pair 8 further (sub-block
         2l+1). Two 1-D loads instead of one [LANES, 2]: the two pairs are not adjacent, so
         Triton gives a [LANES, 2] offset tensor a layout of 2 threads a lane and converts
         every load to the lane layout (8 conversions a k-step: shuffles on one warp, shared
-        memory and 2 barriers each on several). SHX >= 0: times 2^(100-SHX) instead."""
-        if SHX >= 0:
-            SH: tl.constexpr = SHX
-        elif I < 6:
-            SH: tl.constexpr = 4 * I
-        else:
-            SH: tl.constexpr = 0
+        memory and 2 barriers each on several). SH: the caller's (4I for positions 0-5,
+        0 for 6, 7; _q6_step_bytes: its byte field's)."""
         if x_ptr.dtype.element_ty == tl.bfloat16:
             p32 = x_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
             if EVEN:
@@ -164,6 +159,23 @@ if triton is not None:
         return (src >> 24).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _q6_pos(p, pb, xs_a, xs_b, es, x_base, xo, xmask, I: tl.constexpr, EVEN: tl.constexpr):
+        """_q6_step_bytes' position I: its 4 codes a row times their inputs (scaled by
+        2^(100 - the field's shift)), and the inputs' sums times 2^-49."""
+        if I // 2 < 3:
+            SH: tl.constexpr = 8 * (I // 2)
+        else:
+            SH: tl.constexpr = 0
+        C: tl.constexpr = 1.401298464324817e-45 * (1 << SH)  # undoes 2^(100-SH)
+        e0, e1, e2, e3, o0, o1, o2, o3 = es
+        x0, x1, x2, x3 = _lane_x4(x_base, xo + I, xmask, I, EVEN, SH)
+        p = p + _q6_field(e0, o0, I) * x0[None, :] + _q6_field(e1, o1, I) * x1[None, :]
+        pb = pb + _q6_field(e2, o2, I) * x2[None, :] + _q6_field(e3, o3, I) * x3[None, :]
+        xs_a += (x0 + x1) * C
+        xs_b += (x2 + x3) * C
+        return p, pb, xs_a, xs_b
+
+    @triton.jit
     def _q6_step_bytes(w0, w1, w2, w3, h0, h1, h2, h3, x_base, xo, xmask, EVEN: tl.constexpr,
                        LANES: tl.constexpr):  # fmt: skip
         """Q6_K's dots of a k-step with the codes decoded as byte fields (_q6_bytes): one mask
@@ -178,24 +190,29 @@ if triton is not None:
         pb = tl.zeros([8, LANES], dtype=tl.float32)
         xs_a = tl.zeros([LANES], dtype=tl.float32)
         xs_b = tl.zeros([LANES], dtype=tl.float32)
-        for i in tl.static_range(8):
-            if i // 2 < 3:
-                SH: tl.constexpr = 8 * (i // 2)
-            else:
-                SH: tl.constexpr = 0
-            x0, x1, x2, x3 = _lane_x4(x_base, xo + i, xmask, i, EVEN, SH)
-            p = p + _q6_field(e0, o0, i) * x0[None, :] + _q6_field(e1, o1, i) * x1[None, :]
-            pb = pb + _q6_field(e2, o2, i) * x2[None, :] + _q6_field(e3, o3, i) * x3[None, :]
-            xs_a += (x0 + x1) * (1.401298464324817e-45 * (1 << SH))  # undoes 2^(100-SH)
-            xs_b += (x2 + x3) * (1.401298464324817e-45 * (1 << SH))
+        # one call a position: its shift is then a constant of the call (assigned in a
+        # static_range loop it was not, and Triton 3.6 computed the sums' scale in fp64)
+        es = (e0, e1, e2, e3, o0, o1, o2, o3)
+        p, pb, xs_a, xs_b = _q6_pos(p, pb, xs_a, xs_b, es, x_base, xo, xmask, 0, EVEN)
+        p, pb, xs_a, xs_b = _q6_pos(p, pb, xs_a, xs_b, es, x_base, xo, xmask, 1, EVEN)
+        p, pb, xs_a, xs_b = _q6_pos(p, pb, xs_a, xs_b, es, x_base, xo, xmask, 2, EVEN)
+        p, pb, xs_a, xs_b = _q6_pos(p, pb, xs_a, xs_b, es, x_base, xo, xmask, 3, EVEN)
+        p, pb, xs_a, xs_b = _q6_pos(p, pb, xs_a, xs_b, es, x_base, xo, xmask, 4, EVEN)
+        p, pb, xs_a, xs_b = _q6_pos(p, pb, xs_a, xs_b, es, x_base, xo, xmask, 5, EVEN)
+        p, pb, xs_a, xs_b = _q6_pos(p, pb, xs_a, xs_b, es, x_base, xo, xmask, 6, EVEN)
+        p, pb, xs_a, xs_b = _q6_pos(p, pb, xs_a, xs_b, es, x_base, xo, xmask, 7, EVEN)
         return p, pb, xs_a, xs_b
 
     @triton.jit
     def _lane_xpos(x_base, xo, xmask, I: tl.constexpr, KIND: tl.constexpr,
                    EVEN: tl.constexpr):  # fmt: skip
         """x0..x3 of position I: _lane_x4 (Q6_K; xo [LANES]) or tg._gemv_x4 (xo [LANES, 2])."""
+        if I < 6:
+            SH: tl.constexpr = 4 * I
+        else:
+            SH: tl.constexpr = 0
         if KIND == 2:
-            x0, x1, x2, x3 = _lane_x4(x_base, xo + I, xmask, I, EVEN)
+            x0, x1, x2, x3 = _lane_x4(x_base, xo + I, xmask, I, EVEN, SH)
         else:
             x0, x1, x2, x3 = tg._gemv_x4(x_base, xo + I * 2, xmask, I, 0, 4, EVEN)
         return x0, x1, x2, x3

@@ -270,6 +270,9 @@ def test_q6k_launch_settings(monkeypatch):
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "2")
     assert kq.lane_config(1, w, cuda).num_warps == 4
     assert kq._loads(dataclasses.replace(q4, n=6144)) == 1
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "4")  # Q6_K's codes as byte fields
+    assert kq._loads(w) == 2 and kq._loads(q4) == 1
+    assert kq.lane_config(1, w, cuda).num_warps == 2
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "x")
     with pytest.raises(kq.MlxrunError, match="MLXRUN_KQ_VARIANT"):
         kq.lane_config(1, w, cuda)
