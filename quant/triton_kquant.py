@@ -248,10 +248,11 @@ def kq_variant() -> int:
     on one warp; 1 those loads built lanes-first (Q6_K on 2 warps: 128 registers, no
     spill; Q4_K on 4 warps 3.36 -> 3.06 instructions a weight) with Q6_K on 1, 2 or 4
     warps by shape (lane_config) and Q4_K's K <= 4096 on the previous loads (_loads); 2 as
-    1, Q6_K on as many warps as Q4_K and Q4_K on the new loads at every K; 3 (default) as
-    1, Q4_K's N <= 4096 on the new loads too; 4 as 3, Q6_K's codes decoded as byte fields
-    (kquant_lane._q6_bytes) (benchmarks/KERNEL_NOTES.md, 2026-11-26/27)."""
-    v = os.environ.get("MLXRUN_KQ_VARIANT", "3")
+    1, Q6_K on as many warps as Q4_K and Q4_K on the new loads at every K; 3 as 1, Q4_K's
+    N <= 4096 on the new loads too; 4 (default) as 3, Q6_K's codes decoded as byte fields
+    (kquant_lane._q6_bytes: 5.51 -> 4.79 instructions a weight; H100, mlxrun bench
+    shape:llama3-8b q6_k 265.9 -> 286.3 tok/s; benchmarks/KERNEL_NOTES.md, 2026-11-27)."""
+    v = os.environ.get("MLXRUN_KQ_VARIANT", "4")
     if v not in ("0", "1", "2", "3", "4"):
         raise MlxrunError(f"MLXRUN_KQ_VARIANT={v!r}: use 0, 1, 2, 3 or 4")
     return int(v)

@@ -144,7 +144,7 @@ def test_lane_gemv_configs_and_silu(kind):
 
 @pytest.mark.parametrize("v", ["0", "3"])
 def test_q4k_lane_gemv_scale_loads(v, monkeypatch):
-    """Q4_K's (sc, m) and (d, dmin) loaded lanes-first (MLXRUN_KQ_VARIANT=3, the default,
+    """Q4_K's (sc, m) and (d, dmin) loaded lanes-first (MLXRUN_KQ_VARIANT=3 and 4, the default,
     at N <= 4096) and as before (0, kept for A/B timing), on 2 warps with row and K masks
     (20 rows, 3 super-blocks), split in 2: the dequantized product."""
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", v)
@@ -247,8 +247,8 @@ def test_q6k_launch_settings(monkeypatch):
     """Q6_K's lane GEMV: 2 warps where N <= 4096, 4 above, one for the head-sized (64+ row
     blocks a SM) with its register cap; one warp with the previous loads
     (MLXRUN_KQ_VARIANT=0), as many as Q4_K with 2; Q4_K's K <= 4096 on the previous loads
-    but where N <= 4096 (the default, 3; variant 1: every N; 2: none); a bad variant is one
-    clear error."""
+    but where N <= 4096 (3 and the default 4; variant 1: every N; 2: none), Q6_K's codes as
+    byte fields (4); a bad variant is one clear error."""
     import dataclasses
 
     w = kq.random_kquant("Q6_K", 64, 4096, "cpu")
@@ -259,7 +259,7 @@ def test_q6k_launch_settings(monkeypatch):
     assert kq.lane_config(1, dataclasses.replace(w, n=6144), cuda).num_warps == 4
     assert kq.lane_config(1, dataclasses.replace(w, n=128256), cuda).num_warps == 1
     assert kq.lane_config(1, q4, cuda).num_warps == 4
-    assert kq._loads(w) == 1 and kq._loads(q4) == 1  # Q4_K's N <= 4096: the new loads
+    assert kq._loads(w) == 2 and kq._loads(q4) == 1  # Q6_K byte fields; Q4_K new loads
     assert kq._loads(dataclasses.replace(q4, n=6144)) == 0
     assert kq._maxnreg(w, 1) == {"maxnreg": kq.Q6K_MAXNREG}
     assert kq._maxnreg(w, 2) == {} and kq._maxnreg(q4, 1) == {}
@@ -270,8 +270,8 @@ def test_q6k_launch_settings(monkeypatch):
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "2")
     assert kq.lane_config(1, w, cuda).num_warps == 4
     assert kq._loads(dataclasses.replace(q4, n=6144)) == 1
-    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "4")  # Q6_K's codes as byte fields
-    assert kq._loads(w) == 2 and kq._loads(q4) == 1
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "3")  # as 4 but Q6_K's codes nibble + high bits
+    assert kq._loads(w) == 1 and kq._loads(q4) == 1
     assert kq.lane_config(1, w, cuda).num_warps == 2
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "x")
     with pytest.raises(kq.MlxrunError, match="MLXRUN_KQ_VARIANT"):
