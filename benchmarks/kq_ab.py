@@ -10,7 +10,7 @@ the L2, one kqmatmul per copy captured in a CUDA graph and replayed; the variant
 within each repetition and the minimum is kept. A variant is MLXRUN_KQ_VARIANT's value, with
 "wN" capping the warps a program at N (triton_launch.GEMV_WARPS) and "rN" the registers a
 thread at N (every warp count; else the shipped cap), a final "p" the next k-step's words
-loaded during this one (prefetch). Each output is checked
+loaded during this one (prefetch), "xF" the split-K of lane_config times F (a launch sweep). Each output is checked
 against x @ the dequantized weight in fp32 (relative to its largest value).
 """
 
@@ -38,19 +38,21 @@ DRY_SHAPES = [(16, 2048), (24, 768)]
 _MAXNREG = kq._maxnreg
 
 
-def _set(variant: str) -> bool:
+def _set(variant: str) -> tuple[bool, float]:
     """'2w2r128p': MLXRUN_KQ_VARIANT=2, at most 2 warps, at most 128 registers a thread,
-    the next k-step's words in flight (prefetch). Returns whether to prefetch."""
-    m = re.fullmatch(r"(\d)(?:w(\d+))?(?:r(\d+))?(p?)", variant)
+    the next k-step's words in flight (prefetch); "x2" twice lane_config's split-K.
+    Returns whether to prefetch and the split-K factor."""
+    m = re.fullmatch(r"(\d)(?:w(\d+))?(?:r(\d+))?(p?)(?:x([\d.]+))?(?:s(\d+))?", variant)
     if m is None:
-        raise SystemExit(f"variant {variant!r}: V[wWARPS][rREGS][p]")
+        raise SystemExit(f"variant {variant!r}: V[wWARPS][rREGS][p][xSPLITFACTOR][sSTREAM]")
     os.environ["MLXRUN_KQ_VARIANT"] = m[1]
+    os.environ["MLXRUN_KQ_STREAM"] = m[6] or "0"  # "s3": the stream, 3 programs a SM
     tch.GEMV_WARPS = int(m[2]) if m[2] else 4
     if m[3]:
         kq._maxnreg = lambda w, warps: {"maxnreg": int(m[3])}
     else:
         kq._maxnreg = _MAXNREG
-    return m[4] == "p"
+    return m[4] == "p", float(m[5]) if m[5] else 1.0
 
 
 def _regs(out, label: str) -> None:
@@ -76,10 +78,13 @@ def main() -> None:
     ap.add_argument("--warm", help="compile this variant only (every shape), then stop")
     ap.add_argument("--regs", action="store_true", help="print registers of the kernels built")
     ap.add_argument("--dry", action="store_true", help="tiny shapes, no graphs (CPU check)")
+    ap.add_argument("--shapes", help="NxK,... instead of Llama-3-8B's five (e.g. 1024x4096)")
     ap.add_argument("--json")
     a = ap.parse_args()
     dev = torch.device("cpu" if a.dry else "cuda")
     shapes = DRY_SHAPES if a.dry else SHAPES
+    if a.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     variants = [a.warm] if a.warm else a.variants.split(",")
     results = []
     for kind in a.kinds.split(","):
@@ -92,9 +97,10 @@ def main() -> None:
             row = {"kind": kind, "shape": f"{n}x{k}", "mb": w0.nbytes / 1e6, "runs": {}}
             graphs = {}
             for v in variants:
-                pf = _set(v)
+                pf, fs = _set(v)
                 cfg = kq.lane_config(1, w0, dev)
-                cfg = dataclasses.replace(cfg, prefetch=pf or cfg.prefetch)
+                sk = max(1, round(cfg.split_k * fs))
+                cfg = dataclasses.replace(cfg, prefetch=pf or cfg.prefetch, split_k=sk)
                 y = kq.kqmatmul(x, w0, cfg)
                 err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
                 row["runs"][v] = {

@@ -29,6 +29,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import mlxrun.quant.kquant_kernels as kk  # noqa: E402
+import mlxrun.quant.kquant_stream as kst  # noqa: E402
 import mlxrun.quant.triton_kquant as kq  # noqa: E402
 
 
@@ -92,6 +93,41 @@ def compile_gemm(kind: str, bm: int, bn: int, warps: int, stages: int, n=4096, k
     )
 
 
+def compile_stream(kind: str, warps: int, n=28672, k=4096, x="bf16", silu=True):
+    """The streaming GEMV (quant/kquant_stream.py) as lane_config launches it on the gate/up."""
+    fn = kst._kq_stream_kernel
+    sw = kq._shapes(kind, n, k)["weight"][1]
+    ks = k // (16 if kind == "Q6_K" else 32)
+    ints = dict(N=n, stride_xm=k, stride_ym=n)
+    ptrs = dict(x_ptr=f"*{x}", w_ptr="*i32", s_ptr="*i8" if kind == "Q6_K" else "*u8",
+                b_ptr="*fp16", y_ptr=f"*{x}")  # fmt: skip
+    params = dict(
+        KIND=kq.KINDS[kind],
+        KSTEPS=k // 8 // (128 * warps),
+        KW=k // 8,
+        SW=sw,
+        KSC=ks,
+        PDL=True,
+        SILU=silu,
+        WARPS=warps,
+        V=0 if kind == "Q4_K" and k <= 4096 else 1,
+    )
+    sig, consts, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in ptrs:
+            sig[name] = ptrs[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ints:
+            sig[name] = "i32"
+            if ints[name] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "constexpr"
+            consts[name] = params[name]
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
 def report_gemm(kind: str, hist: bool) -> None:
     bm, bn, warps, stages = 32, 128, 8, 4  # tile_gemm_config at M=32, bf16
     sass, res = sass_of(compile_gemm(kind, bm, bn, warps, stages))
@@ -110,6 +146,7 @@ def main() -> None:
     ap.add_argument("--warps", default="1,2,4")
     ap.add_argument("--hist", action="store_true", help="print the loop's opcode histogram")
     ap.add_argument("--gemm", action="store_true", help="the tile GEMM at M=32 instead")
+    ap.add_argument("--stream", action="store_true", help="the streaming GEMV (gate/up) instead")
     ap.add_argument("--variant", type=int, default=1, help="the GEMV's V (0: the old loads)")
     ap.add_argument("--maxnreg", type=int, default=0, help="register cap (0: none)")
     ap.add_argument("--prefetch", default="1,0", help="prefetch settings to compile")
@@ -117,6 +154,17 @@ def main() -> None:
     if a.gemm:
         for kind in a.kinds.split(","):
             report_gemm(kind, a.hist)
+        return
+    if a.stream:  # registers and spills (its loop is the tile loop: counted whole)
+        for kind, warps in itertools.product(a.kinds.split(","), a.warps.split(",")):
+            sass, res = sass_of(compile_stream(kind, int(warps)))
+            regs = re.search(r"REG:(\d+)", res).group(1)
+            spill = int(re.search(r"STACK:(\d+)", res).group(1)) + int(
+                re.search(r"LOCAL:(\d+)", res).group(1)
+            )
+            n = len(parse(sass))
+            print(f"{kind} stream, {warps} warps, gate/up 28672x4096 SiLU: {n} instructions, "
+                  f"{regs} registers, {spill} B spilled")  # fmt: skip
         return
     runs = [(kd, int(wp)) for kd in a.kinds.split(",") for wp in a.warps.split(",")]
     pfs = [p == "1" for p in a.prefetch.split(",")]

@@ -30,7 +30,7 @@ if triton is not None:
         it lands in the low words' layout; Triton 3.6 instead gives that tile a layout of its
         own on 2 and 4 warps and converts it through shared memory every k-step."""
         PER: tl.constexpr = 4 if KIND == 1 else 2  # low words a high word serves
-        if V == 1 and KIND == 2:
+        if V >= 1 and KIND == 2:
             # built as [LANES, 8, 2] and permuted: Triton 3.6's coalescing orders the axes
             # by contiguity, ties to the first, so the lanes (not the rows) get the threads;
             # a [8, 2 * LANES] tile gets 4 words a thread and 16 threads along K, and every
@@ -43,7 +43,7 @@ if triton is not None:
                 mask = n_mask[None, :, None] & (hw < KS)[:, None, :]  # one high word a sub-block
                 h = tl.load(ptrs, mask=mask, other=0)
             h0, h2 = tl.split(tl.permute(h.to(tl.uint32, bitcast=True), (1, 0, 2)))
-        elif V == 1:
+        elif V >= 1:
             # Q5_K: one high word a lane, [LANES, 8] at opaque lane offsets (lane_s: not
             # vectorized along the lanes), then transposed
             hw = kb * LANES + lane_s
@@ -94,18 +94,15 @@ if triton is not None:
         return p, pb
 
     @triton.jit
-    def _lane_x4(x_ptr, xo, mask, I: tl.constexpr, EVEN: tl.constexpr):
+    def _lane_x4(x_ptr, xo, mask, I: tl.constexpr, EVEN: tl.constexpr, SH: tl.constexpr):
         """Q6_K's inputs of position I for a lane's 4 words, as tg._gemv_x4 returns them
         (x0..x3 [LANES] fp32, times 2^(100-SH)): xo [LANES] is the offset, in input pairs, of
         the pair of words 0, 1 (sub-block 2l); words 2, 3 read the pair 8 further (sub-block
         2l+1). Two 1-D loads instead of one [LANES, 2]: the two pairs are not adjacent, so
         Triton gives a [LANES, 2] offset tensor a layout of 2 threads a lane and converts
         every load to the lane layout (8 conversions a k-step: shuffles on one warp, shared
-        memory and 2 barriers each on several)."""
-        if I < 6:
-            SH: tl.constexpr = 4 * I
-        else:
-            SH: tl.constexpr = 0
+        memory and 2 barriers each on several). SH: the caller's (4I for positions 0-5,
+        0 for 6, 7; _q6_step_bytes: its byte field's)."""
         if x_ptr.dtype.element_ty == tl.bfloat16:
             p32 = x_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
             if EVEN:
@@ -135,11 +132,87 @@ if triton is not None:
         return x0, x1, x2, x3
 
     @triton.jit
+    def _q6_bytes(w, h):
+        """Q6_K's 8 codes of low word w (nibble i at bits 4i) and its high bits h (field i at
+        bits 2i; bits 16+ ignored) as byte fields: e holds position 2j's 6-bit code at bits
+        8j..8j+5, o position 2j+1's. The high fields are spread to 4-bit spacing (field i at
+        4i) in three shift-or-mask steps, then each half is one select against the nibbles."""
+        x = h & 0xFFFF
+        x = (x | (x << 8)) & 0x00FF00FF
+        x = (x | (x << 4)) & 0x0F0F0F0F
+        x = (x | (x << 2)) & 0x33333333
+        e = (w & 0x0F0F0F0F) | ((x << 4) & 0xF0F0F0F0)
+        o = ((w >> 4) & 0x0F0F0F0F) | (x & 0xF0F0F0F0)
+        return e, o
+
+    @triton.jit
+    def _q6_field(e, o, I: tl.constexpr):
+        """Position I's code from _q6_bytes as a float: code * 2^(8*(I//2) - 149) for the
+        fields inside the mantissa (masked in place), code * 2^-149 for the top byte."""
+        J: tl.constexpr = I // 2
+        if I % 2 == 0:
+            src = e
+        else:
+            src = o
+        if J < 3:
+            return (src & (0x3F << (8 * J))).to(tl.float32, bitcast=True)
+        return (src >> 24).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _q6_pos(p, pb, xs_a, xs_b, es, x_base, xo, xmask, I: tl.constexpr, EVEN: tl.constexpr):
+        """_q6_step_bytes' position I: its 4 codes a row times their inputs (scaled by
+        2^(100 - the field's shift)), and the inputs' sums times 2^-49."""
+        if I // 2 < 3:
+            SH: tl.constexpr = 8 * (I // 2)
+        else:
+            SH: tl.constexpr = 0
+        C: tl.constexpr = 1.401298464324817e-45 * (1 << SH)  # undoes 2^(100-SH)
+        e0, e1, e2, e3, o0, o1, o2, o3 = es
+        x0, x1, x2, x3 = _lane_x4(x_base, xo + I, xmask, I, EVEN, SH)
+        p = p + _q6_field(e0, o0, I) * x0[None, :] + _q6_field(e1, o1, I) * x1[None, :]
+        pb = pb + _q6_field(e2, o2, I) * x2[None, :] + _q6_field(e3, o3, I) * x3[None, :]
+        xs_a += (x0 + x1) * C
+        xs_b += (x2 + x3) * C
+        return p, pb, xs_a, xs_b
+
+    @triton.jit
+    def _q6_step_bytes(w0, w1, w2, w3, h0, h1, h2, h3, x_base, xo, xmask, EVEN: tl.constexpr,
+                       LANES: tl.constexpr):  # fmt: skip
+        """Q6_K's dots of a k-step with the codes decoded as byte fields (_q6_bytes): one mask
+        (or shift) and one FFMA a code and row, against two of each for the nibble and the
+        high bits apart. Returns p (words 0, 1), pb (words 2, 3) and the sums of their inputs,
+        all times 2^-49 as _lane_step's."""
+        e0, o0 = _q6_bytes(w0, h0)
+        e1, o1 = _q6_bytes(w1, h1)
+        e2, o2 = _q6_bytes(w2, h2)
+        e3, o3 = _q6_bytes(w3, h3)
+        p = tl.zeros([8, LANES], dtype=tl.float32)
+        pb = tl.zeros([8, LANES], dtype=tl.float32)
+        xs_a = tl.zeros([LANES], dtype=tl.float32)
+        xs_b = tl.zeros([LANES], dtype=tl.float32)
+        # one call a position: its shift is then a constant of the call (assigned in a
+        # static_range loop it was not, and Triton 3.6 computed the sums' scale in fp64)
+        es = (e0, e1, e2, e3, o0, o1, o2, o3)
+        p, pb, xs_a, xs_b = _q6_pos(p, pb, xs_a, xs_b, es, x_base, xo, xmask, 0, EVEN)
+        p, pb, xs_a, xs_b = _q6_pos(p, pb, xs_a, xs_b, es, x_base, xo, xmask, 1, EVEN)
+        p, pb, xs_a, xs_b = _q6_pos(p, pb, xs_a, xs_b, es, x_base, xo, xmask, 2, EVEN)
+        p, pb, xs_a, xs_b = _q6_pos(p, pb, xs_a, xs_b, es, x_base, xo, xmask, 3, EVEN)
+        p, pb, xs_a, xs_b = _q6_pos(p, pb, xs_a, xs_b, es, x_base, xo, xmask, 4, EVEN)
+        p, pb, xs_a, xs_b = _q6_pos(p, pb, xs_a, xs_b, es, x_base, xo, xmask, 5, EVEN)
+        p, pb, xs_a, xs_b = _q6_pos(p, pb, xs_a, xs_b, es, x_base, xo, xmask, 6, EVEN)
+        p, pb, xs_a, xs_b = _q6_pos(p, pb, xs_a, xs_b, es, x_base, xo, xmask, 7, EVEN)
+        return p, pb, xs_a, xs_b
+
+    @triton.jit
     def _lane_xpos(x_base, xo, xmask, I: tl.constexpr, KIND: tl.constexpr,
                    EVEN: tl.constexpr):  # fmt: skip
         """x0..x3 of position I: _lane_x4 (Q6_K; xo [LANES]) or tg._gemv_x4 (xo [LANES, 2])."""
+        if I < 6:
+            SH: tl.constexpr = 4 * I
+        else:
+            SH: tl.constexpr = 0
         if KIND == 2:
-            x0, x1, x2, x3 = _lane_x4(x_base, xo + I, xmask, I, EVEN)
+            x0, x1, x2, x3 = _lane_x4(x_base, xo + I, xmask, I, EVEN, SH)
         else:
             x0, x1, x2, x3 = tg._gemv_x4(x_base, xo + I * 2, xmask, I, 0, 4, EVEN)
         return x0, x1, x2, x3
@@ -168,36 +241,40 @@ if triton is not None:
         else:
             sub = kb * LANES + lane
             xmask = (sub < KS)[:, None]
-        xs_a = tl.zeros([LANES], dtype=tl.float32)  # sums of the lane's inputs * 2^-49
-        xs_b = tl.zeros([LANES], dtype=tl.float32)  # (words 2, 3 apart for Q6_K)
-        for i in tl.static_range(6):
-            x0, x1, x2, x3 = _lane_xpos(x_base, xo, xmask, i, KIND, EVEN)
-            p, pb = tg._gemv_fma(p, pb, w0, w1, w2, w3, x0, x1, x2, x3, i, 0, 4, TWO)
+        if KIND == 2 and V == 2:  # Q6_K's codes as byte fields (_q6_bytes)
+            p, pb, xs_a, xs_b = _q6_step_bytes(w0, w1, w2, w3, h0, h1, h2, h3, x_base, xo, xmask,
+                                               EVEN, LANES)  # fmt: skip
+        else:
+            xs_a = tl.zeros([LANES], dtype=tl.float32)  # sums of the lane's inputs * 2^-49
+            xs_b = tl.zeros([LANES], dtype=tl.float32)  # (words 2, 3 apart for Q6_K)
+            for i in tl.static_range(6):
+                x0, x1, x2, x3 = _lane_xpos(x_base, xo, xmask, i, KIND, EVEN)
+                p, pb = tg._gemv_fma(p, pb, w0, w1, w2, w3, x0, x1, x2, x3, i, 0, 4, TWO)
+                if KIND != 0:
+                    p, pb = _lane_hi_fma(p, pb, h0, h1, h2, h3, x0, x1, x2, x3, i, KIND)
+                xs_a += (x0 + x1) * (1.401298464324817e-45 * (1 << (4 * i)))  # undoes 2^(100-4i)
+                xs_b += (x2 + x3) * (1.401298464324817e-45 * (1 << (4 * i)))
+            # positions 6, 7 as the affine kernel reads them: w >> 24 = q6 + 16*q7 with x6, and
+            # w >> 28 = q7 with x7 - 16*x6 (cancels the 16*q7 term)
+            y0, y1, y2, y3 = _lane_xpos(x_base, xo, xmask, 6, KIND, EVEN)
+            z0, z1, z2, z3 = _lane_xpos(x_base, xo, xmask, 7, KIND, EVEN)
             if KIND != 0:
-                p, pb = _lane_hi_fma(p, pb, h0, h1, h2, h3, x0, x1, x2, x3, i, KIND)
-            xs_a += (x0 + x1) * (1.401298464324817e-45 * (1 << (4 * i)))  # undoes 2^(100-4i)
-            xs_b += (x2 + x3) * (1.401298464324817e-45 * (1 << (4 * i)))
-        # positions 6, 7 as the affine kernel reads them: w >> 24 = q6 + 16*q7 with x6, and
-        # w >> 28 = q7 with x7 - 16*x6 (cancels the 16*q7 term)
-        y0, y1, y2, y3 = _lane_xpos(x_base, xo, xmask, 6, KIND, EVEN)
-        z0, z1, z2, z3 = _lane_xpos(x_base, xo, xmask, 7, KIND, EVEN)
-        if KIND != 0:
-            p, pb = _lane_hi_fma(p, pb, h0, h1, h2, h3, y0, y1, y2, y3, 6, KIND)
-            p, pb = _lane_hi_fma(p, pb, h0, h1, h2, h3, z0, z1, z2, z3, 7, KIND)
-        xs_a += (y0 + y1 + z0 + z1) * 1.401298464324817e-45
-        xs_b += (y2 + y3 + z2 + z3) * 1.401298464324817e-45
-        z0 = z0 - 16.0 * y0
-        z1 = z1 - 16.0 * y1
-        z2 = z2 - 16.0 * y2
-        z3 = z3 - 16.0 * y3
-        p, pb = tg._gemv_fma(p, pb, w0, w1, w2, w3, y0, y1, y2, y3, 6, 0, 4, TWO)
-        p, pb = tg._gemv_fma(p, pb, w0, w1, w2, w3, z0, z1, z2, z3, 7, 0, 4, TWO)
+                p, pb = _lane_hi_fma(p, pb, h0, h1, h2, h3, y0, y1, y2, y3, 6, KIND)
+                p, pb = _lane_hi_fma(p, pb, h0, h1, h2, h3, z0, z1, z2, z3, 7, KIND)
+            xs_a += (y0 + y1 + z0 + z1) * 1.401298464324817e-45
+            xs_b += (y2 + y3 + z2 + z3) * 1.401298464324817e-45
+            z0 = z0 - 16.0 * y0
+            z1 = z1 - 16.0 * y1
+            z2 = z2 - 16.0 * y2
+            z3 = z3 - 16.0 * y3
+            p, pb = tg._gemv_fma(p, pb, w0, w1, w2, w3, y0, y1, y2, y3, 6, 0, 4, TWO)
+            p, pb = tg._gemv_fma(p, pb, w0, w1, w2, w3, z0, z1, z2, z3, 7, 0, 4, TWO)
         if KIND == 2:
             # int8 sc of the lane's two sub-blocks of 16, d of their super-block
             s0 = (kb * LANES + lane) * 2  # the first of the two
             sbk = s0 // 16  # super-block (16 sub-blocks)
             s16 = s_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
-            if V == 1:
+            if V >= 1:
                 # [LANES, 8] then transposed: the lanes get the threads (see _lane_hi)
                 smt = n_mask[None, :] & (s0 < KS)[:, None]
                 sab = tl.load(s16 + rn[None, :] * (KS // 2) + (s0 // 2)[:, None], mask=smt, other=0)
@@ -222,7 +299,7 @@ if triton is not None:
             sub_s = kb * LANES + lane_s
             s16 = s_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
             b32 = b_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
-            if V == 1:  # [LANES, 8] then transposed: the lanes get the threads (_lane_hi)
+            if V >= 1:  # [LANES, 8] then transposed: the lanes get the threads (_lane_hi)
                 smt = n_mask[None, :] & (sub_s < KS)[:, None]
                 scm = tl.trans(tl.load(s16 + rn[None, :] * KS + sub_s[:, None], mask=smt, other=0))
                 dd = tl.load(b32 + rn[None, :] * (KS // 8) + (sub_s // 8)[:, None], mask=smt,

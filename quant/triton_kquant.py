@@ -36,6 +36,7 @@ import numpy as np
 from mlxrun.errors import MlxrunError
 from mlxrun.quant import gguf_blocks as gb
 from mlxrun.quant import kquant_kernels as kk
+from mlxrun.quant import kquant_stream as kst
 from mlxrun.quant import triton_kernels as tk
 from mlxrun.quant import triton_launch as tch
 
@@ -244,13 +245,16 @@ def kq_variant() -> int:
     (Q6_K's high words loaded once per low word they serve, the sub-block scales in a [8,
     lanes] tile; on Triton 3.6 that tile's layout has its threads along the rows, so acc is
     converted every k-step and Q6_K on 2 or 4 warps spills 856 B at 255 registers), Q6_K
-    on one warp; 1 (default) those loads built lanes-first (Q6_K on 2 warps: 128 registers,
-    no spill; Q4_K on 4 warps 3.36 -> 3.06 instructions a weight) with Q6_K on 1, 2 or 4
+    on one warp; 1 those loads built lanes-first (Q6_K on 2 warps: 128 registers, no
+    spill; Q4_K on 4 warps 3.36 -> 3.06 instructions a weight) with Q6_K on 1, 2 or 4
     warps by shape (lane_config) and Q4_K's K <= 4096 on the previous loads (_loads); 2 as
-    1, Q6_K on as many warps as Q4_K (benchmarks/KERNEL_NOTES.md, 2026-11-26)."""
-    v = os.environ.get("MLXRUN_KQ_VARIANT", "1")
-    if v not in ("0", "1", "2"):
-        raise MlxrunError(f"MLXRUN_KQ_VARIANT={v!r}: use 0, 1 or 2")
+    1, Q6_K on as many warps as Q4_K and Q4_K on the new loads at every K; 3 as 1, Q4_K's
+    N <= 4096 on the new loads too; 4 (default) as 3, Q6_K's codes decoded as byte fields
+    (kquant_lane._q6_bytes: 5.51 -> 4.79 instructions a weight; H100, mlxrun bench
+    shape:llama3-8b q6_k 265.9 -> 286.3 tok/s; benchmarks/KERNEL_NOTES.md, 2026-11-27)."""
+    v = os.environ.get("MLXRUN_KQ_VARIANT", "4")
+    if v not in ("0", "1", "2", "3", "4"):
+        raise MlxrunError(f"MLXRUN_KQ_VARIANT={v!r}: use 0, 1, 2, 3 or 4")
     return int(v)
 
 
@@ -278,7 +282,7 @@ def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
     v = kq_variant()
     top = tch.GEMV_WARPS
     tiles = m * math.ceil(w.n / 8)
-    if w.kind == "Q6_K" and v == 1:
+    if w.kind == "Q6_K" and v in (1, 3, 4):
         top = 1 if tiles >= 64 * sms else min(top, 2 if w.n <= 4096 else 4)
     elif w.kind == "Q6_K" and v == 0:
         top = 1
@@ -302,22 +306,64 @@ def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
     # instructions a weight, against 255 registers, 128 B spilled, 5.57 with them (SASS for
     # sm_90, benchmarks/sass_kquant.py); Q4_K on the H100 is as fast or faster without (4096x14336 20.9 -> 17.3 us,
     # 4096x4096 5.9 -> 5.6, the others within 0.1)
+    per_sm = kq_stream_per_sm()
+    if per_sm and w.kind != "Q6_K" and tiles >= 8 * sms and _stream_ok(w, warps):
+        # the streaming GEMV where each program gets several tiles (the gate/up, the head)
+        return tk.KernelConfig("stream", 1, 8, 1, num_warps=warps, per_sm=per_sm)
     return tk.KernelConfig("gemv", 1, 8, sk, num_warps=warps, prefetch=False)
 
 
 def _loads(w: KQLinear) -> int:
     """The lane GEMV's V: 1 (loads built lanes-first) but for variant 0, and Q4_K rows of
-    K <= 4096, where the previous loads were as fast or faster (H200, us, previous -> new:
-    6144x4096 6.6 -> 7.2, 28672x4096 23.4 -> 23.9, 128256x4096 93.3 -> 105.6, 4096x4096
-    5.4 -> 4.9; 4096x14336 16.0 -> 12.8)."""
-    if kq_variant() == 0 or (w.kind == "Q4_K" and w.k <= 4096):
+    K <= 4096 with N > 4096 (variant 1: every N), where the previous loads were as fast or
+    faster. us, previous -> new loads, H200 / H100 (kq_ab.py, KERNEL_NOTES.md 2026-11-26/27):
+    6144x4096 6.6 -> 7.2 / 7.2 -> 8.1, 28672x4096 23.4 -> 23.9 / 27.5 -> 29.1, 128256x4096
+    93.3 -> 105.6 / 105.2 -> 120.0; but 4096x4096 5.4 -> 4.9 / 5.9 -> 5.6, and 4096x14336
+    16.0 -> 12.8 (H200)."""
+    v = kq_variant()
+    if v == 0 or (w.kind == "Q4_K" and w.k <= 4096 and (v == 1 or (v >= 3 and w.n > 4096))):
         return 0
-    return 1
+    return 2 if v == 4 and w.kind == "Q6_K" else 1
+
+
+def kq_stream_per_sm() -> int:
+    """MLXRUN_KQ_STREAM: programs a SM of the streaming K-quant GEMV (quant/kquant_stream.py)
+    where lane_config picks it, 0 (the default) never."""
+    v = os.environ.get("MLXRUN_KQ_STREAM", "0")
+    if not v.isdigit():
+        raise MlxrunError(f"MLXRUN_KQ_STREAM={v!r}: use 0 (off) or the programs a SM")
+    return int(v)
+
+
+def _stream_ok(w: KQLinear, warps: int) -> bool:
+    """Whether the streaming GEMV takes w: whole 8-row tiles and k-steps, dense planes."""
+    sw = _shapes(w.kind, w.n, w.k)["weight"][1]
+    dense = w.weight.stride(0) == sw and w.scales.is_contiguous() and w.biases.is_contiguous()
+    return dense and w.n % 8 == 0 and (w.k // 8) % (128 * warps) == 0
+
+
+def _stream_gemv(x2, w: KQLinear, y, silu: bool, cfg: tk.KernelConfig) -> None:
+    m = x2.shape[0]
+    kw = w.k // 8
+    tiles = w.n // 8
+    progs = min(tiles, cfg.per_sm * tk._num_sms(x2.device))
+    kst._kq_stream_kernel[(m, progs)](
+        x2, w.weight, w.scales, w.biases, y, w.n, x2.stride(0), y.stride(0),
+        KIND=KINDS[w.kind], KSTEPS=kw // (128 * cfg.num_warps), KW=kw,
+        SW=_shapes(w.kind, w.n, w.k)["weight"][1], KSC=w.k // gb.KQUANTS[w.kind][1],
+        SILU=silu, WARPS=cfg.num_warps, V=_loads(w), num_warps=cfg.num_warps,
+        **tk.pdl_args(x2.device),
+    )  # fmt: skip
 
 
 def _lane_gemv(x2, w: KQLinear, y, silu: bool, cfg: tk.KernelConfig | None) -> None:
     m = x2.shape[0]
     cfg = cfg or lane_config(m, w, x2.device)
+    if cfg.kernel == "stream":
+        if _stream_ok(w, cfg.num_warps):
+            _stream_gemv(x2, w, y, silu, cfg)
+            return
+        cfg = dataclasses.replace(cfg, kernel="gemv", split_k=1)
     kw = w.k // 8
     step = 128 * cfg.num_warps  # low-nibble words of a row per k-step (the warps split it)
     ksteps = math.ceil(kw / step)
@@ -414,6 +460,7 @@ def kqmatmul(
     # GEMM replaced, for A/B timing
     old = isinstance(config, KQConfig) and not (config.kernel == "gemv" and config.block_n == 8)
     kernel = config.kernel if config is not None else "gemv" if m <= tk.GEMV_MAX_M else "gemm"
+    kernel = "gemv" if kernel == "stream" else kernel  # the lane GEMV's persistent form
     if silu and (old or kernel != "gemv"):
         raise ValueError("kqmatmul: silu needs the lane GEMV")
     if not old and kernel == "gemv":
@@ -425,6 +472,8 @@ def kqmatmul(
             cfg = tk.KernelConfig(
                 "gemv", 1, 8, config.split_k, num_warps=config.num_warps, prefetch=pf
             )
+            if getattr(config, "kernel", "") == "stream":
+                cfg = config
         _lane_gemv(x2, w, y, silu, cfg)
         return y.reshape(*lead, y.shape[-1])
     if not old:

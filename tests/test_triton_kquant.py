@@ -142,13 +142,14 @@ def test_lane_gemv_configs_and_silu(kind):
         kq.kqmatmul(x, w, silu=True)
 
 
-@pytest.mark.parametrize("v", ["0", "1"])
+@pytest.mark.parametrize("v", ["0", "3"])
 def test_q4k_lane_gemv_scale_loads(v, monkeypatch):
-    """Q4_K's (sc, m) and (d, dmin) loaded lanes-first (MLXRUN_KQ_VARIANT=1, the default)
-    and as before (0, kept for A/B timing), on 2 warps with row and K masks (20 rows, 3
-    super-blocks), split in 2: the dequantized product."""
+    """Q4_K's (sc, m) and (d, dmin) loaded lanes-first (MLXRUN_KQ_VARIANT=3 and 4, the default,
+    at N <= 4096) and as before (0, kept for A/B timing), on 2 warps with row and K masks
+    (20 rows, 3 super-blocks), split in 2: the dequantized product."""
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", v)
     w, ref = _case("Q4_K", 20, 3, seed=17)
+    assert kq._loads(w) == (v == "3")
     x = torch.randn(1, w.k, generator=torch.Generator().manual_seed(7)).bfloat16()
     cfg = tk.KernelConfig("gemv", 1, 8, 2, num_warps=2, prefetch=False)
     _check(kq.kqmatmul(x.to(DEV), w, cfg), x, ref)
@@ -162,6 +163,8 @@ def test_q4k_lane_gemv_scale_loads(v, monkeypatch):
         (16, 8, 1, 2, torch.bfloat16, True, "1"),
         (20, 6, 2, 4, torch.bfloat16, False, "2"),
         (20, 3, 2, 2, torch.float32, False, "0"),
+        (20, 6, 2, 2, torch.bfloat16, False, "4"),
+        (16, 8, 1, 1, torch.float32, False, "4"),
     ],
     ids=[
         "1warp-split2",
@@ -169,6 +172,8 @@ def test_q4k_lane_gemv_scale_loads(v, monkeypatch):
         "2warps-silu",
         "4warps-masked-split2",
         "old-loads-2warps-masked",
+        "byte-fields-2warps-masked-split2",
+        "byte-fields-1warp-fp32",
     ],  # fmt: skip
 )
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -177,7 +182,7 @@ def test_q6k_lane_gemv(n, nb, sk, nw, dtype, silu, v, monkeypatch):
     scales loaded in the lanes' layout) on one and several warps, x in bf16 pairs and fp32,
     with row and K masks (20 rows, 3 or 6 super-blocks), split-K and the SiLU epilogue:
     the dequantized product, and silu_mul of it bit for bit; also the previous loads
-    (MLXRUN_KQ_VARIANT=0, kept for A/B timing)."""
+    (MLXRUN_KQ_VARIANT=0, kept for A/B timing) and the codes decoded as byte fields (4)."""
     from mlxrun.backends import cuda_ops
 
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", v)
@@ -191,10 +196,59 @@ def test_q6k_lane_gemv(n, nb, sk, nw, dtype, silu, v, monkeypatch):
         assert torch.equal(kq.kqmatmul(x.to(DEV), w, cfg, silu=True), want)
 
 
+@pytest.mark.parametrize(
+    "kind,nw,silu,dtype",
+    [("Q4_K", 2, True, torch.bfloat16), ("Q5_K", 1, False, torch.float32)],
+    ids=["q4k-2warps-silu", "q5k-1warp-fp32"],
+)
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+def test_kq_stream_gemv(kind, nw, silu, dtype, monkeypatch):
+    """The streaming K-quant GEMV (quant/kquant_stream.py): 2 programs over 3 tiles of 8
+    rows (program 0 takes tiles 0 and 2, its last look-ahead clamped), 2 k-steps a tile:
+    the dequantized product; with SiLU, silu_mul of the lane GEMV's product bit for bit,
+    and the lane GEMV's output bit for bit without (the same steps in the same order)."""
+    from mlxrun.backends import cuda_ops
+
+    monkeypatch.setattr(kq.tk, "_num_sms", lambda device: 1)
+    w, ref = _case(kind, 24, 8 * nw, seed=23)  # 256 * nw words a row: 2 k-steps
+    x = torch.randn(1, w.k, generator=torch.Generator().manual_seed(5)).to(dtype).to(DEV)
+    cfg = tk.KernelConfig("stream", 1, 8, 1, num_warps=nw, per_sm=2)
+    assert kq._stream_ok(w, nw) and (w.k // 8) // (128 * nw) == 2
+    lane = tk.KernelConfig("gemv", 1, 8, 1, num_warps=nw, prefetch=False)
+    y = kq.kqmatmul(x, w, cfg)
+    _check(y, x.cpu(), ref)
+    assert torch.equal(y, kq.kqmatmul(x, w, lane))
+    if silu:
+        want = cuda_ops.silu_mul(y[:, :12], y[:, 12:])
+        assert torch.equal(kq.kqmatmul(x, w, cfg, silu=True), want)
+
+
+def test_kq_stream_launch(monkeypatch):
+    """MLXRUN_KQ_STREAM=P: the stream (P programs a SM) for Q4_K/Q5_K shapes of 8+ tiles a
+    SM whose k-steps are whole, the lane GEMV elsewhere and for Q6_K; off by default; a
+    bad value is one clear error."""
+    monkeypatch.setattr(kq.tk, "_num_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    gu = kq.random_kquant("Q4_K", 28672, 4096, "cpu")
+    o = kq.random_kquant("Q4_K", 4096, 4096, "cpu")
+    head6 = kq.random_kquant("Q6_K", 8 * 132 * 8, 4096, "cpu")
+    assert kq.lane_config(1, gu, cuda).kernel == "gemv"
+    monkeypatch.setenv("MLXRUN_KQ_STREAM", "3")
+    c = kq.lane_config(1, gu, cuda)
+    assert (c.kernel, c.per_sm, c.split_k) == ("stream", 3, 1)
+    assert kq.lane_config(1, o, cuda).kernel == "gemv"
+    assert kq.lane_config(1, head6, cuda).kernel == "gemv"
+    monkeypatch.setenv("MLXRUN_KQ_STREAM", "x")
+    with pytest.raises(kq.MlxrunError, match="MLXRUN_KQ_STREAM"):
+        kq.lane_config(1, gu, cuda)
+
+
 def test_q6k_launch_settings(monkeypatch):
     """Q6_K's lane GEMV: 2 warps where N <= 4096, 4 above, one for the head-sized (64+ row
     blocks a SM) with its register cap; one warp with the previous loads
-    (MLXRUN_KQ_VARIANT=0), as many as Q4_K with 2; a bad variant is one clear error."""
+    (MLXRUN_KQ_VARIANT=0), as many as Q4_K with 2; Q4_K's K <= 4096 on the previous loads
+    but where N <= 4096 (3 and the default 4; variant 1: every N; 2: none), Q6_K's codes as
+    byte fields (4); a bad variant is one clear error."""
     import dataclasses
 
     w = kq.random_kquant("Q6_K", 64, 4096, "cpu")
@@ -205,13 +259,20 @@ def test_q6k_launch_settings(monkeypatch):
     assert kq.lane_config(1, dataclasses.replace(w, n=6144), cuda).num_warps == 4
     assert kq.lane_config(1, dataclasses.replace(w, n=128256), cuda).num_warps == 1
     assert kq.lane_config(1, q4, cuda).num_warps == 4
-    assert kq._loads(w) == 1 and kq._loads(q4) == 0
+    assert kq._loads(w) == 2 and kq._loads(q4) == 1  # Q6_K byte fields; Q4_K new loads
+    assert kq._loads(dataclasses.replace(q4, n=6144)) == 0
     assert kq._maxnreg(w, 1) == {"maxnreg": kq.Q6K_MAXNREG}
     assert kq._maxnreg(w, 2) == {} and kq._maxnreg(q4, 1) == {}
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "0")
     assert kq.lane_config(1, w, cuda).num_warps == 1 and kq._loads(w) == 0
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "1")  # the previous default
+    assert kq.lane_config(1, w, cuda).num_warps == 2 and kq._loads(q4) == 0
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "2")
     assert kq.lane_config(1, w, cuda).num_warps == 4
+    assert kq._loads(dataclasses.replace(q4, n=6144)) == 1
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "3")  # as 4 but Q6_K's codes nibble + high bits
+    assert kq._loads(w) == 1 and kq._loads(q4) == 1
+    assert kq.lane_config(1, w, cuda).num_warps == 2
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "x")
     with pytest.raises(kq.MlxrunError, match="MLXRUN_KQ_VARIANT"):
         kq.lane_config(1, w, cuda)
