@@ -9,6 +9,7 @@ FFMA chains the streaming kernel repeats (so their outputs must be equal bit for
 
 import importlib
 import os
+import types
 
 import numpy as np
 import pytest
@@ -92,3 +93,31 @@ def test_fp4_streaming_gemv_equals_the_one_shot_gemv(mode, group_size):
     # silu of the rounded gate and up outputs (rounded in the epilogue as y is)
     g, u = y.double().cpu().split(n // 2, -1)
     assert rel_err(ys, torch.nn.functional.silu(g) * u) < 1e-2
+
+
+@pytest.mark.parametrize("mode,group_size", FP4, ids=[m for m, _ in FP4])
+def test_fp4_launches_on_an_h100(monkeypatch, mode, group_size):
+    """choose_config at batch 1 on an H100-sized GPU: the streaming GEMV (8 rows, 2 warps)
+    for fp4's long rows (the down projection, K > N), the one-shot GEMV on the other 8B
+    shapes; with MLXRUN_GEMV4=old (triton_launch.GEMV4) the one-shot GEMV everywhere."""
+    from mlxrun.quant import triton_launch
+
+    monkeypatch.setattr(triton_launch, "_num_sms", lambda device: 132)
+    gpu = types.SimpleNamespace(type="cuda")
+    shapes = [(28672, 4096), (4096, 14336), (6144, 4096), (4096, 4096), (128256, 4096)]
+
+    def picks():
+        out = []
+        for n, k in shapes:
+            w = types.SimpleNamespace(n=n, k=k, bits=4, group_size=group_size, mode=mode)
+            c = tk.choose_config(1, w, gpu)
+            out.append((c.kernel, c.block_n, c.num_warps))
+        return out
+
+    new = picks()
+    assert new[1] == ("stream", 8, 2)
+    assert [c[0] for c in new[:1] + new[2:]] == ["gemv"] * 4
+    monkeypatch.setattr(triton_launch, "GEMV4", "old")
+    old = picks()
+    assert [c[0] for c in old] == ["gemv"] * 5
+    assert old[:1] + old[2:] == new[:1] + new[2:]
