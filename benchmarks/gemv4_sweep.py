@@ -42,4 +42,8 @@ gemv8_sweep.config = config
 if __name__ == "__main__":
     if "--formats" not in sys.argv:
         sys.argv += ["--formats", "mxfp4,nvfp4"]
+    if "--warm" in sys.argv and "--shapes" in sys.argv:  # compile those shapes only
+        idx = sys.argv[sys.argv.index("--shapes") + 1]
+        if idx != "all":
+            gemv8_sweep.SHAPES = [gemv8_sweep.SHAPES[int(i)] for i in idx.split(",")]
     gemv8_sweep.main()

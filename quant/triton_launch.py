@@ -267,13 +267,13 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
         # warp has many k-steps, more resident warps beat the prefetch (mxfp8 4096x14336,
         # 7 four-warp steps: 23.5 -> 22.6 us without it; 4096x4096, 2 steps: 7.4 -> 9.5)
         prefetch = not (w.mode == "mxfp8" and warps > 1 and ksteps > 2)
-        if fp4 and GEMV4 != "old" and w.k > w.n and stream_even(w, 8, 2):
+        if fp4 and GEMV4 != "old" and m == 1 and w.k > w.n and stream_even(w, 8, 2):
             # fp4's long rows (the down projection): the streaming GEMV, 8 rows on 2 warps,
             # its k-steps unrolled with the next one's words in flight (4096x14336 on 528
-            # programs: about one tile each). H100 sweep (benchmarks/gemv4_sweep.py, cycled
+            # programs: about one tile each). H100 sweep (gemv8_sweep.py --formats mxfp4, cycled
             # weights): mxfp4 14.9 -> 14.3 us (4 warps one-shot -> this); the one-shot GEMV
             # on 2 warps 16.1; the stream lost on the K = 4096 shapes (gate/up 24.2 -> 25.4
-            # at best, head 95.4 -> 97.6)
+            # at best, head 95.4 -> 97.6). Batch 1 only: 2-4 rows of x are not measured
             return KernelConfig("stream", 1, 8, 1, num_warps=2, per_sm=4)
         if w.bits == 8 and GEMV8 == "stream":
             # The streaming GEMV where its programs take several tiles or a tile has long
