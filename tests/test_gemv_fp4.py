@@ -121,3 +121,35 @@ def test_fp4_launches_on_an_h100(monkeypatch, mode, group_size):
     old = picks()
     assert [c[0] for c in old] == ["gemv"] * 5
     assert old[:1] + old[2:] == new[:1] + new[2:]
+
+
+@pytest.mark.parametrize("mode,group_size", FP4, ids=[m for m, _ in FP4])
+def test_fp4_decode_equals_the_old_decode(mode, group_size):
+    """The fp4 decode (E2M1 positions 3 and 7 from one mask; nvfp4's E4M3 scales by the
+    hardware conversion where compiled) gives the old decode's outputs bit for bit
+    (MLXRUN_GEMV4=old: the kernels reloaded with GEMV4 = "old"), over every E2M1 code and
+    every finite E4M3 scale code (subnormals included), and the float64 decoder's product."""
+    from mlxrun.quant import triton_gemv, triton_launch
+
+    n, k = 16, 512
+    w, s, gen = packed_fp4(n, k, mode, group_size, seed=3)
+    if mode == "nvfp4":  # all 254 finite codes (not 0x7F, 0xFF), then random ones
+        codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+        s.view(-1)[: codes.numel()] = codes
+    q = tk.prepare(w.to(DEV), s.to(DEV), None, mode, 4, group_size)
+    x = torch.randn(1, k, generator=gen).bfloat16()
+    want = x.double() @ ref_fp4(w, s, mode, group_size).T
+    x = x.to(DEV)
+    cfg = tk.KernelConfig("gemv", 1, 8, 1)
+    new = tk.qmatmul(x, q, cfg)
+    assert rel_err(new, want) < 1e-2
+    saved = (triton_launch.GEMV4, tk._gemv_kernel)
+    triton_launch.GEMV4 = "old"
+    try:
+        tk._gemv_kernel = importlib.reload(triton_gemv)._gemv_kernel
+        old = tk.qmatmul(x, q, cfg)
+    finally:
+        triton_launch.GEMV4 = saved[0]
+        importlib.reload(triton_gemv)
+        tk._gemv_kernel = saved[1]
+    assert torch.equal(new, old)
