@@ -23,9 +23,9 @@ _VARIANT: dict = {}  # id(KernelConfig) -> "old" / "new"
 
 
 def _kernels(which: str):
-    """The GEMV kernels compiled from triton_gemv with GEMV4 = which: the fp4 decode (E2M1
-    positions 3 and 7 sharing a mask, nvfp4's E4M3 scales by cvt) is fixed at import, so the
-    modules are loaded once more for each ("new" is the import's own)."""
+    """The GEMV kernels compiled from triton_gemv with GEMV4 = which: the fp4 decode (nvfp4's
+    E4M3 scales by cvt; with MLXRUN_E2M1_PAIR=1 E2M1 positions 3 and 7 sharing a mask) is
+    fixed at import, so the modules are loaded once more for each."""
     if which not in _KERNELS:
         import importlib
 

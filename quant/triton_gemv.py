@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import os
 
-from .triton_launch import GEMV4, tl, tlc, triton
+from .triton_launch import E2M1_PAIR_ON, GEMV4, tl, tlc, triton
 
 # nvfp4's E4M3 scales decoded by the hardware (cvt.rn.f16x2.e4m3x2, then f16 -> f32) where
 # the GEMV is compiled (not the interpreter); MLXRUN_GEMV4=old keeps the bit decode (the
 # same values)
-E2M1_PAIR = tl.constexpr(GEMV4 != "old")
+E2M1_PAIR = tl.constexpr(GEMV4 != "old" and E2M1_PAIR_ON)  # MLXRUN_E2M1_PAIR=1
 E4M3_CVT = tl.constexpr(GEMV4 != "old" and os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
@@ -74,7 +74,7 @@ def _decode_pos(w, I: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr):
         elif I == 7 and E2M1_PAIR:  # the same 16 bits higher, moved down to 19, 20, 22, 23:
             # position 3's bits land at 3..18 (distinct, so no carries), below the mask
             v = ((w & 0x6C006C00) >> 7) * (1 + (1 << 5) + (1 << 11))
-        elif I == 3:  # MLXRUN_GEMV4=old: a mask each
+        elif I == 3:  # a mask each (the default; MLXRUN_E2M1_PAIR=1 shares it)
             v = (w & 0x6C00) * ((1 << 9) + (1 << 14) + (1 << 20))
         elif I == 7:
             v = ((w >> 7) & 0x00D80000) * (1 + (1 << 5) + (1 << 11))

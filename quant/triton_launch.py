@@ -198,6 +198,10 @@ STREAM_PER_SM = int(os.environ.get("MLXRUN_STREAM_PER_SM", "4"))
 # The fp4 GEMVs' (mxfp4, nvfp4) launches at batch 1: "new" (the rules from the 2026-11-26
 # sweep, KERNEL_NOTES.md) or "old" (those before it, for A/B timing)
 GEMV4 = os.environ.get("MLXRUN_GEMV4", "new")
+# E2M1 positions 3 and 7 of a word from one shared mask (triton_gemv._decode_pos): fewer
+# instructions, more registers (mxfp4 122 -> 158, sm_90); not measured in the decode loop,
+# so off unless MLXRUN_E2M1_PAIR=1
+E2M1_PAIR_ON = os.environ.get("MLXRUN_E2M1_PAIR", "0") == "1"
 
 
 def stream_even(w, block_n: int, warps: int, silu: bool = False) -> bool:

@@ -125,10 +125,11 @@ def test_fp4_launches_on_an_h100(monkeypatch, mode, group_size):
 
 @pytest.mark.parametrize("mode,group_size", FP4, ids=[m for m, _ in FP4])
 def test_fp4_decode_equals_the_old_decode(mode, group_size):
-    """The fp4 decode (E2M1 positions 3 and 7 from one mask; nvfp4's E4M3 scales by the
-    hardware conversion where compiled) gives the old decode's outputs bit for bit
-    (MLXRUN_GEMV4=old: the kernels reloaded with GEMV4 = "old"), over every E2M1 code and
-    every finite E4M3 scale code (subnormals included), and the float64 decoder's product."""
+    """The fp4 decodes give the old decode's outputs (MLXRUN_GEMV4=old) bit for bit: the
+    default (nvfp4's E4M3 scales by the hardware conversion where compiled) and with
+    MLXRUN_E2M1_PAIR=1 (E2M1 positions 3 and 7 from one mask), the kernels reloaded for
+    each; over every E2M1 code and every finite E4M3 scale code (subnormals included); and
+    the float64 decoder's product."""
     from mlxrun.quant import triton_gemv, triton_launch
 
     n, k = 16, 512
@@ -141,15 +142,17 @@ def test_fp4_decode_equals_the_old_decode(mode, group_size):
     want = x.double() @ ref_fp4(w, s, mode, group_size).T
     x = x.to(DEV)
     cfg = tk.KernelConfig("gemv", 1, 8, 1)
-    new = tk.qmatmul(x, q, cfg)
-    assert rel_err(new, want) < 1e-2
-    saved = (triton_launch.GEMV4, tk._gemv_kernel)
-    triton_launch.GEMV4 = "old"
-    try:
-        tk._gemv_kernel = importlib.reload(triton_gemv)._gemv_kernel
-        old = tk.qmatmul(x, q, cfg)
+    saved = (triton_launch.GEMV4, triton_launch.E2M1_PAIR_ON, tk._gemv_kernel)
+    outs = []
+    try:  # old decode; the default (E4M3 by cvt where compiled); with the shared E2M1 mask
+        for gemv4, pair in (("old", False), ("new", False), ("new", True)):
+            triton_launch.GEMV4, triton_launch.E2M1_PAIR_ON = gemv4, pair
+            tk._gemv_kernel = importlib.reload(triton_gemv)._gemv_kernel
+            outs.append(tk.qmatmul(x, q, cfg))
     finally:
-        triton_launch.GEMV4 = saved[0]
+        triton_launch.GEMV4, triton_launch.E2M1_PAIR_ON = saved[:2]
         importlib.reload(triton_gemv)
-        tk._gemv_kernel = saved[1]
-    assert torch.equal(new, old)
+        tk._gemv_kernel = saved[2]
+    assert rel_err(outs[0], want) < 1e-2
+    assert torch.equal(outs[1], outs[0])
+    assert torch.equal(outs[2], outs[0])
