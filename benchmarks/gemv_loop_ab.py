@@ -18,7 +18,8 @@ PDL wait); early-1 (early where a split has one k-step); late (early off); seq (
 down-w2 (K > N, the down projection: 8 rows, 2 warps, no split: whole k-steps, no masks);
 down-s2 (down: split K in 2 across programs); small-r8 (q/k/v and o: 8-row tiles);
 o-w2 (N == K: 2 warps); qkv-w2 (K < N < 2K: 2 warps); gu-r8 (the joint gate/up in 8-row
-tiles); head-r8 (the head in 8-row tiles).
+tiles); head-r8 (the head in 8-row tiles); gemv4-old (the fp4 formats' launches with
+MLXRUN_GEMV4=old: before their 2026-11-26 sweep).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ FMT = {"int4": ("affine", 4, 64), "fp4": ("mxfp4", 4, 32), "nvfp4": ("nvfp4", 4,
 
 def _apply(part: str, c, w):
     r = dataclasses.replace
-    if part == "default":
+    if part in ("default", "gemv4-old"):  # gemv4-old: applied in patch
         return c
     if part == "early":
         return r(c, early=True)
@@ -72,7 +73,16 @@ def patch(name: str):
     parts = name.split("+")
 
     def choose(m, w, device, x_dtype=None):
-        c = orig(m, w, device, x_dtype)
+        if "gemv4-old" in parts:  # the fp4 launches before the 2026-11-26 sweep
+            from mlxrun.quant import triton_launch
+
+            saved, triton_launch.GEMV4 = triton_launch.GEMV4, "old"
+            try:
+                c = orig(m, w, device, x_dtype)
+            finally:
+                triton_launch.GEMV4 = saved
+        else:
+            c = orig(m, w, device, x_dtype)
         if c.kernel != "gemv":
             return c
         for p in parts:

@@ -10,7 +10,15 @@ Imported only where Triton loads (triton_kernels.py checks).
 
 from __future__ import annotations
 
-from .triton_launch import tl, tlc, triton
+import os
+
+from .triton_launch import E2M1_PAIR_ON, GEMV4, tl, tlc, triton
+
+# nvfp4's E4M3 scales decoded by the hardware (cvt.rn.f16x2.e4m3x2, then f16 -> f32) where
+# the GEMV is compiled (not the interpreter); MLXRUN_GEMV4=old keeps the bit decode (the
+# same values)
+E2M1_PAIR = tl.constexpr(GEMV4 != "old" and E2M1_PAIR_ON)  # MLXRUN_E2M1_PAIR=1
+E4M3_CVT = tl.constexpr(GEMV4 != "old" and os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
 @triton.jit
@@ -59,10 +67,16 @@ def _decode_pos(w, I: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr):
         t = w >> (8 * I)
         f = (((t << 20) & 0x07F00000) | ((t << 24) & 0x80000000)).to(tl.float32, bitcast=True)
     else:  # E2M1 in prepare's layout (_E2M1_BITS): magnitude -> 22..24, sign -> 31
-        if I == 3:  # m, e0 at 13, 14, e1 at 10, sign at 11: one multiply adds three
-            # copies of the isolated bits (shifted by 9, 14, 20; no carries between them)
+        if I == 3 and E2M1_PAIR:  # m, e0 at 13, 14, e1 at 10, sign at 11: one multiply
+            # adds three copies of the isolated bits (shifted by 9, 14, 20; no carries); the
+            # mask is position 7's too (computed once): its bits 26-30 go past bit 31
+            v = (w & 0x6C006C00) * ((1 << 9) + (1 << 14) + (1 << 20))
+        elif I == 7 and E2M1_PAIR:  # the same 16 bits higher, moved down to 19, 20, 22, 23:
+            # position 3's bits land at 3..18 (distinct, so no carries), below the mask
+            v = ((w & 0x6C006C00) >> 7) * (1 + (1 << 5) + (1 << 11))
+        elif I == 3:  # a mask each (the default; MLXRUN_E2M1_PAIR=1 shares it)
             v = (w & 0x6C00) * ((1 << 9) + (1 << 14) + (1 << 20))
-        elif I == 7:  # the same 16 bits higher, moved down to 19, 20, 22, 23 first
+        elif I == 7:
             v = ((w >> 7) & 0x00D80000) * (1 + (1 << 5) + (1 << 11))
         elif I == 6:  # m, e0, e1 at 22..24, sign at 31: in place
             v = w
@@ -144,12 +158,42 @@ def _gemv_scale(s_ptr, b_ptr, offs, mask, MODE: tl.constexpr, EVEN: tl.constexpr
             b = b.to(tl.float32)
     else:
         if EVEN:
-            e = tl.load(s_ptr + offs).to(tl.uint32)
+            e8 = tl.load(s_ptr + offs)
         else:
-            e = tl.load(s_ptr + offs, mask=mask, other=0).to(tl.uint32)
-        s = _scale_code(e, MODE)
+            e8 = tl.load(s_ptr + offs, mask=mask, other=0)
+        if MODE == 2 and E4M3_CVT:
+            s = _e4m3_scales(e8)
+        else:
+            s = _scale_code(e8.to(tl.uint32), MODE)
         b = s  # unused outside affine mode
     return s, b
+
+
+@triton.jit
+def _e4m3_scales(e):
+    """E4M3 codes e (uint8) as fp32, four a call: two cvt.rn.f16x2.e4m3x2 and four exact
+    f16 -> f32 conversions (every E4M3 value is an f16), against a shift, two masks and a
+    multiply by 2^120 a code in _scale_code (nvfp4: 16 scales a lane a k-step)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b16 lo, hi, h0, h1, h2, h3;
+        .reg .b32 a, b;
+        mov.b32 {lo, hi}, $4;
+        cvt.rn.f16x2.e4m3x2 a, lo;
+        cvt.rn.f16x2.e4m3x2 b, hi;
+        mov.b32 {h0, h1}, a;
+        mov.b32 {h2, h3}, b;
+        cvt.f32.f16 $0, h0;
+        cvt.f32.f16 $1, h1;
+        cvt.f32.f16 $2, h2;
+        cvt.f32.f16 $3, h3;
+        }""",
+        constraints="=r,=r,=r,=r,r",
+        args=[e],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit

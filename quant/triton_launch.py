@@ -195,6 +195,15 @@ GEMV8 = os.environ.get("MLXRUN_GEMV8", "stream")
 STREAM_PER_SM = int(os.environ.get("MLXRUN_STREAM_PER_SM", "4"))
 
 
+# The fp4 GEMVs' (mxfp4, nvfp4) launches at batch 1: "new" (the rules from the 2026-11-26
+# sweep, KERNEL_NOTES.md) or "old" (those before it, for A/B timing)
+GEMV4 = os.environ.get("MLXRUN_GEMV4", "new")
+# E2M1 positions 3 and 7 of a word from one shared mask (triton_gemv._decode_pos): fewer
+# instructions, more registers (mxfp4 122 -> 158, sm_90); not measured in the decode loop,
+# so off unless MLXRUN_E2M1_PAIR=1
+E2M1_PAIR_ON = os.environ.get("MLXRUN_E2M1_PAIR", "0") == "1"
+
+
 def stream_even(w, block_n: int, warps: int, silu: bool = False) -> bool:
     """Whether the streaming GEMV takes w (a QLinear, or anything with its n, k, bits):
     whole row tiles (gate/up halves with silu) and whole k-steps of 128*warps words."""
@@ -262,6 +271,14 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
         # warp has many k-steps, more resident warps beat the prefetch (mxfp8 4096x14336,
         # 7 four-warp steps: 23.5 -> 22.6 us without it; 4096x4096, 2 steps: 7.4 -> 9.5)
         prefetch = not (w.mode == "mxfp8" and warps > 1 and ksteps > 2)
+        if fp4 and GEMV4 != "old" and m == 1 and w.k > w.n and stream_even(w, 8, 2):
+            # fp4's long rows (the down projection): the streaming GEMV, 8 rows on 2 warps,
+            # its k-steps unrolled with the next one's words in flight (4096x14336 on 528
+            # programs: about one tile each). H100 sweep (gemv8_sweep.py --formats mxfp4, cycled
+            # weights): mxfp4 14.9 -> 14.3 us (4 warps one-shot -> this); the one-shot GEMV
+            # on 2 warps 16.1; the stream lost on the K = 4096 shapes (gate/up 24.2 -> 25.4
+            # at best, head 95.4 -> 97.6). Batch 1 only: 2-4 rows of x are not measured
+            return KernelConfig("stream", 1, 8, 1, num_warps=2, per_sm=4)
         if w.bits == 8 and GEMV8 == "stream":
             # The streaming GEMV where its programs take several tiles or a tile has long
             # rows; the one-shot GEMV on the small K=4096 shapes. H200 (gemv8_sweep.py,
