@@ -22,7 +22,8 @@ tiles); head-r8 (the head in 8-row tiles).
 8-bit (int8, fp8): old (the one-shot GEMV everywhere, MLXRUN_GEMV8=old); gu-old, down-old,
 head-old (the one-shot GEMV on that shape only); and of the streaming GEMV: p2, p3, p5
 (programs a SM), bal (as many tiles for every program), down-r8 / down-r16 (the down
-projection's stream in 8- / 16-row tiles), head-r8, gu-r8s (the gate/up's stream at 8 rows).
+projection's stream in 8- / 16-row tiles), head-r8, gu-r8s (the gate/up's stream at 8 rows),
+ahead (every stream in 8-row tiles, the next tile's words issued ahead: MLXRUN_STREAM_AHEAD=1).
 """
 
 from __future__ import annotations
@@ -69,7 +70,13 @@ def _apply8(part: str, c, w, orig, args):
     if part in ("gu-old", "down-old", "head-old"):
         return _old(c, w, orig, args) if _role(w) == part.split("-")[0] else c
     if c.kernel != "stream":
-        return c if part in ("p2", "p3", "p5", "bal", "down-r8", "down-r16", "gu-r8s") else None
+        return (
+            c
+            if part in ("p2", "p3", "p5", "bal", "down-r8", "down-r16", "gu-r8s", "ahead")
+            else None
+        )
+    if part == "ahead":
+        return r(c, block_n=8, ahead=True)
     if part in ("p2", "p3", "p5"):
         return r(c, per_sm=int(part[1]))
     if part == "bal":
