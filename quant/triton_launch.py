@@ -275,10 +275,13 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
             # 31.4, 21.2 -> 17.0, 137.6 -> 125.8; but 6144x4096 (one tile a program) mxfp8
             # 7.6 -> 8.0, int8 8.1 -> 7.9, 4096x4096 6.0 -> 6.5, 6.4 -> 6.6. E4M3 is decoded
             # a word at a time (the tile-wide conversion spills at 16 rows: Triton 3.6, 255
-            # registers + 272 B; a word at a time 128, none); 16 rows, but 8 for mxfp8's
-            # long rows (4096x14336: 15.1 us against 17.2)
-            sbn = 8 if w.mode == "mxfp8" and ksteps > 2 else 16
-            many = math.ceil(w.n / sbn) * m > STREAM_PER_SM * sms
+            # registers + 272 B; a word at a time 128, none); 16 rows, but 8 for long rows
+            # (K=14336, 7 k-steps unrolled: int8 at 16 rows holds 249 registers, 2 programs
+            # a SM; at 8, 114 and 4). In the H100 decode step (gemv_loop_ab.py, int8): 16 ->
+            # 8 rows on the down projection 3.410 -> 3.298 ms, where its one-shot GEMV was
+            # 3.357 (mxfp8 4096x14336 alone on the H200: 15.1 us against 17.2)
+            sbn = 8 if ksteps > 2 else 16
+            many = math.ceil(w.n / 16) * m > STREAM_PER_SM * sms
             sbn = 8 if STREAM_AHEAD else sbn
             if (many or ksteps > 2) and stream_even(w, sbn, warps):
                 return KernelConfig("stream", 1, sbn, 1, num_warps=warps,

@@ -89,7 +89,8 @@ def test_stream_ahead_one_tile_a_program_and_16_rows():
 def test_stream_ahead_is_chosen_only_when_asked(monkeypatch):
     """choose_config on an H100-sized GPU: MLXRUN_STREAM_AHEAD puts every 8-bit stream
     shape of the 8B model (gate/up, down, head) in 8-row tiles with ahead; q/k/v and o keep
-    the one-shot GEMV; 4-bit never streams. Without it, the default rule is unchanged."""
+    the one-shot GEMV; 4-bit never streams. Without it, 16-row tiles but 8 on the down
+    projection's long rows (7 k-steps), int8 as mxfp8."""
     from mlxrun.quant import triton_launch
 
     monkeypatch.setattr(triton_launch, "_num_sms", lambda device: 132)
@@ -104,7 +105,8 @@ def test_stream_ahead_is_chosen_only_when_asked(monkeypatch):
             out.append((c.kernel, c.block_n, c.ahead) if c.kernel == "stream" else c.kernel)
         return out
 
-    assert picks("affine", 8, 64)[2:] == [("stream", 16, False)] * 3
+    default = [("stream", 16, False), ("stream", 8, False), ("stream", 16, False)]
+    assert picks("affine", 8, 64)[2:] == picks("mxfp8", 8, 32)[2:] == default
     monkeypatch.setattr(triton_launch, "STREAM_AHEAD", True)
     for mode, g in (("affine", 64), ("mxfp8", 32)):
         assert picks(mode, 8, g) == ["gemv", "gemv"] + [("stream", 8, True)] * 3
