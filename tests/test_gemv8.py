@@ -105,6 +105,7 @@ def test_stream_ahead_is_chosen_only_when_asked(monkeypatch):
             out.append((c.kernel, c.block_n, c.ahead) if c.kernel == "stream" else c.kernel)
         return out
 
+    monkeypatch.setattr(triton_launch, "STREAM_AHEAD", False)
     default = [("stream", 16, False), ("stream", 8, False), ("stream", 16, False)]
     assert picks("affine", 8, 64)[2:] == picks("mxfp8", 8, 32)[2:] == default
     monkeypatch.setattr(triton_launch, "STREAM_AHEAD", True)
