@@ -210,6 +210,7 @@ def _gemv_stream_kernel(
                 # so the next tile's words were only in flight during the reduction; in a
                 # branch they stay where they are issued (SASS: int8 8 rows, K=4096, LDGs at
                 # 751 of 838 -> 398 of 884, 80 -> 123 registers). 16 rows: 250 registers.
+                # The H100 decode step was 10% slower with it (KERNEL_NOTES.md): off.
                 if t + P < tiles:
                     wb = _load_step(w_ptr, rn_n, n_mask, rkw, 0, KW, True, LMODE, LANES)
                     wb_h = wb

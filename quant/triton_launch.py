@@ -195,8 +195,9 @@ GEMV8 = os.environ.get("MLXRUN_GEMV8", "stream")
 # are resident (H200, mxfp8 28672x4096: 2, 3, 4 a SM 34.2, 36.2, 30.8 us)
 STREAM_PER_SM = int(os.environ.get("MLXRUN_STREAM_PER_SM", "4"))
 # MLXRUN_STREAM_AHEAD=1: the stream in 8-row tiles with the next tile's words issued before
-# the last k-step's FMAs (KernelConfig.ahead; at 16 rows that takes ~250 registers). Off
-# until measured on a GPU: benchmarks/KERNEL_NOTES.md (2026-11-27)
+# the last k-step's FMAs (KernelConfig.ahead; at 16 rows that takes ~250 registers). Off: in
+# the H100 decode step it lost 10% (int8 3.301 -> 3.635 ms, fp8 3.165 -> 3.486; 8-row tiles
+# alone cost 0.1-0.2%): benchmarks/KERNEL_NOTES.md (2026-11-27)
 STREAM_AHEAD = os.environ.get("MLXRUN_STREAM_AHEAD", "0") == "1"
 
 
