@@ -10,7 +10,8 @@ against the dequantized fp32 product.
 A variant is "old" (choose_config's one-shot GEMV), "new" (its pick with MLXRUN_GEMV8=stream), "gBNwWsS[nopf]" (the one-shot GEMV:
 BN rows, W warps, S splits, prefetch off), "sBNwWpP" (the streaming GEMV of
 quant/triton_gemv_stream.py: P programs a SM, a trailing b: fewer where that gives every
-program the same number of tiles) or "cBNwWpP" (the same, mxfp8 decoded a word at a time). The gate/up shape (28672x4096) runs with the
+program the same number of tiles), "cBNwWpP" (the same, mxfp8 decoded a word at a time) or
+"aBNwWpP" (c with the next tile's words issued ahead, KernelConfig.ahead). The gate/up shape (28672x4096) runs with the
 SiLU epilogue, as in the model.
 """
 
@@ -47,11 +48,11 @@ def config(name: str, m: int, w, device):
             return tk.choose_config(m, w, device, torch.bfloat16)
         finally:
             triton_launch.GEMV8 = saved
-    mt = re.fullmatch(r"(s|c)(\d+)w(\d+)p(\d+)(b?)", name)
+    mt = re.fullmatch(r"(s|c|a)(\d+)w(\d+)p(\d+)(b?)", name)
     if mt:
         bn, nw, ps = (int(v) for v in mt.groups()[1:4])
-        return tk.KernelConfig("stream", 1, bn, 1, num_warps=nw, per_sm=ps, cvt=mt[1] == "c",
-                               balance=mt[5] == "b")  # fmt: skip
+        return tk.KernelConfig("stream", 1, bn, 1, num_warps=nw, per_sm=ps, cvt=mt[1] != "s",
+                               balance=mt[5] == "b", ahead=mt[1] == "a")  # fmt: skip
     mt = re.fullmatch(r"g(\d+)w(\d+)s(\d+)(nopf)?", name)
     if mt:
         bn, nw, sk = (int(v) for v in mt.groups()[:3])

@@ -20,6 +20,11 @@ down-s2 (down: split K in 2 across programs); small-r8 (q/k/v and o: 8-row tiles
 o-w2 (N == K: 2 warps); qkv-w2 (K < N < 2K: 2 warps); gu-r8 (the joint gate/up in 8-row
 tiles); head-r8 (the head in 8-row tiles); gemv4-old (the fp4 formats' launches with
 MLXRUN_GEMV4=old: before their 2026-11-26 sweep).
+8-bit (int8, fp8): old (the one-shot GEMV everywhere, MLXRUN_GEMV8=old); gu-old, down-old,
+head-old (the one-shot GEMV on that shape only); and of the streaming GEMV: p2, p3, p5
+(programs a SM), bal (as many tiles for every program), down-r8 / down-r16 (the down
+projection's stream in 8- / 16-row tiles), head-r8, gu-r8s (the gate/up's stream at 8 rows),
+ahead (every stream in 8-row tiles, the next tile's words issued ahead: MLXRUN_STREAM_AHEAD=1).
 """
 
 from __future__ import annotations
@@ -31,7 +36,59 @@ import time
 
 import torch
 
-FMT = {"int4": ("affine", 4, 64), "fp4": ("mxfp4", 4, 32), "nvfp4": ("nvfp4", 4, 16)}
+FMT = {"int4": ("affine", 4, 64), "fp4": ("mxfp4", 4, 32), "nvfp4": ("nvfp4", 4, 16),
+       "int8": ("affine", 8, 64), "fp8": ("mxfp8", 8, 32)}  # fmt: skip
+
+
+def _role(w) -> str:
+    """The 8B-style linear a weight is, by its shape (gate/up: the joint one)."""
+    if w.n >= 16 * w.k:
+        return "head"
+    if w.k > w.n:
+        return "down"
+    if 2 * w.k < w.n:
+        return "gu"
+    return "small"
+
+
+def _old(c, w, orig, args):
+    """choose_config's pick with the one-shot 8-bit GEMV (MLXRUN_GEMV8=old)."""
+    from mlxrun.quant import triton_launch
+
+    saved = triton_launch.GEMV8
+    triton_launch.GEMV8 = "old"
+    try:
+        return orig(*args)
+    finally:
+        triton_launch.GEMV8 = saved
+
+
+def _apply8(part: str, c, w, orig, args):
+    """The 8-bit parts: None where `part` is not one of them."""
+    r = dataclasses.replace
+    if part == "old":
+        return _old(c, w, orig, args)
+    if part in ("gu-old", "down-old", "head-old"):
+        return _old(c, w, orig, args) if _role(w) == part.split("-")[0] else c
+    if c.kernel != "stream":
+        return (
+            c
+            if part in ("p2", "p3", "p5", "bal", "down-r8", "down-r16", "gu-r8s", "ahead")
+            else None
+        )
+    if part == "ahead":
+        return r(c, block_n=8, ahead=True)
+    if part in ("p2", "p3", "p5"):
+        return r(c, per_sm=int(part[1]))
+    if part == "bal":
+        return r(c, balance=True)
+    if part in ("down-r8", "down-r16"):
+        return r(c, block_n=int(part[6:])) if _role(w) == "down" else c
+    if part == "gu-r8s":
+        return r(c, block_n=8) if _role(w) == "gu" else c
+    if part == "head-r8":
+        return r(c, block_n=8) if _role(w) == "head" else c
+    return None
 
 
 def _apply(part: str, c, w):
@@ -83,10 +140,11 @@ def patch(name: str):
                 triton_launch.GEMV4 = saved
         else:
             c = orig(m, w, device, x_dtype)
-        if c.kernel != "gemv":
+        if c.kernel not in ("gemv", "stream"):
             return c
         for p in parts:
-            c = _apply(p, c, w)
+            c8 = _apply8(p, c, w, orig, (m, w, device, x_dtype)) if w.bits == 8 else None
+            c = c8 if c8 is not None else c if c.kernel == "stream" else _apply(p, c, w)
         return c
 
     tk.choose_config = choose
@@ -139,8 +197,8 @@ def warm(cfg, quant: str, variant: str) -> None:
         tk.qmatmul(x, w, silu=silu and tk.silu_fusable(x, w))
         torch.cuda.synchronize()
         c = tk.choose_config(1, w, x.device, x.dtype)
-        print(f"{quant} {variant} {n}x{k}: {c.block_n} rows w{c.num_warps} s{c.split_k} "
-              f"seq={c.seq} {time.time() - t0:.1f} s", flush=True)  # fmt: skip
+        print(f"{quant} {variant} {n}x{k}: {c.kernel} {c.block_n} rows w{c.num_warps} "
+              f"s{c.split_k} p{c.per_sm} bal={c.balance} {time.time() - t0:.1f} s", flush=True)  # fmt: skip
         del w
     undo()
 
@@ -169,7 +227,7 @@ def profile(model, cache, context: int, variant: str, steps: int = 3) -> dict:
         key=lambda e: e.time_range.start,
     )
     per: dict = {}
-    gemv = [e for e in evs if "_gemv_kernel" in e.name]
+    gemv = [e for e in evs if "_gemv_kernel" in e.name or "_gemv_stream_kernel" in e.name]
     n = len(gemv) // steps
     roles = ["qkv", "o", "gate_up", "down"]
     for i, e in enumerate(gemv):
@@ -177,7 +235,7 @@ def profile(model, cache, context: int, variant: str, steps: int = 3) -> dict:
         r = "head" if j >= n - 1 else roles[j % 4]
         per.setdefault("gemv " + r, []).append(e.device_time_total)
     for e in evs:
-        if "_gemv_kernel" not in e.name:
+        if "_gemv_kernel" not in e.name and "_gemv_stream_kernel" not in e.name:
             per.setdefault(e.name[:60], []).append(e.device_time_total)
     return {k: (sum(v) / steps, len(v) // steps) for k, v in per.items()}
 

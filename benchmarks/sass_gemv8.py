@@ -5,8 +5,9 @@ variant (no GPU needed; the Triton on the path decides: the H100 runs 3.6).
     python benchmarks/sass_gemv8.py                    # mxfp8 and int8 at the 8B shapes' K
     python benchmarks/sass_gemv8.py --variants c16w4,s8w4 --k 4096 --hist
 
-A variant is sBNwW (E4M3 decoded a k-step's tile at once, as the one-shot GEMV does) or
-cBNwW (a word at a time in PTX); the int8 (affine 8-bit g64) kernel is the same for both.
+A variant is sBNwW (E4M3 decoded a k-step's tile at once, as the one-shot GEMV does),
+cBNwW (a word at a time in PTX; the int8 (affine 8-bit g64) kernel is the same for both) or
+aBNwW (c, with the next tile's loads issued ahead: KernelConfig.ahead).
 The "loop" is the tile loop (all k-steps of a tile unrolled), prologue and epilogue outside.
 """
 
@@ -26,14 +27,14 @@ import mlxrun.quant.triton_kernels as tk  # noqa: E402
 FORMATS = {"mxfp8": ("mxfp8", 8, 32), "int8": ("affine", 8, 64), "nvfp4": ("nvfp4", 4, 16)}
 
 
-def compile_stream(mode, bits, g, bn, warps, k, silu=False, cvt=0):
+def compile_stream(mode, bits, g, bn, warps, k, silu=False, cvt=0, ahead=False):
     """The cubin qmatmul launches on an H100 for this variant (pointers and the
     multiple-of-16 ints specialised as Triton's launcher does)."""
     fn = tk._gemv_stream_kernel
     kw = k * bits // 32
     consts = dict(MODE=tk._MODE_ID[mode], BITS=bits, G=g, BLOCK_N=bn,
                   KSTEPS=kw // (128 * warps), KW=kw, PDL=True, SILU=silu, WARPS=warps,
-                  CVT=cvt)  # fmt: skip
+                  CVT=cvt, AHEAD=ahead)  # fmt: skip
     sdt = "*bf16" if mode == "affine" else "*u8"
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": sdt, "b_ptr": sdt, "y_ptr": "*bf16"}
     # N, K, strides: multiples of 16 at the 8B shapes
@@ -53,14 +54,15 @@ def main() -> None:
     for fmt in a.formats.split(","):
         mode, bits, g = FORMATS[fmt]
         for v in a.variants.split(","):
-            mt = re.fullmatch(r"(s|c)(\d+)w(\d+)", v)
+            mt = re.fullmatch(r"(s|c|a)(\d+)w(\d+)", v)
             if not mt:
                 raise SystemExit(f"unknown variant {v!r}")
             if fmt != "mxfp8" and mt[1] == "c":
                 continue  # the same kernel as s
             bn, warps = int(mt[2]), int(mt[3])
             for k in (int(s) for s in a.k.split(",")):
-                kern = compile_stream(mode, bits, g, bn, warps, k, a.silu, 2 * (mt[1] == "c"))
+                cvt = 2 * (mt[1] != "s" and fmt == "mxfp8")
+                kern = compile_stream(mode, bits, g, bn, warps, k, a.silu, cvt, mt[1] == "a")
                 sass, res = sass_of(kern)
                 regs = int(re.search(r"REG:(\d+)", res).group(1))
                 spill = sum(int(re.search(rf"{f}:(\d+)", res).group(1)) for f in ("STACK", "LOCAL"))

@@ -148,6 +148,7 @@ def _gemv_stream_kernel(
     SILU: tl.constexpr = False,
     WARPS: tl.constexpr = 4,
     CVT: tl.constexpr = 0,
+    AHEAD: tl.constexpr = False,
 ):
     """y[m, N] = x[m, K] @ W^T: program (m, pid) computes row tiles pid, pid + P, ...
     (P = programs along axis 1) of BLOCK_N = 8 or 16 rows, KSTEPS k-steps of 4*32*WARPS
@@ -157,7 +158,9 @@ def _gemv_stream_kernel(
     tile loads (past the last tile, the last one again: in bounds, never used).
     SILU: W = [gate; up] and y[m, N/2] = silu(gate) * up, as _gemv_kernel's epilogue.
     CVT (mxfp8): 0 decodes a k-step's tile at once (_gemv_step); 1 a word at a time through
-    Triton's fp8 type (the interpreter), 2 a word at a time in PTX (_e4m3x4)."""
+    Triton's fp8 type (the interpreter), 2 a word at a time in PTX (_e4m3x4).
+    AHEAD: the next tile's loads in a branch (see there): issued before the last k-step's
+    FMAs, as written. The same sums either way."""
     tl.static_assert(BLOCK_N == 8 or BLOCK_N == 16)
     HALVES: tl.constexpr = BLOCK_N // 8
     LANES: tl.constexpr = 32 * WARPS
@@ -201,6 +204,22 @@ def _gemv_stream_kernel(
                 wb_h = wb
                 if HALVES == 2:
                     wb_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, s + 1, KW, True, LMODE, LANES)
+            elif AHEAD:
+                # The same loads under a run-time branch: ptxas (Triton 3.6, sm_90) sinks the
+                # unconditional ones below the last k-step's FMAs and the scales' round trip,
+                # so the next tile's words were only in flight during the reduction; in a
+                # branch they stay where they are issued (SASS: int8 8 rows, K=4096, LDGs at
+                # 751 of 838 -> 398 of 884, 80 -> 123 registers). 16 rows: 250 registers.
+                # The H100 decode step was 10% slower with it (KERNEL_NOTES.md): off.
+                if t + P < tiles:
+                    wb = _load_step(w_ptr, rn_n, n_mask, rkw, 0, KW, True, LMODE, LANES)
+                    wb_h = wb
+                    if HALVES == 2:
+                        wb_h = _load_step(w_ptr, rn_hn, n_mask_h, rkw, 0, KW, True, LMODE,
+                                          LANES)  # fmt: skip
+                else:  # no next tile: nothing to load
+                    wb = wa
+                    wb_h = wa_h
             else:
                 wb = _load_step(w_ptr, rn_n, n_mask, rkw, 0, KW, True, LMODE, LANES)
                 wb_h = wb

@@ -157,6 +157,7 @@ class KernelConfig:
     balance: bool = False
     seq: bool = False  # GEMV, 16 rows: each k-step's two 8-row halves one after the other
     early: bool = False  # GEMV: each k-step's scales loaded with its words
+    ahead: bool = False  # stream: the next tile's words issued before the last k-step's FMAs
 
 
 def _split(n_tiles: int, ksteps: int, sms: int, waves: float) -> int:
@@ -193,6 +194,11 @@ GEMV8 = os.environ.get("MLXRUN_GEMV8", "stream")
 # 4 at 4 warps and 16 rows: 128 registers a thread (E4M3 a word at a time, int8), so all 4
 # are resident (H200, mxfp8 28672x4096: 2, 3, 4 a SM 34.2, 36.2, 30.8 us)
 STREAM_PER_SM = int(os.environ.get("MLXRUN_STREAM_PER_SM", "4"))
+# MLXRUN_STREAM_AHEAD=1: the stream in 8-row tiles with the next tile's words issued before
+# the last k-step's FMAs (KernelConfig.ahead; at 16 rows that takes ~250 registers). Off: in
+# the H100 decode step it lost 10% (int8 3.301 -> 3.635 ms, fp8 3.165 -> 3.486; 8-row tiles
+# alone cost 0.1-0.2%): benchmarks/KERNEL_NOTES.md (2026-11-27)
+STREAM_AHEAD = os.environ.get("MLXRUN_STREAM_AHEAD", "0") == "1"
 
 
 # The fp4 GEMVs' (mxfp4, nvfp4) launches at batch 1: "new" (the rules from the 2026-11-26
@@ -287,13 +293,17 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
             # 31.4, 21.2 -> 17.0, 137.6 -> 125.8; but 6144x4096 (one tile a program) mxfp8
             # 7.6 -> 8.0, int8 8.1 -> 7.9, 4096x4096 6.0 -> 6.5, 6.4 -> 6.6. E4M3 is decoded
             # a word at a time (the tile-wide conversion spills at 16 rows: Triton 3.6, 255
-            # registers + 272 B; a word at a time 128, none); 16 rows, but 8 for mxfp8's
-            # long rows (4096x14336: 15.1 us against 17.2)
-            sbn = 8 if w.mode == "mxfp8" and ksteps > 2 else 16
-            many = math.ceil(w.n / sbn) * m > STREAM_PER_SM * sms
+            # registers + 272 B; a word at a time 128, none); 16 rows, but 8 for long rows
+            # (K=14336, 7 k-steps unrolled: int8 at 16 rows holds 249 registers, 2 programs
+            # a SM; at 8, 114 and 4). In the H100 decode step (gemv_loop_ab.py, int8): 16 ->
+            # 8 rows on the down projection 3.410 -> 3.298 ms, where its one-shot GEMV was
+            # 3.357 (mxfp8 4096x14336 alone on the H200: 15.1 us against 17.2)
+            sbn = 8 if ksteps > 2 else 16
+            many = math.ceil(w.n / 16) * m > STREAM_PER_SM * sms
+            sbn = 8 if STREAM_AHEAD else sbn
             if (many or ksteps > 2) and stream_even(w, sbn, warps):
                 return KernelConfig("stream", 1, sbn, 1, num_warps=warps,
-                                    per_sm=STREAM_PER_SM, cvt=True)  # fmt: skip
+                                    per_sm=STREAM_PER_SM, cvt=True, ahead=STREAM_AHEAD)  # fmt: skip
         # int4, one k-step a split (q/k/v, o, gate/up, head): the scales loaded with the
         # words, before the PDL wait; otherwise the program ends on a DRAM round trip for
         # them after its FMAs. 8B decode step (gemv_loop_ab.py, H200): 1.929 -> 1.868 ms.
@@ -354,6 +364,7 @@ def _stream_constexprs(w, cfg: KernelConfig, silu: bool = False, ptx: bool = Tru
         SILU=silu,
         WARPS=cfg.num_warps,
         CVT=cvt,
+        AHEAD=cfg.ahead,
     )
 
 

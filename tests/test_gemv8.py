@@ -1,0 +1,114 @@
+"""The 8-bit batch-1 GEMVs (int8 = affine 8-bit, fp8 = mxfp8): the streaming kernel's
+launch options against its default and the one-shot GEMV, and choose_config's rule.
+Under TRITON_INTERPRET=1 without a GPU (small shapes: seconds), on the GPU as they are."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
+pytest.importorskip("triton", reason="triton is not installed")
+
+import mlxrun.quant.triton_kernels as tk  # noqa: E402
+
+if not HAS_CUDA and type(tk._gemv_kernel).__name__ != "InterpretedFunction":
+    # imported earlier without the interpreter: decorate the kernels again, then rebind
+    # them where qmatmul launches them
+    for part in ("triton_gemv", "triton_gemv_stream", "triton_gemm"):
+        importlib.reload(importlib.import_module(f"mlxrun.quant.{part}"))
+    tk = importlib.reload(tk)
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+FORMATS8 = [("affine", 8, 64), ("mxfp8", 8, 32)]
+
+
+def _weight(n: int, k: int, mode: str, g: int, seed: int):
+    """A random 8-bit QLinear [n, k] (no E4M3 NaN codes) and its dequantized float64 rows."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randint(-(2**31), 2**31, (n, k // 4), generator=gen, dtype=torch.int64)
+    if mode == "mxfp8":  # 0x7F / 0xFF in any byte is NaN: no quantizer writes it
+        u = w.to(torch.int32).view(torch.uint8)
+        u[(u & 0x7F) == 0x7F] -= 1
+        w = u.view(torch.int32).to(torch.int64)
+    w = w.to(torch.int32)
+    if mode == "affine":
+        s = (torch.rand(n, k // g, generator=gen) * 0.01 + 1e-3).bfloat16()
+        b = (-128 * s.float()).bfloat16()
+    else:
+        s, b = torch.randint(118, 125, (n, k // g), generator=gen).to(torch.uint8), None
+    q = tk.prepare(w.to(DEV), s.to(DEV), None if b is None else b.to(DEV), mode, 8, g)
+    return q, tk.dequantize_torch(q).double().cpu()
+
+
+def _stream(per_sm: int, block_n: int = 8, ahead: bool = False, mode: str = "affine"):
+    return tk.KernelConfig("stream", 1, block_n, 1, num_warps=1, per_sm=per_sm,
+                           cvt=mode == "mxfp8", ahead=ahead)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode,bits,g", FORMATS8, ids=["int8", "mxfp8"])
+def test_stream_ahead_equals_the_stream(mode, bits, g):
+    """KernelConfig.ahead only moves the next tile's loads (into a branch, skipped past a
+    program's last tile): bit-identical to the default stream, with and without the SiLU
+    epilogue, where programs take 2, 2, 1, 1 tiles of two k-steps (the interpreter has 4
+    SMs), and close to the float64 product."""
+    n, k = 48, 1024  # 6 tiles of 8 rows, two k-steps of 128 words at 1 warp
+    q, dense = _weight(n, k, mode, g, seed=3)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(4)).bfloat16().to(DEV)
+    ref = x.double().cpu() @ dense.T
+    base = tk.qmatmul(x, q, _stream(1, mode=mode))
+    ahead = tk.qmatmul(x, q, _stream(1, ahead=True, mode=mode))
+    assert torch.equal(ahead, base)
+    assert ((ahead.double().cpu() - ref).norm() / ref.norm()).item() < 1e-2
+    silu = tk.qmatmul(x, q, _stream(1, ahead=True, mode=mode), silu=True)
+    assert torch.equal(silu, tk.qmatmul(x, q, _stream(1, mode=mode), silu=True))
+    gate, up = base.double().cpu().split(n // 2, -1)  # rounded to bf16 as the kernels round
+    want = torch.nn.functional.silu(gate) * up
+    assert ((silu.double().cpu() - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_stream_ahead_one_tile_a_program_and_16_rows():
+    """The branch's other sides: every program's only tile is its last (nothing loaded
+    ahead), and 16-row tiles (two halves loaded ahead); int8, equal to the default stream."""
+    n, k = 64, 512  # one k-step: the look-ahead is the loop's only load
+    q, dense = _weight(n, k, "affine", 64, seed=7)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(8)).bfloat16().to(DEV)
+    for per_sm, bn in ((4, 8), (1, 16)):  # 8 tiles on 16 programs; 4 tiles of 16 on 4
+        got = tk.qmatmul(x, q, _stream(per_sm, bn, ahead=True))
+        assert torch.equal(got, tk.qmatmul(x, q, _stream(per_sm, bn)))
+    ref = x.double().cpu() @ dense.T
+    assert ((got.double().cpu() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_stream_ahead_is_chosen_only_when_asked(monkeypatch):
+    """choose_config on an H100-sized GPU: MLXRUN_STREAM_AHEAD puts every 8-bit stream
+    shape of the 8B model (gate/up, down, head) in 8-row tiles with ahead; q/k/v and o keep
+    the one-shot GEMV; 4-bit never streams. Without it, 16-row tiles but 8 on the down
+    projection's long rows (7 k-steps), int8 as mxfp8."""
+    from mlxrun.quant import triton_launch
+
+    monkeypatch.setattr(triton_launch, "_num_sms", lambda device: 132)
+    gpu = types.SimpleNamespace(type="cuda")
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+
+    def picks(mode, bits, g):
+        out = []
+        for n, k in shapes:
+            w = types.SimpleNamespace(n=n, k=k, bits=bits, group_size=g, mode=mode)
+            c = tk.choose_config(1, w, gpu)
+            out.append((c.kernel, c.block_n, c.ahead) if c.kernel == "stream" else c.kernel)
+        return out
+
+    monkeypatch.setattr(triton_launch, "STREAM_AHEAD", False)
+    default = [("stream", 16, False), ("stream", 8, False), ("stream", 16, False)]
+    assert picks("affine", 8, 64)[2:] == picks("mxfp8", 8, 32)[2:] == default
+    monkeypatch.setattr(triton_launch, "STREAM_AHEAD", True)
+    for mode, g in (("affine", 64), ("mxfp8", 32)):
+        assert picks(mode, 8, g) == ["gemv", "gemv"] + [("stream", 8, True)] * 3
+    assert picks("affine", 4, 64) == ["gemv"] * 5
