@@ -201,9 +201,11 @@ STREAM_PER_SM = int(os.environ.get("MLXRUN_STREAM_PER_SM", "4"))
 STREAM_AHEAD = os.environ.get("MLXRUN_STREAM_AHEAD", "0") == "1"
 
 
-# The fp4 GEMVs' (mxfp4, nvfp4) launches at batch 1: "new" (the rules from the 2026-11-26
-# sweep, KERNEL_NOTES.md) or "old" (those before it, for A/B timing)
-GEMV4 = os.environ.get("MLXRUN_GEMV4", "new")
+# The fp4 GEMVs' (mxfp4, nvfp4) batch-1 launches and decode: "old" (the default) or "new" (the
+# down projection streamed, nvfp4's E4M3 scales by cvt). "new" won alone (down 14.8 -> 14.4
+# us) and lost in the model on an H100: fp4 449.3 -> 373.0, nvfp4 385.3 -> 339.0 tok/s, same
+# call (KERNEL_NOTES.md, 2026-11-27); MLXRUN_GEMV4=new for the A/B
+GEMV4 = os.environ.get("MLXRUN_GEMV4", "old")
 # E2M1 positions 3 and 7 of a word from one shared mask (triton_gemv._decode_pos): fewer
 # instructions, more registers (mxfp4 122 -> 158, sm_90); not measured in the decode loop,
 # so off unless MLXRUN_E2M1_PAIR=1

@@ -97,9 +97,9 @@ def test_fp4_streaming_gemv_equals_the_one_shot_gemv(mode, group_size):
 
 @pytest.mark.parametrize("mode,group_size", FP4, ids=[m for m, _ in FP4])
 def test_fp4_launches_on_an_h100(monkeypatch, mode, group_size):
-    """choose_config at batch 1 on an H100-sized GPU: the streaming GEMV (8 rows, 2 warps)
-    for fp4's long rows (the down projection, K > N), the one-shot GEMV on the other 8B
-    shapes; with MLXRUN_GEMV4=old (triton_launch.GEMV4) the one-shot GEMV everywhere."""
+    """choose_config at batch 1 on an H100-sized GPU: the one-shot GEMV on every 8B shape (the
+    default, MLXRUN_GEMV4=old); with "new" the streaming GEMV (8 rows, 2 warps) for fp4's
+    long rows (the down projection, K > N) and the same launches elsewhere."""
     from mlxrun.quant import triton_launch
 
     monkeypatch.setattr(triton_launch, "_num_sms", lambda device: 132)
@@ -114,6 +114,7 @@ def test_fp4_launches_on_an_h100(monkeypatch, mode, group_size):
             out.append((c.kernel, c.block_n, c.num_warps))
         return out
 
+    monkeypatch.setattr(triton_launch, "GEMV4", "new")
     new = picks()
     assert new[1] == ("stream", 8, 2)
     assert [c[0] for c in new[:1] + new[2:]] == ["gemv"] * 4
@@ -125,8 +126,8 @@ def test_fp4_launches_on_an_h100(monkeypatch, mode, group_size):
 
 @pytest.mark.parametrize("mode,group_size", FP4, ids=[m for m, _ in FP4])
 def test_fp4_decode_equals_the_old_decode(mode, group_size):
-    """The fp4 decodes give the old decode's outputs (MLXRUN_GEMV4=old) bit for bit: the
-    default (nvfp4's E4M3 scales by the hardware conversion where compiled) and with
+    """The fp4 decodes give the old decode's outputs (MLXRUN_GEMV4=old, the default) bit for
+    bit: "new" (nvfp4's E4M3 scales by the hardware conversion where compiled) and with
     MLXRUN_E2M1_PAIR=1 (E2M1 positions 3 and 7 from one mask), the kernels reloaded for
     each; over every E2M1 code and every finite E4M3 scale code (subnormals included); and
     the float64 decoder's product."""
@@ -144,7 +145,7 @@ def test_fp4_decode_equals_the_old_decode(mode, group_size):
     cfg = tk.KernelConfig("gemv", 1, 8, 1)
     saved = (triton_launch.GEMV4, triton_launch.E2M1_PAIR_ON, tk._gemv_kernel)
     outs = []
-    try:  # old decode; the default (E4M3 by cvt where compiled); with the shared E2M1 mask
+    try:  # old decode (the default); E4M3 by cvt where compiled; with the shared E2M1 mask
         for gemv4, pair in (("old", False), ("new", False), ("new", True)):
             triton_launch.GEMV4, triton_launch.E2M1_PAIR_ON = gemv4, pair
             tk._gemv_kernel = importlib.reload(triton_gemv)._gemv_kernel
