@@ -76,7 +76,11 @@ def _sum_add_rms_norm_kernel(
     e = tl.load(epoch_ptr + row)
     off = (e % 2).to(tl.int64) * slot_stride + row.to(tl.int64) * n
     y = tl.load(y_ptr + row.to(tl.int64) * n + cols, mask=mask, other=0.0)
+    # the buffers are 16-byte aligned and n a multiple of 4 (AllSum's condition): said so,
+    # the peers' rows move in 16-byte loads, not one float at a time
+    off = tl.multiple_of(off, 4)
     mine = tl.load(buf_ptrs + rank).to(tl.pointer_type(tl.float32))
+    mine = tl.multiple_of(mine, 16)
     tl.store(mine + off + cols, y, mask=mask)
     # every thread's store before the (one-thread) release below
     tl.debug_barrier()
@@ -97,8 +101,8 @@ def _sum_add_rms_norm_kernel(
         if p == rank:
             acc += y
         else:
-            peer = tl.load(buf_ptrs + p).to(tl.pointer_type(tl.float32))
-            acc += tl.load(peer + off + cols, mask=mask, other=0.0, volatile=True)
+            peer = tl.multiple_of(tl.load(buf_ptrs + p).to(tl.pointer_type(tl.float32)), 16)
+            acc += tl.load(peer + off + cols, mask=mask, other=0.0, cache_modifier=".cg")
     tl.store(epoch_ptr + row, e + 1)
     # from here as cuda_ops._add_rms_norm_kernel: y rounded to the model dtype, h + y rounded
     hrow = row.to(tl.int64) * n
