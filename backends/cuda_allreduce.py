@@ -39,18 +39,19 @@ class Peers:
     """What the kernel needs of the ranks' symmetric memory (torch_tp.AllSum builds it)."""
 
     rank: int
-    buf_ptrs: torch.Tensor  # int64 (W,) on the device: each rank's 2 x MAX_ROWS x n fp32
+    buf_ptrs: torch.Tensor  # int64 (W,) on the device: each rank's 2 x W x MAX_ROWS x n fp32
     sig_ptrs: torch.Tensor  # int64 (W,): each rank's signal pad
     epoch: torch.Tensor  # int32 (MAX_ROWS,), zeros at first: this rank's use count a row
     n: int  # the row width the buffers were made for
     sig0: int  # first int32 slot of the pads used (MAX_ROWS x W from there)
+    push: bool = False  # write into the peers' buffers (else each reads the others')
     keep: object = None  # the symmetric buffer and its handle, alive as long as this
 
 
 @triton.jit
 def _sum_add_rms_norm_kernel(
     y_ptr,  # this rank's fp32 partial, (rows, n)
-    buf_ptrs,  # int64 (W,): every rank's symmetric buffer, 2 slots x MAX_ROWS x n fp32
+    buf_ptrs,  # int64 (W,): every rank's symmetric buffer, 2 slots x W x MAX_ROWS x n fp32
     sig_ptrs,  # int64 (W,): every rank's signal pad (int32 flags)
     epoch_ptr,  # int32 (MAX_ROWS,): this rank's per-row use count
     h_ptr,
@@ -61,8 +62,10 @@ def _sum_add_rms_norm_kernel(
     eps,
     rank,
     slot_stride,
+    src_stride,
     W: tl.constexpr,
     SIG: tl.constexpr,
+    PUSH: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
@@ -74,14 +77,20 @@ def _sum_add_rms_norm_kernel(
         tlc.gdc_wait()
         tlc.gdc_launch_dependents()
     e = tl.load(epoch_ptr + row)
-    off = (e % 2).to(tl.int64) * slot_stride + row.to(tl.int64) * n
+    # rank q's row lands at [e % 2][q][row] of the buffer it is read from; the buffers are
+    # 16-byte aligned and n a multiple of 4 (AllSum's condition): said so, the rows move in
+    # 16-byte accesses, not one float at a time
+    base = tl.multiple_of((e % 2).to(tl.int64) * slot_stride + row.to(tl.int64) * n, 4)
     y = tl.load(y_ptr + row.to(tl.int64) * n + cols, mask=mask, other=0.0)
-    # the buffers are 16-byte aligned and n a multiple of 4 (AllSum's condition): said so,
-    # the peers' rows move in 16-byte loads, not one float at a time
-    off = tl.multiple_of(off, 4)
-    mine = tl.load(buf_ptrs + rank).to(tl.pointer_type(tl.float32))
-    mine = tl.multiple_of(mine, 16)
-    tl.store(mine + off + cols, y, mask=mask)
+    mine = tl.multiple_of(tl.load(buf_ptrs + rank).to(tl.pointer_type(tl.float32)), 16)
+    if PUSH:  # into every peer's buffer: remote stores don't wait for a reply as loads do
+        for p in tl.static_range(W):
+            if p != rank:
+                peer = tl.multiple_of(tl.load(buf_ptrs + p).to(tl.pointer_type(tl.float32)), 16)
+                tl.store(peer + base + rank * src_stride + cols, y, mask=mask)
+    else:  # into this rank's own, the peers read it
+        tl.store(mine + base + rank * src_stride + cols, y, mask=mask)
+    h = tl.load(h_ptr + row.to(tl.int64) * n + cols, mask=mask, other=0.0)
     # every thread's store before the (one-thread) release below
     tl.debug_barrier()
     flag = SIG + row * W
@@ -101,12 +110,14 @@ def _sum_add_rms_norm_kernel(
         if p == rank:
             acc += y
         else:
-            peer = tl.multiple_of(tl.load(buf_ptrs + p).to(tl.pointer_type(tl.float32)), 16)
-            acc += tl.load(peer + off + cols, mask=mask, other=0.0, cache_modifier=".cg")
+            src = mine
+            if not PUSH:
+                src = tl.multiple_of(tl.load(buf_ptrs + p).to(tl.pointer_type(tl.float32)), 16)
+            acc += tl.load(src + base + p * src_stride + cols, mask=mask, other=0.0,
+                           cache_modifier=".cg")  # fmt: skip
     tl.store(epoch_ptr + row, e + 1)
     # from here as cuda_ops._add_rms_norm_kernel: y rounded to the model dtype, h + y rounded
     hrow = row.to(tl.int64) * n
-    h = tl.load(h_ptr + hrow + cols, mask=mask, other=0.0)
     yd = acc.to(h_ptr.dtype.element_ty)
     h = (h.to(tl.float32) + yd.to(tl.float32)).to(h_ptr.dtype.element_ty)
     tl.store(h_out_ptr + hrow + cols, h, mask=mask)
@@ -136,9 +147,11 @@ def sum_add_rms_norm(y, h, w, eps, peers: Peers):
         n,
         eps,
         peers.rank,
+        peers.buf_ptrs.numel() * MAX_ROWS * n,
         MAX_ROWS * n,
         W=peers.buf_ptrs.numel(),
         SIG=peers.sig0,
+        PUSH=peers.push,
         BLOCK=triton.next_power_of_2(n),
         num_warps=4 if n <= 4096 else 8,
         **pdl_args(h.device),

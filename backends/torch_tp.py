@@ -17,8 +17,8 @@ larger ones (prefill) and other devices use the process group's all_reduce.
 With the Triton kernels on CUDA, a sum the residual add and RMSNorm follow (linear_sum
 without a bias, at most FUSED_ROWS rows) is not summed here: linear_sum hands
 add_rms_norm a Partial, and one kernel (backends/cuda_allreduce.py) sums, adds and
-normalises, bit for bit as the one-shot sum and add_rms_norm do. MLXRUN_FUSED_SUM=1 turns it
-on (off by default until measured on two GPUs).
+normalises, bit for bit as the one-shot sum and add_rms_norm do. MLXRUN_FUSED_SUM=1 (or
+push) turns it on (off by default until measured on two GPUs).
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ import torch.distributed as dist
 # in fp32 is 512 KiB); MLXRUN_ONE_SHOT=0 turns it off (for A/B timing)
 ONE_SHOT_BYTES = 1 << 20
 _ONE_SHOT = os.environ.get("MLXRUN_ONE_SHOT", "1") != "0"
-_FUSED = os.environ.get("MLXRUN_FUSED_SUM", "0") == "1"
+# MLXRUN_FUSED_SUM: 1 or pull (each rank reads the others' partials), push (each writes
+# its partial into the others' buffers); 0 or unset: the one-shot sum + add_rms_norm
+_FUSED = os.environ.get("MLXRUN_FUSED_SUM", "0")
 FUSED_ROWS = 64  # rows a fused sum takes (a batch-64 decode step): one program a row
 
 
@@ -55,7 +57,8 @@ class AllSum:
         self._buf = None  # the symmetric-memory buffer, on first use
         self._name = None
         self.one_shot = _ONE_SHOT and str(device).startswith("cuda") and self._available()
-        self.fused = _FUSED and self.one_shot
+        self.fused = _FUSED in ("1", "pull", "push") and self.one_shot
+        self.push = _FUSED == "push"
         self._peers = {}  # row width -> cuda_allreduce.Peers
 
     @staticmethod
@@ -91,11 +94,11 @@ class AllSum:
         from .cuda_allreduce import Peers  # noqa: PLC0415
 
         self._buffer()  # the group enabled, as the one-shot path does it
-        buf = symm_mem.empty(2 * FUSED_ROWS * n, dtype=torch.float32, device=self.device)
+        world = dist.get_world_size()
+        buf = symm_mem.empty(2 * world * FUSED_ROWS * n, dtype=torch.float32, device=self.device)
         h = symm_mem.rendezvous(buf, self._name)
         if not all(hasattr(h, a) for a in ("buffer_ptrs", "signal_pad_ptrs")):
             return None
-        world = len(h.buffer_ptrs)
         # the pads' last FUSED_ROWS x world int32 slots (torch's own ops use the first ones)
         words = getattr(h, "signal_pad_size", 2048) // 4
         if words < FUSED_ROWS * world:
@@ -108,6 +111,7 @@ class AllSum:
             epoch=torch.zeros(FUSED_ROWS, dtype=torch.int32, device=dev),
             n=n,
             sig0=words - FUSED_ROWS * world,
+            push=self.push,
             keep=(buf, h),
         )
 

@@ -32,25 +32,31 @@ MR, SIG = cuda_allreduce.MAX_ROWS, 384  # the pads' slots from SIG on
 
 
 @pytest.mark.parametrize(
-    ("world", "rank", "rows", "n", "dtype"),
-    [(2, 0, 1, 96, torch.bfloat16), (2, 1, 3, 64, torch.float16), (3, 1, 2, 48, torch.bfloat16)],
+    ("world", "rank", "rows", "n", "dtype", "push"),
+    [
+        (2, 0, 1, 96, torch.bfloat16, False),
+        (2, 1, 3, 64, torch.float16, True),
+        (3, 1, 2, 48, torch.bfloat16, False),
+        (3, 2, 2, 48, torch.bfloat16, True),
+    ],
 )
-def test_fused_sum_matches_one_shot_then_add_rms_norm(world, rank, rows, n, dtype):
+def test_fused_sum_matches_one_shot_then_add_rms_norm(world, rank, rows, n, dtype, push):
     g = torch.Generator().manual_seed(rows * n + rank)
     parts = [torch.randn(rows, n, generator=g) * 3 for _ in range(world)]
     h = torch.randn(rows, n, generator=g).to(dtype)
     w = (torch.rand(n, generator=g) + 0.5).to(dtype)
-    bufs = [torch.full((2, MR, n), float("nan")) for _ in range(world)]
+    # buffer [slot][source rank][row]: pull reads the source's own, push writes the reader's
+    bufs = [torch.full((2, world, MR, n), float("nan")) for _ in range(world)]
     pads = [torch.zeros(SIG + MR * world, dtype=torch.int32) for _ in range(world)]
     epoch = torch.zeros(MR, dtype=torch.int32)
     ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
     sigs = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64)
-    peers = cuda_allreduce.Peers(rank, ptrs, sigs, epoch, n, SIG)
+    peers = cuda_allreduce.Peers(rank, ptrs, sigs, epoch, n, SIG, push=push)
     for use in range(3):  # epochs 0, 1, 2: slots 0, 1, 0
         parts = [p + use for p in parts]
         for p in range(world):
             if p != rank:  # the peers' partials and their "use written" flags
-                bufs[p][use % 2, :rows] = parts[p]
+                bufs[rank if push else p][use % 2, p, :rows] = parts[p]
                 pads[rank][SIG + torch.arange(rows) * world + p] = use + 1
         total = parts[0].clone()
         for p in parts[1:]:
@@ -59,8 +65,10 @@ def test_fused_sum_matches_one_shot_then_add_rms_norm(world, rank, rows, n, dtyp
         got_h, got_x = cuda_allreduce.sum_add_rms_norm(parts[rank], h, w, 1e-5, peers)
         assert torch.equal(got_h.view(torch.int16), want_h.view(torch.int16))
         assert torch.equal(got_x.view(torch.int16), want_x.view(torch.int16))
-        # this rank's partial is in its slot, its flag on every peer's pad, epochs moved on
-        assert torch.equal(bufs[rank][use % 2, :rows], parts[rank])
+        # this rank's partial in its slot (its own buffer or, push, every peer's), its flag
+        # on every peer's pad, epochs moved on
+        for p in [q for q in range(world) if q != rank] if push else [rank]:
+            assert torch.equal(bufs[p][use % 2, rank, :rows], parts[rank])
         for p in range(world):
             if p != rank:
                 flags = pads[p][SIG + torch.arange(rows) * world + rank]
