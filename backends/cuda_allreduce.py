@@ -78,7 +78,7 @@ def _sum_add_rms_norm_kernel(
         tlc.gdc_launch_dependents()
     e = tl.load(epoch_ptr + row)
     # rank q's row lands at [e % 2][q][row] of the buffer it is read from; the buffers are
-    # 16-byte aligned and n a multiple of 4 (AllSum's condition): said so, the rows move in
+    # 16-byte aligned and n a multiple of 4 (linear_sum's condition): said so, the rows move in
     # 16-byte accesses, not one float at a time
     base = tl.multiple_of((e % 2).to(tl.int64) * slot_stride + row.to(tl.int64) * n, 4)
     y = tl.load(y_ptr + row.to(tl.int64) * n + cols, mask=mask, other=0.0)
@@ -132,7 +132,8 @@ def sum_add_rms_norm(y, h, w, eps, peers: Peers):
     the last dim, at most MAX_ROWS of them), every rank calling it in the same order."""
     n = h.shape[-1]
     rows = h.numel() // n
-    assert rows <= MAX_ROWS and n == peers.n and y.dtype == torch.float32, (rows, n, y.dtype)
+    ok = rows <= MAX_ROWS and n == peers.n and n % 4 == 0 and y.dtype == torch.float32
+    assert ok, (rows, n, y.dtype)
     h = h.contiguous()
     h_new, x = torch.empty_like(h), torch.empty_like(h)
     _sum_add_rms_norm_kernel[(rows,)](

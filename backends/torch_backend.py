@@ -282,7 +282,7 @@ class TorchBackend(TorchWeights):
         kernels on CUDA with symmetric memory, a decode-sized batch (every rank decides
         alike: the same shapes)."""
         n = y.shape[-1]
-        if not self.triton_kernels or y.numel() // n > FUSED_ROWS:
+        if not self.triton_kernels or y.numel() // n > FUSED_ROWS or n % 4:
             return False
         if self._all_sum is None:
             from .torch_tp import AllSum  # noqa: PLC0415
