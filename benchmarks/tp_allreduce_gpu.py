@@ -7,7 +7,7 @@ one-shot sum + add_rms_norm), each as CALLS of them replayed from one graph (a d
 of an 8B model makes 64).
 
     TORCH_SYMM_MEM_DISABLE_MULTICAST=1 timeout 60 torchrun --nproc-per-node 2 \\
-        benchmarks/tp_allreduce_gpu.py --n 4096 --rows 1,4
+        benchmarks/tp_allreduce_gpu.py --width 4096 --rows 1,4
 
 Rank 0 prints one JSON line per row count; a mismatch or a hang (timeout) is a failure.
 """
@@ -32,7 +32,7 @@ def bits(t):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--width", type=int, default=4096)  # not --n: torchrun takes --n*
     ap.add_argument("--rows", default="1,4")
     ap.add_argument("--calls", type=int, default=64)
     ap.add_argument("--replays", type=int, default=50)
@@ -42,7 +42,7 @@ def main() -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dev = torch.device("cuda")
     s = AllSum(dev)  # the one-shot sum of the reference
-    n, eps = args.n, 1e-5
+    n, eps = args.width, 1e-5
     peers = {}
     for mode in ("pull", "push"):  # whatever MLXRUN_FUSED_SUM says: this checks both
         a = AllSum(dev)
