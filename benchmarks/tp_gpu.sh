@@ -2,9 +2,9 @@
 # Tensor-parallel measurements on one multi-GPU host: greedy equality against one process,
 # and decode speed at TP 1/2/4 with NCCL's all-reduce or the one-shot one.
 #   sh benchmarks/tp_gpu.sh OUTDIR STEP...
-# STEP: greedy (TP 1, 2, 2 without the fused sum, 2 with NCCL only, 4 if there are 4 GPUs), real (a trained model,
-# MODEL, at TP 1 and RANKS) or decode-N / decode-N-nccl
-# / decode-N-unfused (benchmarks/tp_decode.py on N ranks; SHAPE and QUANT pick the model). One JSON line per
+# STEP: greedy (TP 1; 2, 2 without the fused sum, 2 with NCCL only; 4 if there are 4 GPUs),
+# real (a trained model, MODEL, at TP 1 and RANKS) or decode-N / decode-N-unfused /
+# decode-N-nccl (benchmarks/tp_decode.py on N ranks; SHAPE and QUANT pick the model). One JSON line per
 # run into OUTDIR/tp-greedy.jsonl and OUTDIR/tp-decode.jsonl.
 OUT=${1:?outdir}; shift
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
