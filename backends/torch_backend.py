@@ -27,6 +27,7 @@ if torch is not None:
     from mlxrun.backends.torch_cache import CAUSAL as CAUSAL
     from mlxrun.backends.torch_cache import StaticCache
     from mlxrun.backends.torch_kv import dequantize, take_rows
+    from mlxrun.backends.torch_tp import FUSED_ROWS, Partial
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -149,7 +150,12 @@ class TorchBackend(TorchWeights):
         self._derived.clear()
 
     def add_rms_norm(self, h, y, w, eps):
-        """(h + y, rms_norm(h + y)): the residual add and the norm after it."""
+        """(h + y, rms_norm(h + y)): the residual add and the norm after it. y may be
+        linear_sum's Partial: summed over the ranks in the same kernel."""
+        if isinstance(y, Partial):
+            from .cuda_allreduce import sum_add_rms_norm  # noqa: PLC0415
+
+            return sum_add_rms_norm(y.y, h, w, eps, self._all_sum.peers(h.shape[-1]))
         if self.triton_kernels:
             from .cuda_ops import add_rms_norm  # noqa: PLC0415
 
@@ -159,6 +165,8 @@ class TorchBackend(TorchWeights):
         return h, self.rms_norm(h, w, eps)
 
     def rms_norm(self, x, w, eps):
+        if isinstance(x, Partial):  # an out-norm before the residual add (Gemma 2/3)
+            x = x.total()
         if self.triton_kernels:
             return self.add_rms_norm(x, None, w, eps)[1]
         if x.dtype == torch.float32:
@@ -263,8 +271,24 @@ class TorchBackend(TorchWeights):
     def linear_sum(self, x, w, bias=None):
         if self.group is None or self.group.size == 1:
             return self.linear(x, w, bias)
-        y = self.all_sum(self.linear(x, w, out_dtype=torch.float32))
+        y = self.linear(x, w, out_dtype=torch.float32)
+        if bias is None and self._fused_sum(y):
+            return Partial(y, self._all_sum)  # summed by add_rms_norm's kernel
+        y = self.all_sum(y)
         return y if bias is None else y.to(self._dt) + bias
+
+    def _fused_sum(self, y) -> bool:
+        """Whether add_rms_norm may sum this product (a torch_tp.Partial): the Triton
+        kernels on CUDA with symmetric memory, a decode-sized batch (every rank decides
+        alike: the same shapes)."""
+        n = y.shape[-1]
+        if not self.triton_kernels or y.numel() // n > FUSED_ROWS or n % 4:
+            return False
+        if self._all_sum is None:
+            from .torch_tp import AllSum  # noqa: PLC0415
+
+            self._all_sum = AllSum(self._dev)
+        return self._all_sum.peers(n) is not None
 
     def sigmoid(self, x):
         return torch.sigmoid(x)

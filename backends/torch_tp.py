@@ -13,6 +13,12 @@ H200s, inside a CUDA graph) is most of its cost: 64 of them a token for an 8B mo
 small sums go through PyTorch's symmetric-memory one-shot all-reduce (each rank reads the
 others' buffers over NVLink and adds them in rank order, so every rank gets the same bits);
 larger ones (prefill) and other devices use the process group's all_reduce.
+
+With the Triton kernels on CUDA, a sum the residual add and RMSNorm follow (linear_sum
+without a bias, at most FUSED_ROWS rows) is not summed here: linear_sum hands
+add_rms_norm a Partial, and one kernel (backends/cuda_allreduce.py) sums, adds and
+normalises, bit for bit as the one-shot sum and add_rms_norm do (4.5 us a call against 9.7
+for the two launches on two H200s); MLXRUN_FUSED_SUM=0 turns it off (for A/B timing).
 """
 
 from __future__ import annotations
@@ -26,6 +32,21 @@ import torch.distributed as dist
 # in fp32 is 512 KiB); MLXRUN_ONE_SHOT=0 turns it off (for A/B timing)
 ONE_SHOT_BYTES = 1 << 20
 _ONE_SHOT = os.environ.get("MLXRUN_ONE_SHOT", "1") != "0"
+# MLXRUN_FUSED_SUM: push (the default: each rank writes its partial into the others'
+# buffers), pull or 1 (each reads the others'); 0: the one-shot sum + add_rms_norm (A/B)
+_FUSED = os.environ.get("MLXRUN_FUSED_SUM", "push")
+FUSED_ROWS = 64  # rows a fused sum takes (a batch-64 decode step): one program a row
+
+
+class Partial:
+    """This rank's fp32 partial product, not yet summed: add_rms_norm sums it in its kernel;
+    anything else takes `total()` (the one-shot sum)."""
+
+    def __init__(self, y, all_sum):
+        self.y, self._all_sum = y, all_sum
+
+    def total(self):
+        return self._all_sum(self.y)
 
 
 class AllSum:
@@ -36,6 +57,9 @@ class AllSum:
         self._buf = None  # the symmetric-memory buffer, on first use
         self._name = None
         self.one_shot = _ONE_SHOT and str(device).startswith("cuda") and self._available()
+        self.fused = _FUSED in ("1", "pull", "push") and self.one_shot
+        self.push = _FUSED == "push"
+        self._peers = {}  # row width -> cuda_allreduce.Peers
 
     @staticmethod
     def _available() -> bool:
@@ -56,6 +80,40 @@ class AllSum:
             self._buf = symm_mem.empty(ONE_SHOT_BYTES // 4, dtype=torch.float32, device=self.device)
             symm_mem.rendezvous(self._buf, self._name)
         return self._buf
+
+    def peers(self, n: int):
+        """The fused kernel's symmetric buffers for rows of n (made on first use, which is
+        eager: the graph's warm-up runs before its capture), or None where it can't run."""
+        if n not in self._peers:
+            self._peers[n] = self._make_peers(n) if self.fused else None
+        return self._peers[n]
+
+    def _make_peers(self, n: int):
+        import torch.distributed._symmetric_memory as symm_mem  # noqa: PLC0415
+
+        from .cuda_allreduce import Peers  # noqa: PLC0415
+
+        self._buffer()  # the group enabled, as the one-shot path does it
+        world = dist.get_world_size()
+        buf = symm_mem.empty(2 * world * FUSED_ROWS * n, dtype=torch.float32, device=self.device)
+        h = symm_mem.rendezvous(buf, self._name)
+        if not all(hasattr(h, a) for a in ("buffer_ptrs", "signal_pad_ptrs")):
+            return None
+        # the pads' last FUSED_ROWS x world int32 slots (torch's own ops use the first ones)
+        words = getattr(h, "signal_pad_size", 2048) // 4
+        if words < FUSED_ROWS * world:
+            return None
+        dev = buf.device
+        return Peers(
+            rank=getattr(h, "rank", dist.get_rank()),
+            buf_ptrs=torch.tensor(h.buffer_ptrs, dtype=torch.int64, device=dev),
+            sig_ptrs=torch.tensor(h.signal_pad_ptrs, dtype=torch.int64, device=dev),
+            epoch=torch.zeros(FUSED_ROWS, dtype=torch.int32, device=dev),
+            n=n,
+            sig0=words - FUSED_ROWS * world,
+            push=self.push,
+            keep=(buf, h),
+        )
 
     def __call__(self, x):
         n = x.numel()
