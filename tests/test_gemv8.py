@@ -4,28 +4,12 @@ Under TRITON_INTERPRET=1 without a GPU (small shapes: seconds), on the GPU as th
 
 from __future__ import annotations
 
-import importlib
-import os
 import types
 
 import pytest
 
-torch = pytest.importorskip("torch")
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
-pytest.importorskip("triton", reason="triton is not installed")
+from ._kernels import DEV, tk, torch  # the interpreter set up without a GPU
 
-import mlxrun.quant.triton_kernels as tk  # noqa: E402
-
-if not HAS_CUDA and type(tk._gemv_kernel).__name__ != "InterpretedFunction":
-    # imported earlier without the interpreter: decorate the kernels again, then rebind
-    # them where qmatmul launches them
-    for part in ("triton_gemv", "triton_gemv_stream", "triton_gemm"):
-        importlib.reload(importlib.import_module(f"mlxrun.quant.{part}"))
-    tk = importlib.reload(tk)
-
-DEV = "cuda" if HAS_CUDA else "cpu"
 FORMATS8 = [("affine", 8, 64), ("mxfp8", 8, 32)]
 
 

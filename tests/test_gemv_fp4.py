@@ -8,28 +8,13 @@ FFMA chains the streaming kernel repeats (so their outputs must be equal bit for
 """
 
 import importlib
-import os
 import types
 
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
-pytest.importorskip("triton", reason="triton is not installed")
+from ._kernels import DEV, tk, torch  # the interpreter set up without a GPU
 
-import mlxrun.quant.triton_kernels as tk  # noqa: E402
-
-if not HAS_CUDA and type(tk._gemv_kernel).__name__ != "InterpretedFunction":
-    # imported earlier without the interpreter: decorate the kernels again, then rebind
-    # them where qmatmul launches them
-    for part in ("triton_gemv", "triton_gemv_stream", "triton_gemm"):
-        importlib.reload(importlib.import_module(f"mlxrun.quant.{part}"))
-    tk = importlib.reload(tk)
-
-DEV = "cuda" if HAS_CUDA else "cpu"
 FP4 = [("mxfp4", 32), ("nvfp4", 16)]
 _E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)
 
