@@ -23,10 +23,7 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import triton  # noqa: E402
-from sass_count import main_loop, opcode_histogram, parse, sass_of  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from sass_count import compile_sm90, main_loop, opcode_histogram, parse, sass_of  # noqa: E402
 
 import mlxrun.quant.kquant_kernels as kk  # noqa: E402
 import mlxrun.quant.kquant_stream as kst  # noqa: E402
@@ -44,23 +41,8 @@ def compile_gemv(kind: str, warps: int, n=4096, k=4096, x="bf16", silu=False, pr
     params = dict(M=1, KIND=kq.KINDS[kind], SPLIT_K=1, KB_PER_SPLIT=8, EVEN=True, KW=k // 8,
                   SW=sw, PDL=True, SILU=silu, WARPS=warps, PREFETCH=prefetch,
                   KSC=ks, V=variant)  # fmt: skip
-    sig, consts, attrs = {}, {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in ptrs:
-            sig[name] = ptrs[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ints:
-            sig[name] = "i32"
-            if ints[name] % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[name] = "constexpr"
-            consts[name] = params[name]
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    opts = {"num_warps": warps, "num_stages": 1}
-    if maxnreg:
-        opts["maxnreg"] = maxnreg
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    opts = {"maxnreg": maxnreg} if maxnreg else {}
+    return compile_sm90(fn, ptrs, params, ints, num_warps=warps, num_stages=1, **opts)
 
 
 def compile_gemm(kind: str, bm: int, bn: int, warps: int, stages: int, n=4096, k=4096,
@@ -75,22 +57,7 @@ def compile_gemm(kind: str, bm: int, bn: int, warps: int, stages: int, n=4096, k
     params = dict(KIND=kq.KINDS[kind], BLOCK_M=bm, BLOCK_N=bn, NG=8 if kind == "Q6_K" else 4,
                   SPLIT_K=1, KB_PER_SPLIT=32, GROUP_M=8, UPCAST=False, SWAP=swap, EVEN_N=True,
                   EVEN_K=True, PDL=True)  # fmt: skip
-    sig, consts, attrs = {}, {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in ptrs:
-            sig[name] = ptrs[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ints:
-            sig[name] = "i32"
-            if ints[name] % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[name] = "constexpr"
-            consts[name] = params[name]
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
-    )
+    return compile_sm90(fn, ptrs, params, ints, num_warps=warps, num_stages=stages)
 
 
 def compile_stream(kind: str, warps: int, n=28672, k=4096, x="bf16", silu=True):
@@ -112,20 +79,7 @@ def compile_stream(kind: str, warps: int, n=28672, k=4096, x="bf16", silu=True):
         WARPS=warps,
         V=0 if kind == "Q4_K" and k <= 4096 else 1,
     )
-    sig, consts, attrs = {}, {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in ptrs:
-            sig[name] = ptrs[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ints:
-            sig[name] = "i32"
-            if ints[name] % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[name] = "constexpr"
-            consts[name] = params[name]
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return compile_sm90(fn, ptrs, params, ints, num_warps=warps)
 
 
 def report_gemm(kind: str, hist: bool) -> None:
