@@ -155,7 +155,8 @@ class TorchBackend(TorchWeights):
         if isinstance(y, Partial):
             from .cuda_allreduce import sum_add_rms_norm  # noqa: PLC0415
 
-            return sum_add_rms_norm(y.y, h, w, eps, self._all_sum.peers(h.shape[-1]))
+            peers = self._all_sum.peers(h.shape[-1])
+            return sum_add_rms_norm(y.y, h, w, eps, peers, key=y.key)
         if self.triton_kernels:
             from .cuda_ops import add_rms_norm  # noqa: PLC0415
 
@@ -273,7 +274,8 @@ class TorchBackend(TorchWeights):
             return self.linear(x, w, bias)
         y = self.linear(x, w, out_dtype=torch.float32)
         if bias is None and self._fused_sum(y):
-            return Partial(y, self._all_sum)  # summed by add_rms_norm's kernel
+            key = w.data_ptr() if isinstance(w, torch.Tensor) else id(w)
+            return Partial(y, self._all_sum, key)  # summed by add_rms_norm's kernel
         y = self.all_sum(y)
         return y if bias is None else y.to(self._dt) + bias
 
