@@ -45,7 +45,83 @@ class Peers:
     n: int  # the row width the buffers were made for
     sig0: int  # first int32 slot of the pads used (MAX_ROWS x W from there)
     push: bool = False  # write into the peers' buffers (else each reads the others')
+    lamport: bool = False  # push, and no flags: the reader polls the data (3 slots)
     keep: object = None  # the symmetric buffer and its handle, alive as long as this
+
+
+@triton.jit
+def _flagged_sum(y, mine, buf_ptrs, sig_ptrs, e, row, n, rank, slot_stride, src_stride, cols,
+                 mask, W: tl.constexpr, SIG: tl.constexpr, PUSH: tl.constexpr):  # fmt: skip
+    """The ranks' rows summed in rank order, the data's arrival told by a flag a peer."""
+    # rank q's row lands at [e % 2][q][row] of the buffer it is read from; the buffers are
+    # 16-byte aligned and n a multiple of 4 (linear_sum's condition): said so, the rows move in
+    # 16-byte accesses, not one float at a time
+    base = tl.multiple_of((e % 2).to(tl.int64) * slot_stride + row.to(tl.int64) * n, 4)
+    if PUSH:  # into every peer's buffer: remote stores don't wait for a reply as loads do
+        for p in tl.static_range(W):
+            if p != rank:
+                peer = tl.multiple_of(tl.load(buf_ptrs + p).to(tl.pointer_type(tl.float32)), 16)
+                tl.store(peer + base + rank * src_stride + cols, y, mask=mask)
+    else:  # into this rank's own, the peers read it
+        tl.store(mine + base + rank * src_stride + cols, y, mask=mask)
+    # every thread's store before the (one-thread) release below
+    tl.debug_barrier()
+    flag = SIG + row * W
+    for p in tl.static_range(W):
+        if p != rank:
+            pad = tl.load(sig_ptrs + p).to(tl.pointer_type(tl.int32))
+            tl.atomic_xchg(pad + flag + rank, e + 1, sem="release", scope="sys")
+    own = tl.load(sig_ptrs + rank).to(tl.pointer_type(tl.int32))
+    for p in tl.static_range(W):
+        if p != rank:
+            while tl.atomic_add(own + flag + p, 0, sem="acquire", scope="sys") != e + 1:
+                pass
+    tl.debug_barrier()
+    # the sum in rank order, this rank's term from registers
+    acc = tl.zeros(y.shape, dtype=tl.float32)
+    for p in tl.static_range(W):
+        if p == rank:
+            acc += y
+        else:
+            src = mine
+            if not PUSH:
+                src = tl.multiple_of(tl.load(buf_ptrs + p).to(tl.pointer_type(tl.float32)), 16)
+            acc += tl.load(src + base + p * src_stride + cols, mask=mask, other=0.0,
+                           cache_modifier=".cg")  # fmt: skip
+    return acc
+
+
+@triton.jit
+def _lamport_sum(y, mine, buf_ptrs, e, row, n, rank, slot_stride, src_stride, cols, mask,
+                 W: tl.constexpr):  # fmt: skip
+    """The ranks' rows summed in rank order, the data itself the signal: a slot holds -0.0
+    (bits 0x80000000) until a peer's row lands in it, and a peer's -0.0 is sent as +0.0
+    (the sum starts at +0.0, so that changes no bit of it). No fence, no flag: one NVLink
+    write a sum on the critical path. The reader puts the sentinel back after reading; the
+    slot is written again three uses later, after this kernel has finished (stream order:
+    the peer's use e + 3 needs this rank's data of use e + 2)."""
+    base = tl.multiple_of((e % 3).to(tl.int64) * slot_stride + row.to(tl.int64) * n, 4)
+    sent = tl.where(y == 0.0, 0.0, y)
+    for p in tl.static_range(W):
+        if p != rank:
+            peer = tl.multiple_of(tl.load(buf_ptrs + p).to(tl.pointer_type(tl.float32)), 16)
+            tl.store(peer + base + rank * src_stride + cols, sent, mask=mask)
+    acc = tl.zeros(y.shape, dtype=tl.float32)
+    for p in tl.static_range(W):
+        if p == rank:
+            acc += y
+        else:
+            src = (mine + base + p * src_stride + cols).to(tl.pointer_type(tl.int32), bitcast=True)
+            v = tl.load(src, mask=mask, other=0, volatile=True)
+            while tl.max(((v == -2147483648) & mask).to(tl.int32), axis=0) > 0:
+                v = tl.load(src, mask=mask, other=0, volatile=True)
+            acc += v.to(tl.float32, bitcast=True)
+    tl.debug_barrier()  # every thread's reads done before the slots are reset
+    for p in tl.static_range(W):
+        if p != rank:
+            src = (mine + base + p * src_stride + cols).to(tl.pointer_type(tl.int32), bitcast=True)
+            tl.store(src, tl.full(y.shape, -2147483648, tl.int32), mask=mask)
+    return acc
 
 
 @triton.jit
@@ -66,6 +142,7 @@ def _sum_add_rms_norm_kernel(
     W: tl.constexpr,
     SIG: tl.constexpr,
     PUSH: tl.constexpr,
+    LAMPORT: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
@@ -77,44 +154,16 @@ def _sum_add_rms_norm_kernel(
         tlc.gdc_wait()
         tlc.gdc_launch_dependents()
     e = tl.load(epoch_ptr + row)
-    # rank q's row lands at [e % 2][q][row] of the buffer it is read from; the buffers are
-    # 16-byte aligned and n a multiple of 4 (linear_sum's condition): said so, the rows move in
-    # 16-byte accesses, not one float at a time
-    base = tl.multiple_of((e % 2).to(tl.int64) * slot_stride + row.to(tl.int64) * n, 4)
     y = tl.load(y_ptr + row.to(tl.int64) * n + cols, mask=mask, other=0.0)
     mine = tl.multiple_of(tl.load(buf_ptrs + rank).to(tl.pointer_type(tl.float32)), 16)
-    if PUSH:  # into every peer's buffer: remote stores don't wait for a reply as loads do
-        for p in tl.static_range(W):
-            if p != rank:
-                peer = tl.multiple_of(tl.load(buf_ptrs + p).to(tl.pointer_type(tl.float32)), 16)
-                tl.store(peer + base + rank * src_stride + cols, y, mask=mask)
-    else:  # into this rank's own, the peers read it
-        tl.store(mine + base + rank * src_stride + cols, y, mask=mask)
-    h = tl.load(h_ptr + row.to(tl.int64) * n + cols, mask=mask, other=0.0)
-    # every thread's store before the (one-thread) release below
-    tl.debug_barrier()
-    flag = SIG + row * W
-    for p in tl.static_range(W):
-        if p != rank:
-            pad = tl.load(sig_ptrs + p).to(tl.pointer_type(tl.int32))
-            tl.atomic_xchg(pad + flag + rank, e + 1, sem="release", scope="sys")
-    own = tl.load(sig_ptrs + rank).to(tl.pointer_type(tl.int32))
-    for p in tl.static_range(W):
-        if p != rank:
-            while tl.atomic_add(own + flag + p, 0, sem="acquire", scope="sys") != e + 1:
-                pass
-    tl.debug_barrier()
-    # the sum in rank order, this rank's term from registers
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for p in tl.static_range(W):
-        if p == rank:
-            acc += y
-        else:
-            src = mine
-            if not PUSH:
-                src = tl.multiple_of(tl.load(buf_ptrs + p).to(tl.pointer_type(tl.float32)), 16)
-            acc += tl.load(src + base + p * src_stride + cols, mask=mask, other=0.0,
-                           cache_modifier=".cg")  # fmt: skip
+    if LAMPORT:
+        acc = _lamport_sum(y, mine, buf_ptrs, e, row, n, rank, slot_stride, src_stride, cols,
+                           mask, W)  # fmt: skip
+        h = tl.load(h_ptr + row.to(tl.int64) * n + cols, mask=mask, other=0.0)
+    else:
+        h = tl.load(h_ptr + row.to(tl.int64) * n + cols, mask=mask, other=0.0)
+        acc = _flagged_sum(y, mine, buf_ptrs, sig_ptrs, e, row, n, rank, slot_stride,
+                           src_stride, cols, mask, W, SIG, PUSH)  # fmt: skip
     tl.store(epoch_ptr + row, e + 1)
     # from here as cuda_ops._add_rms_norm_kernel: y rounded to the model dtype, h + y rounded
     hrow = row.to(tl.int64) * n
@@ -148,11 +197,12 @@ def sum_add_rms_norm(y, h, w, eps, peers: Peers):
         n,
         eps,
         peers.rank,
-        peers.buf_ptrs.numel() * MAX_ROWS * n,
+        peers.buf_ptrs.numel() * MAX_ROWS * n,  # a slot
         MAX_ROWS * n,
         W=peers.buf_ptrs.numel(),
         SIG=peers.sig0,
         PUSH=peers.push,
+        LAMPORT=peers.lamport,
         BLOCK=triton.next_power_of_2(n),
         num_warps=4 if n <= 4096 else 8,
         **pdl_args(h.device),

@@ -33,7 +33,8 @@ import torch.distributed as dist
 ONE_SHOT_BYTES = 1 << 20
 _ONE_SHOT = os.environ.get("MLXRUN_ONE_SHOT", "1") != "0"
 # MLXRUN_FUSED_SUM: push (the default: each rank writes its partial into the others'
-# buffers), pull or 1 (each reads the others'); 0: the one-shot sum + add_rms_norm (A/B)
+# buffers, then a flag), lamport (writes it, and the data is the signal: no flags), pull or 1
+# (each reads the others'); 0: the one-shot sum + add_rms_norm (A/B)
 _FUSED = os.environ.get("MLXRUN_FUSED_SUM", "push")
 FUSED_ROWS = 64  # rows a fused sum takes (a batch-64 decode step): one program a row
 
@@ -57,8 +58,9 @@ class AllSum:
         self._buf = None  # the symmetric-memory buffer, on first use
         self._name = None
         self.one_shot = _ONE_SHOT and str(device).startswith("cuda") and self._available()
-        self.fused = _FUSED in ("1", "pull", "push") and self.one_shot
-        self.push = _FUSED == "push"
+        self.fused = _FUSED in ("1", "pull", "push", "lamport") and self.one_shot
+        self.push = _FUSED in ("push", "lamport")
+        self.lamport = _FUSED == "lamport"
         self._peers = {}  # row width -> cuda_allreduce.Peers
 
     @staticmethod
@@ -95,8 +97,13 @@ class AllSum:
 
         self._buffer()  # the group enabled, as the one-shot path does it
         world = dist.get_world_size()
-        buf = symm_mem.empty(2 * world * FUSED_ROWS * n, dtype=torch.float32, device=self.device)
+        slots = 3 if self.lamport else 2
+        buf = symm_mem.empty(slots * world * FUSED_ROWS * n, dtype=torch.float32, device=self.device)
         h = symm_mem.rendezvous(buf, self._name)
+        if self.lamport:  # every slot empty (-0.0) on every rank before any rank writes one
+            buf.view(torch.int32).fill_(-(2**31))
+            torch.cuda.synchronize(self.device)
+            dist.barrier()
         if not all(hasattr(h, a) for a in ("buffer_ptrs", "signal_pad_ptrs")):
             return None
         # the pads' last FUSED_ROWS x world int32 slots (torch's own ops use the first ones)
@@ -112,6 +119,7 @@ class AllSum:
             n=n,
             sig0=words - FUSED_ROWS * world,
             push=self.push,
+            lamport=self.lamport,
             keep=(buf, h),
         )
 
