@@ -3,12 +3,20 @@ the ranks' fp32 partial products (o_proj, down_proj), the residual add and the R
 
 At batch-1 decode on two H100s the one-shot all-reduce (9.3 us) and the add+RMSNorm after
 it (3.4 us) are two launches of a few KB each, 64 pairs a token of an 8B model. Here one
-program a row writes its partial into this rank's symmetric-memory buffer, signals every
-peer, waits for theirs, reads their buffers over NVLink and sums in rank order (as
-torch.ops.symm_mem.one_shot_all_reduce does, so every rank gets the same bits), then rounds,
+program a row exchanges the partials with its peers through symmetric memory over NVLink and
+sums them in rank order (as torch.ops.symm_mem.one_shot_all_reduce does, so every rank gets
+the same bits), then rounds,
 adds and normalises as cuda_ops.add_rms_norm does: bit for bit today's two launches.
 
-The protocol, per row and per use (every rank runs the same sequence of sums):
+The default protocol (lamport, as TensorRT-LLM's one-shot all-reduce does it): a rank
+stores its row straight into each peer's slot, and the data is the signal. An empty slot
+holds -0.0 everywhere; a -0.0 of a partial is sent as +0.0 (the sum starts at +0.0, so no bit
+of it changes); the reader polls its slot until no element is -0.0, sums, and empties it
+again. No release fence and no flag: on two H100s 3.8 us a call against 5.3 with the flags.
+Three slots, used in turn: a peer writes slot s again at use e + 3, which needs this rank's
+data of use e + 2, sent after the kernel that emptied slot s at use e had finished.
+
+The flag protocol (MLXRUN_FUSED_SUM=push or pull), per row and per use:
 - each row keeps an epoch e in a device counter (incremented by the kernel itself, so CUDA
   graph replays go on counting), and two buffer slots used alternately (e % 2);
 - a rank writes its slot, then stores e + 1 into its flag on each peer's signal pad (release,
@@ -19,7 +27,7 @@ The protocol, per row and per use (every rank runs the same sequence of sums):
 The peers' buffer and signal-pad addresses are the symmetric-memory handle's, as int64.
 
 Without a GPU it runs under TRITON_INTERPRET=1 with the peers simulated (plain tensors as
-their buffers, flags preset), which is how the tests check its arithmetic.
+their buffers, their rows or flags preset), which is how the tests check its arithmetic.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ class Peers:
     """What the kernel needs of the ranks' symmetric memory (torch_tp.AllSum builds it)."""
 
     rank: int
-    buf_ptrs: torch.Tensor  # int64 (W,) on the device: each rank's 2 x W x MAX_ROWS x n fp32
+    buf_ptrs: torch.Tensor  # int64 (W,) on the device: each rank's 2 (3) x W x MAX_ROWS x n fp32
     sig_ptrs: torch.Tensor  # int64 (W,): each rank's signal pad
     epoch: torch.Tensor  # int32 (MAX_ROWS,), zeros at first: this rank's use count a row
     n: int  # the row width the buffers were made for
@@ -127,7 +135,7 @@ def _lamport_sum(y, mine, buf_ptrs, e, row, n, rank, slot_stride, src_stride, co
 @triton.jit
 def _sum_add_rms_norm_kernel(
     y_ptr,  # this rank's fp32 partial, (rows, n)
-    buf_ptrs,  # int64 (W,): every rank's symmetric buffer, 2 slots x W x MAX_ROWS x n fp32
+    buf_ptrs,  # int64 (W,): every rank's symmetric buffer, 2 (3) slots x W x MAX_ROWS x n fp32
     sig_ptrs,  # int64 (W,): every rank's signal pad (int32 flags)
     epoch_ptr,  # int32 (MAX_ROWS,): this rank's per-row use count
     h_ptr,
