@@ -100,29 +100,20 @@ def _flagged_sum(y, mine, buf_ptrs, sig_ptrs, e, row, n, rank, slot_stride, src_
 
 
 @triton.jit
-def lamport_push(v, buf_ptrs, off, mask, rank, W: tl.constexpr):
-    """v stored at `off` of every peer's buffer, a -0.0 sent as +0.0 (-0.0 marks an empty
-    slot). Also the dense GEMV's epilogue (cuda_ops), which sends its partial this way."""
-    v = tl.where(v == 0.0, 0.0, v)
-    for p in tl.static_range(W):
-        if p != rank:
-            peer = tl.multiple_of(tl.load(buf_ptrs + p).to(tl.pointer_type(tl.float32)), 16)
-            tl.store(peer + off, v, mask=mask)
-
-
-@triton.jit
 def _lamport_sum(y, mine, buf_ptrs, e, row, n, rank, slot_stride, src_stride, cols, mask,
-                 W: tl.constexpr, SENT: tl.constexpr):  # fmt: skip
+                 W: tl.constexpr):  # fmt: skip
     """The ranks' rows summed in rank order, the data itself the signal: a slot holds -0.0
     (bits 0x80000000) until a peer's row lands in it, and a peer's -0.0 is sent as +0.0
     (the sum starts at +0.0, so that changes no bit of it). No fence, no flag: one NVLink
     write a sum on the critical path. The reader puts the sentinel back after reading; the
     slot is written again three uses later, after this kernel has finished (stream order:
-    the peer's use e + 3 needs this rank's data of use e + 2). SENT: the GEMV that made y
-    has sent it already."""
+    the peer's use e + 3 needs this rank's data of use e + 2)."""
     base = tl.multiple_of((e % 3).to(tl.int64) * slot_stride + row.to(tl.int64) * n, 4)
-    if not SENT:
-        lamport_push(y, buf_ptrs, base + rank * src_stride + cols, mask, rank, W)
+    sent = tl.where(y == 0.0, 0.0, y)
+    for p in tl.static_range(W):
+        if p != rank:
+            peer = tl.multiple_of(tl.load(buf_ptrs + p).to(tl.pointer_type(tl.float32)), 16)
+            tl.store(peer + base + rank * src_stride + cols, sent, mask=mask)
     acc = tl.zeros(y.shape, dtype=tl.float32)
     for p in tl.static_range(W):
         if p == rank:
@@ -160,7 +151,6 @@ def _sum_add_rms_norm_kernel(
     SIG: tl.constexpr,
     PUSH: tl.constexpr,
     LAMPORT: tl.constexpr,
-    SENT: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
@@ -176,7 +166,7 @@ def _sum_add_rms_norm_kernel(
     mine = tl.multiple_of(tl.load(buf_ptrs + rank).to(tl.pointer_type(tl.float32)), 16)
     if LAMPORT:
         acc = _lamport_sum(y, mine, buf_ptrs, e, row, n, rank, slot_stride, src_stride, cols,
-                           mask, W, SENT)  # fmt: skip
+                           mask, W)  # fmt: skip
         h = tl.load(h_ptr + row.to(tl.int64) * n + cols, mask=mask, other=0.0)
     else:
         h = tl.load(h_ptr + row.to(tl.int64) * n + cols, mask=mask, other=0.0)
@@ -194,10 +184,9 @@ def _sum_add_rms_norm_kernel(
     tl.store(x_out_ptr + hrow + cols, (xn * w).to(x_out_ptr.dtype.element_ty), mask=mask)
 
 
-def sum_add_rms_norm(y, h, w, eps, peers: Peers, sent: bool = False):
+def sum_add_rms_norm(y, h, w, eps, peers: Peers):
     """(h + sum_r y_r, rms_norm(h + sum_r y_r) * w) with y this rank's fp32 partial (rows of
-    the last dim, at most MAX_ROWS of them), every rank calling it in the same order. sent:
-    y's GEMV has stored it in the peers' lamport slots already (dense_gemv's `peers`)."""
+    the last dim, at most MAX_ROWS of them), every rank calling it in the same order."""
     n = h.shape[-1]
     rows = h.numel() // n
     ok = rows <= MAX_ROWS and n == peers.n and n % 4 == 0 and y.dtype == torch.float32
@@ -222,19 +211,8 @@ def sum_add_rms_norm(y, h, w, eps, peers: Peers, sent: bool = False):
         SIG=peers.sig0,
         PUSH=peers.push,
         LAMPORT=peers.lamport,
-        SENT=sent,
         BLOCK=triton.next_power_of_2(n),
         num_warps=4 if n <= 4096 else 8,
         **pdl_args(h.device),
     )
     return h_new, x
-
-
-def lamport_total(y, peers: Peers):
-    """The fp32 sum of a partial its GEMV has sent (the peers wait on it), for a consumer
-    other than the residual add (an out-norm first): the same kernel on a zero residual in
-    fp32, whose h + sum is the sum, bit for bit."""
-    n = y.shape[-1]
-    zero = torch.zeros(y.shape, dtype=torch.float32, device=y.device)
-    one = torch.ones(n, dtype=torch.float32, device=y.device)
-    return sum_add_rms_norm(y, zero, one, 0.0, peers, sent=True)[0]

@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from mlxrun.backends.cuda_allreduce import MAX_ROWS, lamport_push
 from mlxrun.quant.triton_kernels import (
     _MODE_ID,
     _counters,
@@ -281,10 +280,8 @@ def _dense_k_loop(w, w_ptrs, x_row, rk, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K:
 
 @triton.jit
 def _dense_gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_ym, stride_wn,
-                       buf_ptrs, epoch_ptr, rank, slot_stride, src_stride,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                       SILU: tl.constexpr = False, PEERS: tl.constexpr = 0,
-                       PDL: tl.constexpr = False):  # fmt: skip
+                       SILU: tl.constexpr = False, PDL: tl.constexpr = False):  # fmt: skip
     # program (row m of x, BLOCK_N rows of W): each thread streams a contiguous run of K of
     # every row (16-byte loads), the next block's words in flight while this one's FMAs run
     m = tl.program_id(0)
@@ -315,19 +312,14 @@ def _dense_gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_ym, stride_w
         _silu_store(g, u, y_ptr + m * stride_ym + ry, ry < N // 2)
     else:
         tl.store(y_ptr + m * stride_ym + rn, out.to(y_ptr.dtype.element_ty), mask=n_ok)
-        if PEERS > 0:  # a tensor-parallel partial: into the peers' slots as soon as it is made
-            e = tl.load(epoch_ptr + m)  # the sum's use count, moved on by the sum kernel
-            off = (e % 3).to(tl.int64) * slot_stride + rank * src_stride + m * N + rn
-            lamport_push(out, buf_ptrs, off, n_ok, rank, PEERS)
 
 
 def dense_gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False, block_n: int = 4,
-               warps: int = 4, vec: int = 16, out_dtype=None, peers=None) -> torch.Tensor:  # fmt: skip
+               warps: int = 4, vec: int = 16, out_dtype=None) -> torch.Tensor:  # fmt: skip
     """x [..., K] @ w[N, K]^T for a few rows of x (bf16 or fp16, w contiguous in K), as one
     CUDA-core kernel. silu: w is the joint [gate; up] (N even) and the result is
     silu(gate) * up, rounded as silu_mul rounds it. out_dtype (default x's): float32 keeps
-    the fp32 sums unrounded. peers (cuda_allreduce.Peers, lamport): the fp32 result is a
-    tensor-parallel partial, also stored into the peers' slots of the next fused sum.
+    the fp32 sums unrounded.
 
     cuBLAS runs a batch-1 bf16 product below the copy bandwidth on the 8B shapes; this kernel
     streams them faster (H100, cycled weights in a CUDA graph, us, cuBLAS -> this, with the
@@ -346,16 +338,8 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False, block_n: in
     grid = (m, triton.cdiv(n // 2 if silu else n, rows))
     even = (n // 2) % rows == 0 if silu else n % block_n == 0
     even = even and k % block_k == 0
-    tp = () if peers is None else (peers.buf_ptrs, peers.epoch, peers.rank)
-    if peers is not None:
-        assert peers.lamport and not silu and y.dtype == torch.float32 and n == peers.n
-        world = peers.buf_ptrs.numel()
-        tp += (world * MAX_ROWS * n, MAX_ROWS * n)
-    else:
-        tp = (y, y, 0, 0, 0)  # unused
     _dense_gemv_kernel[grid](
-        x2, w, y, n, k, x2.stride(0), y.stride(0), w.stride(0), *tp, BLOCK_N=block_n,
-        BLOCK_K=block_k, EVEN=even, SILU=silu, PEERS=0 if peers is None else world,
-        num_warps=warps, **pdl_args(x.device),
+        x2, w, y, n, k, x2.stride(0), y.stride(0), w.stride(0), BLOCK_N=block_n,
+        BLOCK_K=block_k, EVEN=even, SILU=silu, num_warps=warps, **pdl_args(x.device),
     )  # fmt: skip
     return y.reshape(*x.shape[:-1], y.shape[-1])

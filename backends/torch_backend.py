@@ -27,7 +27,7 @@ if torch is not None:
     from mlxrun.backends.torch_cache import CAUSAL as CAUSAL
     from mlxrun.backends.torch_cache import StaticCache
     from mlxrun.backends.torch_kv import dequantize, take_rows
-    from mlxrun.backends.torch_tp import FUSED_ROWS, GEMV_PUSH, Partial
+    from mlxrun.backends.torch_tp import FUSED_ROWS, Partial
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -155,8 +155,7 @@ class TorchBackend(TorchWeights):
         if isinstance(y, Partial):
             from .cuda_allreduce import sum_add_rms_norm  # noqa: PLC0415
 
-            peers = self._all_sum.peers(h.shape[-1])
-            return sum_add_rms_norm(y.y, h, w, eps, peers, sent=y.sent)
+            return sum_add_rms_norm(y.y, h, w, eps, self._all_sum.peers(h.shape[-1]))
         if self.triton_kernels:
             from .cuda_ops import add_rms_norm  # noqa: PLC0415
 
@@ -272,30 +271,18 @@ class TorchBackend(TorchWeights):
     def linear_sum(self, x, w, bias=None):
         if self.group is None or self.group.size == 1:
             return self.linear(x, w, bias)
-        rows = x.numel() // x.shape[-1]
-        if (
-            bias is None
-            and GEMV_PUSH
-            and self._dense_gemv(x, w)
-            and self._fused_sum(rows, w.shape[0])
-        ):
-            peers = self._all_sum.peers(w.shape[0])
-            if peers.lamport:  # the GEMV sends its rows to the peers itself, as it makes them
-                from .cuda_ops import dense_gemv  # noqa: PLC0415
-
-                y = dense_gemv(x, w, out_dtype=torch.float32, peers=peers)
-                return Partial(y, self._all_sum, sent=True)
         y = self.linear(x, w, out_dtype=torch.float32)
-        if bias is None and self._fused_sum(rows, y.shape[-1]):
+        if bias is None and self._fused_sum(y):
             return Partial(y, self._all_sum)  # summed by add_rms_norm's kernel
         y = self.all_sum(y)
         return y if bias is None else y.to(self._dt) + bias
 
-    def _fused_sum(self, rows: int, n: int) -> bool:
-        """Whether add_rms_norm may sum a product of `rows` x `n` (a torch_tp.Partial): the
-        Triton kernels on CUDA with symmetric memory, a decode-sized batch (every rank decides
+    def _fused_sum(self, y) -> bool:
+        """Whether add_rms_norm may sum this product (a torch_tp.Partial): the Triton
+        kernels on CUDA with symmetric memory, a decode-sized batch (every rank decides
         alike: the same shapes)."""
-        if not self.triton_kernels or rows > FUSED_ROWS or n % 4:
+        n = y.shape[-1]
+        if not self.triton_kernels or y.numel() // n > FUSED_ROWS or n % 4:
             return False
         if self._all_sum is None:
             from .torch_tp import AllSum  # noqa: PLC0415

@@ -37,24 +37,16 @@ _ONE_SHOT = os.environ.get("MLXRUN_ONE_SHOT", "1") != "0"
 # the others'); 0: the one-shot sum + add_rms_norm (A/B)
 _FUSED = os.environ.get("MLXRUN_FUSED_SUM", "lamport")
 FUSED_ROWS = 64  # rows a fused sum takes (a batch-64 decode step): one program a row
-# the bf16 GEMV of a partial sends its rows to the peers' lamport slots itself (0: the sum
-# kernel sends them; for A/B timing)
-GEMV_PUSH = os.environ.get("MLXRUN_GEMV_PUSH", "1") != "0"
 
 
 class Partial:
     """This rank's fp32 partial product, not yet summed: add_rms_norm sums it in its kernel;
-    anything else takes `total()` (the one-shot sum). sent: its GEMV has stored it in the
-    peers' lamport slots, where they wait for it: only the lamport kernel may sum it."""
+    anything else takes `total()` (the one-shot sum)."""
 
-    def __init__(self, y, all_sum, sent: bool = False):
-        self.y, self._all_sum, self.sent = y, all_sum, sent
+    def __init__(self, y, all_sum):
+        self.y, self._all_sum = y, all_sum
 
     def total(self):
-        if self.sent:
-            from .cuda_allreduce import lamport_total  # noqa: PLC0415
-
-            return lamport_total(self.y, self._all_sum.peers(self.y.shape[-1]))
         return self._all_sum(self.y)
 
 
