@@ -3,12 +3,20 @@ the ranks' fp32 partial products (o_proj, down_proj), the residual add and the R
 
 At batch-1 decode on two H100s the one-shot all-reduce (9.3 us) and the add+RMSNorm after
 it (3.4 us) are two launches of a few KB each, 64 pairs a token of an 8B model. Here one
-program a row writes its partial into this rank's symmetric-memory buffer, signals every
-peer, waits for theirs, reads their buffers over NVLink and sums in rank order (as
-torch.ops.symm_mem.one_shot_all_reduce does, so every rank gets the same bits), then rounds,
+program a row exchanges the partials with its peers through symmetric memory over NVLink and
+sums them in rank order (as torch.ops.symm_mem.one_shot_all_reduce does, so every rank gets
+the same bits), then rounds,
 adds and normalises as cuda_ops.add_rms_norm does: bit for bit today's two launches.
 
-The protocol, per row and per use (every rank runs the same sequence of sums):
+The default protocol (lamport, as TensorRT-LLM's one-shot all-reduce does it): a rank
+stores its row straight into each peer's slot, and the data is the signal. An empty slot
+holds -0.0 everywhere; a -0.0 of a partial is sent as +0.0 (the sum starts at +0.0, so no bit
+of it changes); the reader polls its slot until no element is -0.0, sums, and empties it
+again. No release fence and no flag: on two H100s 3.8 us a call against 5.3 with the flags.
+Three slots, used in turn: a peer writes slot s again at use e + 3, which needs this rank's
+data of use e + 2, sent after the kernel that emptied slot s at use e had finished.
+
+The flag protocol (MLXRUN_FUSED_SUM=push or pull), per row and per use:
 - each row keeps an epoch e in a device counter (incremented by the kernel itself, so CUDA
   graph replays go on counting), and two buffer slots used alternately (e % 2);
 - a rank writes its slot, then stores e + 1 into its flag on each peer's signal pad (release,
@@ -19,7 +27,7 @@ The protocol, per row and per use (every rank runs the same sequence of sums):
 The peers' buffer and signal-pad addresses are the symmetric-memory handle's, as int64.
 
 Without a GPU it runs under TRITON_INTERPRET=1 with the peers simulated (plain tensors as
-their buffers, flags preset), which is how the tests check its arithmetic.
+their buffers, their rows or flags preset), which is how the tests check its arithmetic.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from mlxrun.backends.torch_tp import FUSED_ROWS as MAX_ROWS
 from mlxrun.quant.triton_kernels import pdl_args, tlc
 
 PF_CHUNK = 4096  # bytes a bulk L2 prefetch (MLXRUN_SUM_PREFETCH)
-PF_LANES = 128  # prefetches a program: the 4 warps' lanes, one each
+PF_LANES = 128  # prefetches a program: one a lane of its 4 warps
 
 
 @dataclass
@@ -43,13 +51,89 @@ class Peers:
     """What the kernel needs of the ranks' symmetric memory (torch_tp.AllSum builds it)."""
 
     rank: int
-    buf_ptrs: torch.Tensor  # int64 (W,) on the device: each rank's 2 x W x MAX_ROWS x n fp32
+    buf_ptrs: torch.Tensor  # int64 (W,) on the device: each rank's 2 (3) x W x MAX_ROWS x n fp32
     sig_ptrs: torch.Tensor  # int64 (W,): each rank's signal pad
     epoch: torch.Tensor  # int32 (MAX_ROWS,), zeros at first: this rank's use count a row
     n: int  # the row width the buffers were made for
     sig0: int  # first int32 slot of the pads used (MAX_ROWS x W from there)
     push: bool = False  # write into the peers' buffers (else each reads the others')
+    lamport: bool = False  # push, and no flags: the reader polls the data (3 slots)
     keep: object = None  # the symmetric buffer and its handle, alive as long as this
+
+
+@triton.jit
+def _flagged_sum(y, mine, buf_ptrs, sig_ptrs, e, row, n, rank, slot_stride, src_stride, cols,
+                 mask, W: tl.constexpr, SIG: tl.constexpr, PUSH: tl.constexpr):  # fmt: skip
+    """The ranks' rows summed in rank order, the data's arrival told by a flag a peer."""
+    # rank q's row lands at [e % 2][q][row] of the buffer it is read from; the buffers are
+    # 16-byte aligned and n a multiple of 4 (linear_sum's condition): said so, the rows move in
+    # 16-byte accesses, not one float at a time
+    base = tl.multiple_of((e % 2).to(tl.int64) * slot_stride + row.to(tl.int64) * n, 4)
+    if PUSH:  # into every peer's buffer: remote stores don't wait for a reply as loads do
+        for p in tl.static_range(W):
+            if p != rank:
+                peer = tl.multiple_of(tl.load(buf_ptrs + p).to(tl.pointer_type(tl.float32)), 16)
+                tl.store(peer + base + rank * src_stride + cols, y, mask=mask)
+    else:  # into this rank's own, the peers read it
+        tl.store(mine + base + rank * src_stride + cols, y, mask=mask)
+    # every thread's store before the (one-thread) release below
+    tl.debug_barrier()
+    flag = SIG + row * W
+    for p in tl.static_range(W):
+        if p != rank:
+            pad = tl.load(sig_ptrs + p).to(tl.pointer_type(tl.int32))
+            tl.atomic_xchg(pad + flag + rank, e + 1, sem="release", scope="sys")
+    own = tl.load(sig_ptrs + rank).to(tl.pointer_type(tl.int32))
+    for p in tl.static_range(W):
+        if p != rank:
+            while tl.atomic_add(own + flag + p, 0, sem="acquire", scope="sys") != e + 1:
+                pass
+    tl.debug_barrier()
+    # the sum in rank order, this rank's term from registers
+    acc = tl.zeros(y.shape, dtype=tl.float32)
+    for p in tl.static_range(W):
+        if p == rank:
+            acc += y
+        else:
+            src = mine
+            if not PUSH:
+                src = tl.multiple_of(tl.load(buf_ptrs + p).to(tl.pointer_type(tl.float32)), 16)
+            acc += tl.load(src + base + p * src_stride + cols, mask=mask, other=0.0,
+                           cache_modifier=".cg")  # fmt: skip
+    return acc
+
+
+@triton.jit
+def _lamport_sum(y, mine, buf_ptrs, e, row, n, rank, slot_stride, src_stride, cols, mask,
+                 W: tl.constexpr):  # fmt: skip
+    """The ranks' rows summed in rank order, the data itself the signal: a slot holds -0.0
+    (bits 0x80000000) until a peer's row lands in it, and a peer's -0.0 is sent as +0.0
+    (the sum starts at +0.0, so that changes no bit of it). No fence, no flag: one NVLink
+    write a sum on the critical path. The reader puts the sentinel back after reading; the
+    slot is written again three uses later, after this kernel has finished (stream order:
+    the peer's use e + 3 needs this rank's data of use e + 2)."""
+    base = tl.multiple_of((e % 3).to(tl.int64) * slot_stride + row.to(tl.int64) * n, 4)
+    sent = tl.where(y == 0.0, 0.0, y)
+    for p in tl.static_range(W):
+        if p != rank:
+            peer = tl.multiple_of(tl.load(buf_ptrs + p).to(tl.pointer_type(tl.float32)), 16)
+            tl.store(peer + base + rank * src_stride + cols, sent, mask=mask)
+    acc = tl.zeros(y.shape, dtype=tl.float32)
+    for p in tl.static_range(W):
+        if p == rank:
+            acc += y
+        else:
+            src = (mine + base + p * src_stride + cols).to(tl.pointer_type(tl.int32), bitcast=True)
+            v = tl.load(src, mask=mask, other=0, volatile=True)
+            while tl.max(((v == -2147483648) & mask).to(tl.int32), axis=0) > 0:
+                v = tl.load(src, mask=mask, other=0, volatile=True)
+            acc += v.to(tl.float32, bitcast=True)
+    tl.debug_barrier()  # every thread's reads done before the slots are reset
+    for p in tl.static_range(W):
+        if p != rank:
+            src = (mine + base + p * src_stride + cols).to(tl.pointer_type(tl.int32), bitcast=True)
+            tl.store(src, tl.full(y.shape, -2147483648, tl.int32), mask=mask)
+    return acc
 
 
 @triton.jit
@@ -69,7 +153,7 @@ def _l2_prefetch_bulk(addr, CHUNK: tl.constexpr):
 @triton.jit
 def _sum_add_rms_norm_kernel(
     y_ptr,  # this rank's fp32 partial, (rows, n)
-    buf_ptrs,  # int64 (W,): every rank's symmetric buffer, 2 slots x W x MAX_ROWS x n fp32
+    buf_ptrs,  # int64 (W,): every rank's symmetric buffer, 2 (3) slots x W x MAX_ROWS x n fp32
     sig_ptrs,  # int64 (W,): every rank's signal pad (int32 flags)
     epoch_ptr,  # int32 (MAX_ROWS,): this rank's per-row use count
     h_ptr,
@@ -84,6 +168,7 @@ def _sum_add_rms_norm_kernel(
     W: tl.constexpr,
     SIG: tl.constexpr,
     PUSH: tl.constexpr,
+    LAMPORT: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
     pf_addr=0,  # the next GEMV's weight (torch_tp.NextWeight), prefetched by programs >= rows
@@ -94,19 +179,21 @@ def _sum_add_rms_norm_kernel(
     PF_LANES: tl.constexpr = 128,
 ):
     row = tl.program_id(0)
-    if PF and row >= rows:  # a prefetch program: its lanes' chunks, then done
+    if PF and row >= rows:  # a prefetch program: its lanes' chunks into L2, then done
         i = (row - rows).to(tl.int64) * PF_LANES + tl.arange(0, PF_LANES)
-        off = tl.minimum(i * PF_CHUNK, pf_bytes - PF_CHUNK)
-        _l2_prefetch_bulk(pf_addr + off, PF_CHUNK)
+        _l2_prefetch_bulk(pf_addr + tl.minimum(i * PF_CHUNK, pf_bytes - PF_CHUNK), PF_CHUNK)
     else:
         _sum_row(y_ptr, buf_ptrs, sig_ptrs, epoch_ptr, h_ptr, w_ptr, h_out_ptr, x_out_ptr, n,
-                 eps, rank, slot_stride, src_stride, row, W, SIG, PUSH, BLOCK, PDL)  # fmt: skip
+                 eps, rank, slot_stride, src_stride, row, W, SIG, PUSH, LAMPORT, BLOCK,
+                 PDL)  # fmt: skip
 
 
 @triton.jit
 def _sum_row(y_ptr, buf_ptrs, sig_ptrs, epoch_ptr, h_ptr, w_ptr, h_out_ptr, x_out_ptr, n, eps,
              rank, slot_stride, src_stride, row, W: tl.constexpr, SIG: tl.constexpr,
-             PUSH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+             PUSH: tl.constexpr, LAMPORT: tl.constexpr, BLOCK: tl.constexpr,
+             PDL: tl.constexpr):  # fmt: skip
+    """One row: its sum over the ranks, the residual add and the RMSNorm."""
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: no wait
@@ -114,44 +201,16 @@ def _sum_row(y_ptr, buf_ptrs, sig_ptrs, epoch_ptr, h_ptr, w_ptr, h_out_ptr, x_ou
         tlc.gdc_wait()
         tlc.gdc_launch_dependents()
     e = tl.load(epoch_ptr + row)
-    # rank q's row lands at [e % 2][q][row] of the buffer it is read from; the buffers are
-    # 16-byte aligned and n a multiple of 4 (linear_sum's condition): said so, the rows move in
-    # 16-byte accesses, not one float at a time
-    base = tl.multiple_of((e % 2).to(tl.int64) * slot_stride + row.to(tl.int64) * n, 4)
     y = tl.load(y_ptr + row.to(tl.int64) * n + cols, mask=mask, other=0.0)
     mine = tl.multiple_of(tl.load(buf_ptrs + rank).to(tl.pointer_type(tl.float32)), 16)
-    if PUSH:  # into every peer's buffer: remote stores don't wait for a reply as loads do
-        for p in tl.static_range(W):
-            if p != rank:
-                peer = tl.multiple_of(tl.load(buf_ptrs + p).to(tl.pointer_type(tl.float32)), 16)
-                tl.store(peer + base + rank * src_stride + cols, y, mask=mask)
-    else:  # into this rank's own, the peers read it
-        tl.store(mine + base + rank * src_stride + cols, y, mask=mask)
-    h = tl.load(h_ptr + row.to(tl.int64) * n + cols, mask=mask, other=0.0)
-    # every thread's store before the (one-thread) release below
-    tl.debug_barrier()
-    flag = SIG + row * W
-    for p in tl.static_range(W):
-        if p != rank:
-            pad = tl.load(sig_ptrs + p).to(tl.pointer_type(tl.int32))
-            tl.atomic_xchg(pad + flag + rank, e + 1, sem="release", scope="sys")
-    own = tl.load(sig_ptrs + rank).to(tl.pointer_type(tl.int32))
-    for p in tl.static_range(W):
-        if p != rank:
-            while tl.atomic_add(own + flag + p, 0, sem="acquire", scope="sys") != e + 1:
-                pass
-    tl.debug_barrier()
-    # the sum in rank order, this rank's term from registers
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for p in tl.static_range(W):
-        if p == rank:
-            acc += y
-        else:
-            src = mine
-            if not PUSH:
-                src = tl.multiple_of(tl.load(buf_ptrs + p).to(tl.pointer_type(tl.float32)), 16)
-            acc += tl.load(src + base + p * src_stride + cols, mask=mask, other=0.0,
-                           cache_modifier=".cg")  # fmt: skip
+    if LAMPORT:
+        acc = _lamport_sum(y, mine, buf_ptrs, e, row, n, rank, slot_stride, src_stride, cols,
+                           mask, W)  # fmt: skip
+        h = tl.load(h_ptr + row.to(tl.int64) * n + cols, mask=mask, other=0.0)
+    else:
+        h = tl.load(h_ptr + row.to(tl.int64) * n + cols, mask=mask, other=0.0)
+        acc = _flagged_sum(y, mine, buf_ptrs, sig_ptrs, e, row, n, rank, slot_stride,
+                           src_stride, cols, mask, W, SIG, PUSH)  # fmt: skip
     tl.store(epoch_ptr + row, e + 1)
     # from here as cuda_ops._add_rms_norm_kernel: y rounded to the model dtype, h + y rounded
     hrow = row.to(tl.int64) * n
@@ -190,11 +249,12 @@ def sum_add_rms_norm(y, h, w, eps, peers: Peers, key=None):
         n,
         eps,
         peers.rank,
-        peers.buf_ptrs.numel() * MAX_ROWS * n,
+        peers.buf_ptrs.numel() * MAX_ROWS * n,  # a slot
         MAX_ROWS * n,
         W=peers.buf_ptrs.numel(),
         SIG=peers.sig0,
         PUSH=peers.push,
+        LAMPORT=peers.lamport,
         BLOCK=triton.next_power_of_2(n),
         num_warps=4 if n <= 4096 else 8,
         **pdl_args(h.device),

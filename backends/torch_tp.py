@@ -17,8 +17,8 @@ larger ones (prefill) and other devices use the process group's all_reduce.
 With the Triton kernels on CUDA, a sum the residual add and RMSNorm follow (linear_sum
 without a bias, at most FUSED_ROWS rows) is not summed here: linear_sum hands
 add_rms_norm a Partial, and one kernel (backends/cuda_allreduce.py) sums, adds and
-normalises, bit for bit as the one-shot sum and add_rms_norm do (4.5 us a call against 9.7
-for the two launches on two H200s); MLXRUN_FUSED_SUM=0 turns it off (for A/B timing).
+normalises, bit for bit as the one-shot sum and add_rms_norm do (3.8 us a call against 12.1
+for the two launches on two H100s); MLXRUN_FUSED_SUM=0 turns it off (for A/B timing).
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ import torch.distributed as dist
 # in fp32 is 512 KiB); MLXRUN_ONE_SHOT=0 turns it off (for A/B timing)
 ONE_SHOT_BYTES = 1 << 20
 _ONE_SHOT = os.environ.get("MLXRUN_ONE_SHOT", "1") != "0"
-# MLXRUN_FUSED_SUM: push (the default: each rank writes its partial into the others'
-# buffers), pull or 1 (each reads the others'); 0: the one-shot sum + add_rms_norm (A/B)
-_FUSED = os.environ.get("MLXRUN_FUSED_SUM", "push")
+# MLXRUN_FUSED_SUM: lamport (the default: each rank writes its partial into the others'
+# buffers and the data is the signal), push (writes it, then a flag), pull or 1 (each reads
+# the others'); 0: the one-shot sum + add_rms_norm (A/B)
+_FUSED = os.environ.get("MLXRUN_FUSED_SUM", "lamport")
 FUSED_ROWS = 64  # rows a fused sum takes (a batch-64 decode step): one program a row
 # MLXRUN_SUM_PREFETCH=MB: the fused sum's kernel also brings the first MB of the weight the
 # next GEMV reads into L2 (extra programs), so HBM is not idle while the sum waits on its
@@ -85,8 +86,9 @@ class AllSum:
         self._buf = None  # the symmetric-memory buffer, on first use
         self._name = None
         self.one_shot = _ONE_SHOT and str(device).startswith("cuda") and self._available()
-        self.fused = _FUSED in ("1", "pull", "push") and self.one_shot
-        self.push = _FUSED == "push"
+        self.fused = _FUSED in ("1", "pull", "push", "lamport") and self.one_shot
+        self.push = _FUSED in ("push", "lamport")
+        self.lamport = _FUSED == "lamport"
         self._peers = {}  # row width -> cuda_allreduce.Peers
 
     @staticmethod
@@ -123,8 +125,15 @@ class AllSum:
 
         self._buffer()  # the group enabled, as the one-shot path does it
         world = dist.get_world_size()
-        buf = symm_mem.empty(2 * world * FUSED_ROWS * n, dtype=torch.float32, device=self.device)
+        slots = 3 if self.lamport else 2
+        buf = symm_mem.empty(
+            slots * world * FUSED_ROWS * n, dtype=torch.float32, device=self.device
+        )
         h = symm_mem.rendezvous(buf, self._name)
+        if self.lamport:  # every slot empty (-0.0) on every rank before any rank writes one
+            buf.view(torch.int32).fill_(-(2**31))
+            torch.cuda.synchronize(self.device)
+            dist.barrier()
         if not all(hasattr(h, a) for a in ("buffer_ptrs", "signal_pad_ptrs")):
             return None
         # the pads' last FUSED_ROWS x world int32 slots (torch's own ops use the first ones)
@@ -140,6 +149,7 @@ class AllSum:
             n=n,
             sig0=words - FUSED_ROWS * world,
             push=self.push,
+            lamport=self.lamport,
             keep=(buf, h),
         )
 

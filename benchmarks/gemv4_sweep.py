@@ -34,6 +34,7 @@ def _kernels(which: str):
         saved = triton_launch.GEMV4
         triton_launch.GEMV4 = which
         try:
+            importlib.reload(importlib.import_module("mlxrun.quant.triton_decode"))
             g = importlib.reload(importlib.import_module("mlxrun.quant.triton_gemv"))
             st = importlib.reload(importlib.import_module("mlxrun.quant.triton_gemv_stream"))
         finally:

@@ -2,7 +2,7 @@
 host: every rank's output bit for bit against the one-shot all-reduce then add_rms_norm,
 eagerly and from a captured CUDA graph replayed many times (new partials each replay), and
 the microseconds of one fused call (pull: each rank reads the others' partials; push: each
-writes its partial into the others' buffers) against the two launches it replaces ("old":
+writes its partial into the others' buffers, then a flag; lamport: writes it, no flag) against the two launches it replaces ("old":
 one-shot sum + add_rms_norm), each as CALLS of them replayed from one graph (a decode step
 of an 8B model makes 64).
 
@@ -44,12 +44,12 @@ def main() -> None:
     s = AllSum(dev)  # the one-shot sum of the reference
     n, eps = args.width, 1e-5
     peers = {}
-    for mode in ("pull", "push"):  # whatever MLXRUN_FUSED_SUM says: this checks both
+    for mode in ("pull", "push", "lamport"):  # whatever MLXRUN_FUSED_SUM says: all three
         a = AllSum(dev)
-        a.fused, a.push = a.one_shot, mode == "push"
+        a.fused, a.push, a.lamport = a.one_shot, mode != "pull", mode == "lamport"
         peers[mode] = a.peers(n)
         assert peers[mode] is not None, "no symmetric memory handle with buffer/signal ptrs"
-    modes = ("pull", "push", "old")
+    modes = ("pull", "push", "lamport", "old")
     g = torch.Generator(device=dev).manual_seed(1234 + rank)
     w = torch.rand(n, device=dev, generator=torch.Generator(device=dev).manual_seed(7)) + 0.5
     w = w.bfloat16()
@@ -63,14 +63,14 @@ def main() -> None:
         return int(not all(torch.equal(bits(u), bits(v)) for u, v in zip(a, b)))
 
     for rows in (int(r) for r in args.rows.split(",")):
-        bad = dict.fromkeys(modes[:2], 0)
+        bad = dict.fromkeys(modes[:3], 0)
         # eager: several uses in a row (the slots alternate), h shared by every rank
         hg = torch.Generator(device=dev).manual_seed(rows)
         h = torch.randn(rows, n, device=dev, generator=hg).bfloat16()
         for _ in range(5):
             y = torch.randn(rows, n, device=dev, generator=g) * 4
             want = step("old", y, h)
-            for mode in modes[:2]:
+            for mode in modes[:3]:
                 bad[mode] += differ(step(mode, y, h), want)
         # a graph of `calls` sums chained through h a mode, replayed with new partials
         ys = torch.randn(args.calls, rows, n, device=dev, generator=g)
@@ -98,7 +98,7 @@ def main() -> None:
             for mode in modes:
                 graphs[mode].replay()
             torch.cuda.synchronize()
-            for mode in modes[:2]:
+            for mode in modes[:3]:
                 bad[mode] += differ(outs[mode], outs["old"])
         times = {mode: [] for mode in modes}
         for _ in range(3):  # alternated, best of 3
@@ -112,7 +112,7 @@ def main() -> None:
                 b.record()
                 torch.cuda.synchronize()
                 times[mode].append(a.elapsed_time(b) * 1e3 / (20 * args.calls))
-        got = torch.tensor([bad[m] for m in modes[:2]], device=dev)
+        got = torch.tensor([bad[m] for m in modes[:3]], device=dev)
         dist.all_reduce(got)
         if rank == 0:
             row = {"world": world, "rows": rows, "n": n}

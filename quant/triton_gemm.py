@@ -8,7 +8,7 @@ Imported only where Triton loads (triton_kernels.py checks).
 
 from __future__ import annotations
 
-from .triton_gemv import _group_scale, _splitk_epilogue
+from .triton_decode import _group_scale, _splitk_epilogue
 from .triton_launch import tl, tlc, triton
 
 

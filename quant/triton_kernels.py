@@ -24,8 +24,9 @@ uses a tensor-core GEMM (tl.dot) that dequantizes each weight tile in registers.
 Without Triton or a GPU, `dequantize_torch` gives the dense weight for one layer at a time.
 
 Where the parts live: the layout, `prepare` and `dequantize_torch` in triton_layout.py; the
-GEMV (and the helpers other kernels share) in triton_gemv.py; the GEMM in triton_gemm.py;
-launch parameters, device properties and PDL in triton_launch.py. This module launches them.
+code decode and epilogues every kernel shares in triton_decode.py; the GEMV in triton_gemv.py;
+the GEMM in triton_gemm.py; launch parameters, device properties and PDL in triton_launch.py.
+This module launches them.
 """
 
 from __future__ import annotations
@@ -64,12 +65,12 @@ from .triton_layout import join_rows as join_rows
 from .triton_layout import prepare as prepare
 
 if triton is not None:
+    from .triton_decode import _group_scale as _group_scale
+    from .triton_decode import _silu_store as _silu_store
+    from .triton_decode import _split_sum as _split_sum
+    from .triton_decode import _splitk_epilogue as _splitk_epilogue
     from .triton_gemm import _gemm_kernel
     from .triton_gemv import _gemv_kernel
-    from .triton_gemv import _group_scale as _group_scale
-    from .triton_gemv import _silu_store as _silu_store
-    from .triton_gemv import _split_sum as _split_sum
-    from .triton_gemv import _splitk_epilogue as _splitk_epilogue
     from .triton_gemv_stream import _gemv_stream_kernel
 
 MAX_INDEX = 2**31 - 1  # element offsets the kernels compute in int32

@@ -37,13 +37,15 @@ def _interpreted_kernels() -> bool:
         import mlxrun.backends.cuda_attention as attn
         import mlxrun.backends.cuda_ops as ops
         import mlxrun.backends.cuda_sampling as smp
+        import mlxrun.quant.triton_decode as dec
         import mlxrun.quant.triton_gemm as gemm
         import mlxrun.quant.triton_gemv as gemv
         import mlxrun.quant.triton_kernels as tk
     except ImportError:  # no triton
         return False
     # the kernel modules before triton_kernels, which re-binds their kernels
-    kernels = ((gemv, "_gemv_kernel"), (gemm, "_gemm_kernel"), (tk, "_gemv_kernel"))
+    kernels = ((dec, "_group_scale"), (gemv, "_gemv_kernel"), (gemm, "_gemm_kernel"),
+               (tk, "_gemv_kernel"))  # fmt: skip
     more = ((ops, "_add_rms_norm_kernel"), (attn, "_rope_qkv_kernel"), (smp, "_draw_kernel"))
     for mod, fn in (*kernels, *more):
         if type(getattr(mod, fn)).__name__ != "InterpretedFunction":

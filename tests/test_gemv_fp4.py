@@ -116,7 +116,7 @@ def test_fp4_decode_equals_the_old_decode(mode, group_size):
     MLXRUN_E2M1_PAIR=1 (E2M1 positions 3 and 7 from one mask), the kernels reloaded for
     each; over every E2M1 code and every finite E4M3 scale code (subnormals included); and
     the float64 decoder's product."""
-    from mlxrun.quant import triton_gemv, triton_launch
+    from mlxrun.quant import triton_decode, triton_gemv, triton_launch
 
     n, k = 16, 512
     w, s, gen = packed_fp4(n, k, mode, group_size, seed=3)
@@ -133,10 +133,12 @@ def test_fp4_decode_equals_the_old_decode(mode, group_size):
     try:  # old decode (the default); E4M3 by cvt where compiled; with the shared E2M1 mask
         for gemv4, pair in (("old", False), ("new", False), ("new", True)):
             triton_launch.GEMV4, triton_launch.E2M1_PAIR_ON = gemv4, pair
+            importlib.reload(triton_decode)  # its decode reads the two switches
             tk._gemv_kernel = importlib.reload(triton_gemv)._gemv_kernel
             outs.append(tk.qmatmul(x, q, cfg))
     finally:
         triton_launch.GEMV4, triton_launch.E2M1_PAIR_ON = saved[:2]
+        importlib.reload(triton_decode)
         importlib.reload(triton_gemv)
         tk._gemv_kernel = saved[2]
     assert rel_err(outs[0], want) < 1e-2

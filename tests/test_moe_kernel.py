@@ -29,6 +29,7 @@ from mlxrun.quant.reference import quantize  # noqa: E402
 # imported earlier without the interpreter: decorate again, callees first (the packed
 # kernels call the dense GEMV's k-step; cuda_moe takes the kernels by name)
 if not HAS_CUDA and type(tk._gemv_step).__name__ != "InterpretedFunction":
+    importlib.reload(importlib.import_module("mlxrun.quant.triton_decode"))
     tk = importlib.reload(tk)
     tgm = importlib.reload(tgm)
     ck = importlib.reload(ck)

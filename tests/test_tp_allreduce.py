@@ -75,3 +75,44 @@ def test_fused_sum_matches_one_shot_then_add_rms_norm(world, rank, rows, n, dtyp
                 assert flags.tolist() == [use + 1] * rows
         assert epoch[:rows].tolist() == [use + 1] * rows and not epoch[rows:].any()
         h = got_h
+
+
+EMPTY = -(2**31)  # an empty lamport slot: -0.0's bits
+
+
+@pytest.mark.parametrize(("world", "rank", "rows", "n"), [(2, 1, 1, 96), (3, 0, 3, 48)])
+def test_lamport_sum_matches_and_empties_its_slots(world, rank, rows, n):
+    """The data is the signal: the peers' rows preset in this rank's slot, this rank's row
+    found in every peer's (a -0.0 sent as +0.0), the slot read put back to empty."""
+    g = torch.Generator().manual_seed(rows * n + rank + 7)
+    parts = [torch.randn(rows, n, generator=g) * 3 for _ in range(world)]
+    parts[rank][0, :3] = torch.tensor([-0.0, 0.0, -0.0])
+    h = torch.randn(rows, n, generator=g).bfloat16()
+    w = (torch.rand(n, generator=g) + 0.5).bfloat16()
+    bufs = [torch.full((3, world, MR, n), EMPTY, dtype=torch.int32) for _ in range(world)]
+    pads = [torch.zeros(SIG + MR * world, dtype=torch.int32) for _ in range(world)]
+    epoch = torch.zeros(MR, dtype=torch.int32)
+    ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+    sigs = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64)
+    peers = cuda_allreduce.Peers(rank, ptrs, sigs, epoch, n, SIG, push=True, lamport=True)
+    for use in range(4):  # slots 0, 1, 2, 0
+        parts = [p + use for p in parts]
+        for p in range(world):
+            if p != rank:
+                bufs[rank][use % 3, p, :rows] = parts[p].view(torch.int32)
+        total = parts[0].clone()
+        for p in parts[1:]:
+            total += p
+        want_h, want_x = cuda_ops.add_rms_norm(h, total, w, 1e-5)
+        got_h, got_x = cuda_allreduce.sum_add_rms_norm(parts[rank], h, w, 1e-5, peers)
+        assert torch.equal(got_h.view(torch.int16), want_h.view(torch.int16))
+        assert torch.equal(got_x.view(torch.int16), want_x.view(torch.int16))
+        sent = torch.where(parts[rank] == 0, 0.0, parts[rank])  # +0.0 for either zero
+        for p in range(world):
+            if p != rank:
+                assert torch.equal(bufs[p][use % 3, rank, :rows], sent.view(torch.int32))
+                bufs[p][use % 3, rank] = EMPTY  # read by that peer
+        assert (bufs[rank] == EMPTY).all()  # every slot read is empty again
+        assert not any(p.any() for p in pads)  # no flags
+        assert epoch[:rows].tolist() == [use + 1] * rows
+        h = got_h

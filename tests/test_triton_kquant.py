@@ -28,6 +28,7 @@ from mlxrun.quant import gguf_blocks as gb  # noqa: E402
 from tests.test_gguf_blocks import random_rows  # noqa: E402
 
 if not HAS_CUDA and type(kk._kq_lane_gemv_kernel).__name__ != "InterpretedFunction":
+    importlib.reload(importlib.import_module("mlxrun.quant.triton_decode"))
     tg = importlib.reload(tg)  # imported earlier without the interpreter: decorate again,
     tgm = importlib.reload(tgm)  # the kernels the K-quant kernels call first
     tk = importlib.reload(tk)
