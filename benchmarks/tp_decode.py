@@ -61,7 +61,7 @@ def allreduce_us(be, hidden: int, calls: int = 64, reps: int = 50) -> float:
 
 
 def profile(model, prompts, rank: int, path: str, steps: int = 16) -> None:
-    """Every rank generates 1 token, then 1 + `steps` (the sums need them all); rank 0 runs
+    """Every rank generates 2 tokens, then 2 + `steps` (the sums need them all); rank 0 runs
     both under torch.profiler and writes each kernel's device time a decode step (the
     difference of the two runs over `steps`, so the prefill drops out), most first, to
     `path` (text) and `path`.json."""
@@ -69,16 +69,19 @@ def profile(model, prompts, rank: int, path: str, steps: int = 16) -> None:
 
     greedy = SamplingParams()
     runs = []
-    for n in (1, 1 + steps):
+    for n in (2, 2 + steps):  # (one token alone has no decode rate to report)
         if rank != 0:
             _run_once(model, prompts, n, greedy)
             continue
-        acts = [torch.profiler.ProfilerActivity.CUDA]
+        # the device's kernels only (CPU ops would count their kernels twice); on the CPU
+        # (a check of this code) the ops, nested ones counted twice
+        cuda = torch.cuda.is_available()
+        acts = [getattr(torch.profiler.ProfilerActivity, "CUDA" if cuda else "CPU")]
         with torch.profiler.profile(activities=acts) as prof:
             _run_once(model, prompts, n, greedy)
         runs.append(
             {
-                e.key: (getattr(e, "device_time_total", 0) or e.cuda_time_total, e.count)
+                e.key: (e.device_time_total if cuda else e.cpu_time_total, e.count)
                 for e in prof.key_averages()
             }
         )
