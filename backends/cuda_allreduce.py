@@ -38,12 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mlxrun.backends import torch_tp
 from mlxrun.backends.torch_tp import FUSED_ROWS as MAX_ROWS
 from mlxrun.quant.triton_kernels import pdl_args, tlc
-
-PF_CHUNK = 4096  # bytes a bulk L2 prefetch (MLXRUN_SUM_PREFETCH)
-PF_LANES = 128  # prefetches a program: one a lane of its 4 warps
 
 
 @dataclass
@@ -137,20 +133,6 @@ def _lamport_sum(y, mine, buf_ptrs, e, row, n, rank, slot_stride, src_stride, co
 
 
 @triton.jit
-def _l2_prefetch_bulk(addr, CHUNK: tl.constexpr):
-    """One bulk prefetch into L2 of CHUNK bytes at each of `addr` (int64, 16-byte aligned):
-    the copy engine's (TMA) prefetch, no registers held, nothing waited for (sm_90)."""
-    tl.inline_asm_elementwise(
-        f"cp.async.bulk.prefetch.L2.global [$1], {CHUNK};\n\tmov.u32 $0, 0;",
-        "=r,l",
-        [addr],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
 def _sum_add_rms_norm_kernel(
     y_ptr,  # this rank's fp32 partial, (rows, n)
     buf_ptrs,  # int64 (W,): every rank's symmetric buffer, 2 (3) slots x W x MAX_ROWS x n fp32
@@ -171,29 +153,8 @@ def _sum_add_rms_norm_kernel(
     LAMPORT: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
-    pf_addr=0,  # the next GEMV's weight (torch_tp.NextWeight), prefetched by programs >= rows
-    pf_bytes=0,
-    rows=1,
-    PF: tl.constexpr = False,
-    PF_CHUNK: tl.constexpr = 4096,
-    PF_LANES: tl.constexpr = 128,
 ):
     row = tl.program_id(0)
-    if PF and row >= rows:  # a prefetch program: its lanes' chunks into L2, then done
-        i = (row - rows).to(tl.int64) * PF_LANES + tl.arange(0, PF_LANES)
-        _l2_prefetch_bulk(pf_addr + tl.minimum(i * PF_CHUNK, pf_bytes - PF_CHUNK), PF_CHUNK)
-    else:
-        _sum_row(y_ptr, buf_ptrs, sig_ptrs, epoch_ptr, h_ptr, w_ptr, h_out_ptr, x_out_ptr, n,
-                 eps, rank, slot_stride, src_stride, row, W, SIG, PUSH, LAMPORT, BLOCK,
-                 PDL)  # fmt: skip
-
-
-@triton.jit
-def _sum_row(y_ptr, buf_ptrs, sig_ptrs, epoch_ptr, h_ptr, w_ptr, h_out_ptr, x_out_ptr, n, eps,
-             rank, slot_stride, src_stride, row, W: tl.constexpr, SIG: tl.constexpr,
-             PUSH: tl.constexpr, LAMPORT: tl.constexpr, BLOCK: tl.constexpr,
-             PDL: tl.constexpr):  # fmt: skip
-    """One row: its sum over the ranks, the residual add and the RMSNorm."""
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: no wait
@@ -223,21 +184,16 @@ def _sum_row(y_ptr, buf_ptrs, sig_ptrs, epoch_ptr, h_ptr, w_ptr, h_out_ptr, x_ou
     tl.store(x_out_ptr + hrow + cols, (xn * w).to(x_out_ptr.dtype.element_ty), mask=mask)
 
 
-def sum_add_rms_norm(y, h, w, eps, peers: Peers, key=None):
+def sum_add_rms_norm(y, h, w, eps, peers: Peers):
     """(h + sum_r y_r, rms_norm(h + sum_r y_r) * w) with y this rank's fp32 partial (rows of
-    the last dim, at most MAX_ROWS of them), every rank calling it in the same order. key
-    (the summed product's weight) names the sum for torch_tp.NEXT: with PREFETCH_BYTES, the
-    kernel brings the start of the weight the GEMV after it reads into L2."""
+    the last dim, at most MAX_ROWS of them), every rank calling it in the same order."""
     n = h.shape[-1]
     rows = h.numel() // n
     ok = rows <= MAX_ROWS and n == peers.n and n % 4 == 0 and y.dtype == torch.float32
     assert ok, (rows, n, y.dtype)
     h = h.contiguous()
     h_new, x = torch.empty_like(h), torch.empty_like(h)
-    pf = torch_tp.NEXT.sum_launched(key) if torch_tp.PREFETCH_BYTES and key is not None else None
-    pf_bytes = min(pf[1], torch_tp.PREFETCH_BYTES) // PF_CHUNK * PF_CHUNK if pf else 0
-    pf_programs = triton.cdiv(pf_bytes, PF_CHUNK * PF_LANES) if pf_bytes else 0
-    _sum_add_rms_norm_kernel[(rows + pf_programs,)](
+    _sum_add_rms_norm_kernel[(rows,)](
         y.contiguous(),
         peers.buf_ptrs,
         peers.sig_ptrs,
@@ -258,11 +214,5 @@ def sum_add_rms_norm(y, h, w, eps, peers: Peers, key=None):
         BLOCK=triton.next_power_of_2(n),
         num_warps=4 if n <= 4096 else 8,
         **pdl_args(h.device),
-        pf_addr=pf[0] if pf_bytes else 0,
-        pf_bytes=pf_bytes,
-        rows=rows,
-        PF=pf_bytes > 0,
-        PF_CHUNK=PF_CHUNK,
-        PF_LANES=PF_LANES,
     )
     return h_new, x

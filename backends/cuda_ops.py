@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from mlxrun.backends import torch_tp
 from mlxrun.quant.triton_kernels import (
     _MODE_ID,
     _counters,
@@ -317,10 +316,6 @@ def _dense_gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_ym, stride_w
         tl.store(y_ptr + m * stride_ym + rn, out.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
-# MLXRUN_DENSE_EVEN=1: where K is not a multiple of the k-step (32 x warps x vec inputs), fewer
-# inputs a thread until it is, so every k-step runs unmasked: the down projection split over
-# two ranks has K 7168 against the default 2048 (A/B, off until measured)
-_DENSE_EVEN = os.environ.get("MLXRUN_DENSE_EVEN", "0") == "1"
 # MLXRUN_DENSE_CFG="N,K=rows,warps,vec;...": launch settings of dense_gemv for the weight shapes
 # named (N the weight's rows: gate and up together for the SiLU one), for A/B of
 # benchmarks/dense_gemv_sweep.py's picks in the model
@@ -351,11 +346,7 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False, block_n: in
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if torch_tp.NEXT.pending is not None:  # the GEMV after a fused sum (its prefetch)
-        torch_tp.NEXT.gemv(w)
     m = x2.shape[0]
-    while _DENSE_EVEN and vec > 4 and k % (32 * warps * vec):
-        vec //= 2
     y = torch.empty((m, n // 2 if silu else n), dtype=out_dtype or x.dtype, device=x.device)
     block_k = 32 * warps * vec
     rows = block_n // 2 if silu else block_n

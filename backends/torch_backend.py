@@ -155,8 +155,7 @@ class TorchBackend(TorchWeights):
         if isinstance(y, Partial):
             from .cuda_allreduce import sum_add_rms_norm  # noqa: PLC0415
 
-            peers = self._all_sum.peers(h.shape[-1])
-            return sum_add_rms_norm(y.y, h, w, eps, peers, key=y.key)
+            return sum_add_rms_norm(y.y, h, w, eps, self._all_sum.peers(h.shape[-1]))
         if self.triton_kernels:
             from .cuda_ops import add_rms_norm  # noqa: PLC0415
 
@@ -274,8 +273,7 @@ class TorchBackend(TorchWeights):
             return self.linear(x, w, bias)
         y = self.linear(x, w, out_dtype=torch.float32)
         if bias is None and self._fused_sum(y):
-            key = w.data_ptr() if isinstance(w, torch.Tensor) else id(w)
-            return Partial(y, self._all_sum, key)  # summed by add_rms_norm's kernel
+            return Partial(y, self._all_sum)  # summed by add_rms_norm's kernel
         y = self.all_sum(y)
         return y if bias is None else y.to(self._dt) + bias
 

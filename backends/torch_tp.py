@@ -37,42 +37,14 @@ _ONE_SHOT = os.environ.get("MLXRUN_ONE_SHOT", "1") != "0"
 # the others'); 0: the one-shot sum + add_rms_norm (A/B)
 _FUSED = os.environ.get("MLXRUN_FUSED_SUM", "lamport")
 FUSED_ROWS = 64  # rows a fused sum takes (a batch-64 decode step): one program a row
-# MLXRUN_SUM_PREFETCH=MB: the fused sum's kernel also brings the first MB of the weight the
-# next GEMV reads into L2 (extra programs), so HBM is not idle while the sum waits on its
-# peers; 0 (the default until measured) turns it off
-PREFETCH_BYTES = int(float(os.environ.get("MLXRUN_SUM_PREFETCH", "0")) * (1 << 20)) // 4096 * 4096
-
-
-class NextWeight:
-    """Which weight the GEMV after each fused sum reads, learned as the model runs: a sum
-    (keyed by the weight of the product it sums) leaves its key pending, and the next dense
-    GEMV records its weight under it. The first (eager) decode step learns it; the captured
-    graph's sums then prefetch it. A wrong or missing entry costs time, never a result."""
-
-    def __init__(self):
-        self.pending = None
-        self.after = {}  # key -> (address, bytes)
-
-    def sum_launched(self, key):
-        """The (address, bytes) to prefetch after the sum `key`, or None; `key` pending."""
-        self.pending = key
-        return self.after.get(key)
-
-    def gemv(self, w):
-        if self.pending is not None:
-            self.after[self.pending] = (w.data_ptr(), w.numel() * w.element_size())
-            self.pending = None
-
-
-NEXT = NextWeight()
 
 
 class Partial:
     """This rank's fp32 partial product, not yet summed: add_rms_norm sums it in its kernel;
     anything else takes `total()` (the one-shot sum)."""
 
-    def __init__(self, y, all_sum, key=None):
-        self.y, self._all_sum, self.key = y, all_sum, key
+    def __init__(self, y, all_sum):
+        self.y, self._all_sum = y, all_sum
 
     def total(self):
         return self._all_sum(self.y)

@@ -21,7 +21,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from mlxrun.backends import cuda_ops, torch_tp
+from mlxrun.backends import cuda_ops
 from mlxrun.backends.cuda_allreduce import sum_add_rms_norm
 from mlxrun.backends.torch_tp import AllSum
 
@@ -44,17 +44,12 @@ def main() -> None:
     s = AllSum(dev)  # the one-shot sum of the reference
     n, eps = args.width, 1e-5
     peers = {}
-    # lamport_pf: lamport whose kernel also prefetches 16 MB of a weight into L2
-    # (MLXRUN_SUM_PREFETCH), which must change no bit
-    for mode in ("pull", "push", "lamport", "lamport_pf"):  # whatever MLXRUN_FUSED_SUM says
+    for mode in ("pull", "push", "lamport"):  # whatever MLXRUN_FUSED_SUM says: all three
         a = AllSum(dev)
-        a.fused, a.push, a.lamport = a.one_shot, mode != "pull", mode.startswith("lamport")
+        a.fused, a.push, a.lamport = a.one_shot, mode != "pull", mode == "lamport"
         peers[mode] = a.peers(n)
         assert peers[mode] is not None, "no symmetric memory handle with buffer/signal ptrs"
-    nxt = torch.empty(64 << 20, dtype=torch.uint8, device=dev)  # the "next GEMV's weight"
-    torch_tp.PREFETCH_BYTES = 16 << 20
-    torch_tp.NEXT.after["pf"] = (nxt.data_ptr(), nxt.numel())
-    modes = ("pull", "push", "lamport", "lamport_pf", "old")
+    modes = ("pull", "push", "lamport", "old")
     g = torch.Generator(device=dev).manual_seed(1234 + rank)
     w = torch.rand(n, device=dev, generator=torch.Generator(device=dev).manual_seed(7)) + 0.5
     w = w.bfloat16()
@@ -62,21 +57,20 @@ def main() -> None:
     def step(mode, y, h):
         if mode == "old":
             return cuda_ops.add_rms_norm(h, s(y.clone()), w, eps)
-        key = "pf" if mode == "lamport_pf" else None
-        return sum_add_rms_norm(y, h, w, eps, peers[mode], key=key)
+        return sum_add_rms_norm(y, h, w, eps, peers[mode])
 
     def differ(a, b):
         return int(not all(torch.equal(bits(u), bits(v)) for u, v in zip(a, b)))
 
     for rows in (int(r) for r in args.rows.split(",")):
-        bad = dict.fromkeys(modes[:4], 0)
+        bad = dict.fromkeys(modes[:3], 0)
         # eager: several uses in a row (the slots alternate), h shared by every rank
         hg = torch.Generator(device=dev).manual_seed(rows)
         h = torch.randn(rows, n, device=dev, generator=hg).bfloat16()
         for _ in range(5):
             y = torch.randn(rows, n, device=dev, generator=g) * 4
             want = step("old", y, h)
-            for mode in modes[:4]:
+            for mode in modes[:3]:
                 bad[mode] += differ(step(mode, y, h), want)
         # a graph of `calls` sums chained through h a mode, replayed with new partials
         ys = torch.randn(args.calls, rows, n, device=dev, generator=g)
@@ -104,7 +98,7 @@ def main() -> None:
             for mode in modes:
                 graphs[mode].replay()
             torch.cuda.synchronize()
-            for mode in modes[:4]:
+            for mode in modes[:3]:
                 bad[mode] += differ(outs[mode], outs["old"])
         times = {mode: [] for mode in modes}
         for _ in range(3):  # alternated, best of 3
@@ -118,7 +112,7 @@ def main() -> None:
                 b.record()
                 torch.cuda.synchronize()
                 times[mode].append(a.elapsed_time(b) * 1e3 / (20 * args.calls))
-        got = torch.tensor([bad[m] for m in modes[:4]], device=dev)
+        got = torch.tensor([bad[m] for m in modes[:3]], device=dev)
         dist.all_reduce(got)
         if rank == 0:
             row = {"world": world, "rows": rows, "n": n}

@@ -116,22 +116,3 @@ def test_lamport_sum_matches_and_empties_its_slots(world, rank, rows, n):
         assert not any(p.any() for p in pads)  # no flags
         assert epoch[:rows].tolist() == [use + 1] * rows
         h = got_h
-
-
-def test_next_weight_is_the_gemv_after_each_sum(monkeypatch):
-    """MLXRUN_SUM_PREFETCH's bookkeeping: a sum's key names the weight of the first dense
-    GEMV after it (the one its kernel prefetches into L2), and only that one."""
-    from mlxrun.backends import torch_tp  # noqa: PLC0415
-
-    nxt = torch_tp.NextWeight()
-    monkeypatch.setattr(torch_tp, "NEXT", nxt)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 64, generator=g).to(torch.bfloat16)
-    w1, w2 = (torch.randn(8, 64, generator=g).to(torch.bfloat16) for _ in range(2))
-    assert nxt.sum_launched("o") is None  # not learned yet
-    cuda_ops.dense_gemv(x, w1)
-    cuda_ops.dense_gemv(x, w2)  # not the first after the sum: not recorded
-    assert nxt.pending is None and nxt.after == {"o": (w1.data_ptr(), 8 * 64 * 2)}
-    assert nxt.sum_launched("o") == (w1.data_ptr(), 1024)
-    cuda_ops.dense_gemv(x, w2)
-    assert nxt.after["o"] == (w2.data_ptr(), 1024)  # relearned: the weights moved
