@@ -15,6 +15,8 @@ Without a GPU they run under TRITON_INTERPRET=1, which is how the tests check th
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -314,7 +316,18 @@ def _dense_gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_ym, stride_w
         tl.store(y_ptr + m * stride_ym + rn, out.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
-def dense_gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False, block_n: int = 4,
+# MLXRUN_DENSE_CFG="N,K=rows,warps,vec;...": launch settings of dense_gemv for the weight shapes
+# named (N the weight's rows: gate and up together for the SiLU one), for A/B of
+# benchmarks/dense_gemv_sweep.py's picks in the model
+_DENSE_CFG = {
+    tuple(int(v) for v in shape.split(",")): tuple(int(v) for v in cfg.split(","))
+    for shape, cfg in (
+        item.split("=") for item in os.environ.get("MLXRUN_DENSE_CFG", "").split(";") if item
+    )
+}
+
+
+def dense_gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False, block_n: int | None = None,
                warps: int = 4, vec: int = 16, out_dtype=None) -> torch.Tensor:  # fmt: skip
     """x [..., K] @ w[N, K]^T for a few rows of x (bf16 or fp16, w contiguous in K), as one
     CUDA-core kernel. silu: w is the joint [gate; up] (N even) and the result is
@@ -328,6 +341,8 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False, block_n: in
     of weight bytes); 4096x4096 16.3 -> 12.4 with 2 warps (4: 12.7 or more)."""
     k = x.shape[-1]
     n = w.shape[0]
+    if block_n is None:  # the defaults, or MLXRUN_DENSE_CFG's for this shape
+        block_n, warps, vec = _DENSE_CFG.get((n, k), (4, warps, vec))
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

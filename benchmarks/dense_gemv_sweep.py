@@ -1,7 +1,9 @@
 """The bf16 batch-1 GEMV (cuda_ops.dense_gemv) swept over its launch settings on the 8B
 shapes whole and split over 2 and 4 ranks (tensor parallelism: q/k/v, gate/up and the
 head by rows, o and down by inputs): cycled weights in a CUDA graph, us and GB/s.
-    python3 benchmarks/dense_gemv_sweep.py"""
+    python3 benchmarks/dense_gemv_sweep.py [RANKS] [small]
+RANKS: comma-separated (default 1,2,4); small: 18 settings (rows 2/4/8, warps 2/4/8, 8 or
+16 inputs a thread) instead of 48."""
 
 import sys
 from pathlib import Path
@@ -21,8 +23,10 @@ def shapes(ranks):
 def main():
     from mlxrun.backends.cuda_ops import dense_gemv
 
-    cfgs = [(bn, w, v) for bn in (2, 4, 8) for w in (1, 2, 4, 8) for v in (8, 16)]
-    for ranks in (1, 2, 4):
+    ws_ = (2, 4, 8) if "small" in sys.argv[2:] else (1, 2, 4, 8)
+    cfgs = [(bn, w, v) for bn in (2, 4, 8) for w in ws_ for v in (8, 16)]
+    rank_list = [int(r) for r in sys.argv[1].split(",")] if len(sys.argv) > 1 else [1, 2, 4]
+    for ranks in rank_list:
         print(f"ranks {ranks}", flush=True)
         for n, k in shapes(ranks):
             nbytes = n * k * 2

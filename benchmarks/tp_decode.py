@@ -60,23 +60,48 @@ def allreduce_us(be, hidden: int, calls: int = 64, reps: int = 50) -> float:
     return a.elapsed_time(b) * 1e3 / (reps * calls)
 
 
-def profile(model, prompts, rank: int, path: str) -> None:
-    """Every rank generates 16 tokens (the sums need them all); rank 0 under torch.profiler
-    writes its kernels' device time, most first, to `path`."""
+def profile(model, prompts, rank: int, path: str, steps: int = 16) -> None:
+    """Every rank generates 2 tokens, then 2 + `steps` (the sums need them all); rank 0 runs
+    both under torch.profiler and writes each kernel's device time a decode step (the
+    difference of the two runs over `steps`, so the prefill drops out), most first, to
+    `path` (text) and `path`.json."""
     import torch  # noqa: PLC0415
 
     greedy = SamplingParams()
+    runs = []
+    for n in (2, 2 + steps):  # (one token alone has no decode rate to report)
+        if rank != 0:
+            _run_once(model, prompts, n, greedy)
+            continue
+        # the device's kernels only (CPU ops would count their kernels twice); on the CPU
+        # (a check of this code) the ops, nested ones counted twice
+        cuda = torch.cuda.is_available()
+        acts = [getattr(torch.profiler.ProfilerActivity, "CUDA" if cuda else "CPU")]
+        with torch.profiler.profile(activities=acts) as prof:
+            _run_once(model, prompts, n, greedy)
+        runs.append(
+            {
+                e.key: (e.device_time_total if cuda else e.cpu_time_total, e.count)
+                for e in prof.key_averages()
+            }
+        )
     if rank != 0:
-        _run_once(model, prompts, 16, greedy)
         return
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        _run_once(model, prompts, 16, greedy)
-    table = prof.key_averages().table(
-        sort_by="cuda_time_total", row_limit=25, max_name_column_width=60
-    )
+    a, b = runs
+    rows = []
+    for k, (us, cnt) in b.items():
+        us0, cnt0 = a.get(k, (0, 0))
+        rows.append((k, (us - us0) / steps, (cnt - cnt0) / steps))
+    rows.sort(key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    lines = [f"{'us/step':>9} {'calls':>6} {'us/call':>8}  kernel (rank 0, total {total:.1f} us)"]
+    for k, us, cnt in rows:
+        if us > 0.5:
+            lines.append(f"{us:9.1f} {cnt:6.1f} {us / max(cnt, 1e-9):8.2f}  {k[:90]}")
     with open(path, "w") as f:
-        f.write(table)
+        f.write("\n".join(lines) + "\n")
+    with open(path + ".json", "w") as f:
+        json.dump({"total_us": total, "kernels": rows}, f)
 
 
 def main() -> None:
