@@ -5,7 +5,7 @@ against the dequantized fp32 product.
 
     python3 benchmarks/gemv8_sweep.py [--formats mxfp8,affine8g64] [--variants old,s8w4p3]
         [--reps 3] [--json out.json]
-    python3 benchmarks/gemv8_sweep.py --warm s8w4p3     # compile one variant's kernels only
+    python3 benchmarks/gemv8_sweep.py --warm s8w4p3 [--shapes 2,3]  # compile one variant only
 
 A variant is "old" (choose_config's one-shot GEMV), "new" (its pick with MLXRUN_GEMV8=stream), "gBNwWsS[nopf]" (the one-shot GEMV:
 BN rows, W warps, S splits, prefetch off), "sBNwWpP" (the streaming GEMV of
@@ -103,11 +103,11 @@ def time_us(g, calls: int, reps: int = 5) -> float:
     return ms[len(ms) // 2] * 1e3 / calls
 
 
-def warm(variant: str, formats) -> None:
+def warm(variant: str, formats, shapes=SHAPES) -> None:
     """Compile a variant's kernels (small N, the real K and constexprs)."""
     for fmt in formats:
         mode, bits, g = FORMATS[fmt]
-        for n, k, silu in SHAPES:
+        for n, k, silu in shapes:
             nn = 256 if not silu else 512
             w = make_weight(nn, k, mode, bits, g)
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -130,11 +130,11 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     formats = a.formats.split(",")
+    shapes = SHAPES if a.shapes == "all" else [SHAPES[int(i)] for i in a.shapes.split(",")]
     if a.warm:
-        warm(a.warm, formats)
+        warm(a.warm, formats, shapes)
         return
     variants = a.variants.split(",")
-    shapes = SHAPES if a.shapes == "all" else [SHAPES[int(i)] for i in a.shapes.split(",")]
     bw = copy_bandwidth() / 1e9
     print(f"{torch.cuda.get_device_name()}: copy {bw:.0f} GB/s (read + write)", flush=True)
     rows = []
