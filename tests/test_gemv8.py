@@ -96,3 +96,25 @@ def test_stream_ahead_is_chosen_only_when_asked(monkeypatch):
     for mode, g in (("affine", 64), ("mxfp8", 32)):
         assert picks(mode, 8, g) == ["gemv", "gemv"] + [("stream", 8, True)] * 3
     assert picks("affine", 4, 64) == ["gemv"] * 5
+
+
+@pytest.mark.parametrize("mode,bits,g", FORMATS8, ids=["int8", "mxfp8"])
+def test_eight_warps_one_k_step(mode, bits, g):
+    """8 warps a program at K = 4096 (one k-step of 1024 words a row, the lanes of 8 warps
+    summed through shared memory): the one-shot GEMV in 16- and 8-row tiles and the stream
+    (a tile a program) against the float64 product, and with the SiLU epilogue against
+    silu(gate) * up of the plain product."""
+    n, k = 32, 4096
+    q, dense = _weight(n, k, mode, g, seed=11)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(12)).bfloat16().to(DEV)
+    ref = x.double().cpu() @ dense.T
+    gate, up = ref.split(n // 2, -1)
+    want = torch.nn.functional.silu(gate) * up
+    cfgs = [tk.KernelConfig("gemv", 1, 16, 1, num_warps=8),
+            tk.KernelConfig("gemv", 1, 8, 1, num_warps=8),
+            tk.KernelConfig("stream", 1, 16, 1, num_warps=8, per_sm=1, cvt=True)]  # fmt: skip
+    for cfg in cfgs:
+        got = tk.qmatmul(x, q, cfg).double().cpu()
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-2, cfg
+        got = tk.qmatmul(x, q, cfg, silu=True).double().cpu()
+        assert ((got - want).norm() / want.norm()).item() < 2e-2, cfg
