@@ -21,7 +21,6 @@ import argparse
 import json
 import math
 import os
-import re
 import sys
 import time
 
@@ -48,15 +47,10 @@ def config(name: str, m: int, w, device):
             return tk.choose_config(m, w, device, torch.bfloat16)
         finally:
             triton_launch.GEMV8 = saved
-    mt = re.fullmatch(r"(s|c|a)(\d+)w(\d+)p(\d+)(b?)", name)
-    if mt:
-        bn, nw, ps = (int(v) for v in mt.groups()[1:4])
-        return tk.KernelConfig("stream", 1, bn, 1, num_warps=nw, per_sm=ps, cvt=mt[1] != "s",
-                               balance=mt[5] == "b", ahead=mt[1] == "a")  # fmt: skip
-    mt = re.fullmatch(r"g(\d+)w(\d+)s(\d+)(nopf)?", name)
-    if mt:
-        bn, nw, sk = (int(v) for v in mt.groups()[:3])
-        return tk.KernelConfig("gemv", 1, bn, sk, num_warps=nw, prefetch=not mt.group(4))
+    try:
+        return tk.launch_from_name(name)
+    except ValueError:
+        pass
     raise SystemExit(f"unknown variant {name!r}")
 
 
