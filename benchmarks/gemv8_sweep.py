@@ -7,7 +7,8 @@ against the dequantized fp32 product.
         [--reps 3] [--json out.json]
     python3 benchmarks/gemv8_sweep.py --warm s8w4p3 [--shapes 2,3]  # compile one variant only
 
-A variant is "old" (choose_config's one-shot GEMV), "new" (its pick with MLXRUN_GEMV8=stream), "gBNwWsS[nopf]" (the one-shot GEMV:
+A variant is "old" (choose_config's one-shot GEMV), "new" (its pick with MLXRUN_GEMV8=stream),
+"rules" (that pick without the per-linear table: MLXRUN_GEMV8_LAUNCH=none), "gBNwWsS[nopf]" (the one-shot GEMV:
 BN rows, W warps, S splits, prefetch off), "sBNwWpP" (the streaming GEMV of
 quant/triton_gemv_stream.py: P programs a SM, a trailing b: fewer where that gives every
 program the same number of tiles), "cBNwWpP" (the same, mxfp8 decoded a word at a time) or
@@ -38,15 +39,17 @@ def config(name: str, m: int, w, device):
     """The KernelConfig of a variant name (None: choose_config's)."""
     from mlxrun.quant import triton_kernels as tk
 
-    if name in ("old", "new"):  # choose_config's one-shot GEMV, or its MLXRUN_GEMV8=stream pick
+    if name in ("old", "new", "rules"):  # choose_config: one-shot, its pick, without its table
         from mlxrun.quant import triton_launch
 
-        saved = triton_launch.GEMV8
-        triton_launch.GEMV8 = "stream" if name == "new" else "old"
+        saved = triton_launch.GEMV8, triton_launch.GEMV8_LAUNCH
+        triton_launch.GEMV8 = "old" if name == "old" else "stream"
+        if name == "rules":
+            triton_launch.GEMV8_LAUNCH = {}
         try:
             return tk.choose_config(m, w, device, torch.bfloat16)
         finally:
-            triton_launch.GEMV8 = saved
+            triton_launch.GEMV8, triton_launch.GEMV8_LAUNCH = saved
     try:
         return tk.launch_from_name(name)
     except ValueError:

@@ -20,7 +20,8 @@ down-s2 (down: split K in 2 across programs); small-r8 (q/k/v and o: 8-row tiles
 o-w2 (N == K: 2 warps); qkv-w2 (K < N < 2K: 2 warps); gu-r8 (the joint gate/up in 8-row
 tiles); head-r8 (the head in 8-row tiles); gemv4-old (the fp4 formats' launches with
 MLXRUN_GEMV4=old: before their 2026-11-26 sweep).
-8-bit (int8, fp8): old (the one-shot GEMV everywhere, MLXRUN_GEMV8=old); gu-old, down-old,
+8-bit (int8, fp8): old (the one-shot GEMV everywhere, MLXRUN_GEMV8=old); rules (without the
+per-linear launch table, MLXRUN_GEMV8_LAUNCH=none); gu-old, down-old,
 head-old (the one-shot GEMV on that shape only); and of the streaming GEMV: p2, p3, p5
 (programs a SM), bal (as many tiles for every program), down-r8 / down-r16 (the down
 projection's stream in 8- / 16-row tiles), head-r8, gu-r8s (the gate/up's stream at 8 rows),
@@ -88,6 +89,14 @@ def _apply8(part: str, c, w, orig, args):
         return config(v, 1, w, None) if ok else c
     if part == "old":
         return _old(c, w, orig, args)
+    if part == "rules":  # choose_config without its per-linear table (MLXRUN_GEMV8_LAUNCH=none)
+        from mlxrun.quant import triton_launch
+
+        saved, triton_launch.GEMV8_LAUNCH = triton_launch.GEMV8_LAUNCH, {}
+        try:
+            return orig(*args)
+        finally:
+            triton_launch.GEMV8_LAUNCH = saved
     if part in ("gu-old", "down-old", "head-old"):
         return _old(c, w, orig, args) if _role(w) == part.split("-")[0] else c
     if c.kernel != "stream":

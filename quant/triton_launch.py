@@ -245,23 +245,33 @@ def role8(w) -> str:
 
 
 def _gemv8_launches(spec: str) -> dict:
-    """MLXRUN_GEMV8_LAUNCH: "role=launch" pairs joined by ","; "none" for no overrides."""
+    """MLXRUN_GEMV8_LAUNCH: "ROLE[:FORMAT]=LAUNCH" entries joined by "," (FORMAT: int8 or
+    fp8, else both); "none" for no overrides."""
     from mlxrun.errors import MlxrunError
 
     out = {}
     for part in [] if spec in ("", "none") else spec.split(","):
-        role, _, name = part.partition("=")
+        key, _, name = part.partition("=")
+        role, _, fmt = key.partition(":")
         try:
-            if role not in ("qkv", "o", "gu", "down", "head"):
-                raise ValueError(role)
-            out[role] = launch_from_name(name)
+            if role not in ("qkv", "o", "gu", "down", "head") or fmt not in ("", "int8", "fp8"):
+                raise ValueError(key)
+            out[key] = launch_from_name(name)
         except ValueError:
             raise MlxrunError(
-                f"MLXRUN_GEMV8_LAUNCH: {part!r} is not ROLE=LAUNCH (ROLE: qkv, o, gu, down, "
-                "head; LAUNCH like g16w4s1 or c16w4p4, see benchmarks/gemv8_sweep.py), or "
-                "set it to none"
+                f"MLXRUN_GEMV8_LAUNCH: {part!r} is not ROLE[:FORMAT]=LAUNCH (ROLE: qkv, o, gu, "
+                "down, head; FORMAT: int8, fp8; LAUNCH like g16w4s1 or c16w4p4, see "
+                "benchmarks/gemv8_sweep.py), or set it to none"
             ) from None
     return out
+
+
+def gemv8_launch(w, table: dict | None = None):
+    """The fixed batch-1 launch of an 8-bit weight (int8 = affine, fp8 = mxfp8), or None."""
+    table = GEMV8_LAUNCH if table is None else table
+    role = role8(w)
+    fmt = {"affine": "int8", "mxfp8": "fp8"}.get(w.mode)
+    return table.get(f"{role}:{fmt}", table.get(role)) if fmt else None
 
 
 # The 8-bit batch-1 launches that replace choose_config's rules per linear (role8), where
@@ -345,7 +355,7 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
             # on 2 warps 16.1; the stream lost on the K = 4096 shapes (gate/up 24.2 -> 25.4
             # at best, head 95.4 -> 97.6). Batch 1 only: 2-4 rows of x are not measured
             return KernelConfig("stream", 1, 8, 1, num_warps=2, per_sm=4)
-        fixed = GEMV8_LAUNCH.get(role8(w)) if w.bits == 8 and m == 1 else None
+        fixed = gemv8_launch(w) if w.bits == 8 and m == 1 else None
         if fixed and GEMV8 == "stream":  # one launch per linear, from the sweeps
             if fixed.kernel != "stream" or stream_even(w, fixed.block_n, fixed.num_warps):
                 return fixed

@@ -140,13 +140,14 @@ def test_launch_names_and_the_per_linear_table(monkeypatch):
             tl8.launch_from_name(bad)
     with pytest.raises(MlxrunError, match="'qkv=g99w4s1'"):
         tl8._gemv8_launches("o=g8w4s2,qkv=g99w4s1")
-    with pytest.raises(MlxrunError, match="'up=g8w4s1'"):
-        tl8._gemv8_launches("up=g8w4s1")
+    for bad in ("up=g8w4s1", "o:int4=g8w4s1", "o"):
+        with pytest.raises(MlxrunError, match=f"'{bad}'"):
+            tl8._gemv8_launches(bad)
     assert tl8._gemv8_launches("none") == {} == tl8._gemv8_launches("")
 
     monkeypatch.setattr(tl8, "_num_sms", lambda device: 132)
     gpu = types.SimpleNamespace(type="cuda")
-    table = tl8._gemv8_launches("qkv=g8w4s2,o=c16w4p1,gu=c8w4p6")
+    table = tl8._gemv8_launches("qkv=g8w4s2,o=c16w4p1,gu=c8w4p6,gu:fp8=g16w8s1")
     monkeypatch.setattr(tl8, "GEMV8_LAUNCH", table)
 
     def pick(n, k, bits=8, mode="affine", g=64, m=1):
@@ -155,6 +156,7 @@ def test_launch_names_and_the_per_linear_table(monkeypatch):
 
     assert pick(6144, 4096) == table["qkv"] == pick(6144, 4096, mode="mxfp8", g=32)
     assert pick(4096, 4096) == table["o"] and pick(28672, 4096) == table["gu"]
+    assert pick(28672, 4096, mode="mxfp8", g=32) == table["gu:fp8"]
     assert [tl8.role8(types.SimpleNamespace(n=n, k=k)) for n, k in
             ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096))] == [
         "qkv", "o", "gu", "down", "head"]  # fmt: skip
