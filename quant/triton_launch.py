@@ -246,7 +246,7 @@ def role8(w) -> str:
 
 def _gemv8_launches(spec: str) -> dict:
     """MLXRUN_GEMV8_LAUNCH: "ROLE[:FORMAT]=LAUNCH" entries joined by "," (FORMAT: int8 or
-    fp8, else both); "none" for no overrides."""
+    fp8, else both); "none" (or empty) for no overrides."""
     from mlxrun.errors import MlxrunError
 
     out = {}
@@ -266,9 +266,14 @@ def _gemv8_launches(spec: str) -> dict:
     return out
 
 
-def gemv8_launch(w, table: dict | None = None):
+def gemv8_launch(w):
     """The fixed batch-1 launch of an 8-bit weight (int8 = affine, fp8 = mxfp8), or None."""
-    table = GEMV8_LAUNCH if table is None else table
+    global GEMV8_LAUNCH
+    if GEMV8_LAUNCH is None:  # read here, not at import: a bad value is a run's error
+        GEMV8_LAUNCH = _gemv8_launches(
+            os.environ.get("MLXRUN_GEMV8_LAUNCH") or GEMV8_LAUNCH_DEFAULT
+        )
+    table = GEMV8_LAUNCH
     role = role8(w)
     fmt = {"affine": "int8", "mxfp8": "fp8"}.get(w.mode)
     return table.get(f"{role}:{fmt}", table.get(role)) if fmt else None
@@ -277,7 +282,7 @@ def gemv8_launch(w, table: dict | None = None):
 # The 8-bit batch-1 launches that replace choose_config's rules per linear (role8), where
 # the shape takes them; MLXRUN_GEMV8_LAUNCH=none gives the rules alone (for the A/B)
 GEMV8_LAUNCH_DEFAULT = ""
-GEMV8_LAUNCH = _gemv8_launches(os.environ.get("MLXRUN_GEMV8_LAUNCH", GEMV8_LAUNCH_DEFAULT))
+GEMV8_LAUNCH: dict | None = None  # parsed from MLXRUN_GEMV8_LAUNCH at first use
 
 
 def stream_even(w, block_n: int, warps: int, silu: bool = False) -> bool:

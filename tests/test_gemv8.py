@@ -165,6 +165,15 @@ def test_launch_names_and_the_per_linear_table(monkeypatch):
     assert pick(6144, 4096, bits=4) != table["qkv"]
     monkeypatch.setattr(tl8, "GEMV8", "old")
     assert pick(4096, 4096) != table["o"]
+    monkeypatch.setattr(tl8, "GEMV8", "stream")
+    monkeypatch.setattr(tl8, "GEMV8_LAUNCH", None)  # read from the environment at first use
+    monkeypatch.setenv("MLXRUN_GEMV8_LAUNCH", "o:fp8=c8w4p2")
+    assert pick(4096, 4096, mode="mxfp8", g=32) == tl8.launch_from_name("c8w4p2")
+    assert pick(4096, 4096) != tl8.launch_from_name("c8w4p2")
+    monkeypatch.setattr(tl8, "GEMV8_LAUNCH", None)
+    monkeypatch.setenv("MLXRUN_GEMV8_LAUNCH", "o=c8w4")
+    with pytest.raises(MlxrunError, match="'o=c8w4'"):
+        pick(4096, 4096)
 
 
 @pytest.mark.parametrize("mode,bits,g", FORMATS8, ids=["int8", "mxfp8"])
