@@ -280,7 +280,10 @@ def gemv8_launch(w):
 
 
 # The 8-bit batch-1 launches that replace choose_config's rules per linear (role8), where
-# the shape takes them; MLXRUN_GEMV8_LAUNCH=none gives the rules alone (for the A/B)
+# the shape takes them; MLXRUN_GEMV8_LAUNCH=none gives the rules alone (for the A/B). Empty:
+# the H100 sweep of 2026-11-27 (KERNEL_NOTES.md) found no launch that beats the rules' in
+# the decode step (q/k/v and o 8 warps +0.5%, split in 2 +2.9%, streamed +2.4%; gate/up on 3
+# programs a SM +0.0%, 8 warps +9.3%). It stays for such A/Bs: MLXRUN_GEMV8_LAUNCH="o=..."
 GEMV8_LAUNCH_DEFAULT = ""
 GEMV8_LAUNCH: dict | None = None  # parsed from MLXRUN_GEMV8_LAUNCH at first use
 
