@@ -5,9 +5,10 @@ against the dequantized fp32 product.
 
     python3 benchmarks/gemv8_sweep.py [--formats mxfp8,affine8g64] [--variants old,s8w4p3]
         [--reps 3] [--json out.json]
-    python3 benchmarks/gemv8_sweep.py --warm s8w4p3     # compile one variant's kernels only
+    python3 benchmarks/gemv8_sweep.py --warm s8w4p3 [--shapes 2,3]  # compile one variant only
 
-A variant is "old" (choose_config's one-shot GEMV), "new" (its pick with MLXRUN_GEMV8=stream), "gBNwWsS[nopf]" (the one-shot GEMV:
+A variant is "old" (choose_config's one-shot GEMV), "new" (its pick with MLXRUN_GEMV8=stream),
+"rules" (that pick without the per-linear table: MLXRUN_GEMV8_LAUNCH=none), "gBNwWsS[nopf]" (the one-shot GEMV:
 BN rows, W warps, S splits, prefetch off), "sBNwWpP" (the streaming GEMV of
 quant/triton_gemv_stream.py: P programs a SM, a trailing b: fewer where that gives every
 program the same number of tiles), "cBNwWpP" (the same, mxfp8 decoded a word at a time) or
@@ -21,7 +22,6 @@ import argparse
 import json
 import math
 import os
-import re
 import sys
 import time
 
@@ -39,24 +39,21 @@ def config(name: str, m: int, w, device):
     """The KernelConfig of a variant name (None: choose_config's)."""
     from mlxrun.quant import triton_kernels as tk
 
-    if name in ("old", "new"):  # choose_config's one-shot GEMV, or its MLXRUN_GEMV8=stream pick
+    if name in ("old", "new", "rules"):  # choose_config: one-shot, its pick, without its table
         from mlxrun.quant import triton_launch
 
-        saved = triton_launch.GEMV8
-        triton_launch.GEMV8 = "stream" if name == "new" else "old"
+        saved = triton_launch.GEMV8, triton_launch.GEMV8_LAUNCH
+        triton_launch.GEMV8 = "old" if name == "old" else "stream"
+        if name == "rules":
+            triton_launch.GEMV8_LAUNCH = {}
         try:
             return tk.choose_config(m, w, device, torch.bfloat16)
         finally:
-            triton_launch.GEMV8 = saved
-    mt = re.fullmatch(r"(s|c|a)(\d+)w(\d+)p(\d+)(b?)", name)
-    if mt:
-        bn, nw, ps = (int(v) for v in mt.groups()[1:4])
-        return tk.KernelConfig("stream", 1, bn, 1, num_warps=nw, per_sm=ps, cvt=mt[1] != "s",
-                               balance=mt[5] == "b", ahead=mt[1] == "a")  # fmt: skip
-    mt = re.fullmatch(r"g(\d+)w(\d+)s(\d+)(nopf)?", name)
-    if mt:
-        bn, nw, sk = (int(v) for v in mt.groups()[:3])
-        return tk.KernelConfig("gemv", 1, bn, sk, num_warps=nw, prefetch=not mt.group(4))
+            triton_launch.GEMV8, triton_launch.GEMV8_LAUNCH = saved
+    try:
+        return tk.launch_from_name(name)
+    except ValueError:
+        pass
     raise SystemExit(f"unknown variant {name!r}")
 
 
@@ -103,11 +100,11 @@ def time_us(g, calls: int, reps: int = 5) -> float:
     return ms[len(ms) // 2] * 1e3 / calls
 
 
-def warm(variant: str, formats) -> None:
+def warm(variant: str, formats, shapes=SHAPES) -> None:
     """Compile a variant's kernels (small N, the real K and constexprs)."""
     for fmt in formats:
         mode, bits, g = FORMATS[fmt]
-        for n, k, silu in SHAPES:
+        for n, k, silu in shapes:
             nn = 256 if not silu else 512
             w = make_weight(nn, k, mode, bits, g)
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -130,11 +127,11 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     formats = a.formats.split(",")
+    shapes = SHAPES if a.shapes == "all" else [SHAPES[int(i)] for i in a.shapes.split(",")]
     if a.warm:
-        warm(a.warm, formats)
+        warm(a.warm, formats, shapes)
         return
     variants = a.variants.split(",")
-    shapes = SHAPES if a.shapes == "all" else [SHAPES[int(i)] for i in a.shapes.split(",")]
     bw = copy_bandwidth() / 1e9
     print(f"{torch.cuda.get_device_name()}: copy {bw:.0f} GB/s (read + write)", flush=True)
     rows = []

@@ -20,11 +20,14 @@ down-s2 (down: split K in 2 across programs); small-r8 (q/k/v and o: 8-row tiles
 o-w2 (N == K: 2 warps); qkv-w2 (K < N < 2K: 2 warps); gu-r8 (the joint gate/up in 8-row
 tiles); head-r8 (the head in 8-row tiles); gemv4-old (the fp4 formats' launches with
 MLXRUN_GEMV4=old: before their 2026-11-26 sweep).
-8-bit (int8, fp8): old (the one-shot GEMV everywhere, MLXRUN_GEMV8=old); gu-old, down-old,
+8-bit (int8, fp8): old (the one-shot GEMV everywhere, MLXRUN_GEMV8=old); rules (without the
+per-linear launch table, MLXRUN_GEMV8_LAUNCH=none); gu-old, down-old,
 head-old (the one-shot GEMV on that shape only); and of the streaming GEMV: p2, p3, p5
 (programs a SM), bal (as many tiles for every program), down-r8 / down-r16 (the down
 projection's stream in 8- / 16-row tiles), head-r8, gu-r8s (the gate/up's stream at 8 rows),
-ahead (every stream in 8-row tiles, the next tile's words issued ahead: MLXRUN_STREAM_AHEAD=1).
+ahead (every stream in 8-row tiles, the next tile's words issued ahead: MLXRUN_STREAM_AHEAD=1);
+ROLE=V (ROLE: qkv, o, small = both, gu, down, head) gives that shape gemv8_sweep.py's launch
+variant V (gBNwWsS[nopf], sBNwWpP[b], cBNwWpP[b], aBNwWpP), e.g. small=g8w4s2+gu=c16w4p3.
 """
 
 from __future__ import annotations
@@ -63,11 +66,37 @@ def _old(c, w, orig, args):
         triton_launch.GEMV8 = saved
 
 
+def _role8(w) -> str:
+    """_role, with the small shapes told apart: qkv (joint q/k/v, K < N < 2K) and o."""
+    r = _role(w)
+    return r if r != "small" else "o" if w.n == w.k else "qkv"
+
+
 def _apply8(part: str, c, w, orig, args):
     """The 8-bit parts: None where `part` is not one of them."""
     r = dataclasses.replace
+    if "=" in part:  # ROLE=V: gemv8_sweep.py's variant V on that shape
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).parent))
+        from gemv8_sweep import config  # noqa: PLC0415
+
+        role, v = part.split("=")
+        if v in ("old", "new"):  # those call choose_config, patched here
+            raise SystemExit(f"{part!r}: name a launch (g16w4s1, c16w4p4), not {v!r}")
+        ok = role == _role8(w) or (role == "small" and _role(w) == "small")
+        return config(v, 1, w, None) if ok else c
     if part == "old":
         return _old(c, w, orig, args)
+    if part == "rules":  # choose_config without its per-linear table (MLXRUN_GEMV8_LAUNCH=none)
+        from mlxrun.quant import triton_launch
+
+        saved, triton_launch.GEMV8_LAUNCH = triton_launch.GEMV8_LAUNCH, {}
+        try:
+            return orig(*args)
+        finally:
+            triton_launch.GEMV8_LAUNCH = saved
     if part in ("gu-old", "down-old", "head-old"):
         return _old(c, w, orig, args) if _role(w) == part.split("-")[0] else c
     if c.kernel != "stream":

@@ -55,6 +55,7 @@ from .triton_launch import (
 from .triton_launch import _l2_bytes as _l2_bytes
 from .triton_launch import _num_sms as _num_sms
 from .triton_launch import _split as _split
+from .triton_launch import launch_from_name as launch_from_name
 from .triton_launch import tl as tl
 from .triton_launch import tlc as tlc
 from .triton_layout import _MODE_ID as _MODE_ID

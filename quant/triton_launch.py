@@ -212,6 +212,82 @@ GEMV4 = os.environ.get("MLXRUN_GEMV4", "old")
 E2M1_PAIR_ON = os.environ.get("MLXRUN_E2M1_PAIR", "0") == "1"
 
 
+def launch_from_name(name: str) -> KernelConfig:
+    """A batch-1 GEMV launch by its sweep name (benchmarks/gemv8_sweep.py): "gBNwWsS" (the
+    one-shot GEMV: BN rows a program, W warps, S splits of K; "nopf": the next k-step's words
+    not prefetched) or "sBNwWpP" / "cBNwWpP" / "aBNwWpP" (the streaming GEMV, P programs a
+    SM; c: E4M3 a word at a time, a: c with the next tile's words ahead; a trailing "b":
+    fewer programs where that gives each the same number of tiles)."""
+    import re
+
+    mt = re.fullmatch(r"([sca])(8|16)w([1248])p([1-9])(b?)", name)
+    if mt:
+        bn, nw, ps = (int(v) for v in mt.groups()[1:4])
+        return KernelConfig("stream", 1, bn, 1, num_warps=nw, per_sm=ps, cvt=mt[1] != "s",
+                            balance=mt[5] == "b", ahead=mt[1] == "a")  # fmt: skip
+    mt = re.fullmatch(r"g(8|16)w([1248])s([1-9])(nopf)?", name)
+    if mt:
+        bn, nw, sk = (int(v) for v in mt.groups()[:3])
+        return KernelConfig("gemv", 1, bn, sk, num_warps=nw, prefetch=not mt[4])
+    raise ValueError(name)
+
+
+def role8(w) -> str:
+    """Which Llama linear a weight's shape is (8B: q/k/v 6144x4096, o 4096x4096, the joint
+    gate/up 28672x4096, down 4096x14336, the head 128256x4096)."""
+    if w.n >= 16 * w.k:
+        return "head"
+    if w.k > w.n:
+        return "down"
+    if 2 * w.k < w.n:
+        return "gu"
+    return "o" if w.n == w.k else "qkv"
+
+
+def _gemv8_launches(spec: str) -> dict:
+    """MLXRUN_GEMV8_LAUNCH: "ROLE[:FORMAT]=LAUNCH" entries joined by "," (FORMAT: int8 or
+    fp8, else both); "none" (or empty) for no overrides."""
+    from mlxrun.errors import MlxrunError
+
+    out = {}
+    for part in [] if spec in ("", "none") else spec.split(","):
+        key, _, name = part.partition("=")
+        role, _, fmt = key.partition(":")
+        try:
+            if role not in ("qkv", "o", "gu", "down", "head") or fmt not in ("", "int8", "fp8"):
+                raise ValueError(key)
+            out[key] = launch_from_name(name)
+        except ValueError:
+            raise MlxrunError(
+                f"MLXRUN_GEMV8_LAUNCH: {part!r} is not ROLE[:FORMAT]=LAUNCH (ROLE: qkv, o, gu, "
+                "down, head; FORMAT: int8, fp8; LAUNCH like g16w4s1 or c16w4p4, see "
+                "benchmarks/gemv8_sweep.py), or set it to none"
+            ) from None
+    return out
+
+
+def gemv8_launch(w):
+    """The fixed batch-1 launch of an 8-bit weight (int8 = affine, fp8 = mxfp8), or None."""
+    global GEMV8_LAUNCH
+    if GEMV8_LAUNCH is None:  # read here, not at import: a bad value is a run's error
+        GEMV8_LAUNCH = _gemv8_launches(
+            os.environ.get("MLXRUN_GEMV8_LAUNCH") or GEMV8_LAUNCH_DEFAULT
+        )
+    table = GEMV8_LAUNCH
+    role = role8(w)
+    fmt = {"affine": "int8", "mxfp8": "fp8"}.get(w.mode)
+    return table.get(f"{role}:{fmt}", table.get(role)) if fmt else None
+
+
+# The 8-bit batch-1 launches that replace choose_config's rules per linear (role8), where
+# the shape takes them; MLXRUN_GEMV8_LAUNCH=none gives the rules alone (for the A/B). Empty:
+# the H100 sweep of 2026-11-27 (KERNEL_NOTES.md) found no launch that beats the rules' in
+# the decode step (q/k/v and o 8 warps +0.5%, split in 2 +2.9%, streamed +2.4%; gate/up on 3
+# programs a SM +0.0%, 8 warps +9.3%). It stays for such A/Bs: MLXRUN_GEMV8_LAUNCH="o=..."
+GEMV8_LAUNCH_DEFAULT = ""
+GEMV8_LAUNCH: dict | None = None  # parsed from MLXRUN_GEMV8_LAUNCH at first use
+
+
 def stream_even(w, block_n: int, warps: int, silu: bool = False) -> bool:
     """Whether the streaming GEMV takes w (a QLinear, or anything with its n, k, bits):
     whole row tiles (gate/up halves with silu) and whole k-steps of 128*warps words."""
@@ -287,6 +363,10 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
             # on 2 warps 16.1; the stream lost on the K = 4096 shapes (gate/up 24.2 -> 25.4
             # at best, head 95.4 -> 97.6). Batch 1 only: 2-4 rows of x are not measured
             return KernelConfig("stream", 1, 8, 1, num_warps=2, per_sm=4)
+        fixed = gemv8_launch(w) if w.bits == 8 and m == 1 else None
+        if fixed and GEMV8 == "stream":  # one launch per linear, from the sweeps
+            if fixed.kernel != "stream" or stream_even(w, fixed.block_n, fixed.num_warps):
+                return fixed
         if w.bits == 8 and GEMV8 == "stream":
             # The streaming GEMV where its programs take several tiles or a tile has long
             # rows; the one-shot GEMV on the small K=4096 shapes. H200 (gemv8_sweep.py,

@@ -96,3 +96,97 @@ def test_stream_ahead_is_chosen_only_when_asked(monkeypatch):
     for mode, g in (("affine", 64), ("mxfp8", 32)):
         assert picks(mode, 8, g) == ["gemv", "gemv"] + [("stream", 8, True)] * 3
     assert picks("affine", 4, 64) == ["gemv"] * 5
+
+
+@pytest.mark.parametrize("mode,bits,g", FORMATS8, ids=["int8", "mxfp8"])
+def test_eight_warps_one_k_step(mode, bits, g):
+    """8 warps a program at K = 4096 (one k-step of 1024 words a row, the lanes of 8 warps
+    summed through shared memory): the one-shot GEMV in 16- and 8-row tiles and the stream
+    (a tile a program) against the float64 product, and with the SiLU epilogue against
+    silu(gate) * up of the plain product."""
+    n, k = 32, 4096
+    q, dense = _weight(n, k, mode, g, seed=11)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(12)).bfloat16().to(DEV)
+    ref = x.double().cpu() @ dense.T
+    gate, up = ref.split(n // 2, -1)
+    want = torch.nn.functional.silu(gate) * up
+    cfgs = [tk.KernelConfig("gemv", 1, 16, 1, num_warps=8),
+            tk.KernelConfig("gemv", 1, 8, 1, num_warps=8),
+            tk.KernelConfig("stream", 1, 16, 1, num_warps=8, per_sm=1, cvt=True)]  # fmt: skip
+    for cfg in cfgs:
+        got = tk.qmatmul(x, q, cfg).double().cpu()
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-2, cfg
+        got = tk.qmatmul(x, q, cfg, silu=True).double().cpu()
+        assert ((got - want).norm() / want.norm()).item() < 2e-2, cfg
+
+
+def test_launch_names_and_the_per_linear_table(monkeypatch):
+    """launch_from_name reads gemv8_sweep.py's names; MLXRUN_GEMV8_LAUNCH's table replaces
+    choose_config's pick for the 8-bit linear of that role at batch 1 only, where the shape
+    takes the launch (whole stream tiles and k-steps), and not with MLXRUN_GEMV8=old; a
+    bad entry is one MlxrunError naming it."""
+    from mlxrun.errors import MlxrunError
+    from mlxrun.quant import triton_launch as tl8
+
+    c = tl8.launch_from_name("g8w4s2")
+    assert (c.kernel, c.block_n, c.num_warps, c.split_k, c.prefetch) == ("gemv", 8, 4, 2, True)
+    c = tl8.launch_from_name("c16w8p3b")
+    assert (c.kernel, c.block_n, c.num_warps, c.per_sm, c.cvt, c.balance, c.ahead) == (
+        "stream", 16, 8, 3, True, True, False)  # fmt: skip
+    assert not tl8.launch_from_name("g16w4s1nopf").prefetch
+    assert tl8.launch_from_name("s8w4p4").cvt is False
+    for bad in ("g12w4s1", "c16w4", "x16w4p1", "g16w3s1"):
+        with pytest.raises(ValueError):
+            tl8.launch_from_name(bad)
+    with pytest.raises(MlxrunError, match="'qkv=g99w4s1'"):
+        tl8._gemv8_launches("o=g8w4s2,qkv=g99w4s1")
+    for bad in ("up=g8w4s1", "o:int4=g8w4s1", "o"):
+        with pytest.raises(MlxrunError, match=f"'{bad}'"):
+            tl8._gemv8_launches(bad)
+    assert tl8._gemv8_launches("none") == {} == tl8._gemv8_launches("")
+
+    monkeypatch.setattr(tl8, "_num_sms", lambda device: 132)
+    gpu = types.SimpleNamespace(type="cuda")
+    table = tl8._gemv8_launches("qkv=g8w4s2,o=c16w4p1,gu=c8w4p6,gu:fp8=g16w8s1")
+    monkeypatch.setattr(tl8, "GEMV8_LAUNCH", table)
+
+    def pick(n, k, bits=8, mode="affine", g=64, m=1):
+        return tk.choose_config(m, types.SimpleNamespace(n=n, k=k, bits=bits, group_size=g,
+                                                          mode=mode), gpu)  # fmt: skip
+
+    assert pick(6144, 4096) == table["qkv"] == pick(6144, 4096, mode="mxfp8", g=32)
+    assert pick(4096, 4096) == table["o"] and pick(28672, 4096) == table["gu"]
+    assert pick(28672, 4096, mode="mxfp8", g=32) == table["gu:fp8"]
+    assert [tl8.role8(types.SimpleNamespace(n=n, k=k)) for n, k in
+            ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096))] == [
+        "qkv", "o", "gu", "down", "head"]  # fmt: skip
+    assert pick(4104, 4104) != table["o"]  # 16-row stream tiles do not divide 4104 rows
+    assert pick(6144, 4096, m=2) != table["qkv"]
+    assert pick(6144, 4096, bits=4) != table["qkv"]
+    monkeypatch.setattr(tl8, "GEMV8", "old")
+    assert pick(4096, 4096) != table["o"]
+    monkeypatch.setattr(tl8, "GEMV8", "stream")
+    monkeypatch.setattr(tl8, "GEMV8_LAUNCH", None)  # read from the environment at first use
+    monkeypatch.setenv("MLXRUN_GEMV8_LAUNCH", "o:fp8=c8w4p2")
+    assert pick(4096, 4096, mode="mxfp8", g=32) == tl8.launch_from_name("c8w4p2")
+    assert pick(4096, 4096) != tl8.launch_from_name("c8w4p2")
+    monkeypatch.setattr(tl8, "GEMV8_LAUNCH", None)
+    monkeypatch.setenv("MLXRUN_GEMV8_LAUNCH", "o=c8w4")
+    with pytest.raises(MlxrunError, match="'o=c8w4'"):
+        pick(4096, 4096)
+
+
+@pytest.mark.parametrize("mode,bits,g", FORMATS8, ids=["int8", "mxfp8"])
+def test_named_launches_at_k_4096(mode, bits, g):
+    """The launches the per-linear table may name, at K = 4096 (two k-steps of 512 words a
+    row on 4 warps): split K in 2 across programs, and the stream in 16-row tiles, against
+    the float64 product."""
+    from mlxrun.quant import triton_launch as tl8
+
+    n, k = 16, 4096
+    q, dense = _weight(n, k, mode, g, seed=13)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(14)).bfloat16().to(DEV)
+    ref = x.double().cpu() @ dense.T
+    for name in ("g8w4s2", "c16w4p1"):
+        got = tk.qmatmul(x, q, tl8.launch_from_name(name)).double().cpu()
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-2, name
