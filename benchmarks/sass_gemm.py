@@ -77,6 +77,8 @@ def gemm_params(tk, mode, bits, g, n, k, m, sms=132):
         params["L2_PF"] = min(cfg.l2_prefetch, per)
     if "RPF" in tk._gemm_kernel.arg_names:
         params["RPF"] = cfg.reg_prefetch
+    if "L2_AHEAD" in tk._gemm_kernel.arg_names:
+        params["L2_AHEAD"] = cfg.l2_ahead
     return params, cfg
 
 

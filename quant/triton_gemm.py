@@ -304,6 +304,7 @@ def _gemm_kernel(
     PDL: tl.constexpr = False,
     L2_PF: tl.constexpr = 0,
     RPF: tl.constexpr = False,
+    L2_AHEAD: tl.constexpr = 0,
 ):
     """y[M, N] = x[M, K] @ W^T on tensor cores; each W tile is dequantized in registers.
 
@@ -317,7 +318,10 @@ def _gemm_kernel(
     kernel), so their DRAM round trip overlaps that kernel's tail.
     RPF (launched with one stage: no shared-memory pipeline): each k-step's words are loaded
     into registers one step ahead, as the batch-1 GEMV loads them, the first before the PDL
-    wait."""
+    wait.
+    L2_AHEAD (GPU): each k-step first asks L2 for the lines of the step this many ahead (its
+    rows' words, scales and biases; within the split), so DRAM sees each row's line requested
+    well before the pipeline's load of it, beyond what the stages hold."""
     EPW: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = G // EPW
     BK: tl.constexpr = NG * G
@@ -359,6 +363,13 @@ def _gemm_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for j in range(0, KB_PER_SPLIT):
         kb = kb0 + j
+        if L2_AHEAD > 0 and not UPCAST:  # (the interpreter has no inline assembly)
+            g_pf = tl.minimum(tl.minimum(kb + L2_AHEAD, kb0 + KB_PER_SPLIT - 1) * NG, KG - 1)
+            _l2_prefetch(w_ptr + tl.where(n_mask, rn, 0) * stride_wn + g_pf * WPG)
+            s_pf = tl.where(n_mask, s_row, 0) + g_pf * 8
+            _l2_prefetch(s_ptr + s_pf)
+            if MODE == 0:
+                _l2_prefetch(b_ptr + s_pf)
         g_idx = kb * NG + rg
         g_mask = (g_idx < KG) | EVEN_K
         if RPF:  # this step's words came a step ahead; the next step's now (the last

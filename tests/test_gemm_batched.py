@@ -42,6 +42,10 @@ def test_register_prefetch_equals_the_pipelined_launch(mode, bits, group_size, m
     y1 = tk.qmatmul(x.to(DEV), q, rpf).cpu()
     assert y1.shape == (m, n) and rel_err(y1, want) < 1e-2
     torch.testing.assert_close(y1, y0, rtol=0, atol=0)
+    if DEV == "cuda":  # L2 requests ahead (no inline assembly in the interpreter)
+        ahead = tk.KernelConfig("gemm", 32, 64, 2, ng, num_warps=4, num_stages=3, swap=True,
+                                l2_ahead=2)  # fmt: skip
+        torch.testing.assert_close(tk.qmatmul(x.to(DEV), q, ahead).cpu(), y0, rtol=0, atol=0)
 
 
 def test_seventh_number_selects_it(monkeypatch):
@@ -52,8 +56,12 @@ def test_seventh_number_selects_it(monkeypatch):
     monkeypatch.setattr(launch, "_num_sms", lambda device: 132)
     q = types.SimpleNamespace(n=4096, k=4096, bits=4, group_size=64, mode="affine")
     dev = types.SimpleNamespace(type="cuda")
-    for spec, want in (("128,4,4,2,1,0,1", (True, 1)), ("128,4,4,2,1,0", (False, 4))):
+    for spec, want in (
+        ("128,4,4,2,1,0,1", (True, 1, 0)),
+        ("128,4,4,2,1,0", (False, 4, 0)),
+        ("128,4,4,2,1,0,0,6", (False, 4, 6)),
+    ):
         monkeypatch.setattr(launch, "SMALL_M_GEMM", launch._small_m_gemm(spec))
         cfg = launch.choose_config(32, q, dev, torch.bfloat16)
         assert (cfg.kernel, cfg.block_n, cfg.swap) == ("gemm", 128, True)
-        assert (cfg.reg_prefetch, cfg.num_stages) == want
+        assert (cfg.reg_prefetch, cfg.num_stages, cfg.l2_ahead) == want
