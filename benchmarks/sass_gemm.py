@@ -75,8 +75,6 @@ def gemm_params(tk, mode, bits, g, n, k, m, sms=132):
         params["PDL"] = True  # as launched on an H100 (Triton 3.3+)
     if "L2_PF" in tk._gemm_kernel.arg_names:
         params["L2_PF"] = min(cfg.l2_prefetch, per)
-    if "RPF" in tk._gemm_kernel.arg_names:
-        params["RPF"] = cfg.reg_prefetch
     if "L2_AHEAD" in tk._gemm_kernel.arg_names:
         params["L2_AHEAD"] = cfg.l2_ahead
     return params, cfg

@@ -303,7 +303,6 @@ def _gemm_kernel(
     EVEN_K: tl.constexpr = False,
     PDL: tl.constexpr = False,
     L2_PF: tl.constexpr = 0,
-    RPF: tl.constexpr = False,
     L2_AHEAD: tl.constexpr = 0,
 ):
     """y[M, N] = x[M, K] @ W^T on tensor cores; each W tile is dequantized in registers.
@@ -316,9 +315,6 @@ def _gemm_kernel(
     L2_PF (with PDL): the first L2_PF k-steps of this program's weight rows, scales and
     biases are brought into L2 before the wait for the previous kernel (they depend on no
     kernel), so their DRAM round trip overlaps that kernel's tail.
-    RPF (launched with one stage: no shared-memory pipeline): each k-step's words are loaded
-    into registers one step ahead, as the batch-1 GEMV loads them, the first before the PDL
-    wait.
     L2_AHEAD (GPU): each k-step first asks L2 for the lines of the step this many ahead (its
     rows' words, scales and biases; within the split), so DRAM sees each row's line requested
     well before the pipeline's load of it, beyond what the stages hold."""
@@ -346,10 +342,6 @@ def _gemm_kernel(
     s_row = (rn // 8) * (KG * 8) + (rn % 8)  # scales are stored [N/8, K/G, 8]
     kb0 = pid_k * KB_PER_SPLIT
     w_rows = w_ptr + rn[:, None, None] * stride_wn + rw[None, None, :]
-    if RPF:  # the first k-step's words: they depend on no kernel
-        g_idx = kb0 * NG + rg
-        wmask = n_mask[:, None, None] & ((g_idx < KG) | EVEN_K)[None, :, None]
-        words_n = tl.load(w_rows + g_idx[None, :, None] * WPG, mask=wmask, other=0)
     if PDL:
         if L2_PF > 0:
             _l2_prefetch_tile(w_ptr, s_ptr, b_ptr, rn, n_mask, s_row, kb0, stride_wn, KG,
@@ -372,16 +364,9 @@ def _gemm_kernel(
                 _l2_prefetch(b_ptr + s_pf)
         g_idx = kb * NG + rg
         g_mask = (g_idx < KG) | EVEN_K
-        if RPF:  # this step's words came a step ahead; the next step's now (the last
-            # split's last step loads itself again rather than masking every load)
-            words = words_n.to(tl.uint32, bitcast=True)
-            g_nx = tl.minimum(kb + 1, kb0 + KB_PER_SPLIT - 1) * NG + rg
-            wmask = n_mask[:, None, None] & ((g_nx < KG) | EVEN_K)[None, :, None]
-            words_n = tl.load(w_rows + g_nx[None, :, None] * WPG, mask=wmask, other=0)
-        else:
-            wmask = n_mask[:, None, None] & g_mask[None, :, None]
-            words = tl.load(w_rows + g_idx[None, :, None] * WPG, mask=wmask, other=0)
-            words = words.to(tl.uint32, bitcast=True)
+        wmask = n_mask[:, None, None] & g_mask[None, :, None]
+        words = tl.load(w_rows + g_idx[None, :, None] * WPG, mask=wmask, other=0)
+        words = words.to(tl.uint32, bitcast=True)
         s_offs = s_row[:, None] + g_idx[None, :] * 8
         smask = n_mask[:, None] & g_mask[None, :]
         k_idx = kb * BK + rk

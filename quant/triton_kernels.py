@@ -179,7 +179,6 @@ def qmatmul(
             EVEN_N=w.n % cfg.block_n == 0,
             EVEN_K=w.k % (cfg.ng * w.group_size) == 0 and ksteps % per == 0,
             L2_PF=min(cfg.l2_prefetch, per),
-            RPF=cfg.reg_prefetch,
             L2_AHEAD=cfg.l2_ahead,
         )
     part = torch.empty((split, m, w.n), dtype=torch.float32, device=x.device) if split > 1 else y

@@ -40,17 +40,13 @@ GEMV_WARPS = int(os.environ.get("MLXRUN_GEMV_WARPS", "4"))
 
 
 def _small_m_gemm(spec: str) -> tuple:
-    """Parse "BLOCK_N,warps,stages,groups,waves[,l2[,rpf[,ahead]]]" (SMALL_M_GEMM's eight)
-    into numbers; rpf 1: the words loaded into registers a step ahead (KernelConfig.
-    reg_prefetch, with one stage); ahead: k-steps ahead each step asks L2 for
-    (KernelConfig.l2_ahead)."""
+    """Parse "BLOCK_N,warps,stages,groups,waves[,l2[,ahead]]" (SMALL_M_GEMM's seven) into
+    numbers; ahead: k-steps ahead each step asks L2 for (KernelConfig.l2_ahead)."""
     v = spec.split(",")
     bn, warps, stages, ng, waves = v[:5]
     l2 = int(v[5]) if len(v) > 5 else 0
-    rpf = len(v) > 6 and v[6] == "1"
-    ahead = int(v[7]) if len(v) > 7 else 0
-    stages = 1 if rpf else int(stages)
-    return int(bn), int(warps), stages, int(ng), float(waves), l2, rpf, ahead
+    ahead = int(v[6]) if len(v) > 6 else 0
+    return int(bn), int(warps), int(stages), int(ng), float(waves), l2, ahead
 
 
 # The batched-decode GEMM (4 < M <= 32, and 32 < M <= 64): W rows a tile, warps, stages,
@@ -164,7 +160,6 @@ class KernelConfig:
     seq: bool = False  # GEMV, 16 rows: each k-step's two 8-row halves one after the other
     early: bool = False  # GEMV: each k-step's scales loaded with its words
     ahead: bool = False  # stream: the next tile's words issued before the last k-step's FMAs
-    reg_prefetch: bool = False  # gemm: words into registers a k-step ahead (one stage)
     l2_ahead: int = 0  # gemm: each k-step asks L2 for the lines of the step this far ahead
 
 
@@ -332,7 +327,7 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
         # and x's rows its narrow side, split K to about one wave. Measured at M = 32 on the
         # 8B shapes (profile_decode.py --linears): 0.6x the time of the 128x128 tiles.
         # The split divides the k-steps where it can (no k masks in the loop: EVEN_K).
-        bn, warps, stages, ng, waves, l2, rpf, ahead = SMALL_M_GEMM if m <= 32 else SMALL_M_GEMM_64
+        bn, warps, stages, ng, waves, l2, ahead = SMALL_M_GEMM if m <= 32 else SMALL_M_GEMM_64
         bm = 32 if m <= 32 else 64
         # at least 128 inputs a step, at most 256 where that takes more than 2 groups (g128
         # keeps 2 groups, so the scale loads are 4 bytes, async; sm_90 registers, no spills)
@@ -341,7 +336,7 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
         tiles = math.ceil(m / bm) * math.ceil(w.n / bn)
         sk = _split_even(tiles, ksteps, sms, waves)
         return KernelConfig("gemm", bm, bn, sk, ng, warps, stages, swap=True, l2_prefetch=l2,
-                            reg_prefetch=rpf, l2_ahead=ahead)  # fmt: skip
+                            l2_ahead=ahead)  # fmt: skip
     elif w.mode == "affine" and w.bits == 4:
         # measured best for g64 (0.81x the time); with bf16 x the swap puts the packed decode
         # straight into wgmma's register operand (no shared-memory round trip), any g
