@@ -51,14 +51,18 @@ def _small_m_gemm(spec: str) -> tuple:
 
 # The batched-decode GEMM (4 < M <= 32, and 32 < M <= 64): W rows a tile, warps, stages,
 # groups a k-step (128 to 256 inputs), split-K to this many waves of programs, k-steps of
-# weights brought into L2 before the PDL wait (KernelConfig.l2_prefetch). From
+# weights brought into L2 before the PDL wait (KernelConfig.l2_prefetch), and optionally a
+# seventh: k-steps ahead each step asks L2 for (KernelConfig.l2_ahead; 0, not yet measured
+# on a GPU). From
 # benchmarks/gemm_smallm.py on an H200 (8B int4 g64 shapes alone, cycled weights; the
 # 32 layers' GEMMs and the head against the previous 128,4,4,2,1,0): M = 32 0.891x with
 # 256-input steps in 3 stages and 2 steps prefetched, M = 64 0.953x with the old launch
-# and 4 steps prefetched (256-input steps lost there, 1.045x). MLXRUN_SMALL_M_GEMM (the
-# six, comma-separated; "128,4,4,2,1,0" the previous launch) overrides both for A/B timing.
+# and 4 steps prefetched (256-input steps lost there, 1.045x). MLXRUN_SMALL_M_GEMM (six or
+# seven, comma-separated; "128,4,4,2,1,0" the previous launch) overrides both for A/B timing.
 # In the model those lost: H100 `bench --batch 32 --prompt-tokens 1024`, the same call,
-# 5,879.3 tok/s with 128,4,4,2,1,0 against 5,665.0 with them, so both stay at it.
+# 5,879.3 tok/s with 128,4,4,2,1,0 against 5,665.0 with them, so both stay at it. Why
+# the GEMM reads at under half the copy bandwidth (occupancy, not instructions):
+# benchmarks/KERNEL_NOTES.md, 2026-11-27.
 _SMALL_M_ENV = os.environ.get("MLXRUN_SMALL_M_GEMM")
 SMALL_M_GEMM = _small_m_gemm(_SMALL_M_ENV or "128,4,4,2,1,0")
 SMALL_M_GEMM_64 = _small_m_gemm(_SMALL_M_ENV or "128,4,4,2,1,0")
