@@ -15,8 +15,8 @@ for the lines of the step that many ahead (0: none). The step
 estimate is 32 x (the four layer shapes) + the head, as in an 8B decode step's GEMMs.
 Two reference rows take the place of a launch: "gemv1", the batch-1 GEMV (choose_config's
 launch for one row) on the same weights, and "copy", a device copy of as many bytes as the
-weight holds (words, scales, biases), both cycled the same way: the per-shape floor and
-what the batch-1 kernel reaches on it.
+weight holds (words, scales, biases; it reads and writes them, twice a GEMM's traffic),
+both cycled the same way: what the batch-1 kernel reaches on the same bytes.
 """
 
 from __future__ import annotations
