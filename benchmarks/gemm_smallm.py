@@ -9,9 +9,13 @@ min over reps; every launch's output checked against x @ the dequantized weight 
 
 A launch is triton_launch.SMALL_M_GEMM's numbers, "BLOCK_N,warps,stages,groups,waves[,l2]"
 (the form MLXRUN_SMALL_M_GEMM takes): W rows a program, warps, pipeline stages, groups of G
-inputs a k-step (at least 128 inputs), split-K to that many waves of programs, and k-steps
+inputs a k-step (at least 128 inputs), split-K to that many waves of programs, k-steps
 of weights prefetched into L2 before the PDL wait (0: none). The step
 estimate is 32 x (the four layer shapes) + the head, as in an 8B decode step's GEMMs.
+Two reference rows take the place of a launch: "gemv1", the batch-1 GEMV (choose_config's
+launch for one row) on the same weights, and "copy", a device copy of as many bytes as the
+weight holds (words, scales, biases; it reads and writes them, twice a GEMM's traffic),
+both cycled the same way: what the batch-1 kernel reaches on the same bytes.
 """
 
 from __future__ import annotations
@@ -69,6 +73,21 @@ def config_for(spec: str, m: int, w, sms: int):
     return cfg
 
 
+REFS = ("gemv1", "copy")
+
+
+def _ref_fn(spec: str, x, wq, cfg):
+    """fn(i) for a launch, or for a reference row (x's first row through the GEMV; a copy of
+    the weight's bytes, the copies cycled as the weights are)."""
+    if spec == "gemv1":
+        return lambda i: tk.qmatmul(x[:1], wq[i % len(wq)])
+    if spec == "copy":
+        bufs = [torch.empty(w.nbytes // 2, dtype=torch.int16, device=x.device) for w in wq]
+        dst = torch.empty_like(bufs[0])
+        return lambda i: dst.copy_(bufs[i % len(bufs)])
+    return lambda i: tk.qmatmul(x, wq[i % len(wq)], cfg)
+
+
 def make_weight(n, k, device, seed=0):
     """Random int4 g64 weight (bf16 scales and biases) in prepare's layout."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -94,7 +113,10 @@ def warm(spec: str, ms, shapes, sms: int) -> None:
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             try:
-                tk.qmatmul(x, w, config_for(spec, m, w, sms))
+                if spec == "gemv1":
+                    tk.qmatmul(x[:1], w)
+                else:
+                    tk.qmatmul(x, w, config_for(spec, m, w, sms))
             except Exception as e:  # reported again by the timing run
                 print(f"{spec} M={m} {n}x{k}: {type(e).__name__} {str(e)[:120]}")
         torch.cuda.synchronize()
@@ -131,7 +153,8 @@ def summary(res, ms, specs, weights, reps) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--m", default="32,64")
-    ap.add_argument("--specs", default=";".join(SPECS), help="launches, ';'-separated")
+    ap.add_argument("--specs", default=";".join(SPECS),
+                    help="launches, ';'-separated (and the reference rows gemv1, copy)")  # fmt: skip
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--calls", type=int, default=24, help="calls a graph")
     ap.add_argument("--warm", default=None, help="compile this launch's kernels only")
@@ -141,7 +164,7 @@ def main() -> None:
     ms = [int(m) for m in a.m.split(",")]
     specs = a.specs.split(";")
     if a.dry:
-        dry(specs[:4], ms)
+        dry([s for s in specs if s not in REFS][:4], ms)
         return
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if a.warm:
@@ -159,6 +182,13 @@ def main() -> None:
             xs[m, k] = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = xs[m, k].float() @ tk.dequantize_torch(w0).float().T
             for spec in specs:
+                if spec == "copy":
+                    errs[spec, m, n, k] = 0.0
+                    continue
+                if spec == "gemv1":  # x's first row through the batch-1 GEMV
+                    y = tk.qmatmul(xs[m, k][:1], w0).float()
+                    errs[spec, m, n, k] = ((y - ref[:1]).abs().max() / ref[:1].abs().max()).item()
+                    continue
                 cfg = config_for(spec, m, w0, sms)
                 try:
                     errs[spec, m, n, k] = rel_err(xs[m, k], w0, cfg, ref)
@@ -176,13 +206,10 @@ def main() -> None:
             for m in ms:
                 x = xs[m, k]
                 for spec in specs if rep % 2 == 0 else specs[::-1]:
-                    if errs[spec, m, n, k] == float("inf"):
-                        continue
-                    cfg = config_for(spec, m, wq[0], sms)
-                    rep_fn = _graphed(
-                        lambda i, x=x, wq=wq, cfg=cfg: tk.qmatmul(x, wq[i % len(wq)], cfg),
-                        a.calls,
-                    )
+                    if errs[spec, m, n, k] == float("inf") or (spec in REFS and m != ms[0]):
+                        continue  # (a reference row does not depend on M)
+                    cfg = None if spec in REFS else config_for(spec, m, wq[0], sms)
+                    rep_fn = _graphed(_ref_fn(spec, x, wq, cfg), a.calls)
                     us = _events_ms(rep_fn, reps=10) * 1e3 / a.calls
                     res.setdefault(f"{spec}|{m}|{n}x{k}", []).append(us)
         print(f"rep {rep} done at {time.time() - t0:.0f} s", flush=True)

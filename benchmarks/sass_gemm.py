@@ -118,7 +118,14 @@ def stats(tk, name, n, k, m, dump=None, hist=False, extra=None):
         regs=int(re.search(r"REG:(\d+)", res).group(1)),
         stack=int(re.search(r"STACK:(\d+)", res).group(1)),  # spill space, bytes per thread
         spills=sum(1 for _, t in body if re.match(r"(@\S+ )?(STL|LDL)\b", t)),  # in the loop
+        smem=kern.metadata.shared,  # bytes a program (the pipeline's stages)
     )
+    # programs a SM can hold: 64K registers, 228 KB of shared memory (1 KB of it per block
+    # reserved), at most 32 blocks
+    threads = 32 * cfg.num_warps
+    by_regs = 65536 // (-(-row["regs"] * 32 // 256) * 256 * cfg.num_warps)
+    by_smem = 233472 // (row["smem"] + 1024) if row["smem"] else 32
+    row["per_sm"] = min(by_regs, by_smem, 32, 2048 // threads)
     if hist:
         row["hist"] = opcode_histogram(body)
     return row
@@ -150,11 +157,12 @@ def main():
     tk = importlib.import_module(a.module)
     print(f"N={a.n} K={a.k} M={a.m}, sm_90, triton {triton.__version__}")
     print(f"{'format':<12} {'tile':<18} {'split':>5} {'loop/kstep':>10} {'/elem':>6} "
-          f"{'regs':>5} {'stack':>5} {'STL/LDL':>7}")  # fmt: skip
+          f"{'regs':>5} {'stack':>5} {'STL/LDL':>7} {'smem KB':>7} {'per SM':>6}")  # fmt: skip
     for name in a.fmt.split(","):
         r = stats(tk, name, a.n, a.k, a.m, a.dump, a.hist, extra)
         print(f"{r['fmt']:<12} {r['tile']:<18} {r['split']:>5} {r['loop']:>10} "
-              f"{r['per_elem']:>6.2f} {r['regs']:>5} {r['stack']:>5} {r['spills']:>7}")  # fmt: skip
+              f"{r['per_elem']:>6.2f} {r['regs']:>5} {r['stack']:>5} {r['spills']:>7} "
+              f"{r['smem'] / 1024:>7.1f} {r['per_sm']:>6}")  # fmt: skip
         if a.hist:
             print("   ", " ".join(f"{k}:{v}" for k, v in r["hist"].items()))
 
