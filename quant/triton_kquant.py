@@ -251,16 +251,25 @@ def kq_variant() -> int:
     1, Q6_K on as many warps as Q4_K and Q4_K on the new loads at every K; 3 as 1, Q4_K's
     N <= 4096 on the new loads too; 4 (default) as 3, Q6_K's codes decoded as byte fields
     (kquant_lane._q6_bytes: 5.51 -> 4.79 instructions a weight; H100, mlxrun bench
-    shape:llama3-8b q6_k 265.9 -> 286.3 tok/s; benchmarks/KERNEL_NOTES.md, 2026-11-27)."""
+    shape:llama3-8b q6_k 265.9 -> 286.3 tok/s; benchmarks/KERNEL_NOTES.md, 2026-11-27); 5 as
+    4, Q6_K's two-warp GEMV of K > 4096 (the down projection) capped at Q6K_MAXNREG too
+    (_maxnreg)."""
     v = os.environ.get("MLXRUN_KQ_VARIANT", "4")
-    if v not in ("0", "1", "2", "3", "4"):
-        raise MlxrunError(f"MLXRUN_KQ_VARIANT={v!r}: use 0, 1, 2, 3 or 4")
+    if v not in ("0", "1", "2", "3", "4", "5"):
+        raise MlxrunError(f"MLXRUN_KQ_VARIANT={v!r}: use 0, 1, 2, 3, 4 or 5")
     return int(v)
 
 
 def _maxnreg(w: KQLinear, warps: int) -> dict:
-    """The lane GEMV's register cap: Q6K_MAXNREG for Q6_K on one warp, else none."""
-    return {"maxnreg": Q6K_MAXNREG} if w.kind == "Q6_K" and warps == 1 else {}
+    """The lane GEMV's register cap: Q6K_MAXNREG for Q6_K on one warp, and (variant 5) on
+    two warps where K > 4096: H100, kq_ab.py, 4096x14336 25.3 -> 22.9 us capped (138 -> 128
+    registers, no spills under Triton 3.6), but 4096x4096 7.7 -> 8.0 and 28672x4096 (4
+    warps) 42.4 -> 43.6, so the cap stays off there (KERNEL_NOTES.md, 2026-11-27)."""
+    if w.kind != "Q6_K":
+        return {}
+    if warps == 1 or (warps == 2 and w.k > 4096 and kq_variant() >= 5):
+        return {"maxnreg": Q6K_MAXNREG}
+    return {}
 
 
 def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
@@ -282,7 +291,7 @@ def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
     v = kq_variant()
     top = tch.GEMV_WARPS
     tiles = m * math.ceil(w.n / 8)
-    if w.kind == "Q6_K" and v in (1, 3, 4):
+    if w.kind == "Q6_K" and v in (1, 3, 4, 5):
         top = 1 if tiles >= 64 * sms else min(top, 2 if w.n <= 4096 else 4)
     elif w.kind == "Q6_K" and v == 0:
         top = 1
@@ -323,7 +332,7 @@ def _loads(w: KQLinear) -> int:
     v = kq_variant()
     if v == 0 or (w.kind == "Q4_K" and w.k <= 4096 and (v == 1 or (v >= 3 and w.n > 4096))):
         return 0
-    return 2 if v == 4 and w.kind == "Q6_K" else 1
+    return 2 if v >= 4 and w.kind == "Q6_K" else 1
 
 
 def kq_stream_per_sm() -> int:

@@ -248,7 +248,8 @@ def test_q6k_launch_settings(monkeypatch):
     blocks a SM) with its register cap; one warp with the previous loads
     (MLXRUN_KQ_VARIANT=0), as many as Q4_K with 2; Q4_K's K <= 4096 on the previous loads
     but where N <= 4096 (3 and the default 4; variant 1: every N; 2: none), Q6_K's codes as
-    byte fields (4); a bad variant is one clear error."""
+    byte fields (4); 5 as 4 with Q6_K's two-warp K > 4096 capped; a bad variant is one
+    clear error."""
     import dataclasses
 
     w = kq.random_kquant("Q6_K", 64, 4096, "cpu")
@@ -273,6 +274,11 @@ def test_q6k_launch_settings(monkeypatch):
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "3")  # as 4 but Q6_K's codes nibble + high bits
     assert kq._loads(w) == 1 and kq._loads(q4) == 1
     assert kq.lane_config(1, w, cuda).num_warps == 2
+    down = dataclasses.replace(w, k=14336)  # 2 warps
+    assert kq._maxnreg(down, 2) == {}
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "5")  # as 4, the down projection capped too
+    assert kq._maxnreg(down, 2) == {"maxnreg": kq.Q6K_MAXNREG} and kq._maxnreg(w, 2) == {}
+    assert kq._loads(w) == 2 and kq._maxnreg(dataclasses.replace(q4, k=14336), 2) == {}
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "x")
     with pytest.raises(kq.MlxrunError, match="MLXRUN_KQ_VARIANT"):
         kq.lane_config(1, w, cuda)
