@@ -60,6 +60,45 @@ def test_layout_decodes_as_gguf(kind, edges):
     assert held <= file_bits * 1.05
 
 
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+def test_q6k_spread_layout():
+    """Q6_K's high words laid out spread (hi_shifts): every 2-bit field at its own even
+    offset; the low words as without; decoded, bit for bit gguf's fp32 values."""
+    sh = kq.hi_shifts("Q6_K", True)
+    assert sorted(sh.tolist()) == list(range(0, 32, 2))
+    assert sh[1] == 4 and sh[0] == 6 and sh[9] == 0 and sh[8] == 2  # word 0 high, word 1 low
+    raw = random_rows("Q6_K", rows=9, nblocks=3, seed=12, edges=True)
+    a = kq.prepare_kquant(raw, "Q6_K", spread=False)
+    b = kq.prepare_kquant(raw, "Q6_K", spread=True)
+    assert b.hi_spread and not a.hi_spread
+    kw = a.k // 8
+    assert torch.equal(a.weight[:, :kw], b.weight[:, :kw])
+    assert not torch.equal(a.weight[:, kw:], b.weight[:, kw:])
+    got = kq.dequantize_kquant(b).numpy()
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q6_K).astype(np.float32)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+    ids = torch.tensor([3, 0])
+    assert kq.rows(b, ids).hi_spread and kq.concat([a, b]) is None
+    assert kq.concat([b, b]).hi_spread
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [None, kq.KQConfig("gemv", 1, 16, 1, 1, 4), kq.KQConfig("gemm", 16, 32, 1, 1, 4)],
+    ids=["tile-gemm", "old-tile-gemv", "old-gemm"],
+)
+def test_q6k_spread_tile_kernels(cfg, monkeypatch):
+    """The tile GEMM (and the GEMV and GEMM it replaced, kept for A/B timing) read Q6_K's
+    spread high words: the dequantized product."""
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "6")
+    w, ref = _case("Q6_K", 24, 2, seed=41)
+    assert w.hi_spread
+    m = 1 if cfg is not None and cfg.kernel == "gemv" else 20
+    x = torch.randn(m, w.k, generator=torch.Generator().manual_seed(2)).to(torch.float32)
+    _check(kq.kqmatmul(x.to(DEV), w, cfg), x, ref)
+
+
 def _case(kind, n, nblocks, seed):
     raw = random_rows(kind, rows=n, nblocks=nblocks, seed=seed, edges=False)
     ref = torch.from_numpy(gb.dequantize(raw, kind)).double()
@@ -165,6 +204,8 @@ def test_q4k_lane_gemv_scale_loads(v, monkeypatch):
         (20, 3, 2, 2, torch.float32, False, "0"),
         (20, 6, 2, 2, torch.bfloat16, False, "4"),
         (16, 8, 1, 1, torch.float32, False, "4"),
+        (20, 6, 2, 2, torch.bfloat16, False, "6"),
+        (16, 8, 1, 1, torch.float32, True, "6"),
     ],
     ids=[
         "1warp-split2",
@@ -174,6 +215,8 @@ def test_q4k_lane_gemv_scale_loads(v, monkeypatch):
         "old-loads-2warps-masked",
         "byte-fields-2warps-masked-split2",
         "byte-fields-1warp-fp32",
+        "spread-2warps-masked-split2",
+        "spread-1warp-fp32-silu",
     ],  # fmt: skip
 )
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -182,11 +225,13 @@ def test_q6k_lane_gemv(n, nb, sk, nw, dtype, silu, v, monkeypatch):
     scales loaded in the lanes' layout) on one and several warps, x in bf16 pairs and fp32,
     with row and K masks (20 rows, 3 or 6 super-blocks), split-K and the SiLU epilogue:
     the dequantized product, and silu_mul of it bit for bit; also the previous loads
-    (MLXRUN_KQ_VARIANT=0, kept for A/B timing) and the codes decoded as byte fields (4)."""
+    (MLXRUN_KQ_VARIANT=0, kept for A/B timing), the codes decoded as byte fields (4) and
+    from the high words laid out spread (6)."""
     from mlxrun.backends import cuda_ops
 
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", v)
     w, ref = _case("Q6_K", n, nb, seed=31)
+    assert w.hi_spread == (v == "6") and kq._loads(w) == {"0": 0, "4": 2, "6": 3}.get(v, 1)
     x = torch.randn(1, w.k, generator=torch.Generator().manual_seed(6)).to(dtype)
     cfg = tk.KernelConfig("gemv", 1, 8, sk, num_warps=nw, prefetch=False)
     y = kq.kqmatmul(x.to(DEV), w, cfg)
@@ -279,6 +324,11 @@ def test_q6k_launch_settings(monkeypatch):
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "5")  # as 4, the down projection capped too
     assert kq._maxnreg(down, 2) == {"maxnreg": kq.Q6K_MAXNREG} and kq._maxnreg(w, 2) == {}
     assert kq._loads(w) == 2 and kq._maxnreg(dataclasses.replace(q4, k=14336), 2) == {}
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "6")  # as 5, Q6_K laid out spread
+    assert kq.q6_spread() and kq._loads(dataclasses.replace(w, hi_spread=True)) == 3
+    assert kq._loads(w) == 2  # a weight's decode follows its layout
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "0")
+    assert kq._loads(dataclasses.replace(w, hi_spread=True)) == 3
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "x")
     with pytest.raises(kq.MlxrunError, match="MLXRUN_KQ_VARIANT"):
         kq.lane_config(1, w, cuda)
