@@ -89,20 +89,21 @@ def _shapes(kind: str, n: int, k: int) -> dict[str, tuple[int, int]]:
     }
 
 
-def hi_shifts(kind: str, spread: bool) -> np.ndarray:
-    """Bit offsets in a sub-block's high word of its fields 8w + i (weight i*WPS + w): HB*(8w
-    + i), or for Q6_K spread (w of its 2 low words, i = 2j or 2j+1 of its 8 nibbles): 8j +
-    4*(1-w) + 2*(i % 2 == 0). Spread, word 0's fields sit at bits 4-5 (odd i) and 6-7 (even
-    i) of byte j, word 1's at bits 0-1 and 2-3: one shift and one mask a half give the
-    high bits of the byte fields kquant_lane._q6_bytes_spread builds (position 2j's or 2j+1's
-    6-bit code in byte j), where HB*(8w + i) needs three shift-mask steps a word first."""
-    hb = HIGH_BITS[kind]
-    sub = gb.KQUANTS[kind][1]
-    f = np.arange(sub)
+def hi_shifts(kind: str, spread: bool, f=None):
+    """Bit offsets in a sub-block's high word of its fields f = 8w + i (weight i*WPS + w;
+    default every field, numpy uint32; a torch tensor of them gives a tensor on its device):
+    HB*(8w + i), or for Q6_K spread (w of its 2 low words, i = 2j or 2j+1 of its 8 nibbles):
+    8j + 4*(1-w) + 2*(i % 2 == 0). Spread, word 0's fields sit at bits 4-5 (odd i) and 6-7
+    (even i) of byte j, word 1's at bits 0-1 and 2-3: one shift and one mask a half give the
+    high bits of the byte fields kquant_lane._q6_bytes_spread builds (position 2j's or
+    2j+1's 6-bit code in byte j), where HB*(8w + i) needs three shift-mask steps a word
+    first."""
+    if f is None:
+        f = np.arange(gb.KQUANTS[kind][1], dtype=np.uint32)
     if not spread:
-        return (f * hb).astype(np.uint32)
+        return f * HIGH_BITS[kind]
     w, i = f // 8, f % 8
-    return (8 * (i // 2) + 4 * (1 - w) + 2 * (1 - i % 2)).astype(np.uint32)
+    return 8 * (i // 2) + 4 * (1 - w) + 2 * (1 - i % 2)
 
 
 def q6_spread() -> bool:
@@ -187,7 +188,8 @@ def dequantize_kquant(w: KQLinear, dtype=None) -> torch.Tensor:
     sh = torch.arange(8, device=words.device) * 4
     q = (words[:, : w.k // 8, None] >> sh) & 15  # [N, K/8, 8]: word w, nibble i
     if hb:
-        shh = torch.from_numpy(hi_shifts(w.kind, w.hi_spread).astype(np.int64)).to(words.device)
+        # on the device: a host copy here fails inside CUDA graph capture (the embedding)
+        shh = hi_shifts(w.kind, w.hi_spread, torch.arange(sub, device=words.device))
         q = q | (((words[:, w.k // 8 :, None] >> shh) & ((1 << hb) - 1)).reshape(q.shape) << 4)
     q = q.reshape(w.n, ns, wps, 8).transpose(2, 3)  # weight i*WPS + w of each sub-block
     q = q.to(torch.float32).reshape(w.n, ns, sub)
