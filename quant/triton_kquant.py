@@ -279,21 +279,23 @@ def kq_variant() -> int:
     spill; Q4_K on 4 warps 3.36 -> 3.06 instructions a weight) with Q6_K on 1, 2 or 4
     warps by shape (lane_config) and Q4_K's K <= 4096 on the previous loads (_loads); 2 as
     1, Q6_K on as many warps as Q4_K and Q4_K on the new loads at every K; 3 as 1, Q4_K's
-    N <= 4096 on the new loads too; 4 (default) as 3, Q6_K's codes decoded as byte fields
+    N <= 4096 on the new loads too; 4 as 3, Q6_K's codes decoded as byte fields
     (kquant_lane._q6_bytes: 5.51 -> 4.79 instructions a weight; H100, mlxrun bench
     shape:llama3-8b q6_k 265.9 -> 286.3 tok/s; benchmarks/KERNEL_NOTES.md, 2026-11-27); 5 as
     4, Q6_K's two-warp GEMV of K > 4096 (the down projection) capped at Q6K_MAXNREG too
-    (_maxnreg); 6 as 5, Q6_K laid out at load with hi_spread (hi_shifts) and decoded from
-    it (_loads: V 3, kquant_lane._q6_bytes_spread). The layout follows the variant at load
-    time; a weight's decode follows its layout."""
-    v = os.environ.get("MLXRUN_KQ_VARIANT", "4")
+    (_maxnreg); 6 (default) as 5, Q6_K laid out at load with hi_spread (hi_shifts) and
+    decoded from it (_loads: V 3, kquant_lane._q6_bytes_spread; 4.79 -> 4.04 instructions a
+    weight; H100, kq_ab.py 4096x14336 25.3 -> 21.1 us, 28672x4096 42.9 -> 40.7; mlxrun bench
+    shape:llama3-8b q4_k_m 377.8 -> 383.4 / 382.1 tok/s, one call). The layout follows the
+    variant at load time; a weight's decode follows its layout."""
+    v = os.environ.get("MLXRUN_KQ_VARIANT", "6")
     if v not in ("0", "1", "2", "3", "4", "5", "6"):
         raise MlxrunError(f"MLXRUN_KQ_VARIANT={v!r}: use 0, 1, 2, 3, 4, 5 or 6")
     return int(v)
 
 
 def _maxnreg(w: KQLinear, warps: int) -> dict:
-    """The lane GEMV's register cap: Q6K_MAXNREG for Q6_K on one warp, and (variant 5) on
+    """The lane GEMV's register cap: Q6K_MAXNREG for Q6_K on one warp, and (variants 5, 6) on
     two warps where K > 4096: H100, kq_ab.py, 4096x14336 25.3 -> 22.9 us capped (138 -> 128
     registers, no spills under Triton 3.6), but 4096x4096 7.7 -> 8.0 and 28672x4096 (4
     warps) 42.4 -> 43.6, so the cap stays off there (KERNEL_NOTES.md, 2026-11-27)."""

@@ -183,7 +183,7 @@ def test_lane_gemv_configs_and_silu(kind):
 
 @pytest.mark.parametrize("v", ["0", "3"])
 def test_q4k_lane_gemv_scale_loads(v, monkeypatch):
-    """Q4_K's (sc, m) and (d, dmin) loaded lanes-first (MLXRUN_KQ_VARIANT=3 and 4, the default,
+    """Q4_K's (sc, m) and (d, dmin) loaded lanes-first (MLXRUN_KQ_VARIANT=3 and later, the default,
     at N <= 4096) and as before (0, kept for A/B timing), on 2 warps with row and K masks
     (20 rows, 3 super-blocks), split in 2: the dequantized product."""
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", v)
@@ -292,13 +292,17 @@ def test_q6k_launch_settings(monkeypatch):
     """Q6_K's lane GEMV: 2 warps where N <= 4096, 4 above, one for the head-sized (64+ row
     blocks a SM) with its register cap; one warp with the previous loads
     (MLXRUN_KQ_VARIANT=0), as many as Q4_K with 2; Q4_K's K <= 4096 on the previous loads
-    but where N <= 4096 (3 and the default 4; variant 1: every N; 2: none), Q6_K's codes as
-    byte fields (4); 5 as 4 with Q6_K's two-warp K > 4096 capped; a bad variant is one
-    clear error."""
+    but where N <= 4096 (3 and later; variant 1: every N; 2: none), Q6_K's codes as
+    byte fields (4); 5 as 4 with Q6_K's two-warp K > 4096 capped; 6 (the default) as 5 with
+    Q6_K laid out spread; a bad variant is one clear error."""
     import dataclasses
 
+    monkeypatch.delenv("MLXRUN_KQ_VARIANT", raising=False)
+    assert kq.kq_variant() == 6 and kq.random_kquant("Q6_K", 8, 256, "cpu").hi_spread  # default
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "4")  # the previous default: layout as stored
     w = kq.random_kquant("Q6_K", 64, 4096, "cpu")
     q4 = kq.random_kquant("Q4_K", 64, 4096, "cpu")
+    assert not w.hi_spread and not kq.q6_spread()
     cuda = torch.device("cuda")
     monkeypatch.setattr(kq.tk, "_num_sms", lambda device: 132)
     assert kq.lane_config(1, w, cuda).num_warps == 2
