@@ -81,6 +81,27 @@ def test_q6k_spread_layout():
     ids = torch.tensor([3, 0])
     assert kq.rows(b, ids).hi_spread and kq.concat([a, b]) is None
     assert kq.concat([b, b]).hi_spread
+    for spread in (False, True):  # the torch form (dequantize_kquant's) gives the same offsets
+        got_t = kq.hi_shifts("Q6_K", spread, torch.arange(16))
+        assert got_t.tolist() == kq.hi_shifts("Q6_K", spread).tolist()
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA graph capture")
+def test_q6k_dequantize_in_graph_capture():
+    """Q6_K rows dequantized inside CUDA graph capture (the embedding of a captured decode
+    step): no host copies, the replay's values equal the eager ones, both layouts."""
+    for spread in (False, True):
+        raw = random_rows("Q6_K", rows=8, nblocks=2, seed=5, edges=False)
+        w = kq.prepare_kquant(raw, "Q6_K", "cuda", spread=spread)
+        ids = torch.tensor([5, 1], device="cuda")
+        want = kq.dequantize_kquant(kq.rows(w, ids), torch.float32)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            got = kq.dequantize_kquant(kq.rows(w, ids), torch.float32)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize(
