@@ -93,11 +93,16 @@ def main() -> None:
             copies = 1 if a.dry else max(1, math.ceil((256 << 20) / w0.nbytes))
             ws = [w0] + [kq.random_kquant(kind, n, k, dev, seed=2 + i) for i in range(copies - 1)]
             x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).bfloat16().to(dev)
-            ref = x.float() @ kq.dequantize_kquant(w0, torch.float32).T
+            refs = {}  # by Q6_K's layout (hi_spread, variant 6): the same words read two ways
             row = {"kind": kind, "shape": f"{n}x{k}", "mb": w0.nbytes / 1e6, "runs": {}}
             graphs = {}
             for v in variants:
                 pf, fs = _set(v)
+                sp = kind == "Q6_K" and kq.q6_spread()
+                w0, *_ = wv = [dataclasses.replace(wi, hi_spread=sp) for wi in ws]
+                if sp not in refs:
+                    refs[sp] = x.float() @ kq.dequantize_kquant(w0, torch.float32).T
+                ref = refs[sp]
                 cfg = kq.lane_config(1, w0, dev)
                 sk = max(1, round(cfg.split_k * fs))
                 cfg = dataclasses.replace(cfg, prefetch=pf or cfg.prefetch, split_k=sk)
@@ -111,12 +116,12 @@ def main() -> None:
                 }
                 if a.dry or a.warm:
                     continue
-                for wi in ws:  # compiled and the split-K tickets touched before capture
+                for wi in wv:  # compiled and the split-K tickets touched before capture
                     kq.kqmatmul(x, wi, cfg)
                 torch.cuda.synchronize()
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
-                    for wi in ws:
+                    for wi in wv:
                         kq.kqmatmul(x, wi, cfg)
                 graphs[v] = g
             for _ in range(0 if a.dry or a.warm else a.reps):

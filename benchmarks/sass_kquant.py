@@ -23,11 +23,19 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import mlxrun  # noqa: E402
+
+# mlxrun.quant is this tree's quant/ (pyproject's package-dir): put first, else an editable
+# install of another checkout (a Triton 3.6 venv's) supplies it and its kernels are compiled
+mlxrun.__path__.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
 from sass_count import compile_sm90, main_loop, opcode_histogram, parse, sass_of  # noqa: E402
 
 import mlxrun.quant.kquant_kernels as kk  # noqa: E402
 import mlxrun.quant.kquant_stream as kst  # noqa: E402
 import mlxrun.quant.triton_kquant as kq  # noqa: E402
+
+assert os.path.samefile(os.path.dirname(kq.__file__), os.path.join(mlxrun.__path__[0], "quant"))
 
 
 def compile_gemv(kind: str, warps: int, n=4096, k=4096, x="bf16", silu=False, prefetch=True,

@@ -41,7 +41,17 @@ if triton is not None:
         return lo, hi
 
     @triton.jit
-    def _kq_codes(lo, hi, KIND: tl.constexpr):
+    def _hi_shift(pos, KIND: tl.constexpr, HS: tl.constexpr):
+        """Bit offset in a sub-block's high word of its field pos = 8w + i (weight i*WPS + w):
+        KIND (its high bits a weight) * pos, or with HS (Q6_K's spread order,
+        triton_kquant.hi_shifts) 8*(i//2) + 4*(1-w) + 2*(i % 2 == 0)."""
+        if HS:
+            i = pos % 8
+            return 8 * (i // 2) + 4 * (1 - pos // 8) + 2 * (1 - i % 2)
+        return pos * KIND
+
+    @triton.jit
+    def _kq_codes(lo, hi, KIND: tl.constexpr, HS: tl.constexpr = False):
         """Words from _kq_load -> codes as fp32 [BN, NS, WPS, 8] (Q6_K: q - 32), weight
         8w + i of each sub-block at [.., w, i]. The integer code goes into the mantissa of
         2^23 (an OR and a subtract, no int->float conversion, a quarter-rate instruction).
@@ -54,13 +64,14 @@ if triton is not None:
         if KIND != 0:
             hi = hi.to(tl.uint32, bitcast=True)
             pos = tl.arange(0, WPS)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [WPS, 8]
-            h = (hi[:, :, None, None] >> (pos * KIND)[None, None, :, :]) & ((1 << KIND) - 1)
+            sh = _hi_shift(pos, KIND, HS)
+            h = (hi[:, :, None, None] >> sh[None, None, :, :]) & ((1 << KIND) - 1)
             c = c | (h << 4)
         OFF: tl.constexpr = 8388640.0 if KIND == 2 else 8388608.0  # 2^23 (+ 32 for Q6_K)
         return (c | 0x4B000000).to(tl.float32, bitcast=True) - OFF
 
     @triton.jit
-    def _kq_pos(lo, hi, I: tl.constexpr, KIND: tl.constexpr):
+    def _kq_pos(lo, hi, I: tl.constexpr, KIND: tl.constexpr, HS: tl.constexpr = False):
         """Code q of nibble position I of the words lo [BN, NS, WPS] (hi [BN, NS, 1]: the
         high words) as the fp32 q * 2^-149: an integer below 2^23 read as a float is that
         denormal, so the code needs no conversion (no int->float, a quarter-rate
@@ -69,7 +80,7 @@ if triton is not None:
         WPS: tl.constexpr = 2 if KIND == 2 else 4
         c = (lo.to(tl.uint32, bitcast=True) >> (4 * I)) & 15
         if KIND != 0:
-            sh = (tl.arange(0, WPS) * 8 + I) * KIND  # bit field 8w + I of the high word
+            sh = _hi_shift(tl.arange(0, WPS) * 8 + I, KIND, HS)  # field 8w + I of the high word
             h = (hi.to(tl.uint32, bitcast=True) >> sh[None, None, :]) & ((1 << KIND) - 1)
             c = c | (h << 4)
         return c.to(tl.float32, bitcast=True)
@@ -113,6 +124,7 @@ if triton is not None:
         x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, N, KW, KB, stride_xm, stride_ym,
         stride_w, KIND: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
         SPLIT_K: tl.constexpr, KB_PER_SPLIT: tl.constexpr, PDL: tl.constexpr = False,
+        HS: tl.constexpr = False,
     ):  # fmt: skip
         """y[m, rows] = x[m] @ W[rows]^T for one row m of x (program axis 0), BLOCK_N rows
         (axis 1) and one split of K (axis 2), SB super-blocks a k-step. Each k-step's words
@@ -155,7 +167,7 @@ if triton is not None:
                     )
                 else:  # 2^100: products q * x * 2^-49 stay normal
                     x = xr * 1.2676506002282294e30
-                    f = _kq_pos(lo, hi3, i, KIND)
+                    f = _kq_pos(lo, hi3, i, KIND, HS)
                 p += f * x
                 xsum += xr
             dot = tl.sum(p, axis=2) * 562949953421312.0  # [BN, NS] * 2^49: sum of q * x
@@ -183,6 +195,7 @@ if triton is not None:
         x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, KW, KB, stride_xm,
         stride_ym, stride_w, KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT_K: tl.constexpr, KB_PER_SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+        HS: tl.constexpr = False,
     ):  # fmt: skip
         """y[M, N] = x @ W^T on tensor cores, one super-block a k-step: each W tile is
         decoded in registers (q * scale + bias in fp32, then x's dtype)."""
@@ -202,7 +215,7 @@ if triton is not None:
         for j in range(0, KB_PER_SPLIT):
             kb = pid_k * KB_PER_SPLIT + j
             lo, hi = _kq_load(w_ptr, rn, n_mask, kb, stride_w, KW, KB, KIND, NS)
-            q = _kq_codes(lo, hi, KIND)  # [BN, NS, WPS, 8]
+            q = _kq_codes(lo, hi, KIND, HS)  # [BN, NS, WPS, 8]
             scale, bias = _kq_scales(s_ptr, b_ptr, rn, n_mask, kb, KB, KIND, NS)
             if KIND == 2:
                 w = q * scale[:, :, None, None]
@@ -258,14 +271,15 @@ if triton is not None:
         BLOCK_N: tl.constexpr, NG: tl.constexpr, SPLIT_K: tl.constexpr,
         KB_PER_SPLIT: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
         SWAP: tl.constexpr, EVEN_N: tl.constexpr = False, EVEN_K: tl.constexpr = False,
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = False, HS: tl.constexpr = False,
     ):  # fmt: skip
         """y[M, N] = x[M, K] @ W^T on tensor cores: triton_kernels._gemm_kernel (its
         grouped tile order, split-K, SWAP: the W tile as the register operand) with each
         W tile of NG sub-blocks decoded in registers from the K-quant planes: the low
         nibbles in the int4 group-transposed order (_decode_tile's), Q5_K/Q6_K's high bits
         from their word per sub-block, then q * d*sc - dmin*m (Q6_K: (q - 32) * d*sc) in
-        fp32, rounded to x's dtype. KS: sub-blocks a row."""
+        fp32, rounded to x's dtype. KS: sub-blocks a row; HS: Q6_K's high words spread
+        (_hi_shift)."""
         G: tl.constexpr = 16 if KIND == 2 else 32  # a sub-block
         WPG: tl.constexpr = G // 8
         BK: tl.constexpr = NG * G
@@ -290,7 +304,7 @@ if triton is not None:
         rw = tl.arange(0, WPG)
         rk = tl.arange(0, BK)
         # field 8w + i of a high word: weight i*WPG + w of the sub-block ([8, WPG] order)
-        hpos = tl.arange(0, 8)[:, None] + 8 * rw[None, :]
+        hsh = _hi_shift(tl.arange(0, 8)[:, None] + 8 * rw[None, :], KIND, HS)
         if SWAP:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         else:
@@ -316,7 +330,7 @@ if triton is not None:
             if KIND != 0:
                 hw = tl.load(w_ptr + rn[:, None] * stride_wn + KW + g_idx[None, :], mask=smask,
                              other=0).to(tl.uint32, bitcast=True)  # fmt: skip
-                h = (hw[:, :, None, None] >> (hpos * KIND)[None, None, :, :]) & ((1 << KIND) - 1)
+                h = (hw[:, :, None, None] >> hsh[None, None, :, :]) & ((1 << KIND) - 1)
                 c = c | (h << 4)
             OFF: tl.constexpr = 8388640.0 if KIND == 2 else 8388608.0  # 2^23 (+ 32: Q6_K)
             q = (c | 0x4B000000).to(tl.float32, bitcast=True) - OFF

@@ -8,6 +8,8 @@ from quant/kquant_kernels.py's tile GEMM because it shares nothing with it but t
 
 from __future__ import annotations
 
+import os
+
 from mlxrun.quant import triton_gemv as tg
 from mlxrun.quant import triton_kernels as tk
 
@@ -16,6 +18,8 @@ tl = tk.tl
 tlc = tk.tlc
 
 if triton is not None:
+    # inline PTX (_opaque) on the GPU only: the interpreter runs no PTX
+    OPAQUE = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
     @triton.jit
     def _lane_hi(w_ptr, rn, n_mask, rkw, lane_s, kb, stride_w, KW, KS, KIND: tl.constexpr,
@@ -146,6 +150,29 @@ if triton is not None:
         return e, o
 
     @triton.jit
+    def _q6_bytes_spread(wa, wb, h):
+        """_q6_bytes of a sub-block's two low words wa, wb from its high word h laid out
+        spread (triton_kquant.hi_shifts): byte j of h holds wb's fields 2j+1, 2j at bits
+        0-1, 2-3 and wa's at 4-5, 6-7, so each half's high bits are one shift and one mask
+        away from their place (bits 4-5 of byte j): 3 instructions a half against
+        _q6_bytes' 6 (the spreading) + 3."""
+        e_a = _opaque((wa & 0x0F0F0F0F) | ((h >> 2) & 0x30303030))
+        o_a = _opaque(((wa >> 4) & 0x0F0F0F0F) | (h & 0x30303030))
+        e_b = _opaque((wb & 0x0F0F0F0F) | ((h << 2) & 0x30303030))
+        o_b = _opaque(((wb >> 4) & 0x0F0F0F0F) | ((h << 4) & 0x30303030))
+        return e_a, o_a, e_b, o_b
+
+    @triton.jit
+    def _opaque(v):
+        """v through a move the compiler cannot see into (not under the interpreter): the
+        byte fields stay whole words (sm_90 SASS under Triton 3.6, Q6_K one warp: 4.10 ->
+        4.04 instructions a weight, sass_kquant.py --variant 3)."""
+        if OPAQUE:
+            v = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=tl.uint32,
+                                          is_pure=True, pack=1)  # fmt: skip
+        return v
+
+    @triton.jit
     def _q6_field(e, o, I: tl.constexpr):
         """Position I's code from _q6_bytes as a float: code * 2^(8*(I//2) - 149) for the
         fields inside the mantissa (masked in place), code * 2^-149 for the top byte."""
@@ -177,15 +204,20 @@ if triton is not None:
 
     @triton.jit
     def _q6_step_bytes(w0, w1, w2, w3, h0, h1, h2, h3, x_base, xo, xmask, EVEN: tl.constexpr,
-                       LANES: tl.constexpr):  # fmt: skip
+                       LANES: tl.constexpr, SPREAD: tl.constexpr = False):  # fmt: skip
         """Q6_K's dots of a k-step with the codes decoded as byte fields (_q6_bytes): one mask
         (or shift) and one FFMA a code and row, against two of each for the nibble and the
         high bits apart. Returns p (words 0, 1), pb (words 2, 3) and the sums of their inputs,
-        all times 2^-49 as _lane_step's."""
-        e0, o0 = _q6_bytes(w0, h0)
-        e1, o1 = _q6_bytes(w1, h1)
-        e2, o2 = _q6_bytes(w2, h2)
-        e3, o3 = _q6_bytes(w3, h3)
+        all times 2^-49 as _lane_step's. SPREAD: the high words laid out spread, h0 and h2
+        the two sub-blocks' (_q6_bytes_spread; h1, h3 unused)."""
+        if SPREAD:
+            e0, o0, e1, o1 = _q6_bytes_spread(w0, w1, h0)
+            e2, o2, e3, o3 = _q6_bytes_spread(w2, w3, h2)
+        else:
+            e0, o0 = _q6_bytes(w0, h0)
+            e1, o1 = _q6_bytes(w1, h1)
+            e2, o2 = _q6_bytes(w2, h2)
+            e3, o3 = _q6_bytes(w3, h3)
         p = tl.zeros([8, LANES], dtype=tl.float32)
         pb = tl.zeros([8, LANES], dtype=tl.float32)
         xs_a = tl.zeros([LANES], dtype=tl.float32)
@@ -241,9 +273,9 @@ if triton is not None:
         else:
             sub = kb * LANES + lane
             xmask = (sub < KS)[:, None]
-        if KIND == 2 and V == 2:  # Q6_K's codes as byte fields (_q6_bytes)
+        if KIND == 2 and V >= 2:  # Q6_K's codes as byte fields (V 3: from spread high words)
             p, pb, xs_a, xs_b = _q6_step_bytes(w0, w1, w2, w3, h0, h1, h2, h3, x_base, xo, xmask,
-                                               EVEN, LANES)  # fmt: skip
+                                               EVEN, LANES, V == 3)  # fmt: skip
         else:
             xs_a = tl.zeros([LANES], dtype=tl.float32)  # sums of the lane's inputs * 2^-49
             xs_b = tl.zeros([LANES], dtype=tl.float32)  # (words 2, 3 apart for Q6_K)

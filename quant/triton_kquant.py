@@ -9,7 +9,8 @@ of K = 256 * nb weights:
 - weight int32 [N, K/8 + K*HB/32]: the low 4 bits of every code, a sub-block of S weights
   (32; Q6_K 16) in WPS = S/8 words, weight i*WPS + w at nibble i of word w (the affine
   int4 kernels' group-transposed order), then the HB high bits (Q5_K 1, Q6_K 2), one word a
-  sub-block, weight i*WPS + w at bits HB*(8w + i);
+  sub-block, weight i*WPS + w at bits HB*(8w + i), or (Q6_K with hi_spread) in the spread
+  order of hi_shifts, which the GEMV turns into byte fields without spreading them;
 - scales uint8 [N, K/16]: (sc, m) of each sub-block of 32 (Q4_K, Q5_K), or int8 sc of each
   sub-block of 16 (Q6_K);
 - biases float16 [N, 2*nb]: (d, dmin) of each super-block, or [N, nb]: d (Q6_K).
@@ -58,6 +59,7 @@ class KQLinear:
     kind: str
     n: int
     k: int
+    hi_spread: bool = False  # Q6_K's high words in hi_shifts' spread order
 
     @property
     def mode(self) -> str:
@@ -87,10 +89,32 @@ def _shapes(kind: str, n: int, k: int) -> dict[str, tuple[int, int]]:
     }
 
 
-def _planes(codes: np.ndarray, kind: str) -> np.ndarray:
+def hi_shifts(kind: str, spread: bool, f=None):
+    """Bit offsets in a sub-block's high word of its fields f = 8w + i (weight i*WPS + w;
+    default every field, numpy uint32; a torch tensor of them gives a tensor on its device):
+    HB*(8w + i), or for Q6_K spread (w of its 2 low words, i = 2j or 2j+1 of its 8 nibbles):
+    8j + 4*(1-w) + 2*(i % 2 == 0). Spread, word 0's fields sit at bits 4-5 (odd i) and 6-7
+    (even i) of byte j, word 1's at bits 0-1 and 2-3: one shift and one mask a half give the
+    high bits of the byte fields kquant_lane._q6_bytes_spread builds (position 2j's or
+    2j+1's 6-bit code in byte j), where HB*(8w + i) needs three shift-mask steps a word
+    first."""
+    if f is None:
+        f = np.arange(gb.KQUANTS[kind][1], dtype=np.uint32)
+    if not spread:
+        return f * HIGH_BITS[kind]
+    w, i = f // 8, f % 8
+    return 8 * (i // 2) + 4 * (1 - w) + 2 * (1 - i % 2)
+
+
+def q6_spread() -> bool:
+    """Whether Q6_K weights are laid out with hi_spread: MLXRUN_KQ_VARIANT 6."""
+    return kq_variant() >= 6
+
+
+def _planes(codes: np.ndarray, kind: str, spread: bool = False) -> np.ndarray:
     """uint8 codes [rows, K] -> int32 words [rows, K/8 + K*HB/32] (the module docstring's
     order: in each sub-block of S weights, weight i*WPS + w at nibble i of word w and at
-    bit field 8w + i of the high word)."""
+    field 8w + i of the high word, at hi_shifts' offset)."""
     rows, k = codes.shape
     sub = gb.KQUANTS[kind][1]
     wps = sub // 8
@@ -100,15 +124,17 @@ def _planes(codes: np.ndarray, kind: str) -> np.ndarray:
     hb = HIGH_BITS[kind]
     if hb:
         h = (c >> 4).reshape(rows, k // sub, sub)  # field 8w + i
-        parts.append(np.bitwise_or.reduce(h << (np.arange(sub, dtype=np.uint32) * hb), axis=-1))
+        parts.append(np.bitwise_or.reduce(h << hi_shifts(kind, spread), axis=-1))
     return np.concatenate(parts, axis=1).view(np.int32)
 
 
-def layout(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def layout(
+    raw: np.ndarray, kind: str, spread: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """GGUF rows (uint8 [N, K/256 * block bytes]) of `kind` -> (weight, scales, biases) numpy
-    arrays in the kernels' layout (module docstring)."""
+    arrays in the kernels' layout (module docstring; spread: Q6_K's hi_spread)."""
     f = gb.k_fields(raw, kind)
-    weight = _planes(f.codes, kind)
+    weight = _planes(f.codes, kind, spread)
     if kind == "Q6_K":
         scales, biases = f.sc, f.d
     else:
@@ -118,19 +144,21 @@ def layout(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return np.ascontiguousarray(weight), np.ascontiguousarray(scales), biases
 
 
-def prepare_kquant(raw, kind: str, device=None) -> KQLinear:
+def prepare_kquant(raw, kind: str, device=None, spread: bool | None = None) -> KQLinear:
     """GGUF rows (uint8 [N, K/256 * block bytes], numpy) of Q4_K, Q5_K or Q6_K -> KQLinear
-    on `device`. Rows are laid out a few MB at a time (the numpy temporaries stay small)."""
+    on `device`. Rows are laid out a few MB at a time (the numpy temporaries stay small).
+    spread: Q6_K's high words in hi_shifts' spread order (None: q6_spread())."""
     tk._need_torch()
     if kind not in KINDS:
         raise MlxrunError(f"{kind} has no K-quant kernel: the kernels read {', '.join(KINDS)}")
+    spread = kind == "Q6_K" and (q6_spread() if spread is None else spread)
     raw = np.asarray(raw, dtype=np.uint8)
     n = raw.shape[0]
     k = raw.shape[1] // gb.BLOCKS[kind][0] * QK
     step = max(1, (1 << 22) // max(k, 1))
-    chunks = [layout(raw[i : i + step], kind) for i in range(0, n, step)]
+    chunks = [layout(raw[i : i + step], kind, spread) for i in range(0, n, step)]
     w, s, b = (torch.from_numpy(np.concatenate(p)).to(device) for p in zip(*chunks))
-    return KQLinear(w, s, b, kind, n, k)
+    return KQLinear(w, s, b, kind, n, k, spread)
 
 
 def random_kquant(kind: str, n: int, k: int, device, seed: int = 0) -> KQLinear:
@@ -147,7 +175,7 @@ def random_kquant(kind: str, n: int, k: int, device, seed: int = 0) -> KQLinear:
     else:
         s = torch.randint(0, 64, shapes["scales"], generator=g, device=device).to(torch.uint8)
         d = torch.full(shapes["biases"], 6e-5, device=device)
-    return KQLinear(w, s, d.to(torch.float16), kind, n, k)
+    return KQLinear(w, s, d.to(torch.float16), kind, n, k, kind == "Q6_K" and q6_spread())
 
 
 def dequantize_kquant(w: KQLinear, dtype=None) -> torch.Tensor:
@@ -160,7 +188,8 @@ def dequantize_kquant(w: KQLinear, dtype=None) -> torch.Tensor:
     sh = torch.arange(8, device=words.device) * 4
     q = (words[:, : w.k // 8, None] >> sh) & 15  # [N, K/8, 8]: word w, nibble i
     if hb:
-        shh = torch.arange(sub, device=words.device) * hb
+        # on the device: a host copy here fails inside CUDA graph capture (the embedding)
+        shh = hi_shifts(w.kind, w.hi_spread, torch.arange(sub, device=words.device))
         q = q | (((words[:, w.k // 8 :, None] >> shh) & ((1 << hb) - 1)).reshape(q.shape) << 4)
     q = q.reshape(w.n, ns, wps, 8).transpose(2, 3)  # weight i*WPS + w of each sub-block
     q = q.to(torch.float32).reshape(w.n, ns, sub)
@@ -181,17 +210,18 @@ def dequantize_kquant(w: KQLinear, dtype=None) -> torch.Tensor:
 def rows(w: KQLinear, ids: torch.Tensor) -> KQLinear:
     """The KQLinear of rows `ids` of w (an embedding's lookups)."""
     take = [t.index_select(0, ids) for t in (w.weight, w.scales, w.biases)]
-    return KQLinear(*take, w.kind, int(ids.shape[0]), w.k)
+    return KQLinear(*take, w.kind, int(ids.shape[0]), w.k, w.hi_spread)
 
 
 def concat(parts: list[KQLinear]) -> KQLinear | None:
     """KQLinears of one kind that read the same x (q, k, v; gate, up) -> one of all their
     rows (the parts become views of it), or None where the kinds or widths differ."""
     p0 = parts[0]
-    if any(not isinstance(p, KQLinear) or (p.kind, p.k) != (p0.kind, p0.k) for p in parts):
+    key = (p0.kind, p0.k, p0.hi_spread)
+    if any(not isinstance(p, KQLinear) or (p.kind, p.k, p.hi_spread) != key for p in parts):
         return None
     joint = [tk.join_rows([getattr(p, f) for p in parts]) for f in ("weight", "scales", "biases")]
-    return KQLinear(*joint, p0.kind, sum(p.n for p in parts), p0.k)
+    return KQLinear(*joint, p0.kind, sum(p.n for p in parts), p0.k, p0.hi_spread)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,18 +279,31 @@ def kq_variant() -> int:
     spill; Q4_K on 4 warps 3.36 -> 3.06 instructions a weight) with Q6_K on 1, 2 or 4
     warps by shape (lane_config) and Q4_K's K <= 4096 on the previous loads (_loads); 2 as
     1, Q6_K on as many warps as Q4_K and Q4_K on the new loads at every K; 3 as 1, Q4_K's
-    N <= 4096 on the new loads too; 4 (default) as 3, Q6_K's codes decoded as byte fields
+    N <= 4096 on the new loads too; 4 as 3, Q6_K's codes decoded as byte fields
     (kquant_lane._q6_bytes: 5.51 -> 4.79 instructions a weight; H100, mlxrun bench
-    shape:llama3-8b q6_k 265.9 -> 286.3 tok/s; benchmarks/KERNEL_NOTES.md, 2026-11-27)."""
-    v = os.environ.get("MLXRUN_KQ_VARIANT", "4")
-    if v not in ("0", "1", "2", "3", "4"):
-        raise MlxrunError(f"MLXRUN_KQ_VARIANT={v!r}: use 0, 1, 2, 3 or 4")
+    shape:llama3-8b q6_k 265.9 -> 286.3 tok/s; benchmarks/KERNEL_NOTES.md, 2026-11-27); 5 as
+    4, Q6_K's two-warp GEMV of K > 4096 (the down projection) capped at Q6K_MAXNREG too
+    (_maxnreg); 6 (default) as 5, Q6_K laid out at load with hi_spread (hi_shifts) and
+    decoded from it (_loads: V 3, kquant_lane._q6_bytes_spread; 4.79 -> 4.04 instructions a
+    weight; H100, kq_ab.py 4096x14336 25.3 -> 21.1 us, 28672x4096 42.9 -> 40.7; mlxrun bench
+    shape:llama3-8b q4_k_m 377.8 -> 383.4 / 382.1 tok/s, one call). The layout follows the
+    variant at load time; a weight's decode follows its layout."""
+    v = os.environ.get("MLXRUN_KQ_VARIANT", "6")
+    if v not in ("0", "1", "2", "3", "4", "5", "6"):
+        raise MlxrunError(f"MLXRUN_KQ_VARIANT={v!r}: use 0, 1, 2, 3, 4, 5 or 6")
     return int(v)
 
 
 def _maxnreg(w: KQLinear, warps: int) -> dict:
-    """The lane GEMV's register cap: Q6K_MAXNREG for Q6_K on one warp, else none."""
-    return {"maxnreg": Q6K_MAXNREG} if w.kind == "Q6_K" and warps == 1 else {}
+    """The lane GEMV's register cap: Q6K_MAXNREG for Q6_K on one warp, and (variants 5, 6) on
+    two warps where K > 4096: H100, kq_ab.py, 4096x14336 25.3 -> 22.9 us capped (138 -> 128
+    registers, no spills under Triton 3.6), but 4096x4096 7.7 -> 8.0 and 28672x4096 (4
+    warps) 42.4 -> 43.6, so the cap stays off there (KERNEL_NOTES.md, 2026-11-27)."""
+    if w.kind != "Q6_K":
+        return {}
+    if warps == 1 or (warps == 2 and w.k > 4096 and kq_variant() >= 5):
+        return {"maxnreg": Q6K_MAXNREG}
+    return {}
 
 
 def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
@@ -282,9 +325,9 @@ def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
     v = kq_variant()
     top = tch.GEMV_WARPS
     tiles = m * math.ceil(w.n / 8)
-    if w.kind == "Q6_K" and v in (1, 3, 4):
+    if w.kind == "Q6_K" and (v in (1, 3, 4, 5, 6) or w.hi_spread):
         top = 1 if tiles >= 64 * sms else min(top, 2 if w.n <= 4096 else 4)
-    elif w.kind == "Q6_K" and v == 0:
+    elif w.kind == "Q6_K" and v == 0 and not w.hi_spread:
         top = 1
     while warps < top and 256 * warps <= kw:
         warps *= 2
@@ -320,10 +363,12 @@ def _loads(w: KQLinear) -> int:
     6144x4096 6.6 -> 7.2 / 7.2 -> 8.1, 28672x4096 23.4 -> 23.9 / 27.5 -> 29.1, 128256x4096
     93.3 -> 105.6 / 105.2 -> 120.0; but 4096x4096 5.4 -> 4.9 / 5.9 -> 5.6, and 4096x14336
     16.0 -> 12.8 (H200)."""
+    if w.hi_spread:  # the decode follows the layout, whatever the variant
+        return 3
     v = kq_variant()
     if v == 0 or (w.kind == "Q4_K" and w.k <= 4096 and (v == 1 or (v >= 3 and w.n > 4096))):
         return 0
-    return 2 if v == 4 and w.kind == "Q6_K" else 1
+    return 2 if v >= 4 and w.kind == "Q6_K" else 1
 
 
 def kq_stream_per_sm() -> int:
@@ -423,6 +468,7 @@ def _tile_gemm(x2, w: KQLinear, y, cfg: tk.KernelConfig | None) -> None:
         y.stride(0), w.weight.stride(0), KIND=KINDS[w.kind], BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, NG=cfg.ng, SPLIT_K=split, KB_PER_SPLIT=per, GROUP_M=cfg.group_m,
         UPCAST=x2.device.type != "cuda", SWAP=cfg.swap, EVEN_N=w.n % cfg.block_n == 0,
+        HS=w.hi_spread,
         EVEN_K=w.k % (cfg.ng * sub) == 0 and ksteps % per == 0, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **tk.pdl_args(x2.device),
     )  # fmt: skip
@@ -498,12 +544,13 @@ def kqmatmul(
         kk._kq_gemv_kernel[grid](
             *args, w.n, kw, nb, x2.stride(0), y.stride(0), w.weight.stride(0),
             KIND=KINDS[w.kind], BLOCK_N=cfg.block_n, SB=cfg.sb, SPLIT_K=split,
-            KB_PER_SPLIT=per, num_warps=cfg.num_warps, **tk.pdl_args(x.device),
+            KB_PER_SPLIT=per, HS=w.hi_spread, num_warps=cfg.num_warps, **tk.pdl_args(x.device),
         )  # fmt: skip
     else:
         kk._kq_gemm_kernel[grid](
             *args, m, w.n, kw, nb, x2.stride(0), y.stride(0), w.weight.stride(0),
             KIND=KINDS[w.kind], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=split,
-            KB_PER_SPLIT=per, UPCAST=x.device.type != "cuda", num_warps=cfg.num_warps,
+            KB_PER_SPLIT=per, UPCAST=x.device.type != "cuda", HS=w.hi_spread,
+            num_warps=cfg.num_warps,
         )  # fmt: skip
     return y.reshape(*lead, w.n)

@@ -61,6 +61,66 @@ def test_layout_decodes_as_gguf(kind, edges):
     assert held <= file_bits * 1.05
 
 
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+def test_q6k_spread_layout():
+    """Q6_K's high words laid out spread (hi_shifts): every 2-bit field at its own even
+    offset; the low words as without; decoded, bit for bit gguf's fp32 values."""
+    sh = kq.hi_shifts("Q6_K", True)
+    assert sorted(sh.tolist()) == list(range(0, 32, 2))
+    assert sh[1] == 4 and sh[0] == 6 and sh[9] == 0 and sh[8] == 2  # word 0 high, word 1 low
+    raw = random_rows("Q6_K", rows=9, nblocks=3, seed=12, edges=True)
+    a = kq.prepare_kquant(raw, "Q6_K", spread=False)
+    b = kq.prepare_kquant(raw, "Q6_K", spread=True)
+    assert b.hi_spread and not a.hi_spread
+    kw = a.k // 8
+    assert torch.equal(a.weight[:, :kw], b.weight[:, :kw])
+    assert not torch.equal(a.weight[:, kw:], b.weight[:, kw:])
+    got = kq.dequantize_kquant(b).numpy()
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q6_K).astype(np.float32)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+    ids = torch.tensor([3, 0])
+    assert kq.rows(b, ids).hi_spread and kq.concat([a, b]) is None
+    assert kq.concat([b, b]).hi_spread
+    for spread in (False, True):  # the torch form (dequantize_kquant's) gives the same offsets
+        got_t = kq.hi_shifts("Q6_K", spread, torch.arange(16))
+        assert got_t.tolist() == kq.hi_shifts("Q6_K", spread).tolist()
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA graph capture")
+def test_q6k_dequantize_in_graph_capture():
+    """Q6_K rows dequantized inside CUDA graph capture (the embedding of a captured decode
+    step): no host copies, the replay's values equal the eager ones, both layouts."""
+    for spread in (False, True):
+        raw = random_rows("Q6_K", rows=8, nblocks=2, seed=5, edges=False)
+        w = kq.prepare_kquant(raw, "Q6_K", "cuda", spread=spread)
+        ids = torch.tensor([5, 1], device="cuda")
+        want = kq.dequantize_kquant(kq.rows(w, ids), torch.float32)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            got = kq.dequantize_kquant(kq.rows(w, ids), torch.float32)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [None, kq.KQConfig("gemv", 1, 16, 1, 1, 4), kq.KQConfig("gemm", 16, 32, 1, 1, 4)],
+    ids=["tile-gemm", "old-tile-gemv", "old-gemm"],
+)
+def test_q6k_spread_tile_kernels(cfg, monkeypatch):
+    """The tile GEMM (and the GEMV and GEMM it replaced, kept for A/B timing) read Q6_K's
+    spread high words: the dequantized product."""
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "6")
+    w, ref = _case("Q6_K", 24, 2, seed=41)
+    assert w.hi_spread
+    m = 1 if cfg is not None and cfg.kernel == "gemv" else 20
+    x = torch.randn(m, w.k, generator=torch.Generator().manual_seed(2)).to(torch.float32)
+    _check(kq.kqmatmul(x.to(DEV), w, cfg), x, ref)
+
+
 def _case(kind, n, nblocks, seed):
     raw = random_rows(kind, rows=n, nblocks=nblocks, seed=seed, edges=False)
     ref = torch.from_numpy(gb.dequantize(raw, kind)).double()
@@ -145,7 +205,7 @@ def test_lane_gemv_configs_and_silu(kind):
 
 @pytest.mark.parametrize("v", ["0", "3"])
 def test_q4k_lane_gemv_scale_loads(v, monkeypatch):
-    """Q4_K's (sc, m) and (d, dmin) loaded lanes-first (MLXRUN_KQ_VARIANT=3 and 4, the default,
+    """Q4_K's (sc, m) and (d, dmin) loaded lanes-first (MLXRUN_KQ_VARIANT=3 and later, the default,
     at N <= 4096) and as before (0, kept for A/B timing), on 2 warps with row and K masks
     (20 rows, 3 super-blocks), split in 2: the dequantized product."""
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", v)
@@ -166,6 +226,8 @@ def test_q4k_lane_gemv_scale_loads(v, monkeypatch):
         (20, 3, 2, 2, torch.float32, False, "0"),
         (20, 6, 2, 2, torch.bfloat16, False, "4"),
         (16, 8, 1, 1, torch.float32, False, "4"),
+        (20, 6, 2, 2, torch.bfloat16, False, "6"),
+        (16, 8, 1, 1, torch.float32, True, "6"),
     ],
     ids=[
         "1warp-split2",
@@ -175,6 +237,8 @@ def test_q4k_lane_gemv_scale_loads(v, monkeypatch):
         "old-loads-2warps-masked",
         "byte-fields-2warps-masked-split2",
         "byte-fields-1warp-fp32",
+        "spread-2warps-masked-split2",
+        "spread-1warp-fp32-silu",
     ],  # fmt: skip
 )
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -183,11 +247,13 @@ def test_q6k_lane_gemv(n, nb, sk, nw, dtype, silu, v, monkeypatch):
     scales loaded in the lanes' layout) on one and several warps, x in bf16 pairs and fp32,
     with row and K masks (20 rows, 3 or 6 super-blocks), split-K and the SiLU epilogue:
     the dequantized product, and silu_mul of it bit for bit; also the previous loads
-    (MLXRUN_KQ_VARIANT=0, kept for A/B timing) and the codes decoded as byte fields (4)."""
+    (MLXRUN_KQ_VARIANT=0, kept for A/B timing), the codes decoded as byte fields (4) and
+    from the high words laid out spread (6)."""
     from mlxrun.backends import cuda_ops
 
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", v)
     w, ref = _case("Q6_K", n, nb, seed=31)
+    assert w.hi_spread == (v == "6") and kq._loads(w) == {"0": 0, "4": 2, "6": 3}.get(v, 1)
     x = torch.randn(1, w.k, generator=torch.Generator().manual_seed(6)).to(dtype)
     cfg = tk.KernelConfig("gemv", 1, 8, sk, num_warps=nw, prefetch=False)
     y = kq.kqmatmul(x.to(DEV), w, cfg)
@@ -248,12 +314,17 @@ def test_q6k_launch_settings(monkeypatch):
     """Q6_K's lane GEMV: 2 warps where N <= 4096, 4 above, one for the head-sized (64+ row
     blocks a SM) with its register cap; one warp with the previous loads
     (MLXRUN_KQ_VARIANT=0), as many as Q4_K with 2; Q4_K's K <= 4096 on the previous loads
-    but where N <= 4096 (3 and the default 4; variant 1: every N; 2: none), Q6_K's codes as
-    byte fields (4); a bad variant is one clear error."""
+    but where N <= 4096 (3 and later; variant 1: every N; 2: none), Q6_K's codes as
+    byte fields (4); 5 as 4 with Q6_K's two-warp K > 4096 capped; 6 (the default) as 5 with
+    Q6_K laid out spread; a bad variant is one clear error."""
     import dataclasses
 
+    monkeypatch.delenv("MLXRUN_KQ_VARIANT", raising=False)
+    assert kq.kq_variant() == 6 and kq.random_kquant("Q6_K", 8, 256, "cpu").hi_spread  # default
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "4")  # the previous default: layout as stored
     w = kq.random_kquant("Q6_K", 64, 4096, "cpu")
     q4 = kq.random_kquant("Q4_K", 64, 4096, "cpu")
+    assert not w.hi_spread and not kq.q6_spread()
     cuda = torch.device("cuda")
     monkeypatch.setattr(kq.tk, "_num_sms", lambda device: 132)
     assert kq.lane_config(1, w, cuda).num_warps == 2
@@ -274,6 +345,16 @@ def test_q6k_launch_settings(monkeypatch):
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "3")  # as 4 but Q6_K's codes nibble + high bits
     assert kq._loads(w) == 1 and kq._loads(q4) == 1
     assert kq.lane_config(1, w, cuda).num_warps == 2
+    down = dataclasses.replace(w, k=14336)  # 2 warps
+    assert kq._maxnreg(down, 2) == {}
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "5")  # as 4, the down projection capped too
+    assert kq._maxnreg(down, 2) == {"maxnreg": kq.Q6K_MAXNREG} and kq._maxnreg(w, 2) == {}
+    assert kq._loads(w) == 2 and kq._maxnreg(dataclasses.replace(q4, k=14336), 2) == {}
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "6")  # as 5, Q6_K laid out spread
+    assert kq.q6_spread() and kq._loads(dataclasses.replace(w, hi_spread=True)) == 3
+    assert kq._loads(w) == 2  # a weight's decode follows its layout
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "0")
+    assert kq._loads(dataclasses.replace(w, hi_spread=True)) == 3
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "x")
     with pytest.raises(kq.MlxrunError, match="MLXRUN_KQ_VARIANT"):
         kq.lane_config(1, w, cuda)
