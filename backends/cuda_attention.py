@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlxrun.backends.torch_kv import QuantKV
+from mlxrun.backends.torch_kv import QuantKV, RopeStep
 from mlxrun.quant.triton_gemm import _l2_prefetch
 from mlxrun.quant.triton_kernels import _l2_bytes, _num_sms, pdl_args, tlc
 
@@ -93,13 +93,7 @@ def _rope_qkv_kernel(
         h = hh - NH - NKV
         src = v_ptr + b * svb + h * svh + t * svt
         dst = vo_ptr + cb * sob + h * soh + slot * sot
-        if QUANT == 0:
-            tl.store(dst + i, tl.load(src + i, mask=m), mask=m)
-            tl.store(dst + HALF + i, tl.load(src + HALF + i, mask=m), mask=m)
-        else:
-            x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
-            x2 = tl.load(src + HALF + i, mask=m, other=0.0).to(tl.float32)
-            _store_codes(dst, vs_ptr + cb * ssb + h * ssh + slot, i, m, x1, x2, HALF, QUANT)
+        _store_v(src, dst, vs_ptr + cb * ssb + h * ssh + slot, i, m, HALF, QUANT)
     else:
         # (the destinations stay in their branches below: a quantized cache's pointer type
         # differs from q's, and Triton cannot merge the two after an if)
@@ -107,31 +101,60 @@ def _rope_qkv_kernel(
             src = q_ptr + b * sqb + hh * sqh + t * sqt
         else:
             src = k_ptr + b * skb + (hh - NH) * skh + t * skt
-        x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF + i, mask=m, other=0.0).to(tl.float32)
         ang = tl.load(pos_ptr + b * spb + t).to(tl.float32) * tl.load(inv_ptr + i, mask=m)
         dt = qo_ptr.dtype.element_ty
-        # cos/sin rounded to the model dtype and each product rounded, as the PyTorch ops do
-        c = tl.cos(ang).to(dt).to(tl.float32)
-        s = tl.sin(ang).to(dt).to(tl.float32)
-        a1 = (x1 * c).to(dt).to(tl.float32)
-        b1 = (-x2 * s).to(dt).to(tl.float32)
-        a2 = (x2 * c).to(dt).to(tl.float32)
-        b2 = (x1 * s).to(dt).to(tl.float32)
         if hh < NH:
+            x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
+            x2 = tl.load(src + HALF + i, mask=m, other=0.0).to(tl.float32)
+            y1, y2 = _rotate(x1, x2, ang, dt)
             qdst = qo_ptr + ((b * NH + hh) * T + t) * (2 * HALF)
-            tl.store(qdst + i, (a1 + b1).to(dt), mask=m)
-            tl.store(qdst + HALF + i, (a2 + b2).to(dt), mask=m)
+            tl.store(qdst + i, y1.to(dt), mask=m)
+            tl.store(qdst + HALF + i, y2.to(dt), mask=m)
         else:
             kdst = ko_ptr + cb * sob + (hh - NH) * soh + slot * sot
-            if QUANT == 0:
-                tl.store(kdst + i, (a1 + b1).to(dt), mask=m)
-                tl.store(kdst + HALF + i, (a2 + b2).to(dt), mask=m)
-            else:  # a rotated key, quantized as the model dtype holds it
-                y1 = (a1 + b1).to(dt).to(tl.float32)
-                y2 = (a2 + b2).to(dt).to(tl.float32)
-                sdst = ks_ptr + cb * ssb + (hh - NH) * ssh + slot
-                _store_codes(kdst, sdst, i, m, y1, y2, HALF, QUANT)
+            sdst = ks_ptr + cb * ssb + (hh - NH) * ssh + slot
+            _store_k(src, kdst, sdst, ang, i, m, dt, HALF, QUANT)
+
+
+@triton.jit
+def _rotate(x1, x2, ang, dt):
+    """The rotated halves (float32 sums of rounded products) of a head vector's halves x1,
+    x2: cos/sin rounded to the model dtype and each product rounded, as the PyTorch ops do."""
+    c = tl.cos(ang).to(dt).to(tl.float32)
+    s = tl.sin(ang).to(dt).to(tl.float32)
+    a1 = (x1 * c).to(dt).to(tl.float32)
+    b1 = (-x2 * s).to(dt).to(tl.float32)
+    a2 = (x2 * c).to(dt).to(tl.float32)
+    b2 = (x1 * s).to(dt).to(tl.float32)
+    return a1 + b1, a2 + b2
+
+
+@triton.jit
+def _store_k(src, kdst, sdst, ang, i, m, dt, HALF: tl.constexpr, QUANT: tl.constexpr):
+    """A new key from src, rotated, into the cache at kdst (plain, or codes and the scale at
+    sdst)."""
+    x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + i, mask=m, other=0.0).to(tl.float32)
+    y1, y2 = _rotate(x1, x2, ang, dt)
+    if QUANT == 0:
+        tl.store(kdst + i, y1.to(dt), mask=m)
+        tl.store(kdst + HALF + i, y2.to(dt), mask=m)
+    else:  # a rotated key, quantized as the model dtype holds it
+        y1 = y1.to(dt).to(tl.float32)
+        y2 = y2.to(dt).to(tl.float32)
+        _store_codes(kdst, sdst, i, m, y1, y2, HALF, QUANT)
+
+
+@triton.jit
+def _store_v(src, dst, sdst, i, m, HALF: tl.constexpr, QUANT: tl.constexpr):
+    """A new value from src into the cache at dst (plain, or codes and the scale at sdst)."""
+    if QUANT == 0:
+        tl.store(dst + i, tl.load(src + i, mask=m), mask=m)
+        tl.store(dst + HALF + i, tl.load(src + HALF + i, mask=m), mask=m)
+    else:
+        x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF + i, mask=m, other=0.0).to(tl.float32)
+        _store_codes(dst, sdst, i, m, x1, x2, HALF, QUANT)
 
 
 @triton.jit
@@ -262,6 +285,45 @@ def _attn_block_f16(q16, qinv, kt, vt, ksc, vsc, ok, m_i, l_i, acc, scale,
 
 
 @triton.jit
+def _rope_new_token(q, q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, inv_ptr,
+                    slot_ptr, b, kb, kh, rg, rd, gmask, start, end, ring, key0, sqb, sqh, sknb,
+                    sknh,
+                    svnb, svnh, spb, skb, skh, sks, svb, svh, svs, ssb, ssh, G: tl.constexpr,
+                    D: tl.constexpr,
+                    ROWS: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
+    """q [GP, D] rotated as _rope_qkv_kernel rotates it (each element's partner, the other
+    half's, loaded with it), and this step's k and v into the cache at their slot by the
+    program whose keys [start, end) hold it, then a barrier: its loads after it read them.
+    rope_qkv's cache may be a view of the attention's from key `key0` on (StaticCache's
+    eager decode); its slot wraps at `ring` there."""
+    HALF: tl.constexpr = D // 2
+    dt = q_ptr.dtype.element_ty
+    ang = tl.load(pos_ptr + b * spb).to(tl.float32)
+    part = tl.load(q_ptr + b * sqb + (kh * G + rg)[:, None] * sqh + ((rd + HALF) % D)[None, :],
+                   mask=gmask[:, None], other=0.0).to(tl.float32)  # fmt: skip
+    a = ang * tl.load(inv_ptr + rd % HALF)
+    c = tl.cos(a).to(dt).to(tl.float32)[None, :]
+    s = tl.sin(a).to(dt).to(tl.float32)[None, :]
+    sign = tl.where(rd < HALF, -1.0, 1.0)[None, :]
+    q = (q.to(tl.float32) * c).to(dt).to(tl.float32) + (sign * part * s).to(dt).to(tl.float32)
+    if ROWS:  # wraps in a sliding-window layer's ring (of `ring` keys), as rope_qkv's does
+        slot = key0 + tl.load(slot_ptr + b).to(tl.int64) % ring
+    else:
+        slot = key0 + tl.load(slot_ptr).to(tl.int64) % ring
+    if (slot >= start) & (slot < end):
+        i = tl.arange(0, HALF)
+        m = i < HALF
+        sbase = kb * ssb + kh * ssh + slot
+        kdst = k_ptr + kb * skb + kh * skh + slot * sks
+        vdst = v_ptr + kb * svb + kh * svh + slot * svs
+        _store_k(kn_ptr + b * sknb + kh * sknh, kdst, ks_ptr + sbase, ang * tl.load(inv_ptr + i),
+                 i, m, dt, HALF, QUANT)  # fmt: skip
+        _store_v(vn_ptr + b * svnb + kh * svnh, vdst, vs_ptr + sbase, i, m, HALF, QUANT)
+        tl.debug_barrier()
+    return q.to(dt)
+
+
+@triton.jit
 def _decode_attn_kernel(
     q_ptr,
     k_ptr,
@@ -302,6 +364,19 @@ def _decode_attn_kernel(
     MB: tl.constexpr = 1024,
     F16: tl.constexpr = False,
     DIRECT: tl.constexpr = False,
+    kn_ptr=None,  # ROPE: this step's k and v (B, NKV, 1, D), un-rotated, and where they go
+    vn_ptr=None,
+    sknb=0,
+    sknh=0,
+    svnb=0,
+    svnh=0,
+    pos_ptr=None,
+    spb=0,
+    inv_ptr=None,
+    slot_ptr=None,
+    ring=1,
+    key0=0,
+    ROPE: tl.constexpr = False,
 ):
     # program (b * NKV + kv head, split): the G query heads of one kv head against keys
     # [split * KEYS_PER_SPLIT, +KEYS_PER_SPLIT), an online softmax over blocks of BL keys;
@@ -310,7 +385,9 @@ def _decode_attn_kernel(
     # (int8) / 2 (fp8 bytes) they are one-byte codes, scaled per key row by ks, vs (rows,
     # NKV, S): the codes convert exactly to the dot's dtype, and the scales apply to the
     # scores (keys) and to the softmax weights (values), so the cache is read at 1 byte a
-    # value. F16: fp8 codes into float16 dots (_attn_block_f16).
+    # value. F16: fp8 codes into float16 dots (_attn_block_f16). ROPE: the rope_qkv of this
+    # step done here (q rotated as loaded; the new k and v stored into the cache by the one
+    # program whose keys hold their slot, before it reads them), one launch less a layer.
     bh = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     b = bh // NKV
@@ -365,6 +442,11 @@ def _decode_attn_kernel(
         tlc.gdc_launch_dependents()
     q = tl.load(q_ptr + b * sqb + (kh * G + rg)[:, None] * sqh + rd[None, :],
                 mask=gmask[:, None], other=0.0)  # fmt: skip
+    if ROPE:
+        q = _rope_new_token(q, q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr,
+                            inv_ptr, slot_ptr, b, kb, kh, rg, rd, gmask, start, end, ring, key0, sqb,
+                            sqh, sknb, sknh, svnb, svnh, spb, skb, skh, sks, svb, svh, svs, ssb,
+                            ssh, G, D, ROWS, QUANT)  # fmt: skip
     q16 = q
     qinv = 1.0
     if F16:
@@ -449,6 +531,28 @@ def _decode_attn_combine(part_ptr, stat_ptr, sink_ptr, out_ptr, SPLITS, NH, G: t
     tl.store(out_ptr + bq * D + rd, (o / den).to(out_ptr.dtype.element_ty))
 
 
+def _rope_args(rope: RopeStep | None, rows, k) -> dict:
+    """The attention kernel's arguments for doing a RopeStep's rope_qkv itself (k: the
+    attention's keys, plain or codes)."""
+    if rope is None:
+        return {}
+    kd = rope.k_cache.codes if isinstance(rope.k_cache, QuantKV) else rope.k_cache
+    # rope_qkv's cache is the attention's, or a view of it from a later key on
+    step = k.stride(2) * k.element_size()
+    key0, off = divmod(kd.data_ptr() - k.data_ptr(), step)
+    assert kd.stride() == k.stride() and off == 0 and 0 <= key0 < k.shape[2], (key0, off)
+    k, v = rope.k, rope.v
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and k.shape[2] == 1
+    assert (rope.rows is None) == (rows is None)
+    pos = rope.positions.reshape(rope.positions.shape[0], 1)
+    return dict(
+        kn_ptr=k, vn_ptr=v, sknb=k.stride(0), sknh=k.stride(1), svnb=v.stride(0),
+        svnh=v.stride(1), pos_ptr=pos, spb=pos.stride(0) if pos.shape[0] > 1 else 0,
+        inv_ptr=rope.inv_freq, slot_ptr=rope.slot, ROPE=True,
+        ring=kd.shape[2], key0=key0,
+    )  # fmt: skip
+
+
 # Decode attention brings its keys and values into L2 before its PDL wait (H100, int4 batch-1
 # step at context 1024: 2.402 -> 2.382 ms, two A/B pairs); MLXRUN_L2PF_KV=0 turns it off.
 L2_PREFETCH_KV = os.environ.get("MLXRUN_L2PF_KV", "1") == "1"
@@ -488,7 +592,7 @@ class AttnLaunch:
 
 
 def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
-                     launch: AttnLaunch = AttnLaunch()) -> torch.Tensor:  # fmt: skip
+                     launch: AttnLaunch = AttnLaunch(), rope=None) -> torch.Tensor:  # fmt: skip
     """Attention of one new token per sequence: q (B, NH, 1, D) against k, v (B, NKV, S, D)
     (GQA: query head h reads kv head h // (NH / NKV)); mask None or bool (B or 1, 1, 1, S),
     True = may attend; sinks None or (NH,), a logit per head joining the softmax (gpt-oss).
@@ -502,7 +606,10 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
     combine as the last split's epilogue, by an atomic ticket, was slower on an H100: 0.35
     ms a step for the 32 layers against 0.21 for both kernels; its loop over the splits
     runs in one program.) Where the keys take one split (and there are no sinks) the
-    attention kernel writes the output itself and the combine is not launched."""
+    attention kernel writes the output itself and the combine is not launched.
+
+    rope (a RopeStep): q is not rotated yet and this step's k, v are not in the cache: the
+    kernel does what rope_qkv would have done first, bit for bit, in the same launch."""
     B, NH, _, D = q.shape
     NKV, S = k.shape[1], k.shape[2]
     G = NH // NKV
@@ -551,7 +658,7 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
         F32_DOT=q.dtype == torch.float32 or q.device.type != "cuda", **pd,
         LINES=lines if lines & (lines - 1) == 0 else 0,  # tl.arange takes powers of two
         EPL=128 // k.element_size(), NSTAGES=launch.stages, F16=quant == 2 and f16,
-        DIRECT=direct,
+        DIRECT=direct, **_rope_args(rope, rows, k),
     )  # fmt: skip
     if direct:
         return out

@@ -1,0 +1,104 @@
+"""Decode attention doing rope_qkv's work itself (cuda_attention.decode_attention with a
+RopeStep): the output and the caches bit for bit those of rope_qkv then decode_attention,
+for keys over several splits, GQA groups, batches, a slot cache's rows with a ring that
+wraps, a cache view from a later key (StaticCache's eager decode), int8/fp8 caches, sinks.
+
+Shared set-up: tests/_kernels.py (the interpreter without a GPU).
+"""
+
+import numpy as np
+import pytest
+
+from ._kernels import DEV, torch
+
+
+def _caches(g, quant, R, NKV, S, D, dtype):
+    from mlxrun.backends.torch_kv import QuantKV
+
+    if quant is None:
+        return [torch.randn(R, NKV, S, D, generator=g).to(dtype).to(DEV) for _ in range(2)]
+    out = []
+    for _ in range(2):
+        if quant == "int8":
+            codes = torch.randint(-127, 128, (R, NKV, S, D), generator=g, dtype=torch.int8)
+        else:  # E4M3 bytes, NaN codes left out
+            codes = torch.randint(0, 126, (R, NKV, S, D), generator=g, dtype=torch.uint8)
+        scales = torch.rand(R, NKV, S, generator=g) * 0.02
+        out.append(QuantKV(codes.to(DEV), scales.to(DEV), quant))
+    return out
+
+
+def _clone(c):
+    from mlxrun.backends.torch_kv import QuantKV
+
+    if isinstance(c, QuantKV):
+        return QuantKV(c.codes.clone(), c.scales.clone(), c.kind)
+    return c.clone()
+
+
+def _view(c, key0):
+    """The cache from key key0 on (as StaticCache.slots hands rope_qkv in eager decode)."""
+    from mlxrun.backends.torch_kv import QuantKV
+
+    if isinstance(c, QuantKV):
+        return QuantKV(c.codes[:, :, key0:], c.scales[:, :, key0:], c.kind)
+    return c[:, :, key0:]
+
+
+def _same(a, b):
+    from mlxrun.backends.torch_kv import QuantKV
+
+    if isinstance(a, QuantKV):
+        return torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+CASES = [
+    # dtype, B, NH, NKV, S, slots (one a batch row, or one for all), rows, key0, quant, sinks
+    (torch.float32, 1, 4, 2, 80, [37], None, 0, None, False),
+    (torch.bfloat16, 2, 8, 2, 80, [0], None, 37, None, False),  # a view from key 37
+    (torch.bfloat16, 3, 4, 1, 64, [70, 5, 63], [2, 0, 3], 0, None, True),  # 70 wraps: ring
+    (torch.bfloat16, 2, 4, 2, 96, [40, 95], [1, 0], 0, "int8", False),
+    (torch.bfloat16, 1, 6, 2, 96, [50], None, 0, "fp8", True),  # groups of 3 (GP 16)
+]
+
+
+@pytest.mark.parametrize(("dtype", "B", "NH", "NKV", "S", "slots", "rows", "key0", "quant",
+                          "sinks"), CASES)  # fmt: skip
+def test_fused_rope_attention_equals_rope_then_attention(dtype, B, NH, NKV, S, slots, rows,
+                                                         key0, quant, sinks):  # fmt: skip
+    from mlxrun.backends import cuda_attention
+    from mlxrun.backends.torch_kv import RopeStep
+
+    D = 32
+    g = torch.Generator().manual_seed(B * 100 + S)
+    R = 4 if rows is not None else B
+    # q, k, v as the model passes them: (B, H, 1, D) views of one joint product
+    qkv = torch.randn(B, 1, (NH + 2 * NKV) * D, generator=g).to(dtype).to(DEV)
+    q = qkv[..., : NH * D].reshape(B, 1, NH, D).swapaxes(1, 2)
+    k = qkv[..., NH * D : (NH + NKV) * D].reshape(B, 1, NKV, D).swapaxes(1, 2)
+    v = qkv[..., (NH + NKV) * D :].reshape(B, 1, NKV, D).swapaxes(1, 2)
+    slot = torch.tensor(slots, device=DEV)
+    rows_t = None if rows is None else torch.tensor(rows, device=DEV)
+    written = [(key0 + s % (S - key0)) for s in (slots if rows is not None else slots * B)]
+    pos = torch.tensor([[p + 1000] for p in written], device=DEV)  # rope positions
+    inv = torch.from_numpy(1.0 / 10000 ** (np.arange(0, D, 2) / D)).float().to(DEV)
+    keys = torch.arange(S, device=DEV)[None]
+    mask = (keys <= torch.tensor(written, device=DEV)[:, None])[:, None, None]
+    sink = torch.randn(NH, generator=g).to(DEV) if sinks else None
+    kc, vc = _caches(g, quant, R, NKV, S, D, dtype)
+    # 16-key blocks and many programs: the keys take several splits
+    launch = cuda_attention.AttnLaunch(block=16, block_quant=16, per_sm=8, per_sm_quant=8)
+
+    ka, va = _clone(kc), _clone(vc)
+    qa = cuda_attention.rope_qkv(q, k, v, pos, inv, _view(ka, key0), _view(va, key0), slot,
+                                 rows=rows_t)  # fmt: skip
+    want = cuda_attention.decode_attention(qa, ka, va, 0.2, mask, sink, rows=rows_t,
+                                           launch=launch)  # fmt: skip
+    kb, vb = _clone(kc), _clone(vc)
+    step = RopeStep(q, k, v, pos, inv, _view(kb, key0), _view(vb, key0), slot, rows_t)
+    got = cuda_attention.decode_attention(q, kb, vb, 0.2, mask, sink, rows=rows_t,
+                                          launch=launch, rope=step)  # fmt: skip
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert _same(kb, ka) and _same(vb, va)  # the new k, v stored, nothing else touched
+    assert not _same(kb, kc)  # (and something was stored)
