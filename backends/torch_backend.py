@@ -205,8 +205,10 @@ class TorchBackend(TorchWeights):
 
             kd, vd = cache.buffers(layer)
             rows = cache.rows_for(layer)  # a ring layer's dummies: its scratch row
-            if k.shape[2] == 1 and ROPE_FUSED:
-                return RopeStep(q, k, v, positions, table, kd, vd, cache.pos, rows), kd, vd
+            # Not fused here: the same captured steps run a prompt's last chunk (and
+            # speculative decoding's verify, spec_graph.py) as rows of one sequence, where a
+            # row reads keys that other rows' programs store in the same launch (a race on
+            # a GPU; the interpreter runs programs in order and cannot show it)
             q = rope_qkv(q, k, v, positions, table, kd, vd, cache.pos, rows=rows)
             return q, kd, vd
         k, v = cache.update_and_fetch(layer, self.rope(k, positions, table), v)
