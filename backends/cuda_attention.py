@@ -68,6 +68,7 @@ def _rope_qkv_kernel(
     ROWS: tl.constexpr = False,
     PDL: tl.constexpr = False,
     QUANT: tl.constexpr = 0,
+    RN: tl.constexpr = False,
 ):
     if PDL:
         tlc.gdc_wait()
@@ -106,36 +107,52 @@ def _rope_qkv_kernel(
         if hh < NH:
             x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
             x2 = tl.load(src + HALF + i, mask=m, other=0.0).to(tl.float32)
-            y1, y2 = _rotate(x1, x2, ang, dt)
+            y1, y2 = _rotate(x1, x2, ang, dt, RN)
             qdst = qo_ptr + ((b * NH + hh) * T + t) * (2 * HALF)
             tl.store(qdst + i, y1.to(dt), mask=m)
             tl.store(qdst + HALF + i, y2.to(dt), mask=m)
         else:
             kdst = ko_ptr + cb * sob + (hh - NH) * soh + slot * sot
             sdst = ks_ptr + cb * ssb + (hh - NH) * ssh + slot
-            _store_k(src, kdst, sdst, ang, i, m, dt, HALF, QUANT)
+            _store_k(src, kdst, sdst, ang, i, m, dt, HALF, QUANT, RN)
 
 
 @triton.jit
-def _rotate(x1, x2, ang, dt):
+def _mul_rn(a, b, RN: tl.constexpr):
+    """a * b (float32), a product the compiler cannot fuse into an add after it. RN (CUDA):
+    PTX mul.rn, which is never contracted. Without it, Triton 3.6 on sm_90 compiled
+    `((x * c).to(bf16).to(f32) + y).to(bf16)` as fma.rn.bf16x2(x, c, y), skipping the
+    product's rounding, and only where the code's shape allowed it: rope_qkv and the
+    attention kernel's rope rounded the same source differently. (The interpreter has no
+    inline asm; numpy does not contract.)"""
+    if RN:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b],
+                                         dtype=tl.float32, is_pure=True, pack=1)  # fmt: skip
+    else:
+        return a * b
+
+
+@triton.jit
+def _rotate(x1, x2, ang, dt, RN: tl.constexpr):
     """The rotated halves (float32 sums of rounded products) of a head vector's halves x1,
     x2: cos/sin rounded to the model dtype and each product rounded, as the PyTorch ops do."""
     c = tl.cos(ang).to(dt).to(tl.float32)
     s = tl.sin(ang).to(dt).to(tl.float32)
-    a1 = (x1 * c).to(dt).to(tl.float32)
-    b1 = (-x2 * s).to(dt).to(tl.float32)
-    a2 = (x2 * c).to(dt).to(tl.float32)
-    b2 = (x1 * s).to(dt).to(tl.float32)
+    a1 = _mul_rn(x1, c, RN).to(dt).to(tl.float32)
+    b1 = _mul_rn(-x2, s, RN).to(dt).to(tl.float32)
+    a2 = _mul_rn(x2, c, RN).to(dt).to(tl.float32)
+    b2 = _mul_rn(x1, s, RN).to(dt).to(tl.float32)
     return a1 + b1, a2 + b2
 
 
 @triton.jit
-def _store_k(src, kdst, sdst, ang, i, m, dt, HALF: tl.constexpr, QUANT: tl.constexpr):
+def _store_k(src, kdst, sdst, ang, i, m, dt, HALF: tl.constexpr, QUANT: tl.constexpr,
+             RN: tl.constexpr):  # fmt: skip
     """A new key from src, rotated, into the cache at kdst (plain, or codes and the scale at
     sdst)."""
     x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + i, mask=m, other=0.0).to(tl.float32)
-    y1, y2 = _rotate(x1, x2, ang, dt)
+    y1, y2 = _rotate(x1, x2, ang, dt, RN)
     if QUANT == 0:
         tl.store(kdst + i, y1.to(dt), mask=m)
         tl.store(kdst + HALF + i, y2.to(dt), mask=m)
@@ -217,7 +234,7 @@ def rope_qkv(q, k, v, positions, inv_freq, k_cache, v_cache, slot, rows=None) ->
         pos.stride(0) if pos.shape[0] > 1 else 0, *k_cache.stride()[:3], k_cache.shape[2],
         ks, vs, ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2), ROWS=rows is not None, num_warps=1,
-        QUANT=quant, **pdl_args(q.device),
+        QUANT=quant, RN=q.device.type == "cuda", **pdl_args(q.device),
     )  # fmt: skip
     return out
 
@@ -290,7 +307,7 @@ def _rope_new_token(q, q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_
                     sknh,
                     svnb, svnh, spb, skb, skh, sks, svb, svh, svs, ssb, ssh, G: tl.constexpr,
                     D: tl.constexpr,
-                    ROWS: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
+                    ROWS: tl.constexpr, QUANT: tl.constexpr, RN: tl.constexpr):  # fmt: skip
     """q [GP, D] rotated as _rope_qkv_kernel rotates it (each element's partner, the other
     half's, loaded with it), and this step's k and v into the cache at their slot by the
     program whose keys [start, end) hold it, then a barrier: its loads after it read them.
@@ -305,7 +322,8 @@ def _rope_new_token(q, q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_
     c = tl.cos(a).to(dt).to(tl.float32)[None, :]
     s = tl.sin(a).to(dt).to(tl.float32)[None, :]
     sign = tl.where(rd < HALF, -1.0, 1.0)[None, :]
-    q = (q.to(tl.float32) * c).to(dt).to(tl.float32) + (sign * part * s).to(dt).to(tl.float32)
+    q = (_mul_rn(q.to(tl.float32), c, RN).to(dt).to(tl.float32)
+         + _mul_rn(sign * part, s, RN).to(dt).to(tl.float32))  # fmt: skip
     if ROWS:  # wraps in a sliding-window layer's ring (of `ring` keys), as rope_qkv's does
         slot = key0 + tl.load(slot_ptr + b).to(tl.int64) % ring
     else:
@@ -317,7 +335,7 @@ def _rope_new_token(q, q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_
         kdst = k_ptr + kb * skb + kh * skh + slot * sks
         vdst = v_ptr + kb * svb + kh * svh + slot * svs
         _store_k(kn_ptr + b * sknb + kh * sknh, kdst, ks_ptr + sbase, ang * tl.load(inv_ptr + i),
-                 i, m, dt, HALF, QUANT)  # fmt: skip
+                 i, m, dt, HALF, QUANT, RN)  # fmt: skip
         _store_v(vn_ptr + b * svnb + kh * svnh, vdst, vs_ptr + sbase, i, m, HALF, QUANT)
         tl.debug_barrier()
     return q.to(dt)
@@ -377,6 +395,7 @@ def _decode_attn_kernel(
     ring=1,
     key0=0,
     ROPE: tl.constexpr = False,
+    RN: tl.constexpr = False,
 ):
     # program (b * NKV + kv head, split): the G query heads of one kv head against keys
     # [split * KEYS_PER_SPLIT, +KEYS_PER_SPLIT), an online softmax over blocks of BL keys;
@@ -446,7 +465,7 @@ def _decode_attn_kernel(
         q = _rope_new_token(q, q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr,
                             inv_ptr, slot_ptr, b, kb, kh, rg, rd, gmask, start, end, ring, key0, sqb,
                             sqh, sknb, sknh, svnb, svnh, spb, skb, skh, sks, svb, svh, svs, ssb,
-                            ssh, G, D, ROWS, QUANT)  # fmt: skip
+                            ssh, G, D, ROWS, QUANT, RN)  # fmt: skip
     q16 = q
     qinv = 1.0
     if F16:
@@ -548,7 +567,7 @@ def _rope_args(rope: RopeStep | None, rows, k) -> dict:
     return dict(
         kn_ptr=k, vn_ptr=v, sknb=k.stride(0), sknh=k.stride(1), svnb=v.stride(0),
         svnh=v.stride(1), pos_ptr=pos, spb=pos.stride(0) if pos.shape[0] > 1 else 0,
-        inv_ptr=rope.inv_freq, slot_ptr=rope.slot, ROPE=True,
+        inv_ptr=rope.inv_freq, slot_ptr=rope.slot, ROPE=True, RN=rope.q.device.type == "cuda",
         ring=kd.shape[2], key0=key0,
     )  # fmt: skip
 
