@@ -112,3 +112,50 @@ def test_fused_rope_attention_equals_rope_then_attention(dtype, B, NH, NKV, S, s
             f"{'equal' if torch.equal(again, want) else 'differs'}"
         )
     assert not _same(kb, kc)  # (and something was stored)
+
+
+def test_model_decode_steps_fused_equal_the_separate_launch(tmp_path, monkeypatch):
+    """The model's decode steps on the CUDA code path (TorchBackend with the Triton kernels;
+    interpreted without a GPU): with MLXRUN_ROPE_FUSED's default, rope_and_cache hands every
+    layer's decode_attention a RopeStep, and the logits of a prompt and two decode steps
+    equal those of the separate rope_qkv launch bit for bit."""
+    import importlib
+
+    import mlxrun.backends.torch_backend as tb
+    from mlxrun.backends import cuda_attention, cuda_ops
+    from mlxrun.build import build_model
+    from mlxrun.loader import open_checkpoint
+
+    from .conftest import write_random
+
+    # (decorated under the interpreter: another module may have imported them without)
+    if DEV != "cuda" and type(cuda_ops._add_rms_norm_kernel).__name__ != "InterpretedFunction":
+        importlib.reload(cuda_ops)
+    if DEV != "cuda" and type(cuda_attention._decode_attn_kernel).__name__ != "InterpretedFunction":
+        cuda_attention = importlib.reload(cuda_attention)
+    cfg = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=32, vocab_size=64, max_position_embeddings=256,
+               rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)  # fmt: skip
+    path, _ = write_random(tmp_path / "m", "llama", cfg)
+    ckpt = open_checkpoint(str(path))
+    real, fused_calls = cuda_attention.decode_attention, []
+
+    def spy(q, *a, rope=None, **kw):
+        fused_calls.append(rope is not None)
+        return real(q, *a, rope=rope, **kw)
+
+    monkeypatch.setattr(cuda_attention, "decode_attention", spy)
+    outs = []
+    for fused in (True, False):
+        monkeypatch.setattr(tb, "ROPE_FUSED", fused)
+        be = tb.TorchBackend(DEV, "float32")
+        be.triton_kernels, be.cuda_graphs = True, False
+        m = build_model(ckpt.config, ckpt.tensors, be, None, progress=False)[0]
+        cache = m.make_cache(1, 8)
+        ids = np.random.default_rng(1).integers(3, 64, size=(1, 2))
+        steps = [m.be.to_numpy(m(m.be.ids(ids), cache))[0, -1]]
+        for t in (5, 9):
+            steps.append(m.be.to_numpy(m(m.be.ids(np.array([[t]])), cache))[0, -1])
+        outs.append(np.stack(steps))
+    assert fused_calls == [True] * 4 + [False] * 4  # 2 steps x 2 layers, each way
+    assert np.array_equal(outs[0], outs[1])
