@@ -128,6 +128,7 @@ def test_model_decode_steps_fused_equal_the_separate_launch(tmp_path, monkeypatc
 
     from .conftest import write_random
 
+    pytest.importorskip("transformers")  # (write_random's checkpoint)
     # (decorated under the interpreter: another module may have imported them without)
     if DEV != "cuda" and type(cuda_ops._add_rms_norm_kernel).__name__ != "InterpretedFunction":
         importlib.reload(cuda_ops)
