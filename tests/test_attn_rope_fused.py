@@ -60,6 +60,8 @@ CASES = [
     (torch.bfloat16, 3, 4, 1, 64, [70, 5, 63], [2, 0, 3], 0, None, True),  # 70 wraps: ring
     (torch.bfloat16, 2, 4, 2, 96, [40, 95], [1, 0], 0, "int8", False),
     (torch.bfloat16, 1, 6, 2, 96, [50], None, 0, "fp8", True),  # groups of 3 (GP 16)
+    # positions past the original context (30000 + slot) under a table scaled by 1/8
+    (torch.bfloat16, 2, 4, 4, 48, [47], None, 0, None, False),
 ]
 
 
@@ -81,8 +83,10 @@ def test_fused_rope_attention_equals_rope_then_attention(dtype, B, NH, NKV, S, s
     slot = torch.tensor(slots, device=DEV)
     rows_t = None if rows is None else torch.tensor(rows, device=DEV)
     written = [(key0 + s % (S - key0)) for s in (slots if rows is not None else slots * B)]
-    pos = torch.tensor([[p + 1000] for p in written], device=DEV)  # rope positions
-    inv = torch.from_numpy(1.0 / 10000 ** (np.arange(0, D, 2) / D)).float().to(DEV)
+    far = NKV == NH  # the long-context case
+    pos = torch.tensor([[p + (30000 if far else 1000)] for p in written], device=DEV)
+    inv = (0.125 if far else 1.0) / 10000 ** (np.arange(0, D, 2) / D)
+    inv = torch.from_numpy(inv).float().to(DEV)
     keys = torch.arange(S, device=DEV)[None]
     mask = (keys <= torch.tensor(written, device=DEV)[:, None])[:, None, None]
     sink = torch.randn(NH, generator=g).to(DEV) if sinks else None
