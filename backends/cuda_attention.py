@@ -107,14 +107,16 @@ def _rope_qkv_kernel(
         if hh < NH:
             x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
             x2 = tl.load(src + HALF + i, mask=m, other=0.0).to(tl.float32)
-            y1, y2 = _rotate(x1, x2, ang, dt, RN)
+            c, s = _cos_sin(ang, dt)
+            y1, y2 = _rotate(x1, x2, c, s, dt, RN)
             qdst = qo_ptr + ((b * NH + hh) * T + t) * (2 * HALF)
             tl.store(qdst + i, y1.to(dt), mask=m)
             tl.store(qdst + HALF + i, y2.to(dt), mask=m)
         else:
             kdst = ko_ptr + cb * sob + (hh - NH) * soh + slot * sot
             sdst = ks_ptr + cb * ssb + (hh - NH) * ssh + slot
-            _store_k(src, kdst, sdst, ang, i, m, dt, HALF, QUANT, RN)
+            c, s = _cos_sin(ang, dt)
+            _store_k(src, kdst, sdst, c, s, i, m, dt, HALF, QUANT, RN)
 
 
 @triton.jit
@@ -133,11 +135,16 @@ def _mul_rn(a, b, RN: tl.constexpr):
 
 
 @triton.jit
-def _rotate(x1, x2, ang, dt, RN: tl.constexpr):
+def _cos_sin(ang, dt):
+    """cos and sin of the angles rounded to the model dtype (as float32), as the PyTorch ops
+    round their table."""
+    return tl.cos(ang).to(dt).to(tl.float32), tl.sin(ang).to(dt).to(tl.float32)
+
+
+@triton.jit
+def _rotate(x1, x2, c, s, dt, RN: tl.constexpr):
     """The rotated halves (float32 sums of rounded products) of a head vector's halves x1,
-    x2: cos/sin rounded to the model dtype and each product rounded, as the PyTorch ops do."""
-    c = tl.cos(ang).to(dt).to(tl.float32)
-    s = tl.sin(ang).to(dt).to(tl.float32)
+    x2 by _cos_sin's c, s: each product rounded, as the PyTorch ops do."""
     a1 = _mul_rn(x1, c, RN).to(dt).to(tl.float32)
     b1 = _mul_rn(-x2, s, RN).to(dt).to(tl.float32)
     a2 = _mul_rn(x2, c, RN).to(dt).to(tl.float32)
@@ -146,13 +153,13 @@ def _rotate(x1, x2, ang, dt, RN: tl.constexpr):
 
 
 @triton.jit
-def _store_k(src, kdst, sdst, ang, i, m, dt, HALF: tl.constexpr, QUANT: tl.constexpr,
+def _store_k(src, kdst, sdst, c, s, i, m, dt, HALF: tl.constexpr, QUANT: tl.constexpr,
              RN: tl.constexpr):  # fmt: skip
-    """A new key from src, rotated, into the cache at kdst (plain, or codes and the scale at
-    sdst)."""
+    """A new key from src, rotated by _cos_sin's c, s, into the cache at kdst (plain, or
+    codes and the scale at sdst)."""
     x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + i, mask=m, other=0.0).to(tl.float32)
-    y1, y2 = _rotate(x1, x2, ang, dt, RN)
+    y1, y2 = _rotate(x1, x2, c, s, dt, RN)
     if QUANT == 0:
         tl.store(kdst + i, y1.to(dt), mask=m)
         tl.store(kdst + HALF + i, y2.to(dt), mask=m)
@@ -302,25 +309,33 @@ def _attn_block_f16(q16, qinv, kt, vt, ksc, vsc, ok, m_i, l_i, acc, scale,
 
 
 @triton.jit
-def _rope_new_token(q, q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, inv_ptr,
+def _rope_tables(pos_ptr, inv_ptr, b, spb, rd, dt, D: tl.constexpr):
+    """cos, sin of sequence b's angles as _rope_qkv_kernel rounds them: [D] (column j's is
+    that of j mod D/2, for q) and [D/2] (for k)."""
+    HALF: tl.constexpr = D // 2
+    ang = tl.load(pos_ptr + b * spb).to(tl.float32)
+    c, s = _cos_sin(ang * tl.load(inv_ptr + rd % HALF), dt)
+    ck, sk = _cos_sin(ang * tl.load(inv_ptr + tl.arange(0, HALF)), dt)
+    return c, s, ck, sk
+
+
+@triton.jit
+def _rope_new_token(q, c, s, ck, sk, q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
                     slot_ptr, b, kb, kh, rg, rd, gmask, start, end, ring, key0, sqb, sqh, sknb,
-                    sknh,
-                    svnb, svnh, spb, skb, skh, sks, svb, svh, svs, ssb, ssh, G: tl.constexpr,
-                    D: tl.constexpr,
-                    ROWS: tl.constexpr, QUANT: tl.constexpr, RN: tl.constexpr):  # fmt: skip
-    """q [GP, D] rotated as _rope_qkv_kernel rotates it (each element's partner, the other
-    half's, loaded with it), and this step's k and v into the cache at their slot by the
-    program whose keys [start, end) hold it, then a barrier: its loads after it read them.
-    rope_qkv's cache may be a view of the attention's from key `key0` on (StaticCache's
-    eager decode); its slot wraps at `ring` there."""
+                    sknh, svnb, svnh, skb, skh, sks, svb, svh, svs, ssb, ssh, G: tl.constexpr,
+                    D: tl.constexpr, ROWS: tl.constexpr, QUANT: tl.constexpr,
+                    RN: tl.constexpr):  # fmt: skip
+    """q [GP, D] rotated by _rope_tables' c, s as _rope_qkv_kernel rotates it (each
+    element's partner, the other half's, loaded with it), and this step's k (rotated by ck,
+    sk) and v into the cache at their slot by the program whose keys [start, end) hold it,
+    then a barrier: its loads after it read them. rope_qkv's cache may be a view of the
+    attention's from key `key0` on (StaticCache's eager decode); its slot wraps at `ring`."""
     HALF: tl.constexpr = D // 2
     dt = q_ptr.dtype.element_ty
-    ang = tl.load(pos_ptr + b * spb).to(tl.float32)
     part = tl.load(q_ptr + b * sqb + (kh * G + rg)[:, None] * sqh + ((rd + HALF) % D)[None, :],
                    mask=gmask[:, None], other=0.0).to(tl.float32)  # fmt: skip
-    a = ang * tl.load(inv_ptr + rd % HALF)
-    c = tl.cos(a).to(dt).to(tl.float32)[None, :]
-    s = tl.sin(a).to(dt).to(tl.float32)[None, :]
+    c = c[None, :]
+    s = s[None, :]
     sign = tl.where(rd < HALF, -1.0, 1.0)[None, :]
     q = (_mul_rn(q.to(tl.float32), c, RN).to(dt).to(tl.float32)
          + _mul_rn(sign * part, s, RN).to(dt).to(tl.float32))  # fmt: skip
@@ -334,8 +349,8 @@ def _rope_new_token(q, q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_
         sbase = kb * ssb + kh * ssh + slot
         kdst = k_ptr + kb * skb + kh * skh + slot * sks
         vdst = v_ptr + kb * svb + kh * svh + slot * svs
-        _store_k(kn_ptr + b * sknb + kh * sknh, kdst, ks_ptr + sbase, ang * tl.load(inv_ptr + i),
-                 i, m, dt, HALF, QUANT, RN)  # fmt: skip
+        _store_k(kn_ptr + b * sknb + kh * sknh, kdst, ks_ptr + sbase, ck, sk, i, m, dt, HALF,
+                 QUANT, RN)  # fmt: skip
         _store_v(vn_ptr + b * svnb + kh * svnh, vdst, vs_ptr + sbase, i, m, HALF, QUANT)
         tl.debug_barrier()
     return q.to(dt)
@@ -396,6 +411,7 @@ def _decode_attn_kernel(
     key0=0,
     ROPE: tl.constexpr = False,
     RN: tl.constexpr = False,
+    ROPE_EARLY: tl.constexpr = False,
 ):
     # program (b * NKV + kv head, split): the G query heads of one kv head against keys
     # [split * KEYS_PER_SPLIT, +KEYS_PER_SPLIT), an online softmax over blocks of BL keys;
@@ -456,16 +472,23 @@ def _decode_attn_kernel(
             last = tl.maximum(last, tl.max(tl.where(vis, keys, start - 1), axis=0))
         lo = start + (first - start) // BL * BL
         hi = last + 1
+    if ROPE_EARLY:
+        # The step's positions were written kernels before (as the mask): their cos and sin
+        # (libdevice's, ~100 instructions) are computed before the PDL wait, off the path
+        # from the qkv projection's end to the first key block
+        c, s, ck, sk = _rope_tables(pos_ptr, inv_ptr, b, spb, rd, q_ptr.dtype.element_ty, D)
     if PDL:
         tlc.gdc_wait()
         tlc.gdc_launch_dependents()
     q = tl.load(q_ptr + b * sqb + (kh * G + rg)[:, None] * sqh + rd[None, :],
                 mask=gmask[:, None], other=0.0)  # fmt: skip
     if ROPE:
-        q = _rope_new_token(q, q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr,
-                            inv_ptr, slot_ptr, b, kb, kh, rg, rd, gmask, start, end, ring, key0, sqb,
-                            sqh, sknb, sknh, svnb, svnh, spb, skb, skh, sks, svb, svh, svs, ssb,
-                            ssh, G, D, ROWS, QUANT, RN)  # fmt: skip
+        if not ROPE_EARLY:
+            c, s, ck, sk = _rope_tables(pos_ptr, inv_ptr, b, spb, rd, q_ptr.dtype.element_ty, D)
+        q = _rope_new_token(q, c, s, ck, sk, q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                            slot_ptr, b, kb, kh, rg, rd, gmask, start, end, ring, key0, sqb, sqh,
+                            sknb, sknh, svnb, svnh, skb, skh, sks, svb, svh, svs, ssb, ssh, G, D,
+                            ROWS, QUANT, RN)  # fmt: skip
     q16 = q
     qinv = 1.0
     if F16:
@@ -599,6 +622,9 @@ class AttnLaunch:
     # (which at batch 64, context 1024, 8B shape, took 0.73 ms a step: one split already);
     # MLXRUN_ATTN_DIRECT=0 keeps the combine (for A/B timing)
     direct: bool = os.environ.get("MLXRUN_ATTN_DIRECT", "1") == "1"
+    # with the rope folded in (RopeStep): its cos/sin before the PDL wait, not after;
+    # MLXRUN_ROPE_EARLY=0 after it (for A/B timing)
+    rope_early: bool = os.environ.get("MLXRUN_ROPE_EARLY", "1") == "1"
 
     @classmethod
     def from_spec(cls, spec: str) -> AttnLaunch:
@@ -606,7 +632,7 @@ class AttnLaunch:
         kw = {}
         for item in filter(None, spec.split(",")):
             key, val = item.split("=")
-            kw[key] = bool(int(val)) if key in ("fp8_f16", "direct") else int(val)
+            kw[key] = bool(int(val)) if key in ("fp8_f16", "direct", "rope_early") else int(val)
         return cls(**kw)
 
 
@@ -677,7 +703,8 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
         F32_DOT=q.dtype == torch.float32 or q.device.type != "cuda", **pd,
         LINES=lines if lines & (lines - 1) == 0 else 0,  # tl.arange takes powers of two
         EPL=128 // k.element_size(), NSTAGES=launch.stages, F16=quant == 2 and f16,
-        DIRECT=direct, **_rope_args(rope, rows, k),
+        DIRECT=direct, ROPE_EARLY=rope is not None and launch.rope_early,
+        **_rope_args(rope, rows, k),
     )  # fmt: skip
     if direct:
         return out

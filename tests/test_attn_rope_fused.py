@@ -92,7 +92,9 @@ def test_fused_rope_attention_equals_rope_then_attention(dtype, B, NH, NKV, S, s
     sink = torch.randn(NH, generator=g).to(DEV) if sinks else None
     kc, vc = _caches(g, quant, R, NKV, S, D, dtype)
     # 16-key blocks and many programs: the keys take several splits
-    launch = cuda_attention.AttnLaunch(block=16, block_quant=16, per_sm=8, per_sm_quant=8)
+    # (and the rope's cos/sin after the PDL wait, as MLXRUN_ROPE_EARLY=0, in the int8 case)
+    launch = cuda_attention.AttnLaunch(block=16, block_quant=16, per_sm=8, per_sm_quant=8,
+                                       rope_early=quant != "int8")  # fmt: skip
 
     ka, va = _clone(kc), _clone(vc)
     qa = cuda_attention.rope_qkv(q, k, v, pos, inv, _view(ka, key0), _view(va, key0), slot,
