@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlxrun.backends.torch_kv import QuantKV
+from mlxrun.backends.torch_kv import QuantKV, RopeStep
 from mlxrun.quant.triton_gemm import _l2_prefetch
 from mlxrun.quant.triton_kernels import _l2_bytes, _num_sms, pdl_args, tlc
 
@@ -68,6 +68,7 @@ def _rope_qkv_kernel(
     ROWS: tl.constexpr = False,
     PDL: tl.constexpr = False,
     QUANT: tl.constexpr = 0,
+    RN: tl.constexpr = False,
 ):
     if PDL:
         tlc.gdc_wait()
@@ -93,13 +94,7 @@ def _rope_qkv_kernel(
         h = hh - NH - NKV
         src = v_ptr + b * svb + h * svh + t * svt
         dst = vo_ptr + cb * sob + h * soh + slot * sot
-        if QUANT == 0:
-            tl.store(dst + i, tl.load(src + i, mask=m), mask=m)
-            tl.store(dst + HALF + i, tl.load(src + HALF + i, mask=m), mask=m)
-        else:
-            x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
-            x2 = tl.load(src + HALF + i, mask=m, other=0.0).to(tl.float32)
-            _store_codes(dst, vs_ptr + cb * ssb + h * ssh + slot, i, m, x1, x2, HALF, QUANT)
+        _store_v(src, dst, vs_ptr + cb * ssb + h * ssh + slot, i, m, HALF, QUANT)
     else:
         # (the destinations stay in their branches below: a quantized cache's pointer type
         # differs from q's, and Triton cannot merge the two after an if)
@@ -107,31 +102,83 @@ def _rope_qkv_kernel(
             src = q_ptr + b * sqb + hh * sqh + t * sqt
         else:
             src = k_ptr + b * skb + (hh - NH) * skh + t * skt
-        x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF + i, mask=m, other=0.0).to(tl.float32)
         ang = tl.load(pos_ptr + b * spb + t).to(tl.float32) * tl.load(inv_ptr + i, mask=m)
         dt = qo_ptr.dtype.element_ty
-        # cos/sin rounded to the model dtype and each product rounded, as the PyTorch ops do
-        c = tl.cos(ang).to(dt).to(tl.float32)
-        s = tl.sin(ang).to(dt).to(tl.float32)
-        a1 = (x1 * c).to(dt).to(tl.float32)
-        b1 = (-x2 * s).to(dt).to(tl.float32)
-        a2 = (x2 * c).to(dt).to(tl.float32)
-        b2 = (x1 * s).to(dt).to(tl.float32)
         if hh < NH:
+            x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
+            x2 = tl.load(src + HALF + i, mask=m, other=0.0).to(tl.float32)
+            c, s = _cos_sin(ang, dt)
+            y1, y2 = _rotate(x1, x2, c, s, dt, RN)
             qdst = qo_ptr + ((b * NH + hh) * T + t) * (2 * HALF)
-            tl.store(qdst + i, (a1 + b1).to(dt), mask=m)
-            tl.store(qdst + HALF + i, (a2 + b2).to(dt), mask=m)
+            tl.store(qdst + i, y1.to(dt), mask=m)
+            tl.store(qdst + HALF + i, y2.to(dt), mask=m)
         else:
             kdst = ko_ptr + cb * sob + (hh - NH) * soh + slot * sot
-            if QUANT == 0:
-                tl.store(kdst + i, (a1 + b1).to(dt), mask=m)
-                tl.store(kdst + HALF + i, (a2 + b2).to(dt), mask=m)
-            else:  # a rotated key, quantized as the model dtype holds it
-                y1 = (a1 + b1).to(dt).to(tl.float32)
-                y2 = (a2 + b2).to(dt).to(tl.float32)
-                sdst = ks_ptr + cb * ssb + (hh - NH) * ssh + slot
-                _store_codes(kdst, sdst, i, m, y1, y2, HALF, QUANT)
+            sdst = ks_ptr + cb * ssb + (hh - NH) * ssh + slot
+            c, s = _cos_sin(ang, dt)
+            _store_k(src, kdst, sdst, c, s, i, m, dt, HALF, QUANT, RN)
+
+
+@triton.jit
+def _mul_rn(a, b, RN: tl.constexpr):
+    """a * b (float32), a product the compiler cannot fuse into an add after it. RN (CUDA):
+    PTX mul.rn, which is never contracted. Without it, Triton 3.6 on sm_90 compiled
+    `((x * c).to(bf16).to(f32) + y).to(bf16)` as fma.rn.bf16x2(x, c, y), skipping the
+    product's rounding, and only where the code's shape allowed it: rope_qkv and the
+    attention kernel's rope rounded the same source differently. (The interpreter has no
+    inline asm; numpy does not contract.)"""
+    if RN:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b],
+                                         dtype=tl.float32, is_pure=True, pack=1)  # fmt: skip
+    else:
+        return a * b
+
+
+@triton.jit
+def _cos_sin(ang, dt):
+    """cos and sin of the angles rounded to the model dtype (as float32), as the PyTorch ops
+    round their table."""
+    return tl.cos(ang).to(dt).to(tl.float32), tl.sin(ang).to(dt).to(tl.float32)
+
+
+@triton.jit
+def _rotate(x1, x2, c, s, dt, RN: tl.constexpr):
+    """The rotated halves (float32 sums of rounded products) of a head vector's halves x1,
+    x2 by _cos_sin's c, s: each product rounded, as the PyTorch ops do."""
+    a1 = _mul_rn(x1, c, RN).to(dt).to(tl.float32)
+    b1 = _mul_rn(-x2, s, RN).to(dt).to(tl.float32)
+    a2 = _mul_rn(x2, c, RN).to(dt).to(tl.float32)
+    b2 = _mul_rn(x1, s, RN).to(dt).to(tl.float32)
+    return a1 + b1, a2 + b2
+
+
+@triton.jit
+def _store_k(src, kdst, sdst, c, s, i, m, dt, HALF: tl.constexpr, QUANT: tl.constexpr,
+             RN: tl.constexpr):  # fmt: skip
+    """A new key from src, rotated by _cos_sin's c, s, into the cache at kdst (plain, or
+    codes and the scale at sdst)."""
+    x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + i, mask=m, other=0.0).to(tl.float32)
+    y1, y2 = _rotate(x1, x2, c, s, dt, RN)
+    if QUANT == 0:
+        tl.store(kdst + i, y1.to(dt), mask=m)
+        tl.store(kdst + HALF + i, y2.to(dt), mask=m)
+    else:  # a rotated key, quantized as the model dtype holds it
+        y1 = y1.to(dt).to(tl.float32)
+        y2 = y2.to(dt).to(tl.float32)
+        _store_codes(kdst, sdst, i, m, y1, y2, HALF, QUANT)
+
+
+@triton.jit
+def _store_v(src, dst, sdst, i, m, HALF: tl.constexpr, QUANT: tl.constexpr):
+    """A new value from src into the cache at dst (plain, or codes and the scale at sdst)."""
+    if QUANT == 0:
+        tl.store(dst + i, tl.load(src + i, mask=m), mask=m)
+        tl.store(dst + HALF + i, tl.load(src + HALF + i, mask=m), mask=m)
+    else:
+        x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF + i, mask=m, other=0.0).to(tl.float32)
+        _store_codes(dst, sdst, i, m, x1, x2, HALF, QUANT)
 
 
 @triton.jit
@@ -194,7 +241,7 @@ def rope_qkv(q, k, v, positions, inv_freq, k_cache, v_cache, slot, rows=None) ->
         pos.stride(0) if pos.shape[0] > 1 else 0, *k_cache.stride()[:3], k_cache.shape[2],
         ks, vs, ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2), ROWS=rows is not None, num_warps=1,
-        QUANT=quant, **pdl_args(q.device),
+        QUANT=quant, RN=q.device.type == "cuda", **pdl_args(q.device),
     )  # fmt: skip
     return out
 
@@ -262,6 +309,54 @@ def _attn_block_f16(q16, qinv, kt, vt, ksc, vsc, ok, m_i, l_i, acc, scale,
 
 
 @triton.jit
+def _rope_tables(pos_ptr, inv_ptr, b, spb, rd, dt, D: tl.constexpr):
+    """cos, sin of sequence b's angles as _rope_qkv_kernel rounds them: [D] (column j's is
+    that of j mod D/2, for q) and [D/2] (for k)."""
+    HALF: tl.constexpr = D // 2
+    ang = tl.load(pos_ptr + b * spb).to(tl.float32)
+    c, s = _cos_sin(ang * tl.load(inv_ptr + rd % HALF), dt)
+    ck, sk = _cos_sin(ang * tl.load(inv_ptr + tl.arange(0, HALF)), dt)
+    return c, s, ck, sk
+
+
+@triton.jit
+def _rope_new_token(q, c, s, ck, sk, q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                    slot_ptr, b, kb, kh, rg, rd, gmask, start, end, ring, key0, sqb, sqh, sknb,
+                    sknh, svnb, svnh, skb, skh, sks, svb, svh, svs, ssb, ssh, G: tl.constexpr,
+                    D: tl.constexpr, ROWS: tl.constexpr, QUANT: tl.constexpr,
+                    RN: tl.constexpr):  # fmt: skip
+    """q [GP, D] rotated by _rope_tables' c, s as _rope_qkv_kernel rotates it (each
+    element's partner, the other half's, loaded with it), and this step's k (rotated by ck,
+    sk) and v into the cache at their slot by the program whose keys [start, end) hold it,
+    then a barrier: its loads after it read them. rope_qkv's cache may be a view of the
+    attention's from key `key0` on (StaticCache's eager decode); its slot wraps at `ring`."""
+    HALF: tl.constexpr = D // 2
+    dt = q_ptr.dtype.element_ty
+    part = tl.load(q_ptr + b * sqb + (kh * G + rg)[:, None] * sqh + ((rd + HALF) % D)[None, :],
+                   mask=gmask[:, None], other=0.0).to(tl.float32)  # fmt: skip
+    c = c[None, :]
+    s = s[None, :]
+    sign = tl.where(rd < HALF, -1.0, 1.0)[None, :]
+    q = (_mul_rn(q.to(tl.float32), c, RN).to(dt).to(tl.float32)
+         + _mul_rn(sign * part, s, RN).to(dt).to(tl.float32))  # fmt: skip
+    if ROWS:  # wraps in a sliding-window layer's ring (of `ring` keys), as rope_qkv's does
+        slot = key0 + tl.load(slot_ptr + b).to(tl.int64) % ring
+    else:
+        slot = key0 + tl.load(slot_ptr).to(tl.int64) % ring
+    if (slot >= start) & (slot < end):
+        i = tl.arange(0, HALF)
+        m = i < HALF
+        sbase = kb * ssb + kh * ssh + slot
+        kdst = k_ptr + kb * skb + kh * skh + slot * sks
+        vdst = v_ptr + kb * svb + kh * svh + slot * svs
+        _store_k(kn_ptr + b * sknb + kh * sknh, kdst, ks_ptr + sbase, ck, sk, i, m, dt, HALF,
+                 QUANT, RN)  # fmt: skip
+        _store_v(vn_ptr + b * svnb + kh * svnh, vdst, vs_ptr + sbase, i, m, HALF, QUANT)
+        tl.debug_barrier()
+    return q.to(dt)
+
+
+@triton.jit
 def _decode_attn_kernel(
     q_ptr,
     k_ptr,
@@ -302,6 +397,21 @@ def _decode_attn_kernel(
     MB: tl.constexpr = 1024,
     F16: tl.constexpr = False,
     DIRECT: tl.constexpr = False,
+    kn_ptr=None,  # ROPE: this step's k and v (B, NKV, 1, D), un-rotated, and where they go
+    vn_ptr=None,
+    sknb=0,
+    sknh=0,
+    svnb=0,
+    svnh=0,
+    pos_ptr=None,
+    spb=0,
+    inv_ptr=None,
+    slot_ptr=None,
+    ring=1,
+    key0=0,
+    ROPE: tl.constexpr = False,
+    RN: tl.constexpr = False,
+    ROPE_EARLY: tl.constexpr = False,
 ):
     # program (b * NKV + kv head, split): the G query heads of one kv head against keys
     # [split * KEYS_PER_SPLIT, +KEYS_PER_SPLIT), an online softmax over blocks of BL keys;
@@ -310,7 +420,9 @@ def _decode_attn_kernel(
     # (int8) / 2 (fp8 bytes) they are one-byte codes, scaled per key row by ks, vs (rows,
     # NKV, S): the codes convert exactly to the dot's dtype, and the scales apply to the
     # scores (keys) and to the softmax weights (values), so the cache is read at 1 byte a
-    # value. F16: fp8 codes into float16 dots (_attn_block_f16).
+    # value. F16: fp8 codes into float16 dots (_attn_block_f16). ROPE: the rope_qkv of this
+    # step done here (q rotated as loaded; the new k and v stored into the cache by the one
+    # program whose keys hold their slot, before it reads them), one launch less a layer.
     bh = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     b = bh // NKV
@@ -360,11 +472,23 @@ def _decode_attn_kernel(
             last = tl.maximum(last, tl.max(tl.where(vis, keys, start - 1), axis=0))
         lo = start + (first - start) // BL * BL
         hi = last + 1
+    if ROPE_EARLY:
+        # The step's positions were written kernels before (as the mask): their cos and sin
+        # (libdevice's, ~100 instructions) are computed before the PDL wait, off the path
+        # from the qkv projection's end to the first key block
+        c, s, ck, sk = _rope_tables(pos_ptr, inv_ptr, b, spb, rd, q_ptr.dtype.element_ty, D)
     if PDL:
         tlc.gdc_wait()
         tlc.gdc_launch_dependents()
     q = tl.load(q_ptr + b * sqb + (kh * G + rg)[:, None] * sqh + rd[None, :],
                 mask=gmask[:, None], other=0.0)  # fmt: skip
+    if ROPE:
+        if not ROPE_EARLY:
+            c, s, ck, sk = _rope_tables(pos_ptr, inv_ptr, b, spb, rd, q_ptr.dtype.element_ty, D)
+        q = _rope_new_token(q, c, s, ck, sk, q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                            slot_ptr, b, kb, kh, rg, rd, gmask, start, end, ring, key0, sqb, sqh,
+                            sknb, sknh, svnb, svnh, skb, skh, sks, svb, svh, svs, ssb, ssh, G, D,
+                            ROWS, QUANT, RN)  # fmt: skip
     q16 = q
     qinv = 1.0
     if F16:
@@ -449,6 +573,28 @@ def _decode_attn_combine(part_ptr, stat_ptr, sink_ptr, out_ptr, SPLITS, NH, G: t
     tl.store(out_ptr + bq * D + rd, (o / den).to(out_ptr.dtype.element_ty))
 
 
+def _rope_args(rope: RopeStep | None, rows, k) -> dict:
+    """The attention kernel's arguments for doing a RopeStep's rope_qkv itself (k: the
+    attention's keys, plain or codes)."""
+    if rope is None:
+        return {}
+    kd = rope.k_cache.codes if isinstance(rope.k_cache, QuantKV) else rope.k_cache
+    # rope_qkv's cache is the attention's, or a view of it from a later key on
+    step = k.stride(2) * k.element_size()
+    key0, off = divmod(kd.data_ptr() - k.data_ptr(), step)
+    assert kd.stride() == k.stride() and off == 0 and 0 <= key0 < k.shape[2], (key0, off)
+    k, v = rope.k, rope.v
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and k.shape[2] == 1
+    assert (rope.rows is None) == (rows is None)
+    pos = rope.positions.reshape(rope.positions.shape[0], 1)
+    return dict(
+        kn_ptr=k, vn_ptr=v, sknb=k.stride(0), sknh=k.stride(1), svnb=v.stride(0),
+        svnh=v.stride(1), pos_ptr=pos, spb=pos.stride(0) if pos.shape[0] > 1 else 0,
+        inv_ptr=rope.inv_freq, slot_ptr=rope.slot, ROPE=True, RN=rope.q.device.type == "cuda",
+        ring=kd.shape[2], key0=key0,
+    )  # fmt: skip
+
+
 # Decode attention brings its keys and values into L2 before its PDL wait (H100, int4 batch-1
 # step at context 1024: 2.402 -> 2.382 ms, two A/B pairs); MLXRUN_L2PF_KV=0 turns it off.
 L2_PREFETCH_KV = os.environ.get("MLXRUN_L2PF_KV", "1") == "1"
@@ -476,6 +622,9 @@ class AttnLaunch:
     # (which at batch 64, context 1024, 8B shape, took 0.73 ms a step: one split already);
     # MLXRUN_ATTN_DIRECT=0 keeps the combine (for A/B timing)
     direct: bool = os.environ.get("MLXRUN_ATTN_DIRECT", "1") == "1"
+    # with the rope folded in (RopeStep): its cos/sin before the PDL wait, not after;
+    # MLXRUN_ROPE_EARLY=0 after it (for A/B timing)
+    rope_early: bool = os.environ.get("MLXRUN_ROPE_EARLY", "1") == "1"
 
     @classmethod
     def from_spec(cls, spec: str) -> AttnLaunch:
@@ -483,12 +632,12 @@ class AttnLaunch:
         kw = {}
         for item in filter(None, spec.split(",")):
             key, val = item.split("=")
-            kw[key] = bool(int(val)) if key in ("fp8_f16", "direct") else int(val)
+            kw[key] = bool(int(val)) if key in ("fp8_f16", "direct", "rope_early") else int(val)
         return cls(**kw)
 
 
 def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
-                     launch: AttnLaunch = AttnLaunch()) -> torch.Tensor:  # fmt: skip
+                     launch: AttnLaunch = AttnLaunch(), rope=None) -> torch.Tensor:  # fmt: skip
     """Attention of one new token per sequence: q (B, NH, 1, D) against k, v (B, NKV, S, D)
     (GQA: query head h reads kv head h // (NH / NKV)); mask None or bool (B or 1, 1, 1, S),
     True = may attend; sinks None or (NH,), a logit per head joining the softmax (gpt-oss).
@@ -502,7 +651,10 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
     combine as the last split's epilogue, by an atomic ticket, was slower on an H100: 0.35
     ms a step for the 32 layers against 0.21 for both kernels; its loop over the splits
     runs in one program.) Where the keys take one split (and there are no sinks) the
-    attention kernel writes the output itself and the combine is not launched."""
+    attention kernel writes the output itself and the combine is not launched.
+
+    rope (a RopeStep): q is not rotated yet and this step's k, v are not in the cache: the
+    kernel does what rope_qkv would have done first, bit for bit, in the same launch."""
     B, NH, _, D = q.shape
     NKV, S = k.shape[1], k.shape[2]
     G = NH // NKV
@@ -551,7 +703,8 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
         F32_DOT=q.dtype == torch.float32 or q.device.type != "cuda", **pd,
         LINES=lines if lines & (lines - 1) == 0 else 0,  # tl.arange takes powers of two
         EPL=128 // k.element_size(), NSTAGES=launch.stages, F16=quant == 2 and f16,
-        DIRECT=direct,
+        DIRECT=direct, ROPE_EARLY=rope is not None and launch.rope_early,
+        **_rope_args(rope, rows, k),
     )  # fmt: skip
     if direct:
         return out

@@ -11,6 +11,8 @@ registers.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from typing import NamedTuple
 
 import torch
@@ -104,3 +106,32 @@ def take_rows(x, rows):
     if isinstance(x, QuantKV):
         return QuantKV(x.codes[rows], x.scales[rows], x.kind)
     return x[rows]
+
+
+# Decode attention rotates q and stores the new k, v itself (rope_qkv's work, one launch less
+# a layer); MLXRUN_ROPE_FUSED=0 keeps the separate rope_qkv launch (for A/B timing)
+ROPE_FUSED = os.environ.get("MLXRUN_ROPE_FUSED", "1") != "0"
+
+
+@dataclasses.dataclass
+class RopeStep:
+    """A decode step's q (B, NH, 1, D), k, v (B, NKV, 1, D) before rope_qkv, with what it
+    takes (positions, inverse frequencies, the slot: StaticCache's (1,) or a slot cache's
+    (B,) with `rows`): decode_attention does that work in its kernel; anything else calls
+    `run()` first, which is rope_qkv itself."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    inv_freq: torch.Tensor
+    k_cache: object
+    v_cache: object
+    slot: torch.Tensor
+    rows: torch.Tensor | None = None
+
+    def run(self) -> torch.Tensor:
+        from mlxrun.backends.cuda_attention import rope_qkv  # noqa: PLC0415
+
+        return rope_qkv(self.q, self.k, self.v, self.positions, self.inv_freq, self.k_cache,
+                        self.v_cache, self.slot, rows=self.rows)  # fmt: skip

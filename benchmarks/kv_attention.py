@@ -1,7 +1,9 @@
 """One layer's decode attention on CUDA (backends/cuda_attention.py) over a bf16, int8 or fp8
 KV cache: microseconds a call and GB/s of the K/V bytes it reads (codes and scales), inside a
 CUDA graph, launch choices side by side (cuda_attention.AttnLaunch's fields: "" the default,
-"per_sm_quant=8", "block=128,stages=2", "fp8_f16=0", ...).
+"per_sm_quant=8", "block=128,stages=2", "fp8_f16=0", ...), and "rope=0" / "rope=1" in a
+spec: the step's rope and K/V store too, by rope_qkv's launch before the attention (0) or by
+the attention kernel itself (1, torch_kv.RopeStep).
 
     python3 benchmarks/kv_attention.py                     # 4k and 32k, batch 1 and 8
     python3 benchmarks/kv_attention.py --contexts 32768 --batches 1 \
@@ -34,7 +36,7 @@ if DEV == "cpu":  # a check of the script itself, tiny sizes, under Triton's int
 DT = torch.bfloat16 if DEV == "cuda" else torch.float32  # (the interpreter's bf16 is not)
 
 from mlxrun.backends import cuda_attention as ca  # noqa: E402
-from mlxrun.backends.torch_kv import QuantKV  # noqa: E402
+from mlxrun.backends.torch_kv import QuantKV, RopeStep  # noqa: E402
 from mlxrun.kvquant import torch_dequantize, torch_quantize  # noqa: E402
 
 
@@ -56,6 +58,12 @@ def _dense(x):
     return x.float()
 
 
+def _bits_equal(a, b):
+    if isinstance(a, QuantKV):
+        return torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 def _time(replay, calls, reps):
     if DEV == "cpu":
         t = time.perf_counter()
@@ -73,9 +81,24 @@ def _time(replay, calls, reps):
 
 
 def _attn(spec):
-    """decode_attention(q, k, v, scale, mask) with launch choices `spec`."""
-    launch = ca.AttnLaunch.from_spec(spec)
-    return lambda q, k, v, scale, mask: ca.decode_attention(q, k, v, scale, mask, launch=launch)
+    """decode_attention(q, k, v, scale, mask) with launch choices `spec`; with "rope=0|1" in
+    it, q is the step's (q, k, v, positions, inverse frequencies, slot) before rope_qkv."""
+    items = [x for x in spec.split(",") if x]
+    rope = [x.split("=")[1] for x in items if x.startswith("rope=")]
+    launch = ca.AttnLaunch.from_spec(",".join(x for x in items if not x.startswith("rope=")))
+    if not rope:
+        return lambda q, k, v, scale, mask: ca.decode_attention(q, k, v, scale, mask,
+                                                                launch=launch)  # fmt: skip
+
+    def attn(new, k, v, scale, mask):
+        q, kn, vn, pos, inv, slot = new
+        if rope[0] == "0":
+            q = ca.rope_qkv(q, kn, vn, pos, inv, k, v, slot)
+            return ca.decode_attention(q, k, v, scale, mask, launch=launch)
+        step = RopeStep(q, kn, vn, pos, inv, k, v, slot)
+        return ca.decode_attention(q, k, v, scale, mask, launch=launch, rope=step)
+
+    return attn
 
 
 def _graph(q, caches, scale, mask, calls, spec):
@@ -111,12 +134,43 @@ def run_case(B, ctx, kind, variants, nh, nkv, D, calls, reps, l2):
     mask[..., :ctx] = True
     scale = D**-0.5
     k0, v0 = caches[0]
+    # the step's new token as the qkv product holds it (its rope: position ctx - 1, its slot)
+    qkv = torch.randn(B, 1, (nh + 2 * nkv) * D, device=DEV, dtype=DT)
+    new = (
+        qkv[..., : nh * D].reshape(B, 1, nh, D).swapaxes(1, 2),
+        qkv[..., nh * D : (nh + nkv) * D].reshape(B, 1, nkv, D).swapaxes(1, 2),
+        qkv[..., (nh + nkv) * D :].reshape(B, 1, nkv, D).swapaxes(1, 2),
+        torch.full((B, 1), ctx - 1, device=DEV),
+        1.0 / 500000 ** (torch.arange(0, D, 2, device=DEV).float() / D),
+        torch.tensor([ctx - 1], device=DEV),
+    )
+    ref = {}
+    for r in sorted({x.split("rope=")[1][0] for x in variants if "rope=" in x}):
+        kc, vc = (QuantKV(x.codes.clone(), x.scales.clone(), x.kind) if isinstance(x, QuantKV)
+                  else x.clone() for x in (k0, v0))  # fmt: skip
+        ref[r] = (_attn(f"rope={r}")(new, kc, vc, scale, mask), kc, vc)
+    if len(ref) == 2:  # the fused kernel against the separate launch, bit for bit
+        same = [_bits_equal(a, b) for a, b in zip(ref["0"], ref["1"])]
+        # again on the caches that already hold the new row: equal now (and not the first
+        # time) would say the first call read the row back before its store was visible
+        again = _attn("rope=1")(new, ref["1"][1], ref["1"][2], scale, mask)
+        same.append(_bits_equal(again, ref["0"][0]))
+        print(f"  {kind} B {B} ctx {ctx}: rope=1 vs rope=0 bit-equal out/k/v/out again: {same}, "
+              f"max |diff| {(ref['0'][0].float() - ref['1'][0].float()).abs().max().item():.3g}",
+              flush=True)  # fmt: skip
+    ref = {r: x[:1] for r, x in ref.items()}  # (the caches' copies freed)
     want = F.scaled_dot_product_attention(
         q.float(), _dense(k0), _dense(v0), attn_mask=mask, scale=scale, enable_gqa=True
     )
     graphs, errs = {}, {}
     for spec in variants:
         try:
+            if "rope=" in spec and "0" in ref:  # against the separate launch's output
+                got = _attn(spec)(new, k0, v0, scale, mask)
+                errs[spec] = ((got.float() - ref["0"][0].float()).norm()
+                              / ref["0"][0].float().norm()).item()  # fmt: skip
+                graphs[spec] = _graph(new, caches, scale, mask, calls, spec)
+                continue
             got = _attn(spec)(q, k0, v0, scale, mask)
             errs[spec] = ((got.float() - want).norm() / want.norm()).item()
             graphs[spec] = _graph(q, caches, scale, mask, calls, spec)
