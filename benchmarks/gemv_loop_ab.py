@@ -44,14 +44,11 @@ FMT = {"int4": ("affine", 4, 64), "fp4": ("mxfp4", 4, 32), "nvfp4": ("nvfp4", 4,
 
 
 def _role(w) -> str:
-    """The 8B-style linear a weight is, by its shape (gate/up: the joint one)."""
-    if w.n >= 16 * w.k:
-        return "head"
-    if w.k > w.n:
-        return "down"
-    if 2 * w.k < w.n:
-        return "gu"
-    return "small"
+    """The 8B-style linear a weight is, by its shape, q/k/v and o together as "small"."""
+    from mlxrun.quant.triton_launch import role8
+
+    role = role8(w)
+    return "small" if role in ("qkv", "o") else role
 
 
 def _old(c, w, orig, args):
@@ -64,12 +61,6 @@ def _old(c, w, orig, args):
         return orig(*args)
     finally:
         triton_launch.GEMV8 = saved
-
-
-def _role8(w) -> str:
-    """_role, with the small shapes told apart: qkv (joint q/k/v, K < N < 2K) and o."""
-    r = _role(w)
-    return r if r != "small" else "o" if w.n == w.k else "qkv"
 
 
 def _apply8(part: str, c, w, orig, args):
@@ -85,7 +76,9 @@ def _apply8(part: str, c, w, orig, args):
         role, v = part.split("=")
         if v in ("old", "new"):  # those call choose_config, patched here
             raise SystemExit(f"{part!r}: name a launch (g16w4s1, c16w4p4), not {v!r}")
-        ok = role == _role8(w) or (role == "small" and _role(w) == "small")
+        from mlxrun.quant.triton_launch import role8  # noqa: PLC0415
+
+        ok = role == role8(w) or (role == "small" and _role(w) == "small")
         return config(v, 1, w, None) if ok else c
     if part == "old":
         return _old(c, w, orig, args)
