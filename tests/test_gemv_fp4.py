@@ -13,17 +13,9 @@ import types
 import numpy as np
 import pytest
 
-from ._kernels import DEV, tk, torch  # the interpreter set up without a GPU
+from ._kernels import _E2M1, DEV, _e4m3, tk, torch  # the interpreter set up without a GPU
 
 FP4 = [("mxfp4", 32), ("nvfp4", 16)]
-_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)
-
-
-def _e4m3(b: np.ndarray) -> np.ndarray:
-    b = b.astype(np.int64)
-    e, m = (b >> 3) & 15, (b & 7).astype(np.float64)
-    mag = np.where(e == 0, m / 8 * 2.0**-6, (1 + m / 8) * np.exp2(e - 7.0))
-    return np.where(b >= 128, -mag, mag)
 
 
 def packed_fp4(n: int, k: int, mode: str, group_size: int, seed: int):
