@@ -190,7 +190,7 @@ class TorchBackend(TorchWeights):
 
     def rope_and_cache(self, q, k, v, positions, table, cache, layer):
         if self.triton_kernels and isinstance(cache, StaticCache):
-            from .cuda_attention import rope_qkv  # noqa: PLC0415
+            from .cuda_rope import rope_qkv  # noqa: PLC0415
 
             T = k.shape[2]
             kd, vd, slot = cache.slots(layer, T)  # a quantized cache: stored quantized
@@ -204,7 +204,7 @@ class TorchBackend(TorchWeights):
             # one new token: decode_attention reads the codes; a prompt: expanded for SDPA
             return q, *cache.fetch(layer, T, stored=T == 1)
         if self.triton_kernels and isinstance(cache, SlotRows):  # the engine's decode step
-            from .cuda_attention import rope_qkv  # noqa: PLC0415
+            from .cuda_rope import rope_qkv  # noqa: PLC0415
 
             kd, vd = cache.buffers(layer)
             rows = cache.rows_for(layer)  # a ring layer's dummies: its scratch row

@@ -131,7 +131,7 @@ class RopeStep:
     rows: torch.Tensor | None = None
 
     def run(self) -> torch.Tensor:
-        from mlxrun.backends.cuda_attention import rope_qkv  # noqa: PLC0415
+        from mlxrun.backends.cuda_rope import rope_qkv  # noqa: PLC0415
 
         return rope_qkv(self.q, self.k, self.v, self.positions, self.inv_freq, self.k_cache,
                         self.v_cache, self.slot, rows=self.rows)  # fmt: skip

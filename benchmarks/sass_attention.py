@@ -39,7 +39,8 @@ def compile_attn(kind: str, launch: ca.AttnLaunch, g: int = 4, d: int = 128):
             "vs_ptr": "*fp32"}  # fmt: skip
     consts = dict(NKV=8, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, HAS_MASK=True,
                   F32_DOT=False, ROWS=False, PDL=True, LINES=1 if quant else 2,
-                  EPL=128 if quant else 64, QUANT=quant, **params)  # fmt: skip
+                  EPL=128 if quant else 64, QUANT=quant, ROPE=False, RN=False,
+                  ROPE_EARLY=False, **params)  # fmt: skip
     # sizes and strides: multiples of 16 at these shapes
     kern = compile_sm90(fn, ptrs, consts, {"scale": 1.0 / d**0.5}, other_int=16, num_warps=4)
     return kern, consts

@@ -128,7 +128,7 @@ def test_model_decode_steps_fused_equal_the_separate_launch(tmp_path, monkeypatc
     import importlib
 
     import mlxrun.backends.torch_backend as tb
-    from mlxrun.backends import cuda_attention, cuda_ops
+    from mlxrun.backends import cuda_attention, cuda_ops, cuda_rope
     from mlxrun.build import build_model
     from mlxrun.loader import open_checkpoint
 
@@ -139,6 +139,7 @@ def test_model_decode_steps_fused_equal_the_separate_launch(tmp_path, monkeypatc
     if DEV != "cuda" and type(cuda_ops._add_rms_norm_kernel).__name__ != "InterpretedFunction":
         importlib.reload(cuda_ops)
     if DEV != "cuda" and type(cuda_attention._decode_attn_kernel).__name__ != "InterpretedFunction":
+        importlib.reload(cuda_rope)  # first: the attention kernel calls its rope pieces
         cuda_attention = importlib.reload(cuda_attention)
     cfg = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=32, vocab_size=64, max_position_embeddings=256,

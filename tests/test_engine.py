@@ -36,6 +36,7 @@ def _interpreted_kernels() -> bool:
     try:
         import mlxrun.backends.cuda_attention as attn
         import mlxrun.backends.cuda_ops as ops
+        import mlxrun.backends.cuda_rope as rope
         import mlxrun.backends.cuda_sampling as smp
         import mlxrun.quant.triton_decode as dec
         import mlxrun.quant.triton_gemm as gemm
@@ -46,7 +47,8 @@ def _interpreted_kernels() -> bool:
     # the kernel modules before triton_kernels, which re-binds their kernels
     kernels = ((dec, "_group_scale"), (gemv, "_gemv_kernel"), (gemm, "_gemm_kernel"),
                (tk, "_gemv_kernel"))  # fmt: skip
-    more = ((ops, "_add_rms_norm_kernel"), (attn, "_rope_qkv_kernel"), (smp, "_draw_kernel"))
+    more = ((ops, "_add_rms_norm_kernel"), (rope, "_rope_qkv_kernel"), (attn, "_rope_qkv_kernel"),
+            (smp, "_draw_kernel"))  # fmt: skip
     for mod, fn in (*kernels, *more):
         if type(getattr(mod, fn)).__name__ != "InterpretedFunction":
             importlib.reload(mod)  # imported earlier without the interpreter

@@ -49,11 +49,12 @@ def _ops():
     them first without)."""
     import triton  # noqa: F401
 
-    from mlxrun.backends import cuda_attention, cuda_ops
+    from mlxrun.backends import cuda_attention, cuda_ops, cuda_rope
 
     if not HAS_CUDA and type(cuda_ops._add_rms_norm_kernel).__name__ != "InterpretedFunction":
         importlib.reload(cuda_ops)
     if not HAS_CUDA and type(cuda_attention._rope_qkv_kernel).__name__ != "InterpretedFunction":
+        importlib.reload(cuda_rope)  # first: the attention kernel calls its rope pieces
         cuda_attention = importlib.reload(cuda_attention)
     return cuda_attention
 
