@@ -169,13 +169,10 @@ def _gemv_scale(s_ptr, b_ptr, offs, mask, MODE: tl.constexpr, EVEN: tl.constexpr
     return s, b
 
 
-@triton.jit
-def _e4m3_scales(e):
-    """E4M3 codes e (uint8) as fp32, four a call: two cvt.rn.f16x2.e4m3x2 and four exact
-    f16 -> f32 conversions (every E4M3 value is an f16), against a shift, two masks and a
-    multiply by 2^120 a code in _scale_code (nvfp4: 16 scales a lane a k-step)."""
-    return tl.inline_asm_elementwise(
-        asm="""{
+# The 4 E4M3 bytes of a 32-bit register ($4) as 4 fp32 ($0-$3): two cvt.rn.f16x2.e4m3x2 and
+# four exact f16 -> f32 conversions (sm_89+); the scale decode here and the 8-bit stream's
+# weight decode (triton_gemv_stream._e4m3x4) both run it
+E4M3X4_PTX = tl.constexpr("""{
         .reg .b16 lo, hi, h0, h1, h2, h3;
         .reg .b32 a, b;
         mov.b32 {lo, hi}, $4;
@@ -187,7 +184,16 @@ def _e4m3_scales(e):
         cvt.f32.f16 $1, h1;
         cvt.f32.f16 $2, h2;
         cvt.f32.f16 $3, h3;
-        }""",
+        }""")
+
+
+@triton.jit
+def _e4m3_scales(e):
+    """E4M3 codes e (uint8) as fp32, four a call: two cvt.rn.f16x2.e4m3x2 and four exact
+    f16 -> f32 conversions (every E4M3 value is an f16), against a shift, two masks and a
+    multiply by 2^120 a code in _scale_code (nvfp4: 16 scales a lane a k-step)."""
+    return tl.inline_asm_elementwise(
+        asm=E4M3X4_PTX,
         constraints="=r,=r,=r,=r,r",
         args=[e],
         dtype=tl.float32,

@@ -16,6 +16,7 @@ otherwise. Imported only where Triton loads (triton_kernels.py checks).
 
 from __future__ import annotations
 
+from .triton_decode import E4M3X4_PTX
 from .triton_gemv import (
     _gemv_apply,
     _gemv_lanes,
@@ -38,19 +39,7 @@ def _e4m3x4(w, ASM: tl.constexpr):
     interpreter) the same values through Triton's fp8 type."""
     if ASM:
         f0, f1, f2, f3 = tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b16 lo, hi, h0, h1, h2, h3;
-            .reg .b32 a, b;
-            mov.b32 {lo, hi}, $4;
-            cvt.rn.f16x2.e4m3x2 a, lo;
-            cvt.rn.f16x2.e4m3x2 b, hi;
-            mov.b32 {h0, h1}, a;
-            mov.b32 {h2, h3}, b;
-            cvt.f32.f16 $0, h0;
-            cvt.f32.f16 $1, h1;
-            cvt.f32.f16 $2, h2;
-            cvt.f32.f16 $3, h3;
-            }""",
+            asm=E4M3X4_PTX,
             constraints="=r,=r,=r,=r,r",
             args=[w],
             dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
