@@ -319,12 +319,28 @@ def _dense_gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_ym, stride_w
 # MLXRUN_DENSE_CFG="N,K=rows,warps,vec;...": launch settings of dense_gemv for the weight shapes
 # named (N the weight's rows: gate and up together for the SiLU one), for A/B of
 # benchmarks/dense_gemv_sweep.py's picks in the model
-_DENSE_CFG = {
-    tuple(int(v) for v in shape.split(",")): tuple(int(v) for v in cfg.split(","))
-    for shape, cfg in (
-        item.split("=") for item in os.environ.get("MLXRUN_DENSE_CFG", "").split(";") if item
-    )
-}
+_DENSE_CFG: dict | None = None  # read at the first call: a bad value is that run's error
+
+
+def _dense_cfg() -> dict:
+    global _DENSE_CFG
+    if _DENSE_CFG is None:
+        spec = os.environ.get("MLXRUN_DENSE_CFG", "")
+        try:
+            _DENSE_CFG = {
+                tuple(int(v) for v in shape.split(",")): tuple(int(v) for v in cfg.split(","))
+                for shape, cfg in (item.split("=") for item in spec.split(";") if item)
+            }
+            if any(len(a) != 2 or len(b) != 3 for a, b in _DENSE_CFG.items()):
+                raise ValueError(spec)
+        except ValueError:
+            _DENSE_CFG = None
+            from mlxrun.errors import MlxrunError  # noqa: PLC0415
+
+            raise MlxrunError(
+                f"MLXRUN_DENSE_CFG={spec!r}: expected 'N,K=rows,warps,vec' entries joined by ';'"
+            ) from None
+    return _DENSE_CFG
 
 
 def dense_gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False, block_n: int | None = None,
@@ -342,7 +358,7 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False, block_n: in
     k = x.shape[-1]
     n = w.shape[0]
     if block_n is None:  # the defaults, or MLXRUN_DENSE_CFG's for this shape
-        block_n, warps, vec = _DENSE_CFG.get((n, k), (4, warps, vec))
+        block_n, warps, vec = _dense_cfg().get((n, k), (4, warps, vec))
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
