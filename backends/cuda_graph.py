@@ -72,12 +72,13 @@ class GraphDecoder:
 
     def _sample(self, logits) -> None:
         be = self.model.be
-        if self.sampler is not None:
-            self.tok.copy_(self.sampler(logits).view(-1, 1))
-        elif be.triton_kernels:
+        if self.sampler is None and be.triton_kernels:
             from .cuda_ops import argmax  # noqa: PLC0415
 
-            argmax(logits, out=self.tok.view(-1))
+            argmax(logits, out=self.tok.view(-1), ok=self.ok)  # the finite flags in the same launch
+            return
+        if self.sampler is not None:
+            self.tok.copy_(self.sampler(logits).view(-1, 1))
         else:
             self.tok.copy_(be.argmax(logits).view(-1, 1))
         self.ok.copy_(be.finite_rows(logits))

@@ -206,10 +206,13 @@ def graph_advance(pos, pads, key_ok, mask, positions) -> None:
 
 
 @triton.jit
-def _argmax_kernel(x_ptr, val_ptr, idx_ptr, cnt_ptr, out_ptr, V, stride,
-                   BLOCK: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+def _argmax_kernel(x_ptr, val_ptr, idx_ptr, bad_ptr, cnt_ptr, out_ptr, ok_ptr, V, stride,
+                   BLOCK: tl.constexpr, NB: tl.constexpr, FINITE: tl.constexpr,
+                   PDL: tl.constexpr = False):  # fmt: skip
     # program (row, block): the max of BLOCK logits and its first index; the last block of
     # the row to finish (atomic ticket) reduces the blocks' results and writes the row's.
+    # FINITE: also whether the row has no NaN or inf (finite_rows' flag, without torch's
+    # isfinite pass and its one-block reduction over the vocabulary).
     if PDL:
         tlc.gdc_wait()
         tlc.gdc_launch_dependents()
@@ -222,6 +225,9 @@ def _argmax_kernel(x_ptr, val_ptr, idx_ptr, cnt_ptr, out_ptr, V, stride,
     first = tl.min(tl.where(x == big, offs, V), axis=0)  # ties: the first index, as torch
     tl.store(val_ptr + row * nblk + blk, big)
     tl.store(idx_ptr + row * nblk + blk, first)
+    if FINITE:
+        bad = ((x != x) | (tl.abs(x) == float("inf"))) & (offs < V)
+        tl.store(bad_ptr + row * nblk + blk, tl.sum(bad.to(tl.int32), axis=0))
     tl.debug_barrier()
     ticket = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu")
     if ticket == nblk - 1:
@@ -234,14 +240,19 @@ def _argmax_kernel(x_ptr, val_ptr, idx_ptr, cnt_ptr, out_ptr, V, stride,
         # (generate checks finite_rows and stops)
         top = tl.minimum(tl.min(tl.where(vals == best, idxs, V), axis=0), V - 1)
         tl.store(out_ptr + row, top.to(tl.int64))
+        if FINITE:
+            bads = tl.load(bad_ptr + row * nblk + r, mask=ok, other=0, cache_modifier=".cg")
+            tl.store(ok_ptr + row, (tl.sum(bads, axis=0) == 0).to(tl.int8))
         tl.atomic_xchg(cnt_ptr + row, 0, sem="relaxed", scope="gpu")
 
 
-def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def argmax(logits: torch.Tensor, out: torch.Tensor | None = None,
+           ok: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """logits (B, V) -> (B,) int64 (into `out` if given), the first index of each row's
     maximum (torch.argmax's answer for finite logits). torch's CUDA argmax reduces a 128k
     vocabulary row in one block (~37 us at batch 1 on an H100); this spreads it over ~32
-    programs per row."""
+    programs per row. ok: a (B,) bool tensor that gets finite_rows(logits) in the same
+    launch."""
     B, V = logits.shape
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
     BLOCK = 4096
@@ -251,9 +262,13 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     if out is None:
         out = torch.empty((B,), dtype=torch.int64, device=x.device)
     assert out.shape == (B,) and out.dtype == torch.int64 and out.is_contiguous()
+    if ok is not None:
+        assert ok.shape == (B,) and ok.dtype == torch.bool and ok.is_contiguous()
+    bad = torch.empty((B, nb), dtype=torch.int32, device=x.device) if ok is not None else idx
     _argmax_kernel[(B, nb)](
-        x, val, idx, _counters(x.device, B), out, V, x.stride(0),
-        BLOCK=BLOCK, NB=triton.next_power_of_2(nb), num_warps=4, **pdl_args(x.device),
+        x, val, idx, bad, _counters(x.device, B), out, out if ok is None else ok.view(torch.int8),
+        V, x.stride(0), BLOCK=BLOCK, NB=triton.next_power_of_2(nb), FINITE=ok is not None,
+        num_warps=4, **pdl_args(x.device),
     )  # fmt: skip
     return out
 
@@ -316,31 +331,45 @@ def _dense_gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_ym, stride_w
         tl.store(y_ptr + m * stride_ym + rn, out.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
-# MLXRUN_DENSE_CFG="N,K=rows,warps,vec;...": launch settings of dense_gemv for the weight shapes
-# named (N the weight's rows: gate and up together for the SiLU one), for A/B of
-# benchmarks/dense_gemv_sweep.py's picks in the model
-_DENSE_CFG: dict | None = None  # read at the first call: a bad value is that run's error
+# Launch settings (rows, warps, vec) of dense_gemv by weight shape (N the weight's rows: gate
+# and up together for the SiLU one), where a GPU's sweep (benchmarks/dense_gemv_sweep.py 1,2
+# small) beat the defaults and the model's decode gained with them. H200, Llama-3-8B bf16,
+# batch 1: TP 1 239.0 -> 242.9 tok/s, TP 2 (the shapes halved) 364.0 -> 385.9.
+_DENSE_TUNED = {
+    "H200": {
+        (6144, 4096): (4, 4, 8), (4096, 4096): (8, 2, 16), (28672, 4096): (2, 4, 16),
+        (4096, 14336): (4, 2, 16), (128256, 4096): (2, 4, 16),
+        (3072, 4096): (4, 4, 8), (4096, 2048): (4, 2, 16), (14336, 4096): (2, 4, 16),
+        (4096, 7168): (4, 2, 16), (64128, 4096): (2, 4, 16),
+    },
+}  # fmt: skip
+# MLXRUN_DENSE_CFG="N,K=rows,warps,vec;..." sets shapes' settings over those, for A/B of the
+# sweep's picks in the model
+_DENSE_CFG: dict[int, dict] = {}  # by device index, read at its first call: a bad value is
+# that run's error
 
 
-def _dense_cfg() -> dict:
-    global _DENSE_CFG
-    if _DENSE_CFG is None:
+def _dense_cfg(device: torch.device) -> dict:
+    cfg = _DENSE_CFG.get(device.index)
+    if cfg is None:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+        cfg = dict(next((t for gpu, t in _DENSE_TUNED.items() if gpu in name), {}))
         spec = os.environ.get("MLXRUN_DENSE_CFG", "")
         try:
-            _DENSE_CFG = {
-                tuple(int(v) for v in shape.split(",")): tuple(int(v) for v in cfg.split(","))
-                for shape, cfg in (item.split("=") for item in spec.split(";") if item)
+            env = {
+                tuple(int(v) for v in shape.split(",")): tuple(int(v) for v in setting.split(","))
+                for shape, setting in (item.split("=") for item in spec.split(";") if item)
             }
-            if any(len(a) != 2 or len(b) != 3 for a, b in _DENSE_CFG.items()):
+            if any(len(a) != 2 or len(b) != 3 for a, b in env.items()):
                 raise ValueError(spec)
         except ValueError:
-            _DENSE_CFG = None
             from mlxrun.errors import MlxrunError  # noqa: PLC0415
 
             raise MlxrunError(
                 f"MLXRUN_DENSE_CFG={spec!r}: expected 'N,K=rows,warps,vec' entries joined by ';'"
             ) from None
-    return _DENSE_CFG
+        _DENSE_CFG[device.index] = cfg = cfg | env
+    return cfg
 
 
 def dense_gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False, block_n: int | None = None,
@@ -357,8 +386,8 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, silu: bool = False, block_n: in
     of weight bytes); 4096x4096 16.3 -> 12.4 with 2 warps (4: 12.7 or more)."""
     k = x.shape[-1]
     n = w.shape[0]
-    if block_n is None:  # the defaults, or MLXRUN_DENSE_CFG's for this shape
-        block_n, warps, vec = _dense_cfg().get((n, k), (4, warps, vec))
+    if block_n is None:  # the defaults, or this GPU's (or MLXRUN_DENSE_CFG's) for this shape
+        block_n, warps, vec = _dense_cfg(x.device).get((n, k), (4, warps, vec))
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

@@ -178,12 +178,13 @@ class SlotStep:
 
     def _sample(self, logits) -> None:
         be = self.model.be
-        if self.sampler is not None:
-            self.rows.tok.copy_(self.sampler(logits))
-        elif be.triton_kernels:
+        if self.sampler is None and be.triton_kernels:
             from .cuda_ops import argmax  # noqa: PLC0415
 
-            argmax(logits, out=self.rows.tok)
+            argmax(logits, out=self.rows.tok, ok=self.ok)  # the finite flags in the same launch
+            return
+        if self.sampler is not None:
+            self.rows.tok.copy_(self.sampler(logits))
         else:
             self.rows.tok.copy_(be.argmax(logits))
         self.ok.copy_(be.finite_rows(logits))

@@ -26,7 +26,10 @@ def test_dense_gemv_equals_the_float64_product(dtype):
     from mlxrun.backends import cuda_ops
 
     gen = torch.Generator().manual_seed(5)
-    for n, k, kw in ((64, 2048, {}), (38, 300, {}), (48, 1024, dict(warps=2, vec=8))):
+    cases = [(64, 2048, {}), (38, 300, {}), (48, 1024, dict(warps=2, vec=8))]
+    # the launch table's other settings (_DENSE_TUNED): 2 and 8 rows, 16 or 8 inputs a thread
+    cases += [(40, 2048, dict(block_n=2, vec=16)), (48, 1024, dict(block_n=8, warps=2))]
+    for n, k, kw in cases:
         w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
         for m in (1, 3):
             x = torch.randn(m, k, generator=gen).to(dtype)
@@ -37,6 +40,30 @@ def test_dense_gemv_equals_the_float64_product(dtype):
                 want = cuda_ops.silu_mul(y[:, : n // 2], y[:, n // 2 :])
                 got = cuda_ops.dense_gemv(x.to(DEV), w.to(DEV), silu=True, **kw)
                 assert torch.equal(got, want)
+
+
+def test_dense_gemv_launch_table(monkeypatch):
+    """dense_gemv's settings by shape: the GPU's table (by its name), MLXRUN_DENSE_CFG over
+    it, a malformed value one MlxrunError naming the variable."""
+    from mlxrun.backends import cuda_ops
+    from mlxrun.errors import MlxrunError
+
+    dev = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H200")
+    monkeypatch.setattr(cuda_ops, "_DENSE_CFG", {})
+    assert cuda_ops._dense_cfg(dev)[(4096, 4096)] == (8, 2, 16)
+    monkeypatch.setattr(cuda_ops, "_DENSE_CFG", {})
+    monkeypatch.setenv("MLXRUN_DENSE_CFG", "4096,4096=2,2,8;1,2=4,4,16")
+    cfg = cuda_ops._dense_cfg(dev)
+    assert cfg[(4096, 4096)] == (2, 2, 8) and cfg[(1, 2)] == (4, 4, 16)
+    assert cfg[(6144, 4096)] == (4, 4, 8)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(cuda_ops, "_DENSE_CFG", {})
+    assert (6144, 4096) not in cuda_ops._dense_cfg(dev)
+    monkeypatch.setattr(cuda_ops, "_DENSE_CFG", {})
+    monkeypatch.setenv("MLXRUN_DENSE_CFG", "4096=2")
+    with pytest.raises(MlxrunError, match="MLXRUN_DENSE_CFG"):
+        cuda_ops._dense_cfg(dev)
 
 
 def test_graph_advance_kernel_equals_the_torch_ops():
@@ -130,6 +157,12 @@ def test_fused_small_ops_equal_the_stock_ops(dtype):
     assert cuda_ops.argmax(logits, out=out) is out and out.tolist()[1:] == [123, 0]
     logits[0, :] = float("nan")  # still an id in range: the next step embeds it
     assert 0 <= cuda_ops.argmax(logits)[0].item() < 9000
+    # finite_rows' flags from the same launch: the last block's padding is no inf
+    logits[2, 8999] = float("-inf")
+    ok = torch.zeros(3, dtype=torch.bool, device=DEV)
+    cuda_ops.argmax(logits, out=out, ok=ok)
+    assert ok.tolist() == [False, True, False] and out.tolist()[1:] == [123, 0]
+    assert ok.tolist() == torch.isfinite(logits).all(-1).tolist()
 
     gu = rnd(2, 3, 3000)  # a joint gate/up product; 1500 is not a multiple of the block
     gate, up = gu[..., :1500], gu[..., 1500:]
