@@ -108,9 +108,10 @@ class Backend(Protocol):
     def all_gather(self, x: Array, width: int) -> Array: ...  # (..., k) from every rank ->
     # (..., width): the ranks' x side by side in rank order, the first `width` columns kept
     def embedding_sum(
-        self, ids: Array, w: Array | QuantizedWeight, start: int, rows: int
+        self, ids: Array, w: Array | QuantizedWeight, start: int, rows: int, partial=False
     ) -> Array: ...  # w: rows [start, start+rows) of the table; ids outside read zeros,
-    # and the lookups are summed over the ranks (the table split by vocabulary)
+    # and the lookups are summed over the ranks (the table split by vocabulary); partial:
+    # the sum may be left to the add_rms_norm that takes it as h (as linear_sum's)
     def linear_sum(
         self, x: Array, w: Array | QuantizedWeight, bias: Array | None = None
     ) -> Array: ...  # x @ w^T summed over the ranks (w split by input), then + bias; it may

@@ -335,7 +335,7 @@ class MLXBackend:
         y = mx.moveaxis(y, 0, -2).reshape(*x.shape[:-1], n * k)
         return y if width == n * k else y[..., :width]
 
-    def embedding_sum(self, ids, w, start, rows):
+    def embedding_sum(self, ids, w, start, rows, partial=False):
         """The rows of `ids` from a table split by vocabulary: this rank's rows [start,
         start+rows), zeros for the others' ids, summed over the ranks (one nonzero term a
         token: the sum is exact in any dtype)."""

@@ -115,6 +115,7 @@ class TorchBackend(TorchWeights):
         # capture costs three decode passes, which would otherwise land in every TTFT.
         self._session: GraphDecoder | None = None
         self._derived: dict = {}  # id(weight) -> (weakref to it, joint or repacked weight)
+        self._zero_rows: dict = {}  # shape -> zeros (tensor parallel's first residual)
         self.timeline: list | None = None  # CUDA events of start(), while a bench sets it
         # Speculative decoding's fixed-shape passes (spec_graph.py), kept for the next
         # generation; `spec_rows` runs them where the Triton kernels are off (CPU tests).
@@ -148,10 +149,13 @@ class TorchBackend(TorchWeights):
         load another on this backend frees the first one's memory with it."""
         self._session = None
         self._derived.clear()
+        self._zero_rows.clear()
 
     def add_rms_norm(self, h, y, w, eps):
         """(h + y, rms_norm(h + y)): the residual add and the norm after it. y may be
         linear_sum's Partial: summed over the ranks in the same kernel."""
+        if isinstance(h, Partial) and y is None:  # embedding_sum's: the sum onto zeros
+            y, h = h, self._zeros(h.y.shape)
         if isinstance(y, Partial):
             from .cuda_allreduce import sum_add_rms_norm  # noqa: PLC0415
 
@@ -273,10 +277,16 @@ class TorchBackend(TorchWeights):
 
         return all_gather(x, self.group.size, width)
 
-    def embedding_sum(self, ids, w, start, rows):
+    def embedding_sum(self, ids, w, start, rows, partial=False):
         """The rows of `ids` from a table split by vocabulary: this rank's rows [start,
         start+rows), zeros for the others' ids, summed over the ranks (one nonzero term a
-        token: the sum is exact in any dtype)."""
+        token: the sum is exact in any dtype). partial: a decode step's rows may come back
+        as a Partial, for the first add_rms_norm to sum."""
+        shape = (*ids.shape, w.shape[-1]) if isinstance(w, torch.Tensor) else None
+        if partial and shape and self._fused_sum(ids[..., None].expand(shape)):
+            from .cuda_ops import embed_shard  # noqa: PLC0415
+
+            return Partial(embed_shard(ids, w, start, rows), self._all_sum)
         local = ids - start
         inside = (local >= 0) & (local < rows)
         e = self.embedding(torch.where(inside, local, 0), w)
@@ -290,6 +300,14 @@ class TorchBackend(TorchWeights):
             return Partial(y, self._all_sum)  # summed by add_rms_norm's kernel
         y = self.all_sum(y)
         return y if bias is None else y.to(self._dt) + bias
+
+    def _zeros(self, shape):
+        """A zero residual of `shape` in the model's dtype, kept (it is only read)."""
+        z = self._zero_rows.get(tuple(shape))
+        if z is None:
+            z = torch.zeros(shape, dtype=self._dt, device=self._dev)
+            self._zero_rows[tuple(shape)] = z
+        return z
 
     def _fused_sum(self, y) -> bool:
         """Whether add_rms_norm may sum this product (a torch_tp.Partial): the Triton

@@ -212,7 +212,7 @@ class Transformer:
         if v is None:
             h = be.embedding(ids, self.embed)  # (B, T, hidden)
         else:  # each rank looks up the ids in its rows (zeros elsewhere); summed over ranks
-            h = be.embedding_sum(ids, self.embed, v.start, v.rows)
+            h = be.embedding_sum(ids, self.embed, v.start, v.rows, self.embed_scale is None)
         if self.embed_scale is not None:
             h = h * self.embed_scale
         # Each residual add is done with the norm that follows it (one fused kernel on CUDA).

@@ -66,6 +66,22 @@ def test_dense_gemv_launch_table(monkeypatch):
         cuda_ops._dense_cfg(dev)
 
 
+def test_embed_shard_equals_the_masked_lookup():
+    """A rank's term of a vocabulary-split embedding (cuda_ops.embed_shard): its rows in
+    fp32, zeros for ids outside [start, start + rows), the table's padding rows included."""
+    from mlxrun.backends import cuda_ops
+
+    w = torch.randn(10, 1500, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    ids = torch.tensor([[12, 3, 17, 18, 10, 25]])
+    start, rows = 10, 8  # rows 8 and 9 of w are padding
+    local = ids - start
+    inside = (local >= 0) & (local < rows)
+    want = torch.where(inside[..., None], w[local.clamp(0, 9)].float(), 0.0)
+    got = cuda_ops.embed_shard(ids.to(DEV), w.to(DEV), start, rows)
+    assert got.dtype == torch.float32 and got.shape == (1, 6, 1500)
+    assert torch.equal(got.cpu(), want) and inside.tolist() == [[1, 0, 1, 0, 1, 0]]
+
+
 def test_graph_advance_kernel_equals_the_torch_ops():
     """A graph-mode cache moved on by the one-launch kernel holds what the torch ops give:
     position, rope positions (left padding subtracted) and the mask's new slot; rewind
