@@ -37,6 +37,8 @@ _ONE_SHOT = os.environ.get("MLXRUN_ONE_SHOT", "1") != "0"
 # the others'); 0: the one-shot sum + add_rms_norm (A/B)
 _FUSED = os.environ.get("MLXRUN_FUSED_SUM", "lamport")
 FUSED_ROWS = 64  # rows a fused sum takes (a batch-64 decode step): one program a row
+GATHER_ROWS = 8  # rows the logits' lamport gather takes (3 x ranks x 8 x vocab/ranks fp32)
+GATHER_BLOCK = 2048  # columns a program of it (cuda_allreduce.lamport_gather)
 
 
 class Partial:
@@ -83,14 +85,20 @@ class AllSum:
             symm_mem.rendezvous(self._buf, self._name)
         return self._buf
 
-    def peers(self, n: int):
-        """The fused kernel's symmetric buffers for rows of n (made on first use, which is
-        eager: the graph's warm-up runs before its capture), or None where it can't run."""
-        if n not in self._peers:
-            self._peers[n] = self._make_peers(n) if self.fused else None
-        return self._peers[n]
+    def peers(self, n: int, rows: int = FUSED_ROWS):
+        """The fused kernel's symmetric buffers for up to `rows` rows of n (made on first
+        use, which is eager: the graph's warm-up runs before its capture), or None where it
+        can't run."""
+        if (n, rows) not in self._peers:
+            self._peers[n, rows] = self._make_peers(n, rows) if self.fused else None
+        return self._peers[n, rows]
 
-    def _make_peers(self, n: int):
+    def gather_peers(self, n: int, rows: int):
+        """The lamport gather's buffers for rows of n (a decode step's logits), or None:
+        up to GATHER_ROWS rows, with the lamport sums only."""
+        return self.peers(n, GATHER_ROWS) if self.lamport and rows <= GATHER_ROWS else None
+
+    def _make_peers(self, n: int, rows: int):
         import torch.distributed._symmetric_memory as symm_mem  # noqa: PLC0415
 
         from .cuda_allreduce import Peers  # noqa: PLC0415
@@ -98,9 +106,7 @@ class AllSum:
         self._buffer()  # the group enabled, as the one-shot path does it
         world = dist.get_world_size()
         slots = 3 if self.lamport else 2
-        buf = symm_mem.empty(
-            slots * world * FUSED_ROWS * n, dtype=torch.float32, device=self.device
-        )
+        buf = symm_mem.empty(slots * world * rows * n, dtype=torch.float32, device=self.device)
         h = symm_mem.rendezvous(buf, self._name)
         if self.lamport:  # every slot empty (-0.0) on every rank before any rank writes one
             buf.view(torch.int32).fill_(-(2**31))
@@ -117,11 +123,13 @@ class AllSum:
             rank=getattr(h, "rank", dist.get_rank()),
             buf_ptrs=torch.tensor(h.buffer_ptrs, dtype=torch.int64, device=dev),
             sig_ptrs=torch.tensor(h.signal_pad_ptrs, dtype=torch.int64, device=dev),
-            epoch=torch.zeros(FUSED_ROWS, dtype=torch.int32, device=dev),
+            # a count a row (the sums), a row's block of columns (the gather)
+            epoch=torch.zeros(rows * -(-n // GATHER_BLOCK), dtype=torch.int32, device=dev),
             n=n,
             sig0=words - FUSED_ROWS * world,
             push=self.push,
             lamport=self.lamport,
+            rows=rows,
             keep=(buf, h),
         )
 

@@ -116,3 +116,39 @@ def test_lamport_sum_matches_and_empties_its_slots(world, rank, rows, n):
         assert not any(p.any() for p in pads)  # no flags
         assert epoch[:rows].tolist() == [use + 1] * rows
         h = got_h
+
+
+@pytest.mark.parametrize(("world", "rank", "rows", "n"), [(2, 1, 2, 48), (3, 0, 1, 40)])
+def test_lamport_gather_matches_and_empties_its_slots(world, rank, rows, n, monkeypatch):
+    """The logits' gather through the lamport slots: every rank's row side by side in rank
+    order (a -0.0 as +0.0), this rank's row found in every peer's slot, the slots read put
+    back to empty, a use count a (row, block of columns) program."""
+    monkeypatch.setattr(cuda_allreduce, "GATHER_BLOCK", 16)  # several blocks a row
+    nblk, R = -(-n // 16), 8
+    g = torch.Generator().manual_seed(rows * n + rank)
+    xs = [torch.randn(rows, n, generator=g).bfloat16() for _ in range(world)]
+    xs[rank][0, :3] = torch.tensor([-0.0, 0.0, -0.0])
+    bufs = [torch.full((3, world, R, n), EMPTY, dtype=torch.int32) for _ in range(world)]
+    pads = [torch.zeros(SIG + MR * world, dtype=torch.int32) for _ in range(world)]
+    epoch = torch.zeros(R * nblk, dtype=torch.int32)
+    ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+    sigs = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64)
+    peers = cuda_allreduce.Peers(rank, ptrs, sigs, epoch, n, SIG, push=True, lamport=True, rows=R)
+    for use in range(4):  # slots 0, 1, 2, 0
+        if use:
+            xs = [x + use for x in xs]
+        for p in range(world):
+            if p != rank:
+                bufs[rank][use % 3, p, :rows] = xs[p].float().view(torch.int32)
+        got = cuda_allreduce.lamport_gather(xs[rank], peers)
+        want = torch.cat([torch.where(x == 0, 0.0, x) for x in xs], -1)
+        assert got.shape == (rows, world * n)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+        sent = torch.where(xs[rank] == 0, 0.0, xs[rank]).float()
+        for p in range(world):
+            if p != rank:
+                assert torch.equal(bufs[p][use % 3, rank, :rows], sent.view(torch.int32))
+                bufs[p][use % 3, rank] = EMPTY  # read by that peer
+        assert (bufs[rank] == EMPTY).all()
+        assert epoch[: rows * nblk].tolist() == [use + 1] * (rows * nblk)
+        assert not epoch[rows * nblk :].any()
