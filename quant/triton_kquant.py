@@ -306,16 +306,17 @@ def _maxnreg(w: KQLinear, warps: int) -> dict:
     return {}
 
 
-def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
+def lane_config(m: int, w: KQLinear, device, warps: int = 0) -> tk.KernelConfig:
     """Launch parameters of the K-quant GEMV (_kq_lane_gemv_kernel), as
     triton_kernels.choose_config picks them for an int4 weight of the same shape at 8 rows a
     program (the same low-nibble words a row, read the same way; its H100 sweep is in that
     function): up to GEMV_WARPS warps splitting each row's words, split K until ~6 warps a
     SM run, into a divisor of the k-steps where one is near, and at most 4 serial k-steps
-    where the row blocks are few."""
+    where the row blocks are few. warps > 0 (benchmarks/kq_ab.py's launch sweep): that many
+    warps a program wherever a row holds a k-step of them, the rest of the rule as it is."""
     sms = tk._num_sms(device)
     kw = w.k // 8
-    warps = 1
+    force, warps = warps, 1
     # Q6_K: with the loads built lanes-first (kq_variant 1) several warps a row, except the
     # head-sized (64+ row blocks a SM: one warp, 4 k-steps a program); 2 warps where N <=
     # 4096. H200, us, one warp (previous loads) -> this (kq_ab.py, KERNEL_NOTES 2026-11-26):
@@ -330,6 +331,10 @@ def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
     elif w.kind == "Q6_K" and v == 0 and not w.hi_spread:
         top = 1
     while warps < top and 256 * warps <= kw:
+        warps *= 2
+    while force and warps > force:
+        warps //= 2
+    while warps < force and 256 * warps <= 2 * kw:
         warps *= 2
     ksteps = math.ceil(kw / (128 * warps))
     sk = tk._split(tiles * warps, ksteps, sms, 6.0)

@@ -355,6 +355,11 @@ def test_q6k_launch_settings(monkeypatch):
     assert kq._loads(w) == 2  # a weight's decode follows its layout
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "0")
     assert kq._loads(dataclasses.replace(w, hi_spread=True)) == 3
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "6")  # kq_ab.py's fN: N warps on any shape
+    head = dataclasses.replace(w, n=128256)
+    assert [kq.lane_config(1, head, cuda, f).num_warps for f in (0, 2, 4)] == [1, 2, 4]
+    assert kq.lane_config(1, dataclasses.replace(w, n=6144), cuda, 1).num_warps == 1
+    assert kq.lane_config(1, dataclasses.replace(w, k=512), cuda, 4).num_warps == 1  # 1 k-step
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "x")
     with pytest.raises(kq.MlxrunError, match="MLXRUN_KQ_VARIANT"):
         kq.lane_config(1, w, cuda)
