@@ -352,12 +352,39 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _lane_rows(pid_n, N, H: tl.constexpr, HALVES: tl.constexpr, SILU: tl.constexpr):
+        """Rows of half H (8 rows) of tile pid_n of HALVES halves: with SILU (W = [gate; up])
+        its rows 0-3 are gate rows, 4-7 their up rows."""
+        r8 = tl.arange(0, 8)
+        if SILU:
+            return pid_n * (4 * HALVES) + 4 * H + r8 % 4 + (r8 // 4) * (N // 2)
+        return pid_n * (8 * HALVES) + 8 * H + r8
+
+    @triton.jit
+    def _lane_out(acc, y_ptr, part_ptr, cnt_ptr, m, pid_n, pid_k, rn, M, N, stride_ym,
+                  H: tl.constexpr, HALVES: tl.constexpr, SPLIT_K: tl.constexpr,
+                  SILU: tl.constexpr):  # fmt: skip
+        """Half H's rows summed over the lanes, written (split-K: through the partials; its
+        ticket is that of 8-row tile HALVES * tile + H)."""
+        out = tl.sum(acc, axis=1) * 562949953421312.0  # [8]: undo the decode's 2^-49
+        tile = (m * tl.num_programs(1) + pid_n) * HALVES + H
+        if SILU:
+            g, u = tl.split(tl.trans(tl.reshape(out, [2, 4])))  # rows 0-3 gate, 4-7 up
+            rg = pid_n * (4 * HALVES) + 4 * H + tl.arange(0, 4)
+            tg._silu_epilogue(g, u, y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr, rg,
+                              rg + N // 2, N, M * N, tile, pid_k, SPLIT_K)  # fmt: skip
+        else:
+            tk._splitk_epilogue(out[None, :], y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr,
+                                tl.arange(0, 1), rn, 1, N, 0, M * N, tile, pid_k,
+                                SPLIT_K)  # fmt: skip
+
+    @triton.jit
     def _kq_lane_gemv_kernel(
         x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, KS, stride_xm, stride_ym,
         stride_w, KIND: tl.constexpr, SPLIT_K: tl.constexpr, KB_PER_SPLIT: tl.constexpr,
         EVEN: tl.constexpr, KW: tl.constexpr, SW: tl.constexpr = 0, PDL: tl.constexpr = False,
         SILU: tl.constexpr = False, WARPS: tl.constexpr = 1, PREFETCH: tl.constexpr = True,
-        KSC: tl.constexpr = 0, V: tl.constexpr = 1,
+        KSC: tl.constexpr = 0, V: tl.constexpr = 1, HALVES: tl.constexpr = 1,
     ):  # fmt: skip
         """K-quant GEMV, y[m, N] = x[m, K] @ W^T for one row m of x, laid out as
         triton_kernels._gemv_kernel (read its docstring): 8 rows a program, WARPS warps,
@@ -367,7 +394,9 @@ if triton is not None:
         SILU (W = [gate; up]): rows 0-3 of a tile are gate rows, 4-7 their up rows, and
         y = silu(gate) * up. KS: sub-blocks a row; KW: low-nibble words a row (K/8);
         SW: the row stride in words as a constant (EVEN), or 0 (stride_w); KSC: KS as a
-        constant, or 0.
+        constant, or 0. HALVES=2: 16 rows a program, two halves of 8 as above (_lane_rows)
+        that share each k-step's x loads and decode (one code path, the compiler merges the
+        two halves' identical x work); without PREFETCH only.
         The scale products d*sc and dmin*m are exact in fp32 (an 11-bit significand times
         a 6- or 8-bit integer)."""
         LANES: tl.constexpr = 32 * WARPS
@@ -382,12 +411,10 @@ if triton is not None:
             ksn = KSC
         else:
             ksn = KS
-        r8 = tl.arange(0, 8)
-        if SILU:
-            rn = pid_n * 4 + r8 % 4 + (r8 // 4) * (N // 2)
-        else:
-            rn = pid_n * 8 + r8
+        rn = _lane_rows(pid_n, N, 0, HALVES, SILU)
         n_mask = rn < N
+        rn1 = _lane_rows(pid_n, N, HALVES - 1, HALVES, SILU)  # rn where HALVES == 1 (unused)
+        n_mask1 = rn1 < N
         rkw = tl.arange(0, 4 * LANES)
         lane = tl.arange(0, LANES)
         # Q4_K/Q5_K's scale offsets, opaque to Triton's contiguity analysis (times a runtime
@@ -401,6 +428,7 @@ if triton is not None:
             x_pair0 = (lane * 16)[:, None] + tl.arange(0, 2)[None, :]
         x_base = x_ptr + m * stride_xm
         acc = tl.zeros([8, LANES], dtype=tl.float32)
+        acc1 = tl.zeros([8, LANES], dtype=tl.float32)
         kb0 = pid_k * KB_PER_SPLIT
         kb_last = kb0 + KB_PER_SPLIT - 1
         # the low-nibble words are the first KW of a row: _load_step's mask (k < row
@@ -410,10 +438,17 @@ if triton is not None:
         if KIND != 0:
             ha = _lane_hi(w_ptr, rn, n_mask, rkw, lane_s, kb0, swn, KW, ksn, KIND, EVEN, LANES,
                           V)  # fmt: skip
+        if HALVES == 2:
+            wa1 = tg._load_step(w_ptr, rn1, n_mask1, rkw, kb0, swn, EVEN, 0, LANES)
+            ha1 = wa1
+            if KIND != 0:
+                ha1 = _lane_hi(w_ptr, rn1, n_mask1, rkw, lane_s, kb0, swn, KW, ksn, KIND, EVEN,
+                               LANES, V)  # fmt: skip
         if PDL:  # the weights do not depend on the previous kernel; x does
             tlc.gdc_wait()
             tlc.gdc_launch_dependents()
         if PREFETCH:
+            tl.static_assert(HALVES == 1, "16 rows a program: without prefetch only")
             # two k-steps an iteration, each one's words loaded a step ahead (no register copies)
             for j in range(0, KB_PER_SPLIT // 2):
                 kb = kb0 + 2 * j
@@ -437,6 +472,9 @@ if triton is not None:
         else:  # each step's words loaded in the step: fewer registers, more resident warps
             acc = _lane_step(acc, wa, ha, kb0, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr,
                              b_ptr, ksn, KIND, EVEN, LANES, V)  # fmt: skip
+            if HALVES == 2:
+                acc1 = _lane_step(acc1, wa1, ha1, kb0, x_base, x_pair0, lane, lane_s, rn1,
+                                  n_mask1, s_ptr, b_ptr, ksn, KIND, EVEN, LANES, V)  # fmt: skip
             for j in range(1, KB_PER_SPLIT):
                 kb = kb0 + j
                 wa = tg._load_step(w_ptr, rn, n_mask, rkw, kb, swn, EVEN, 0, LANES)
@@ -444,16 +482,18 @@ if triton is not None:
                     ha = _lane_hi(
                         w_ptr, rn, n_mask, rkw, lane_s, kb, swn, KW, ksn, KIND, EVEN, LANES, V
                     )
+                if HALVES == 2:  # both halves' words in flight before either computes
+                    wa1 = tg._load_step(w_ptr, rn1, n_mask1, rkw, kb, swn, EVEN, 0, LANES)
+                    if KIND != 0:
+                        ha1 = _lane_hi(w_ptr, rn1, n_mask1, rkw, lane_s, kb, swn, KW, ksn, KIND,
+                                       EVEN, LANES, V)  # fmt: skip
                 acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr,
                                  b_ptr, ksn, KIND, EVEN, LANES, V)  # fmt: skip
-        out = tl.sum(acc, axis=1) * 562949953421312.0  # [8]: undo the decode's 2^-49
-        tile = m * tl.num_programs(1) + pid_n
-        if SILU:
-            g, u = tl.split(tl.trans(tl.reshape(out, [2, 4])))  # rows 0-3 gate, 4-7 up
-            rg = pid_n * 4 + tl.arange(0, 4)
-            tg._silu_epilogue(g, u, y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr, rg,
-                              rg + N // 2, N, M * N, tile, pid_k, SPLIT_K)  # fmt: skip
-        else:
-            tk._splitk_epilogue(out[None, :], y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr,
-                                tl.arange(0, 1), rn, 1, N, 0, M * N, tile, pid_k,
-                                SPLIT_K)  # fmt: skip
+                if HALVES == 2:
+                    acc1 = _lane_step(acc1, wa1, ha1, kb, x_base, x_pair0, lane, lane_s, rn1,
+                                      n_mask1, s_ptr, b_ptr, ksn, KIND, EVEN, LANES, V)  # fmt: skip
+        _lane_out(acc, y_ptr, part_ptr, cnt_ptr, m, pid_n, pid_k, rn, M, N, stride_ym, 0, HALVES,
+                  SPLIT_K, SILU)  # fmt: skip
+        if HALVES == 2:
+            _lane_out(acc1, y_ptr, part_ptr, cnt_ptr, m, pid_n, pid_k, rn1, M, N, stride_ym, 1,
+                      HALVES, SPLIT_K, SILU)  # fmt: skip

@@ -286,11 +286,12 @@ def kq_variant() -> int:
     (_maxnreg); 6 (default) as 5, Q6_K laid out at load with hi_spread (hi_shifts) and
     decoded from it (_loads: V 3, kquant_lane._q6_bytes_spread; 4.79 -> 4.04 instructions a
     weight; H100, kq_ab.py 4096x14336 25.3 -> 21.1 us, 28672x4096 42.9 -> 40.7; mlxrun bench
-    shape:llama3-8b q4_k_m 377.8 -> 383.4 / 382.1 tok/s, one call). The layout follows the
-    variant at load time; a weight's decode follows its layout."""
+    shape:llama3-8b q4_k_m 377.8 -> 383.4 / 382.1 tok/s, one call); 7 as 6, Q4_K and Q5_K
+    on 16 rows a program where a warp has at most 2 k-steps (lane_config). The layout
+    follows the variant at load time; a weight's decode follows its layout."""
     v = os.environ.get("MLXRUN_KQ_VARIANT", "6")
-    if v not in ("0", "1", "2", "3", "4", "5", "6"):
-        raise MlxrunError(f"MLXRUN_KQ_VARIANT={v!r}: use 0, 1, 2, 3, 4, 5 or 6")
+    if v not in ("0", "1", "2", "3", "4", "5", "6", "7"):
+        raise MlxrunError(f"MLXRUN_KQ_VARIANT={v!r}: use 0, 1, 2, 3, 4, 5, 6 or 7")
     return int(v)
 
 
@@ -354,11 +355,17 @@ def lane_config(m: int, w: KQLinear, device, warps: int = 0) -> tk.KernelConfig:
     # instructions a weight, against 255 registers, 128 B spilled, 5.57 with them (SASS for
     # sm_90, benchmarks/sass_kquant.py); Q4_K on the H100 is as fast or faster without (4096x14336 20.9 -> 17.3 us,
     # 4096x4096 5.9 -> 5.6, the others within 0.1)
+    # 16 rows a program (two halves sharing x's loads and decode), as the int4 GEMV takes
+    # them where a warp has at most 2 k-steps: variant 7, Q4_K/Q5_K (Q6_K holds ~128
+    # registers at 8 rows already)
+    bn = 8
+    if v >= 7 and w.kind != "Q6_K" and warps > 1 and ksteps <= 2 and w.n % 16 == 0:
+        bn = 16
     per_sm = kq_stream_per_sm()
     if per_sm and w.kind != "Q6_K" and tiles >= 8 * sms and _stream_ok(w, warps):
         # the streaming GEMV where each program gets several tiles (the gate/up, the head)
         return tk.KernelConfig("stream", 1, 8, 1, num_warps=warps, per_sm=per_sm)
-    return tk.KernelConfig("gemv", 1, 8, sk, num_warps=warps, prefetch=False)
+    return tk.KernelConfig("gemv", 1, bn, sk, num_warps=warps, prefetch=False)
 
 
 def _loads(w: KQLinear) -> int:
@@ -421,16 +428,19 @@ def _lane_gemv(x2, w: KQLinear, y, silu: bool, cfg: tk.KernelConfig | None) -> N
     split = math.ceil(ksteps / per)  # no empty splits
     sw = _shapes(w.kind, w.n, w.k)["weight"][1]
     dense = w.weight.stride(0) == sw and w.scales.is_contiguous() and w.biases.is_contiguous()
-    even = dense and w.n % 8 == 0 and kw == step * per * split
-    tiles = math.ceil(w.n / 8)  # with silu: 4 gate rows and their 4 up rows a tile
+    bn = cfg.block_n  # 8, or 16 (two halves of 8) without prefetch and with whole tiles
+    if bn != 8 and (cfg.prefetch or w.n % 16):
+        bn = 8
+    even = dense and w.n % bn == 0 and kw == step * per * split
+    tiles = math.ceil(w.n / bn)  # with silu: bn/2 gate rows and their up rows a tile
     part = torch.empty((split, m, w.n), dtype=torch.float32, device=x2.device) if split > 1 else y
-    cnt = tk._counters(x2.device, m * tiles) if split > 1 else y
+    cnt = tk._counters(x2.device, m * tiles * (bn // 8)) if split > 1 else y
     ks = w.k // gb.KQUANTS[w.kind][1]
     kk._kq_lane_gemv_kernel[(m, tiles, split)](
         x2, w.weight, w.scales, w.biases, y, part, cnt, m, w.n, ks, x2.stride(0), y.stride(0),
         w.weight.stride(0), KIND=KINDS[w.kind], SPLIT_K=split, KB_PER_SPLIT=per, EVEN=even,
         KW=kw, SW=sw if even else 0, SILU=silu, WARPS=cfg.num_warps, PREFETCH=cfg.prefetch,
-        KSC=ks if even else 0, V=_loads(w),
+        KSC=ks if even else 0, V=_loads(w), HALVES=bn // 8,
         num_warps=cfg.num_warps, **_maxnreg(w, cfg.num_warps),
         **tk.pdl_args(x2.device),
     )  # fmt: skip
@@ -520,8 +530,9 @@ def kqmatmul(
         cfg = None
         if config is not None:  # a KQConfig's (or KernelConfig's) split, warps, prefetch
             pf = getattr(config, "prefetch", w.kind != "Q6_K")
+            bn = config.block_n if isinstance(config, tk.KernelConfig) else 8
             cfg = tk.KernelConfig(
-                "gemv", 1, 8, config.split_k, num_warps=config.num_warps, prefetch=pf
+                "gemv", 1, bn, config.split_k, num_warps=config.num_warps, prefetch=pf
             )
             if getattr(config, "kernel", "") == "stream":
                 cfg = config

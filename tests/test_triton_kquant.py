@@ -264,6 +264,36 @@ def test_q6k_lane_gemv(n, nb, sk, nw, dtype, silu, v, monkeypatch):
 
 
 @pytest.mark.parametrize(
+    "kind,n,nb,sk,nw,dtype",
+    [
+        ("Q4_K", 32, 8, 1, 2, torch.bfloat16),
+        ("Q5_K", 48, 3, 2, 2, torch.float32),
+        ("Q6_K", 32, 6, 2, 2, torch.bfloat16),
+    ],
+    ids=["q4k-2warps-silu", "q5k-masked-split2-fp32", "q6k-spread-masked-split2"],
+)
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+def test_lane_gemv_16_rows(kind, n, nb, sk, nw, dtype):
+    """16 rows a program (two halves of 8 sharing x, MLXRUN_KQ_VARIANT=7's Q4_K/Q5_K
+    gate/up, q/k/v and o): the dequantized product, and the 8-row GEMV's output bit for bit
+    (each half computes as an 8-row tile), with K masks (3 or 6 super-blocks) and split-K;
+    with SiLU on the joint [gate; up], silu_mul of it bit for bit, twice (the tickets)."""
+    from mlxrun.backends import cuda_ops
+
+    w, ref = _case(kind, n, nb, seed=41)
+    x = torch.randn(1, w.k, generator=torch.Generator().manual_seed(8)).to(dtype).to(DEV)
+    c8 = tk.KernelConfig("gemv", 1, 8, sk, num_warps=nw, prefetch=False)
+    c16 = tk.KernelConfig("gemv", 1, 16, sk, num_warps=nw, prefetch=False)
+    y = kq.kqmatmul(x, w, c16)
+    _check(y, x.cpu(), ref)
+    assert torch.equal(y, kq.kqmatmul(x, w, c8))
+    if sk == 1:
+        want = cuda_ops.silu_mul(y[:, : n // 2], y[:, n // 2 :])
+        for _ in range(2):
+            assert torch.equal(kq.kqmatmul(x, w, c16, silu=True), want)
+
+
+@pytest.mark.parametrize(
     "kind,nw,silu,dtype",
     [("Q4_K", 2, True, torch.bfloat16), ("Q5_K", 1, False, torch.float32)],
     ids=["q4k-2warps-silu", "q5k-1warp-fp32"],
@@ -355,7 +385,13 @@ def test_q6k_launch_settings(monkeypatch):
     assert kq._loads(w) == 2  # a weight's decode follows its layout
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "0")
     assert kq._loads(dataclasses.replace(w, hi_spread=True)) == 3
-    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "6")  # kq_ab.py's fN: N warps on any shape
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "7")  # Q4_K/Q5_K on 16 rows where <= 2 k-steps
+    assert kq.lane_config(1, dataclasses.replace(q4, n=28672), cuda).block_n == 16
+    assert kq.lane_config(1, dataclasses.replace(q4, n=28672, k=14336), cuda).block_n == 8
+    assert kq.lane_config(1, dataclasses.replace(w, n=28672), cuda).block_n == 8  # Q6_K
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "6")
+    assert kq.lane_config(1, dataclasses.replace(q4, n=28672), cuda).block_n == 8
+    # kq_ab.py's fN: N warps on any shape
     head = dataclasses.replace(w, n=128256)
     assert [kq.lane_config(1, head, cuda, f).num_warps for f in (0, 2, 4)] == [1, 2, 4]
     assert kq.lane_config(1, dataclasses.replace(w, n=6144), cuda, 1).num_warps == 1
