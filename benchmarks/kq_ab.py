@@ -97,7 +97,7 @@ def main() -> None:
     for kind in a.kinds.split(","):
         for n, k in shapes:
             w0 = kq.random_kquant(kind, n, k, dev, seed=1)
-            copies = 1 if a.dry else max(1, math.ceil((256 << 20) / w0.nbytes))
+            copies = 1 if a.dry or a.warm else max(1, math.ceil((256 << 20) / w0.nbytes))
             ws = [w0] + [kq.random_kquant(kind, n, k, dev, seed=2 + i) for i in range(copies - 1)]
             x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).bfloat16().to(dev)
             refs = {}  # by Q6_K's layout (hi_spread, variant 6): the same words read two ways
