@@ -250,9 +250,53 @@ if triton is not None:
         return x0, x1, x2, x3
 
     @triton.jit
+    def _lane_scales(kb, lane, lane_s, rn, n_mask, s_ptr, b_ptr, KS, KIND: tl.constexpr,
+                     LANES: tl.constexpr, V: tl.constexpr):  # fmt: skip
+        """The scales of k-step kb, [8, LANES] each: Q6_K the lane's two int8 sc as one
+        uint16 (widened) and d of their super-block (fp32); Q4_K/Q5_K (sc, m) of its
+        sub-block as one uint16 (widened) and (d, dmin) of its super-block as one word."""
+        if KIND == 2:
+            # int8 sc of the lane's two sub-blocks of 16, d of their super-block
+            s0 = (kb * LANES + lane) * 2  # the first of the two
+            sbk = s0 // 16  # super-block (16 sub-blocks)
+            s16 = s_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
+            if V >= 1:
+                # [LANES, 8] then transposed: the lanes get the threads (see _lane_hi)
+                smt = n_mask[None, :] & (s0 < KS)[:, None]
+                sab = tl.load(s16 + rn[None, :] * (KS // 2) + (s0 // 2)[:, None], mask=smt, other=0)
+                sab = tl.trans(sab).to(tl.uint32)
+                d = tl.load(b_ptr + rn[None, :] * (KS // 16) + sbk[:, None], mask=smt, other=0.0)
+                d = tl.trans(d).to(tl.float32)
+            else:
+                smask = n_mask[:, None] & (s0 < KS)[None, :]
+                sab = tl.load(s16 + rn[:, None] * (KS // 2) + (s0 // 2)[None, :], mask=smask,
+                              other=0).to(tl.uint32)  # fmt: skip
+                d = tl.load(b_ptr + rn[:, None] * (KS // 16) + sbk[None, :], mask=smask, other=0.0)
+                d = d.to(tl.float32)
+            return sab, d
+        else:
+            # (sc, m) of the sub-block as one uint16, (d, dmin) of its super-block as one
+            # word: 8 rows x 2 loads a lane per 256 weights
+            sub_s = kb * LANES + lane_s
+            s16 = s_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
+            b32 = b_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+            if V >= 1:  # [LANES, 8] then transposed: the lanes get the threads (_lane_hi)
+                smt = n_mask[None, :] & (sub_s < KS)[:, None]
+                scm = tl.trans(tl.load(s16 + rn[None, :] * KS + sub_s[:, None], mask=smt, other=0))
+                dd = tl.load(b32 + rn[None, :] * (KS // 8) + (sub_s // 8)[:, None], mask=smt,
+                             other=0)  # fmt: skip
+                dd = tl.trans(dd)
+            else:
+                smask = n_mask[:, None] & (sub_s < KS)[None, :]
+                scm = tl.load(s16 + rn[:, None] * KS + sub_s[None, :], mask=smask, other=0)
+                dd = tl.load(b32 + rn[:, None] * (KS // 8) + (sub_s // 8)[None, :], mask=smask,
+                             other=0)  # fmt: skip
+            return scm.to(tl.uint32), dd
+
+    @triton.jit
     def _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr, b_ptr, KS,
                    KIND: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr,
-                   V: tl.constexpr = 1):  # fmt: skip
+                   V: tl.constexpr = 1, sc0=0, sc1=0, EARLY: tl.constexpr = False):  # fmt: skip
         """One k-step of _kq_lane_gemv_kernel: acc [8, LANES] += lane l's 32 weights of each
         row (low nibbles: 4 words of wa [8, 4*LANES]; high bits: ha from _lane_hi) times x,
         with its sub-blocks' scales. The low-nibble plane is in the affine int4 order of
@@ -260,7 +304,8 @@ if triton is not None:
         triton_kernels' GEMV functions, unchanged. Q4_K, Q5_K: dot * d*sc - dmin*m * sum(x);
         Q6_K, per sub-block of 16: (dot - 32 sum(x)) * d*sc, x by _lane_x4, its two int8 sc
         as one uint16 load. Q4_K/Q5_K's scale offsets come from lane_s (the kernel's opaque
-        copy of lane)."""
+        copy of lane). EARLY: the scales are sc0, sc1 (_lane_scales), loaded by the caller
+        before its PDL wait."""
         TWO: tl.constexpr = KIND == 2  # Q6_K: words 0, 1 and 2, 3 are two sub-blocks
         w0, w1, w2, w3 = tg._gemv_words(wa, LANES)
         if KIND != 0:
@@ -301,24 +346,11 @@ if triton is not None:
             z3 = z3 - 16.0 * y3
             p, pb = tg._gemv_fma(p, pb, w0, w1, w2, w3, y0, y1, y2, y3, 6, 0, 4, TWO)
             p, pb = tg._gemv_fma(p, pb, w0, w1, w2, w3, z0, z1, z2, z3, 7, 0, 4, TWO)
+        if not EARLY:  # else sc0, sc1: this step's, loaded by the caller
+            sc0, sc1 = _lane_scales(kb, lane, lane_s, rn, n_mask, s_ptr, b_ptr, KS, KIND, LANES, V)
         if KIND == 2:
-            # int8 sc of the lane's two sub-blocks of 16, d of their super-block
-            s0 = (kb * LANES + lane) * 2  # the first of the two
-            sbk = s0 // 16  # super-block (16 sub-blocks)
-            s16 = s_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
-            if V >= 1:
-                # [LANES, 8] then transposed: the lanes get the threads (see _lane_hi)
-                smt = n_mask[None, :] & (s0 < KS)[:, None]
-                sab = tl.load(s16 + rn[None, :] * (KS // 2) + (s0 // 2)[:, None], mask=smt, other=0)
-                sab = tl.trans(sab).to(tl.uint32)
-                d = tl.load(b_ptr + rn[None, :] * (KS // 16) + sbk[:, None], mask=smt, other=0.0)
-                d = tl.trans(d).to(tl.float32)
-            else:
-                smask = n_mask[:, None] & (s0 < KS)[None, :]
-                sab = tl.load(s16 + rn[:, None] * (KS // 2) + (s0 // 2)[None, :], mask=smask,
-                              other=0).to(tl.uint32)  # fmt: skip
-                d = tl.load(b_ptr + rn[:, None] * (KS // 16) + sbk[None, :], mask=smask, other=0.0)
-                d = d.to(tl.float32)
+            sab = sc0
+            d = sc1
             # two int8 sc as one uint16; int8 c + 128 into the mantissa of 2^23: exact
             sa = (((sab & 0xFF) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
             sb = (((sab >> 8) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
@@ -326,23 +358,8 @@ if triton is not None:
                 acc + (p - 32.0 * xs_a[None, :]) * (d * sa) + (pb - 32.0 * xs_b[None, :]) * (d * sb)
             )
         else:
-            # (sc, m) of the sub-block as one uint16, (d, dmin) of its super-block as one
-            # word: 8 rows x 2 loads a lane per 256 weights
-            sub_s = kb * LANES + lane_s
-            s16 = s_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
-            b32 = b_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
-            if V >= 1:  # [LANES, 8] then transposed: the lanes get the threads (_lane_hi)
-                smt = n_mask[None, :] & (sub_s < KS)[:, None]
-                scm = tl.trans(tl.load(s16 + rn[None, :] * KS + sub_s[:, None], mask=smt, other=0))
-                dd = tl.load(b32 + rn[None, :] * (KS // 8) + (sub_s // 8)[:, None], mask=smt,
-                             other=0)  # fmt: skip
-                dd = tl.trans(dd)
-            else:
-                smask = n_mask[:, None] & (sub_s < KS)[None, :]
-                scm = tl.load(s16 + rn[:, None] * KS + sub_s[None, :], mask=smask, other=0)
-                dd = tl.load(b32 + rn[:, None] * (KS // 8) + (sub_s // 8)[None, :], mask=smask,
-                             other=0)  # fmt: skip
-            scm = scm.to(tl.uint32)
+            scm = sc0
+            dd = sc1
             d = (dd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
             dmin = (dd >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
             # 6-bit integers into the mantissa of 2^23: exact, no int->float conversion
@@ -385,6 +402,7 @@ if triton is not None:
         EVEN: tl.constexpr, KW: tl.constexpr, SW: tl.constexpr = 0, PDL: tl.constexpr = False,
         SILU: tl.constexpr = False, WARPS: tl.constexpr = 1, PREFETCH: tl.constexpr = True,
         KSC: tl.constexpr = 0, V: tl.constexpr = 1, HALVES: tl.constexpr = 1,
+        EARLY: tl.constexpr = False,
     ):  # fmt: skip
         """K-quant GEMV, y[m, N] = x[m, K] @ W^T for one row m of x, laid out as
         triton_kernels._gemv_kernel (read its docstring): 8 rows a program, WARPS warps,
@@ -396,7 +414,9 @@ if triton is not None:
         SW: the row stride in words as a constant (EVEN), or 0 (stride_w); KSC: KS as a
         constant, or 0. HALVES=2: 16 rows a program, two halves of 8 as above (_lane_rows)
         that share each k-step's x loads and decode (one code path, the compiler merges the
-        two halves' identical x work); without PREFETCH only.
+        two halves' identical x work); without PREFETCH only. EARLY (without PREFETCH): the
+        first k-step's scales loaded with its words, before the PDL wait, as the int4
+        GEMV's (else a program of one k-step ends on their DRAM round trip).
         The scale products d*sc and dmin*m are exact in fp32 (an 11-bit significand times
         a 6- or 8-bit integer)."""
         LANES: tl.constexpr = 32 * WARPS
@@ -444,11 +464,22 @@ if triton is not None:
             if KIND != 0:
                 ha1 = _lane_hi(w_ptr, rn1, n_mask1, rkw, lane_s, kb0, swn, KW, ksn, KIND, EVEN,
                                LANES, V)  # fmt: skip
+        sc0 = 0
+        sc1 = 0
+        sd0 = 0
+        sd1 = 0
+        if EARLY:
+            sc0, sc1 = _lane_scales(kb0, lane, lane_s, rn, n_mask, s_ptr, b_ptr, ksn, KIND, LANES,
+                                    V)  # fmt: skip
+            if HALVES == 2:
+                sd0, sd1 = _lane_scales(kb0, lane, lane_s, rn1, n_mask1, s_ptr, b_ptr, ksn, KIND,
+                                        LANES, V)  # fmt: skip
         if PDL:  # the weights do not depend on the previous kernel; x does
             tlc.gdc_wait()
             tlc.gdc_launch_dependents()
         if PREFETCH:
             tl.static_assert(HALVES == 1, "16 rows a program: without prefetch only")
+            tl.static_assert(not EARLY, "the first step's scales early: without prefetch only")
             # two k-steps an iteration, each one's words loaded a step ahead (no register copies)
             for j in range(0, KB_PER_SPLIT // 2):
                 kb = kb0 + 2 * j
@@ -471,10 +502,11 @@ if triton is not None:
                                  s_ptr, b_ptr, ksn, KIND, EVEN, LANES, V)  # fmt: skip
         else:  # each step's words loaded in the step: fewer registers, more resident warps
             acc = _lane_step(acc, wa, ha, kb0, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr,
-                             b_ptr, ksn, KIND, EVEN, LANES, V)  # fmt: skip
+                             b_ptr, ksn, KIND, EVEN, LANES, V, sc0, sc1, EARLY)  # fmt: skip
             if HALVES == 2:
                 acc1 = _lane_step(acc1, wa1, ha1, kb0, x_base, x_pair0, lane, lane_s, rn1,
-                                  n_mask1, s_ptr, b_ptr, ksn, KIND, EVEN, LANES, V)  # fmt: skip
+                                  n_mask1, s_ptr, b_ptr, ksn, KIND, EVEN, LANES, V, sd0, sd1,
+                                  EARLY)  # fmt: skip
             for j in range(1, KB_PER_SPLIT):
                 kb = kb0 + j
                 wa = tg._load_step(w_ptr, rn, n_mask, rkw, kb, swn, EVEN, 0, LANES)

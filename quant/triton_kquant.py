@@ -287,11 +287,12 @@ def kq_variant() -> int:
     decoded from it (_loads: V 3, kquant_lane._q6_bytes_spread; 4.79 -> 4.04 instructions a
     weight; H100, kq_ab.py 4096x14336 25.3 -> 21.1 us, 28672x4096 42.9 -> 40.7; mlxrun bench
     shape:llama3-8b q4_k_m 377.8 -> 383.4 / 382.1 tok/s, one call); 7 as 6, Q4_K and Q5_K
-    on 16 rows a program where a warp has at most 2 k-steps (lane_config). The layout
+    on 16 rows a program where a warp has at most 2 k-steps (lane_config); 8 as 7, the first
+    k-step's scales loaded before the PDL wait (cfg.early, as the int4 GEMV). The layout
     follows the variant at load time; a weight's decode follows its layout."""
     v = os.environ.get("MLXRUN_KQ_VARIANT", "6")
-    if v not in ("0", "1", "2", "3", "4", "5", "6", "7"):
-        raise MlxrunError(f"MLXRUN_KQ_VARIANT={v!r}: use 0, 1, 2, 3, 4, 5, 6 or 7")
+    if v not in ("0", "1", "2", "3", "4", "5", "6", "7", "8"):
+        raise MlxrunError(f"MLXRUN_KQ_VARIANT={v!r}: use 0 to 8")
     return int(v)
 
 
@@ -365,7 +366,8 @@ def lane_config(m: int, w: KQLinear, device, warps: int = 0) -> tk.KernelConfig:
     if per_sm and w.kind != "Q6_K" and tiles >= 8 * sms and _stream_ok(w, warps):
         # the streaming GEMV where each program gets several tiles (the gate/up, the head)
         return tk.KernelConfig("stream", 1, 8, 1, num_warps=warps, per_sm=per_sm)
-    return tk.KernelConfig("gemv", 1, bn, sk, num_warps=warps, prefetch=False)
+    # variant 8: the first k-step's scales loaded before the PDL wait (cfg.early)
+    return tk.KernelConfig("gemv", 1, bn, sk, num_warps=warps, prefetch=False, early=v >= 8)
 
 
 def _loads(w: KQLinear) -> int:
@@ -440,7 +442,7 @@ def _lane_gemv(x2, w: KQLinear, y, silu: bool, cfg: tk.KernelConfig | None) -> N
         x2, w.weight, w.scales, w.biases, y, part, cnt, m, w.n, ks, x2.stride(0), y.stride(0),
         w.weight.stride(0), KIND=KINDS[w.kind], SPLIT_K=split, KB_PER_SPLIT=per, EVEN=even,
         KW=kw, SW=sw if even else 0, SILU=silu, WARPS=cfg.num_warps, PREFETCH=cfg.prefetch,
-        KSC=ks if even else 0, V=_loads(w), HALVES=bn // 8,
+        KSC=ks if even else 0, V=_loads(w), HALVES=bn // 8, EARLY=cfg.early and not cfg.prefetch,
         num_warps=cfg.num_warps, **_maxnreg(w, cfg.num_warps),
         **tk.pdl_args(x2.device),
     )  # fmt: skip
@@ -531,8 +533,9 @@ def kqmatmul(
         if config is not None:  # a KQConfig's (or KernelConfig's) split, warps, prefetch
             pf = getattr(config, "prefetch", w.kind != "Q6_K")
             bn = config.block_n if isinstance(config, tk.KernelConfig) else 8
+            early = getattr(config, "early", False)
             cfg = tk.KernelConfig(
-                "gemv", 1, bn, config.split_k, num_warps=config.num_warps, prefetch=pf
+                "gemv", 1, bn, config.split_k, num_warps=config.num_warps, prefetch=pf, early=early
             )
             if getattr(config, "kernel", "") == "stream":
                 cfg = config

@@ -277,7 +277,10 @@ def test_lane_gemv_16_rows(kind, n, nb, sk, nw, dtype):
     """16 rows a program (two halves of 8 sharing x, MLXRUN_KQ_VARIANT=7's Q4_K/Q5_K
     gate/up, q/k/v and o): the dequantized product, and the 8-row GEMV's output bit for bit
     (each half computes as an 8-row tile), with K masks (3 or 6 super-blocks) and split-K;
-    with SiLU on the joint [gate; up], silu_mul of it bit for bit, twice (the tickets)."""
+    with SiLU on the joint [gate; up], silu_mul of it bit for bit, twice (the tickets).
+    The first k-step's scales loaded before the PDL wait (early, variant 8): the same bits."""
+    import dataclasses
+
     from mlxrun.backends import cuda_ops
 
     w, ref = _case(kind, n, nb, seed=41)
@@ -287,6 +290,8 @@ def test_lane_gemv_16_rows(kind, n, nb, sk, nw, dtype):
     y = kq.kqmatmul(x, w, c16)
     _check(y, x.cpu(), ref)
     assert torch.equal(y, kq.kqmatmul(x, w, c8))
+    for c in (c8, c16):
+        assert torch.equal(y, kq.kqmatmul(x, w, dataclasses.replace(c, early=True)))
     if sk == 1:
         want = cuda_ops.silu_mul(y[:, : n // 2], y[:, n // 2 :])
         for _ in range(2):
@@ -389,6 +394,10 @@ def test_q6k_launch_settings(monkeypatch):
     assert kq.lane_config(1, dataclasses.replace(q4, n=28672), cuda).block_n == 16
     assert kq.lane_config(1, dataclasses.replace(q4, n=28672, k=14336), cuda).block_n == 8
     assert kq.lane_config(1, dataclasses.replace(w, n=28672), cuda).block_n == 8  # Q6_K
+    assert not kq.lane_config(1, q4, cuda).early
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "8")  # as 7, the first step's scales early
+    c = kq.lane_config(1, dataclasses.replace(q4, n=28672), cuda)
+    assert c.early and c.block_n == 16 and kq.lane_config(1, w, cuda).early
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "6")
     assert kq.lane_config(1, dataclasses.replace(q4, n=28672), cuda).block_n == 8
     # kq_ab.py's fN: N warps on any shape
