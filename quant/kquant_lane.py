@@ -251,10 +251,12 @@ if triton is not None:
 
     @triton.jit
     def _lane_scales(kb, lane, lane_s, rn, n_mask, s_ptr, b_ptr, KS, KIND: tl.constexpr,
-                     LANES: tl.constexpr, V: tl.constexpr):  # fmt: skip
+                     LANES: tl.constexpr, V: tl.constexpr, EVEN: tl.constexpr = False):  # fmt: skip
         """The scales of k-step kb, [8, LANES] each: Q6_K the lane's two int8 sc as one
         uint16 (widened) and d of their super-block (fp32); Q4_K/Q5_K (sc, m) of its
-        sub-block as one uint16 (widened) and (d, dmin) of its super-block as one word."""
+        sub-block as one uint16 (widened) and (d, dmin) of its super-block as one word.
+        EVEN (whole row tiles and k-steps): unmasked; sm_90 SASS (Triton 3.6), Q6_K spread on 2 warps: 1,034 -> 1,006 instructions a
+        k-step, 163 -> 128 registers (the masks' predicates held per row and lane)."""
         if KIND == 2:
             # int8 sc of the lane's two sub-blocks of 16, d of their super-block
             s0 = (kb * LANES + lane) * 2  # the first of the two
@@ -262,16 +264,28 @@ if triton is not None:
             s16 = s_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
             if V >= 1:
                 # [LANES, 8] then transposed: the lanes get the threads (see _lane_hi)
-                smt = n_mask[None, :] & (s0 < KS)[:, None]
-                sab = tl.load(s16 + rn[None, :] * (KS // 2) + (s0 // 2)[:, None], mask=smt, other=0)
+                sp = s16 + rn[None, :] * (KS // 2) + (s0 // 2)[:, None]
+                dp = b_ptr + rn[None, :] * (KS // 16) + sbk[:, None]
+                if EVEN:
+                    sab = tl.load(sp)
+                    d = tl.load(dp)
+                else:
+                    smt = n_mask[None, :] & (s0 < KS)[:, None]
+                    sab = tl.load(sp, mask=smt, other=0)
+                    d = tl.load(dp, mask=smt, other=0.0)
                 sab = tl.trans(sab).to(tl.uint32)
-                d = tl.load(b_ptr + rn[None, :] * (KS // 16) + sbk[:, None], mask=smt, other=0.0)
                 d = tl.trans(d).to(tl.float32)
             else:
-                smask = n_mask[:, None] & (s0 < KS)[None, :]
-                sab = tl.load(s16 + rn[:, None] * (KS // 2) + (s0 // 2)[None, :], mask=smask,
-                              other=0).to(tl.uint32)  # fmt: skip
-                d = tl.load(b_ptr + rn[:, None] * (KS // 16) + sbk[None, :], mask=smask, other=0.0)
+                sp = s16 + rn[:, None] * (KS // 2) + (s0 // 2)[None, :]
+                dp = b_ptr + rn[:, None] * (KS // 16) + sbk[None, :]
+                if EVEN:
+                    sab = tl.load(sp)
+                    d = tl.load(dp)
+                else:
+                    smask = n_mask[:, None] & (s0 < KS)[None, :]
+                    sab = tl.load(sp, mask=smask, other=0)
+                    d = tl.load(dp, mask=smask, other=0.0)
+                sab = sab.to(tl.uint32)
                 d = d.to(tl.float32)
             return sab, d
         else:
@@ -281,22 +295,34 @@ if triton is not None:
             s16 = s_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
             b32 = b_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
             if V >= 1:  # [LANES, 8] then transposed: the lanes get the threads (_lane_hi)
-                smt = n_mask[None, :] & (sub_s < KS)[:, None]
-                scm = tl.trans(tl.load(s16 + rn[None, :] * KS + sub_s[:, None], mask=smt, other=0))
-                dd = tl.load(b32 + rn[None, :] * (KS // 8) + (sub_s // 8)[:, None], mask=smt,
-                             other=0)  # fmt: skip
+                sp = s16 + rn[None, :] * KS + sub_s[:, None]
+                dp = b32 + rn[None, :] * (KS // 8) + (sub_s // 8)[:, None]
+                if EVEN:
+                    scm = tl.load(sp)
+                    dd = tl.load(dp)
+                else:
+                    smt = n_mask[None, :] & (sub_s < KS)[:, None]
+                    scm = tl.load(sp, mask=smt, other=0)
+                    dd = tl.load(dp, mask=smt, other=0)
+                scm = tl.trans(scm)
                 dd = tl.trans(dd)
             else:
-                smask = n_mask[:, None] & (sub_s < KS)[None, :]
-                scm = tl.load(s16 + rn[:, None] * KS + sub_s[None, :], mask=smask, other=0)
-                dd = tl.load(b32 + rn[:, None] * (KS // 8) + (sub_s // 8)[None, :], mask=smask,
-                             other=0)  # fmt: skip
+                sp = s16 + rn[:, None] * KS + sub_s[None, :]
+                dp = b32 + rn[:, None] * (KS // 8) + (sub_s // 8)[None, :]
+                if EVEN:
+                    scm = tl.load(sp)
+                    dd = tl.load(dp)
+                else:
+                    smask = n_mask[:, None] & (sub_s < KS)[None, :]
+                    scm = tl.load(sp, mask=smask, other=0)
+                    dd = tl.load(dp, mask=smask, other=0)
             return scm.to(tl.uint32), dd
 
     @triton.jit
     def _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr, b_ptr, KS,
                    KIND: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr,
-                   V: tl.constexpr = 1, sc0=0, sc1=0, EARLY: tl.constexpr = False):  # fmt: skip
+                   V: tl.constexpr = 1, sc0=0, sc1=0, EARLY: tl.constexpr = False,
+                   SCE: tl.constexpr = False):  # fmt: skip
         """One k-step of _kq_lane_gemv_kernel: acc [8, LANES] += lane l's 32 weights of each
         row (low nibbles: 4 words of wa [8, 4*LANES]; high bits: ha from _lane_hi) times x,
         with its sub-blocks' scales. The low-nibble plane is in the affine int4 order of
@@ -305,7 +331,7 @@ if triton is not None:
         Q6_K, per sub-block of 16: (dot - 32 sum(x)) * d*sc, x by _lane_x4, its two int8 sc
         as one uint16 load. Q4_K/Q5_K's scale offsets come from lane_s (the kernel's opaque
         copy of lane). EARLY: the scales are sc0, sc1 (_lane_scales), loaded by the caller
-        before its PDL wait."""
+        before its PDL wait. SCE: the scales loaded without masks (_lane_scales' EVEN)."""
         TWO: tl.constexpr = KIND == 2  # Q6_K: words 0, 1 and 2, 3 are two sub-blocks
         w0, w1, w2, w3 = tg._gemv_words(wa, LANES)
         if KIND != 0:
@@ -347,7 +373,8 @@ if triton is not None:
             p, pb = tg._gemv_fma(p, pb, w0, w1, w2, w3, y0, y1, y2, y3, 6, 0, 4, TWO)
             p, pb = tg._gemv_fma(p, pb, w0, w1, w2, w3, z0, z1, z2, z3, 7, 0, 4, TWO)
         if not EARLY:  # else sc0, sc1: this step's, loaded by the caller
-            sc0, sc1 = _lane_scales(kb, lane, lane_s, rn, n_mask, s_ptr, b_ptr, KS, KIND, LANES, V)
+            sc0, sc1 = _lane_scales(kb, lane, lane_s, rn, n_mask, s_ptr, b_ptr, KS, KIND, LANES, V,
+                                    SCE)  # fmt: skip
         if KIND == 2:
             sab = sc0
             d = sc1
@@ -402,7 +429,7 @@ if triton is not None:
         EVEN: tl.constexpr, KW: tl.constexpr, SW: tl.constexpr = 0, PDL: tl.constexpr = False,
         SILU: tl.constexpr = False, WARPS: tl.constexpr = 1, PREFETCH: tl.constexpr = True,
         KSC: tl.constexpr = 0, V: tl.constexpr = 1, HALVES: tl.constexpr = 1,
-        EARLY: tl.constexpr = False,
+        EARLY: tl.constexpr = False, SCE: tl.constexpr = False,
     ):  # fmt: skip
         """K-quant GEMV, y[m, N] = x[m, K] @ W^T for one row m of x, laid out as
         triton_kernels._gemv_kernel (read its docstring): 8 rows a program, WARPS warps,
@@ -416,7 +443,8 @@ if triton is not None:
         that share each k-step's x loads and decode (one code path, the compiler merges the
         two halves' identical x work); without PREFETCH only. EARLY (without PREFETCH): the
         first k-step's scales loaded with its words, before the PDL wait, as the int4
-        GEMV's (else a program of one k-step ends on their DRAM round trip).
+        GEMV's (else a program of one k-step ends on their DRAM round trip). SCE (EVEN
+        only): the scales loaded without masks.
         The scale products d*sc and dmin*m are exact in fp32 (an 11-bit significand times
         a 6- or 8-bit integer)."""
         LANES: tl.constexpr = 32 * WARPS
@@ -470,10 +498,10 @@ if triton is not None:
         sd1 = 0
         if EARLY:
             sc0, sc1 = _lane_scales(kb0, lane, lane_s, rn, n_mask, s_ptr, b_ptr, ksn, KIND, LANES,
-                                    V)  # fmt: skip
+                                    V, SCE)  # fmt: skip
             if HALVES == 2:
                 sd0, sd1 = _lane_scales(kb0, lane, lane_s, rn1, n_mask1, s_ptr, b_ptr, ksn, KIND,
-                                        LANES, V)  # fmt: skip
+                                        LANES, V, SCE)  # fmt: skip
         if PDL:  # the weights do not depend on the previous kernel; x does
             tlc.gdc_wait()
             tlc.gdc_launch_dependents()
@@ -489,24 +517,24 @@ if triton is not None:
                     hb = _lane_hi(w_ptr, rn, n_mask, rkw, lane_s, kb + 1, swn, KW, ksn, KIND, EVEN,
                                   LANES, V)  # fmt: skip
                 acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr,
-                                 b_ptr, ksn, KIND, EVEN, LANES, V)  # fmt: skip
+                                 b_ptr, ksn, KIND, EVEN, LANES, V, 0, 0, False, SCE)  # fmt: skip
                 kn = tl.minimum(kb + 2, kb_last)  # past the last step: reload it, never used
                 wa = tg._load_step(w_ptr, rn, n_mask, rkw, kn, swn, EVEN, 0, LANES)
                 if KIND != 0:
                     ha = _lane_hi(w_ptr, rn, n_mask, rkw, lane_s, kn, swn, KW, ksn, KIND, EVEN,
                                   LANES, V)  # fmt: skip
                 acc = _lane_step(acc, wb, hb, kb + 1, x_base, x_pair0, lane, lane_s, rn, n_mask,
-                                 s_ptr, b_ptr, ksn, KIND, EVEN, LANES, V)  # fmt: skip
+                                 s_ptr, b_ptr, ksn, KIND, EVEN, LANES, V, 0, 0, False, SCE)  # fmt: skip
             if KB_PER_SPLIT % 2 == 1:
                 acc = _lane_step(acc, wa, ha, kb_last, x_base, x_pair0, lane, lane_s, rn, n_mask,
-                                 s_ptr, b_ptr, ksn, KIND, EVEN, LANES, V)  # fmt: skip
+                                 s_ptr, b_ptr, ksn, KIND, EVEN, LANES, V, 0, 0, False, SCE)  # fmt: skip
         else:  # each step's words loaded in the step: fewer registers, more resident warps
             acc = _lane_step(acc, wa, ha, kb0, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr,
-                             b_ptr, ksn, KIND, EVEN, LANES, V, sc0, sc1, EARLY)  # fmt: skip
+                             b_ptr, ksn, KIND, EVEN, LANES, V, sc0, sc1, EARLY, SCE)  # fmt: skip
             if HALVES == 2:
                 acc1 = _lane_step(acc1, wa1, ha1, kb0, x_base, x_pair0, lane, lane_s, rn1,
                                   n_mask1, s_ptr, b_ptr, ksn, KIND, EVEN, LANES, V, sd0, sd1,
-                                  EARLY)  # fmt: skip
+                                  EARLY, SCE)  # fmt: skip
             for j in range(1, KB_PER_SPLIT):
                 kb = kb0 + j
                 wa = tg._load_step(w_ptr, rn, n_mask, rkw, kb, swn, EVEN, 0, LANES)
@@ -520,10 +548,11 @@ if triton is not None:
                         ha1 = _lane_hi(w_ptr, rn1, n_mask1, rkw, lane_s, kb, swn, KW, ksn, KIND,
                                        EVEN, LANES, V)  # fmt: skip
                 acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr,
-                                 b_ptr, ksn, KIND, EVEN, LANES, V)  # fmt: skip
+                                 b_ptr, ksn, KIND, EVEN, LANES, V, 0, 0, False, SCE)  # fmt: skip
                 if HALVES == 2:
                     acc1 = _lane_step(acc1, wa1, ha1, kb, x_base, x_pair0, lane, lane_s, rn1,
-                                      n_mask1, s_ptr, b_ptr, ksn, KIND, EVEN, LANES, V)  # fmt: skip
+                                      n_mask1, s_ptr, b_ptr, ksn, KIND, EVEN, LANES, V, 0, 0,
+                                      False, SCE)  # fmt: skip
         _lane_out(acc, y_ptr, part_ptr, cnt_ptr, m, pid_n, pid_k, rn, M, N, stride_ym, 0, HALVES,
                   SPLIT_K, SILU)  # fmt: skip
         if HALVES == 2:

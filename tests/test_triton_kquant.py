@@ -228,6 +228,7 @@ def test_q4k_lane_gemv_scale_loads(v, monkeypatch):
         (16, 8, 1, 1, torch.float32, False, "4"),
         (20, 6, 2, 2, torch.bfloat16, False, "6"),
         (16, 8, 1, 1, torch.float32, True, "6"),
+        (16, 8, 1, 2, torch.bfloat16, True, "9"),
     ],
     ids=[
         "1warp-split2",
@@ -239,6 +240,7 @@ def test_q4k_lane_gemv_scale_loads(v, monkeypatch):
         "byte-fields-1warp-fp32",
         "spread-2warps-masked-split2",
         "spread-1warp-fp32-silu",
+        "spread-unmasked-scales-2warps-silu",
     ],  # fmt: skip
 )
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -248,12 +250,14 @@ def test_q6k_lane_gemv(n, nb, sk, nw, dtype, silu, v, monkeypatch):
     with row and K masks (20 rows, 3 or 6 super-blocks), split-K and the SiLU epilogue:
     the dequantized product, and silu_mul of it bit for bit; also the previous loads
     (MLXRUN_KQ_VARIANT=0, kept for A/B timing), the codes decoded as byte fields (4) and
-    from the high words laid out spread (6)."""
+    from the high words laid out spread (6), its scales loaded without masks (9, whole
+    tiles and k-steps)."""
     from mlxrun.backends import cuda_ops
 
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", v)
     w, ref = _case("Q6_K", n, nb, seed=31)
-    assert w.hi_spread == (v == "6") and kq._loads(w) == {"0": 0, "4": 2, "6": 3}.get(v, 1)
+    spread = v in ("6", "9")
+    assert w.hi_spread == spread and kq._loads(w) == {"0": 0, "4": 2, "6": 3, "9": 3}.get(v, 1)
     x = torch.randn(1, w.k, generator=torch.Generator().manual_seed(6)).to(dtype)
     cfg = tk.KernelConfig("gemv", 1, 8, sk, num_warps=nw, prefetch=False)
     y = kq.kqmatmul(x.to(DEV), w, cfg)
@@ -273,12 +277,13 @@ def test_q6k_lane_gemv(n, nb, sk, nw, dtype, silu, v, monkeypatch):
     ids=["q4k-2warps-silu", "q5k-masked-split2-fp32", "q6k-spread-masked-split2"],
 )
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
-def test_lane_gemv_16_rows(kind, n, nb, sk, nw, dtype):
+def test_lane_gemv_16_rows(kind, n, nb, sk, nw, dtype, monkeypatch):
     """16 rows a program (two halves of 8 sharing x, MLXRUN_KQ_VARIANT=7's Q4_K/Q5_K
     gate/up, q/k/v and o): the dequantized product, and the 8-row GEMV's output bit for bit
     (each half computes as an 8-row tile), with K masks (3 or 6 super-blocks) and split-K;
     with SiLU on the joint [gate; up], silu_mul of it bit for bit, twice (the tickets).
-    The first k-step's scales loaded before the PDL wait (early, variant 8): the same bits."""
+    The first k-step's scales loaded before the PDL wait (early, variant 8), and the scales
+    loaded without masks where the tiles and k-steps are whole (9): the same bits."""
     import dataclasses
 
     from mlxrun.backends import cuda_ops
@@ -292,6 +297,8 @@ def test_lane_gemv_16_rows(kind, n, nb, sk, nw, dtype):
     assert torch.equal(y, kq.kqmatmul(x, w, c8))
     for c in (c8, c16):
         assert torch.equal(y, kq.kqmatmul(x, w, dataclasses.replace(c, early=True)))
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "9")
+    assert torch.equal(y, kq.kqmatmul(x, w, c16))
     if sk == 1:
         want = cuda_ops.silu_mul(y[:, : n // 2], y[:, n // 2 :])
         for _ in range(2):
