@@ -286,8 +286,8 @@ def kq_variant() -> int:
     (_maxnreg); 6 (default) as 5, Q6_K laid out at load with hi_spread (hi_shifts) and
     decoded from it (_loads: V 3, kquant_lane._q6_bytes_spread; 4.79 -> 4.04 instructions a
     weight; H100, kq_ab.py 4096x14336 25.3 -> 21.1 us, 28672x4096 42.9 -> 40.7; mlxrun bench
-    shape:llama3-8b q4_k_m 377.8 -> 383.4 / 382.1 tok/s, one call); 7 as 6, Q4_K and Q5_K
-    on 16 rows a program where a warp has at most 2 k-steps (lane_config); 8 as 7, the first
+    shape:llama3-8b q4_k_m 377.8 -> 383.4 / 382.1 tok/s, one call); 7 as 6, Q4_K on 16
+    rows a program where a warp has at most 2 k-steps (lane_config); 8 as 7, the first
     k-step's scales loaded before the PDL wait (cfg.early, as the int4 GEMV); 9 as 8, the
     scales loaded without masks where the tiles and k-steps are whole (Q6_K spread, 2 warps:
     1,034 -> 1,006 instructions a k-step, 163 -> 128 registers, Triton 3.6). The layout
@@ -359,10 +359,10 @@ def lane_config(m: int, w: KQLinear, device, warps: int = 0) -> tk.KernelConfig:
     # sm_90, benchmarks/sass_kquant.py); Q4_K on the H100 is as fast or faster without (4096x14336 20.9 -> 17.3 us,
     # 4096x4096 5.9 -> 5.6, the others within 0.1)
     # 16 rows a program (two halves sharing x's loads and decode), as the int4 GEMV takes
-    # them where a warp has at most 2 k-steps: variant 7, Q4_K/Q5_K (Q6_K holds ~128
-    # registers at 8 rows already)
+    # them where a warp has at most 2 k-steps: variant 7, Q4_K only (sm_90, Triton 3.6, 4
+    # warps: 96 -> 168 registers; Q5_K 162 -> 255, Q6_K spills)
     bn = 8
-    if v >= 7 and w.kind != "Q6_K" and warps > 1 and ksteps <= 2 and w.n % 16 == 0:
+    if v >= 7 and w.kind == "Q4_K" and warps > 1 and ksteps <= 2 and w.n % 16 == 0:
         bn = 16
     per_sm = kq_stream_per_sm()
     if per_sm and w.kind != "Q6_K" and tiles >= 8 * sms and _stream_ok(w, warps):

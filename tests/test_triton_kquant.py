@@ -278,8 +278,8 @@ def test_q6k_lane_gemv(n, nb, sk, nw, dtype, silu, v, monkeypatch):
 )
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 def test_lane_gemv_16_rows(kind, n, nb, sk, nw, dtype, monkeypatch):
-    """16 rows a program (two halves of 8 sharing x, MLXRUN_KQ_VARIANT=7's Q4_K/Q5_K
-    gate/up, q/k/v and o): the dequantized product, and the 8-row GEMV's output bit for bit
+    """16 rows a program (two halves of 8 sharing x, MLXRUN_KQ_VARIANT=7's Q4_K gate/up,
+    q/k/v and o; any kind through a config): the dequantized product, and the 8-row GEMV's output bit for bit
     (each half computes as an 8-row tile), with K masks (3 or 6 super-blocks) and split-K;
     with SiLU on the joint [gate; up], silu_mul of it bit for bit, twice (the tickets).
     The first k-step's scales loaded before the PDL wait (early, variant 8), and the scales
@@ -397,7 +397,7 @@ def test_q6k_launch_settings(monkeypatch):
     assert kq._loads(w) == 2  # a weight's decode follows its layout
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "0")
     assert kq._loads(dataclasses.replace(w, hi_spread=True)) == 3
-    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "7")  # Q4_K/Q5_K on 16 rows where <= 2 k-steps
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "7")  # Q4_K on 16 rows where <= 2 k-steps
     assert kq.lane_config(1, dataclasses.replace(q4, n=28672), cuda).block_n == 16
     assert kq.lane_config(1, dataclasses.replace(q4, n=28672, k=14336), cuda).block_n == 8
     assert kq.lane_config(1, dataclasses.replace(w, n=28672), cuda).block_n == 8  # Q6_K
