@@ -290,11 +290,14 @@ def kq_variant() -> int:
     rows a program where a warp has at most 2 k-steps (lane_config); 8 as 7, the first
     k-step's scales loaded before the PDL wait (cfg.early, as the int4 GEMV); 9 as 8, the
     scales loaded without masks where the tiles and k-steps are whole (Q6_K spread, 2 warps:
-    1,034 -> 1,006 instructions a k-step, 163 -> 128 registers, Triton 3.6). The layout
+    1,034 -> 1,006 instructions a k-step, 163 -> 128 registers, Triton 3.6); 10 as 9, the
+    scales early only where lane_config says (one k-step a program; Q6_K: and many row
+    tiles). H100 (KERNEL_NOTES.md, 2026-11-27), mlxrun bench shape:llama3-8b q4_k_m: 6
+    385.6, 9 394.5 tok/s, one call. The layout
     follows the variant at load time; a weight's decode follows its layout."""
     v = os.environ.get("MLXRUN_KQ_VARIANT", "6")
-    if v not in ("0", "1", "2", "3", "4", "5", "6", "7", "8", "9"):
-        raise MlxrunError(f"MLXRUN_KQ_VARIANT={v!r}: use 0 to 9")
+    if v not in ("0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "10"):
+        raise MlxrunError(f"MLXRUN_KQ_VARIANT={v!r}: use 0 to 10")
     return int(v)
 
 
@@ -368,8 +371,16 @@ def lane_config(m: int, w: KQLinear, device, warps: int = 0) -> tk.KernelConfig:
     if per_sm and w.kind != "Q6_K" and tiles >= 8 * sms and _stream_ok(w, warps):
         # the streaming GEMV where each program gets several tiles (the gate/up, the head)
         return tk.KernelConfig("stream", 1, 8, 1, num_warps=warps, per_sm=per_sm)
-    # variant 8: the first k-step's scales loaded before the PDL wait (cfg.early)
-    return tk.KernelConfig("gemv", 1, bn, sk, num_warps=warps, prefetch=False, early=v >= 8)
+    # the first k-step's scales loaded before the PDL wait (cfg.early): variants 8 and 9
+    # everywhere; 10 where a program has one k-step, for Q6_K only where its row tiles are
+    # many (8+ a SM). H100, kq_ab.py, us, 7 (16 rows) -> 8 (+ early): Q4_K 6144x4096 7.9
+    # -> 7.1, 5120x4096 7.6 -> 5.7, 4096x4096 5.7 -> 4.5, 28672x4096 28.6 -> 25.4, but the
+    # down (3.5 k-steps) 14.9 -> 15.3; Q6_K (scales unmasked), without -> with: 28672x4096
+    # 39.7 -> 36.9, but 6144x4096 10.4 -> 11.6, 4096x4096 7.6 -> 8.6
+    early = v in (8, 9)
+    if v >= 10 and math.ceil(ksteps / sk) == 1:
+        early = w.kind != "Q6_K" or tiles >= 8 * sms
+    return tk.KernelConfig("gemv", 1, bn, sk, num_warps=warps, prefetch=False, early=early)
 
 
 def _loads(w: KQLinear) -> int:
@@ -445,7 +456,7 @@ def _lane_gemv(x2, w: KQLinear, y, silu: bool, cfg: tk.KernelConfig | None) -> N
         w.weight.stride(0), KIND=KINDS[w.kind], SPLIT_K=split, KB_PER_SPLIT=per, EVEN=even,
         KW=kw, SW=sw if even else 0, SILU=silu, WARPS=cfg.num_warps, PREFETCH=cfg.prefetch,
         KSC=ks if even else 0, V=_loads(w), HALVES=bn // 8, EARLY=cfg.early and not cfg.prefetch,
-        SCE=even and kq_variant() >= 9,
+        SCE=even and kq_variant() >= 9,  # 9 and 10
         num_warps=cfg.num_warps, **_maxnreg(w, cfg.num_warps),
         **tk.pdl_args(x2.device),
     )  # fmt: skip

@@ -405,6 +405,12 @@ def test_q6k_launch_settings(monkeypatch):
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "8")  # as 7, the first step's scales early
     c = kq.lane_config(1, dataclasses.replace(q4, n=28672), cuda)
     assert c.early and c.block_n == 16 and kq.lane_config(1, w, cuda).early
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "10")  # early: one k-step a program (Q6_K: many)
+    c = kq.lane_config(1, dataclasses.replace(q4, n=28672), cuda)
+    assert c.early and c.block_n == 16
+    assert not kq.lane_config(1, dataclasses.replace(q4, n=4096, k=14336), cuda).early  # down
+    assert kq.lane_config(1, dataclasses.replace(w, n=28672), cuda).early
+    assert not kq.lane_config(1, dataclasses.replace(w, n=6144), cuda).early
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "6")
     assert kq.lane_config(1, dataclasses.replace(q4, n=28672), cuda).block_n == 8
     # kq_ab.py's fN: N warps on any shape
