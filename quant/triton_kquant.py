@@ -283,7 +283,7 @@ def kq_variant() -> int:
     (kquant_lane._q6_bytes: 5.51 -> 4.79 instructions a weight; H100, mlxrun bench
     shape:llama3-8b q6_k 265.9 -> 286.3 tok/s; benchmarks/KERNEL_NOTES.md, 2026-11-27); 5 as
     4, Q6_K's two-warp GEMV of K > 4096 (the down projection) capped at Q6K_MAXNREG too
-    (_maxnreg); 6 (default) as 5, Q6_K laid out at load with hi_spread (hi_shifts) and
+    (_maxnreg); 6 as 5, Q6_K laid out at load with hi_spread (hi_shifts) and
     decoded from it (_loads: V 3, kquant_lane._q6_bytes_spread; 4.79 -> 4.04 instructions a
     weight; H100, kq_ab.py 4096x14336 25.3 -> 21.1 us, 28672x4096 42.9 -> 40.7; mlxrun bench
     shape:llama3-8b q4_k_m 377.8 -> 383.4 / 382.1 tok/s, one call); 7 as 6, Q4_K on 16
@@ -292,10 +292,10 @@ def kq_variant() -> int:
     scales loaded without masks where the tiles and k-steps are whole (Q6_K spread, 2 warps:
     1,034 -> 1,006 instructions a k-step, 163 -> 128 registers, Triton 3.6); 10 as 9, the
     scales early only where lane_config says (one k-step a program; Q6_K: and many row
-    tiles). H100 (KERNEL_NOTES.md, 2026-11-27), mlxrun bench shape:llama3-8b q4_k_m: 6
+    tiles); the default. H100 (KERNEL_NOTES.md, 2026-11-27), mlxrun bench shape:llama3-8b q4_k_m: 6
     385.6, 9 394.5 tok/s, one call. The layout
     follows the variant at load time; a weight's decode follows its layout."""
-    v = os.environ.get("MLXRUN_KQ_VARIANT", "6")
+    v = os.environ.get("MLXRUN_KQ_VARIANT", "10")
     if v not in ("0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "10"):
         raise MlxrunError(f"MLXRUN_KQ_VARIANT={v!r}: use 0 to 10")
     return int(v)

@@ -357,12 +357,13 @@ def test_q6k_launch_settings(monkeypatch):
     blocks a SM) with its register cap; one warp with the previous loads
     (MLXRUN_KQ_VARIANT=0), as many as Q4_K with 2; Q4_K's K <= 4096 on the previous loads
     but where N <= 4096 (3 and later; variant 1: every N; 2: none), Q6_K's codes as
-    byte fields (4); 5 as 4 with Q6_K's two-warp K > 4096 capped; 6 (the default) as 5 with
-    Q6_K laid out spread; a bad variant is one clear error."""
+    byte fields (4); 5 as 4 with Q6_K's two-warp K > 4096 capped; 6 as 5 with
+    Q6_K laid out spread; 7 Q4_K on 16 rows; 8, 9 the scales early; 10 (the default) early
+    where one k-step; a bad variant is one clear error."""
     import dataclasses
 
     monkeypatch.delenv("MLXRUN_KQ_VARIANT", raising=False)
-    assert kq.kq_variant() == 6 and kq.random_kquant("Q6_K", 8, 256, "cpu").hi_spread  # default
+    assert kq.kq_variant() == 10 and kq.random_kquant("Q6_K", 8, 256, "cpu").hi_spread  # default
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "4")  # the previous default: layout as stored
     w = kq.random_kquant("Q6_K", 64, 4096, "cpu")
     q4 = kq.random_kquant("Q4_K", 64, 4096, "cpu")
