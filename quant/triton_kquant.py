@@ -292,8 +292,9 @@ def kq_variant() -> int:
     scales loaded without masks where the tiles and k-steps are whole (Q6_K spread, 2 warps:
     1,034 -> 1,006 instructions a k-step, 163 -> 128 registers, Triton 3.6); 10 as 9, the
     scales early only where lane_config says (one k-step a program; Q6_K: and many row
-    tiles); the default. H100 (KERNEL_NOTES.md, 2026-11-27), mlxrun bench shape:llama3-8b q4_k_m: 6
-    385.6, 9 394.5 tok/s, one call. The layout
+    tiles); the default. mlxrun bench shape:llama3-8b (KERNEL_NOTES.md, 2026-11-27), one
+    call each: H100 q4_k_m 6 385.6, 9 394.5 tok/s; H200 q4_k_m 6 430.3, 10 428.4, q6_k 6
+    339.4, 10 354.4. The layout
     follows the variant at load time; a weight's decode follows its layout."""
     v = os.environ.get("MLXRUN_KQ_VARIANT", "10")
     if v not in ("0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "10"):
