@@ -10,7 +10,8 @@ the L2, one kqmatmul per copy captured in a CUDA graph and replayed; the variant
 within each repetition and the minimum is kept. A variant is MLXRUN_KQ_VARIANT's value, with
 "wN" capping the warps a program at N (triton_launch.GEMV_WARPS) and "rN" the registers a
 thread at N (every warp count; else the shipped cap), a final "p" the next k-step's words
-loaded during this one (prefetch), "xF" the split-K of lane_config times F (a launch sweep). Each output is checked
+loaded during this one (prefetch), "xF" the split-K of lane_config times F, "fN" N warps a
+program whatever the shape (lane_config's warps; a launch sweep), "h" 16 rows a program. Each output is checked
 against x @ the dequantized weight in fp32 (relative to its largest value).
 """
 
@@ -38,21 +39,27 @@ DRY_SHAPES = [(16, 2048), (24, 768)]
 _MAXNREG = kq._maxnreg
 
 
-def _set(variant: str) -> tuple[bool, float]:
+def _set(variant: str) -> tuple[bool, float, int, bool]:
     """'2w2r128p': MLXRUN_KQ_VARIANT=2, at most 2 warps, at most 128 registers a thread,
-    the next k-step's words in flight (prefetch); "x2" twice lane_config's split-K.
-    Returns whether to prefetch and the split-K factor."""
-    m = re.fullmatch(r"(\d)(?:w(\d+))?(?:r(\d+))?(p?)(?:x([\d.]+))?(?:s(\d+))?", variant)
+    the next k-step's words in flight (prefetch); "x2" twice lane_config's split-K; "f2"
+    two warps a program on every shape; "h" 16 rows a program (two halves of 8). Returns
+    whether to prefetch, the split-K factor, the forced warps (0: lane_config's) and
+    whether 16 rows are forced."""
+    m = re.fullmatch(
+        r"(\d)(?:w(\d+))?(?:f(\d+))?(?:r(\d+))?(p?)(h?)(?:x([\d.]+))?(?:s(\d+))?", variant
+    )
     if m is None:
-        raise SystemExit(f"variant {variant!r}: V[wWARPS][rREGS][p][xSPLITFACTOR][sSTREAM]")
+        raise SystemExit(
+            f"variant {variant!r}: V[wWARPS][fWARPS][rREGS][p][h][xSPLITFACTOR][sSTREAM]"
+        )
     os.environ["MLXRUN_KQ_VARIANT"] = m[1]
-    os.environ["MLXRUN_KQ_STREAM"] = m[6] or "0"  # "s3": the stream, 3 programs a SM
+    os.environ["MLXRUN_KQ_STREAM"] = m[8] or "0"  # "s3": the stream, 3 programs a SM
     tch.GEMV_WARPS = int(m[2]) if m[2] else 4
-    if m[3]:
-        kq._maxnreg = lambda w, warps: {"maxnreg": int(m[3])}
+    if m[4]:
+        kq._maxnreg = lambda w, warps: {"maxnreg": int(m[4])}
     else:
         kq._maxnreg = _MAXNREG
-    return m[4] == "p", float(m[5]) if m[5] else 1.0
+    return m[5] == "p", float(m[7]) if m[7] else 1.0, int(m[3] or 0), m[6] == "h"
 
 
 def _regs(out, label: str) -> None:
@@ -90,25 +97,28 @@ def main() -> None:
     for kind in a.kinds.split(","):
         for n, k in shapes:
             w0 = kq.random_kquant(kind, n, k, dev, seed=1)
-            copies = 1 if a.dry else max(1, math.ceil((256 << 20) / w0.nbytes))
+            copies = 1 if a.dry or a.warm else max(1, math.ceil((256 << 20) / w0.nbytes))
             ws = [w0] + [kq.random_kquant(kind, n, k, dev, seed=2 + i) for i in range(copies - 1)]
             x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).bfloat16().to(dev)
             refs = {}  # by Q6_K's layout (hi_spread, variant 6): the same words read two ways
             row = {"kind": kind, "shape": f"{n}x{k}", "mb": w0.nbytes / 1e6, "runs": {}}
             graphs = {}
             for v in variants:
-                pf, fs = _set(v)
+                pf, fs, fw, rows16 = _set(v)
                 sp = kind == "Q6_K" and kq.q6_spread()
                 w0, *_ = wv = [dataclasses.replace(wi, hi_spread=sp) for wi in ws]
                 if sp not in refs:
                     refs[sp] = x.float() @ kq.dequantize_kquant(w0, torch.float32).T
                 ref = refs[sp]
-                cfg = kq.lane_config(1, w0, dev)
+                cfg = kq.lane_config(1, w0, dev, fw)
                 sk = max(1, round(cfg.split_k * fs))
                 cfg = dataclasses.replace(cfg, prefetch=pf or cfg.prefetch, split_k=sk)
+                if rows16:
+                    cfg = dataclasses.replace(cfg, block_n=16)
                 y = kq.kqmatmul(x, w0, cfg)
                 err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
                 row["runs"][v] = {
+                    "rows": cfg.block_n,
                     "warps": cfg.num_warps,
                     "split": cfg.split_k,
                     "err": err,
@@ -145,7 +155,7 @@ def main() -> None:
             for v, r in row["runs"].items():
                 t = min(r["us"]) if r["us"] else float("nan")
                 gbs = w0.nbytes / t / 1e3 if r["us"] else float("nan")
-                parts.append(f"v{v} w{r['warps']} s{r['split']} {t:.1f} us {gbs:.0f} GB/s "
+                parts.append(f"v{v} w{r['warps']} s{r['split']} r{r['rows']} {t:.1f} us {gbs:.0f} GB/s "
                              f"err {r['err']:.1e}")  # fmt: skip
             print(f"{kind} {row['shape']} ({row['mb']:.1f} MB): " + " | ".join(parts), flush=True)
             results.append(row)

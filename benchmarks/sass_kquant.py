@@ -39,7 +39,7 @@ assert os.path.samefile(os.path.dirname(kq.__file__), os.path.join(mlxrun.__path
 
 
 def compile_gemv(kind: str, warps: int, n=4096, k=4096, x="bf16", silu=False, prefetch=True,
-                 variant=1, maxnreg=0):  # fmt: skip
+                 variant=1, maxnreg=0, halves=1, early=False, sce=False):  # fmt: skip
     fn = kk._kq_lane_gemv_kernel
     sw = kq._shapes(kind, n, k)["weight"][1]
     ks = k // (16 if kind == "Q6_K" else 32)
@@ -48,7 +48,8 @@ def compile_gemv(kind: str, warps: int, n=4096, k=4096, x="bf16", silu=False, pr
                 b_ptr="*fp16", y_ptr=f"*{x}", part_ptr="*fp32", cnt_ptr="*i32")  # fmt: skip
     params = dict(M=1, KIND=kq.KINDS[kind], SPLIT_K=1, KB_PER_SPLIT=8, EVEN=True, KW=k // 8,
                   SW=sw, PDL=True, SILU=silu, WARPS=warps, PREFETCH=prefetch,
-                  KSC=ks, V=variant)  # fmt: skip
+                  KSC=ks, V=variant, HALVES=halves, EARLY=early and not prefetch,
+                  SCE=sce)  # fmt: skip
     opts = {"maxnreg": maxnreg} if maxnreg else {}
     return compile_sm90(fn, ptrs, params, ints, num_warps=warps, num_stages=1, **opts)
 
@@ -112,6 +113,9 @@ def main() -> None:
     ap.add_argument("--variant", type=int, default=1, help="the GEMV's V (0: the old loads)")
     ap.add_argument("--maxnreg", type=int, default=0, help="register cap (0: none)")
     ap.add_argument("--prefetch", default="1,0", help="prefetch settings to compile")
+    ap.add_argument("--rows", type=int, default=8, help="rows a program: 8 or 16 (no prefetch)")
+    ap.add_argument("--early", action="store_true", help="first step's scales before the wait")
+    ap.add_argument("--sce", action="store_true", help="scales loaded without masks (variant 9)")
     a = ap.parse_args()
     if a.gemm:
         for kind in a.kinds.split(","):
@@ -134,16 +138,17 @@ def main() -> None:
         # 8 whole k-steps of 32 weights a lane: with KS a constant (KSC) the compiler sees
         # steps past K as masked, so K must hold them
         c = compile_gemv(kind, warps, k=8192 * warps, prefetch=pf, variant=a.variant,
-                         maxnreg=a.maxnreg)  # fmt: skip
+                         maxnreg=a.maxnreg, halves=a.rows // 8, early=a.early,
+                         sce=a.sce)  # fmt: skip
         sass, res = sass_of(c)
         body = main_loop(parse(sass))
-        per_step = len(body) / (2 if pf else 1)  # prefetch: two k-steps an iteration
+        per_step = len(body) / (2 if pf else 1) / (a.rows // 8)  # a k-step of 8 rows
         regs = re.search(r"REG:(\d+)", res).group(1)
         spill = int(re.search(r"STACK:(\d+)", res).group(1)) + int(
             re.search(r"LOCAL:(\d+)", res).group(1)
         )
         mode = "" if pf else ", no prefetch"
-        print(f"{kind} 8 rows, {warps} warps{mode}: {len(body)} loop instructions, "
+        print(f"{kind} {a.rows} rows, {warps} warps{mode}: {len(body)} loop instructions, "
               f"{per_step / 256:.2f} a weight, {regs} registers, {spill} B spilled")  # fmt: skip
         if a.hist:
             print(" ", opcode_histogram(body))

@@ -250,9 +250,79 @@ if triton is not None:
         return x0, x1, x2, x3
 
     @triton.jit
+    def _lane_scales(kb, lane, lane_s, rn, n_mask, s_ptr, b_ptr, KS, KIND: tl.constexpr,
+                     LANES: tl.constexpr, V: tl.constexpr, EVEN: tl.constexpr = False):  # fmt: skip
+        """The scales of k-step kb, [8, LANES] each: Q6_K the lane's two int8 sc as one
+        uint16 (widened) and d of their super-block (fp32); Q4_K/Q5_K (sc, m) of its
+        sub-block as one uint16 (widened) and (d, dmin) of its super-block as one word.
+        EVEN (whole row tiles and k-steps): unmasked; sm_90 SASS (Triton 3.6), Q6_K spread on 2 warps: 1,034 -> 1,006 instructions a
+        k-step, 163 -> 128 registers (the masks' predicates held per row and lane)."""
+        if KIND == 2:
+            # int8 sc of the lane's two sub-blocks of 16, d of their super-block
+            s0 = (kb * LANES + lane) * 2  # the first of the two
+            sbk = s0 // 16  # super-block (16 sub-blocks)
+            s16 = s_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
+            if V >= 1:
+                # [LANES, 8] then transposed: the lanes get the threads (see _lane_hi)
+                sp = s16 + rn[None, :] * (KS // 2) + (s0 // 2)[:, None]
+                dp = b_ptr + rn[None, :] * (KS // 16) + sbk[:, None]
+                if EVEN:
+                    sab = tl.load(sp)
+                    d = tl.load(dp)
+                else:
+                    smt = n_mask[None, :] & (s0 < KS)[:, None]
+                    sab = tl.load(sp, mask=smt, other=0)
+                    d = tl.load(dp, mask=smt, other=0.0)
+                sab = tl.trans(sab).to(tl.uint32)
+                d = tl.trans(d).to(tl.float32)
+            else:
+                sp = s16 + rn[:, None] * (KS // 2) + (s0 // 2)[None, :]
+                dp = b_ptr + rn[:, None] * (KS // 16) + sbk[None, :]
+                if EVEN:
+                    sab = tl.load(sp)
+                    d = tl.load(dp)
+                else:
+                    smask = n_mask[:, None] & (s0 < KS)[None, :]
+                    sab = tl.load(sp, mask=smask, other=0)
+                    d = tl.load(dp, mask=smask, other=0.0)
+                sab = sab.to(tl.uint32)
+                d = d.to(tl.float32)
+            return sab, d
+        else:
+            # (sc, m) of the sub-block as one uint16, (d, dmin) of its super-block as one
+            # word: 8 rows x 2 loads a lane per 256 weights
+            sub_s = kb * LANES + lane_s
+            s16 = s_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
+            b32 = b_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+            if V >= 1:  # [LANES, 8] then transposed: the lanes get the threads (_lane_hi)
+                sp = s16 + rn[None, :] * KS + sub_s[:, None]
+                dp = b32 + rn[None, :] * (KS // 8) + (sub_s // 8)[:, None]
+                if EVEN:
+                    scm = tl.load(sp)
+                    dd = tl.load(dp)
+                else:
+                    smt = n_mask[None, :] & (sub_s < KS)[:, None]
+                    scm = tl.load(sp, mask=smt, other=0)
+                    dd = tl.load(dp, mask=smt, other=0)
+                scm = tl.trans(scm)
+                dd = tl.trans(dd)
+            else:
+                sp = s16 + rn[:, None] * KS + sub_s[None, :]
+                dp = b32 + rn[:, None] * (KS // 8) + (sub_s // 8)[None, :]
+                if EVEN:
+                    scm = tl.load(sp)
+                    dd = tl.load(dp)
+                else:
+                    smask = n_mask[:, None] & (sub_s < KS)[None, :]
+                    scm = tl.load(sp, mask=smask, other=0)
+                    dd = tl.load(dp, mask=smask, other=0)
+            return scm.to(tl.uint32), dd
+
+    @triton.jit
     def _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr, b_ptr, KS,
                    KIND: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr,
-                   V: tl.constexpr = 1):  # fmt: skip
+                   V: tl.constexpr = 1, sc0=0, sc1=0, EARLY: tl.constexpr = False,
+                   SCE: tl.constexpr = False):  # fmt: skip
         """One k-step of _kq_lane_gemv_kernel: acc [8, LANES] += lane l's 32 weights of each
         row (low nibbles: 4 words of wa [8, 4*LANES]; high bits: ha from _lane_hi) times x,
         with its sub-blocks' scales. The low-nibble plane is in the affine int4 order of
@@ -260,7 +330,8 @@ if triton is not None:
         triton_kernels' GEMV functions, unchanged. Q4_K, Q5_K: dot * d*sc - dmin*m * sum(x);
         Q6_K, per sub-block of 16: (dot - 32 sum(x)) * d*sc, x by _lane_x4, its two int8 sc
         as one uint16 load. Q4_K/Q5_K's scale offsets come from lane_s (the kernel's opaque
-        copy of lane)."""
+        copy of lane). EARLY: the scales are sc0, sc1 (_lane_scales), loaded by the caller
+        before its PDL wait. SCE: the scales loaded without masks (_lane_scales' EVEN)."""
         TWO: tl.constexpr = KIND == 2  # Q6_K: words 0, 1 and 2, 3 are two sub-blocks
         w0, w1, w2, w3 = tg._gemv_words(wa, LANES)
         if KIND != 0:
@@ -301,24 +372,12 @@ if triton is not None:
             z3 = z3 - 16.0 * y3
             p, pb = tg._gemv_fma(p, pb, w0, w1, w2, w3, y0, y1, y2, y3, 6, 0, 4, TWO)
             p, pb = tg._gemv_fma(p, pb, w0, w1, w2, w3, z0, z1, z2, z3, 7, 0, 4, TWO)
+        if not EARLY:  # else sc0, sc1: this step's, loaded by the caller
+            sc0, sc1 = _lane_scales(kb, lane, lane_s, rn, n_mask, s_ptr, b_ptr, KS, KIND, LANES, V,
+                                    SCE)  # fmt: skip
         if KIND == 2:
-            # int8 sc of the lane's two sub-blocks of 16, d of their super-block
-            s0 = (kb * LANES + lane) * 2  # the first of the two
-            sbk = s0 // 16  # super-block (16 sub-blocks)
-            s16 = s_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
-            if V >= 1:
-                # [LANES, 8] then transposed: the lanes get the threads (see _lane_hi)
-                smt = n_mask[None, :] & (s0 < KS)[:, None]
-                sab = tl.load(s16 + rn[None, :] * (KS // 2) + (s0 // 2)[:, None], mask=smt, other=0)
-                sab = tl.trans(sab).to(tl.uint32)
-                d = tl.load(b_ptr + rn[None, :] * (KS // 16) + sbk[:, None], mask=smt, other=0.0)
-                d = tl.trans(d).to(tl.float32)
-            else:
-                smask = n_mask[:, None] & (s0 < KS)[None, :]
-                sab = tl.load(s16 + rn[:, None] * (KS // 2) + (s0 // 2)[None, :], mask=smask,
-                              other=0).to(tl.uint32)  # fmt: skip
-                d = tl.load(b_ptr + rn[:, None] * (KS // 16) + sbk[None, :], mask=smask, other=0.0)
-                d = d.to(tl.float32)
+            sab = sc0
+            d = sc1
             # two int8 sc as one uint16; int8 c + 128 into the mantissa of 2^23: exact
             sa = (((sab & 0xFF) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
             sb = (((sab >> 8) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
@@ -326,23 +385,8 @@ if triton is not None:
                 acc + (p - 32.0 * xs_a[None, :]) * (d * sa) + (pb - 32.0 * xs_b[None, :]) * (d * sb)
             )
         else:
-            # (sc, m) of the sub-block as one uint16, (d, dmin) of its super-block as one
-            # word: 8 rows x 2 loads a lane per 256 weights
-            sub_s = kb * LANES + lane_s
-            s16 = s_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
-            b32 = b_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
-            if V >= 1:  # [LANES, 8] then transposed: the lanes get the threads (_lane_hi)
-                smt = n_mask[None, :] & (sub_s < KS)[:, None]
-                scm = tl.trans(tl.load(s16 + rn[None, :] * KS + sub_s[:, None], mask=smt, other=0))
-                dd = tl.load(b32 + rn[None, :] * (KS // 8) + (sub_s // 8)[:, None], mask=smt,
-                             other=0)  # fmt: skip
-                dd = tl.trans(dd)
-            else:
-                smask = n_mask[:, None] & (sub_s < KS)[None, :]
-                scm = tl.load(s16 + rn[:, None] * KS + sub_s[None, :], mask=smask, other=0)
-                dd = tl.load(b32 + rn[:, None] * (KS // 8) + (sub_s // 8)[None, :], mask=smask,
-                             other=0)  # fmt: skip
-            scm = scm.to(tl.uint32)
+            scm = sc0
+            dd = sc1
             d = (dd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
             dmin = (dd >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
             # 6-bit integers into the mantissa of 2^23: exact, no int->float conversion
@@ -352,12 +396,40 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _lane_rows(pid_n, N, H: tl.constexpr, HALVES: tl.constexpr, SILU: tl.constexpr):
+        """Rows of half H (8 rows) of tile pid_n of HALVES halves: with SILU (W = [gate; up])
+        its rows 0-3 are gate rows, 4-7 their up rows."""
+        r8 = tl.arange(0, 8)
+        if SILU:
+            return pid_n * (4 * HALVES) + 4 * H + r8 % 4 + (r8 // 4) * (N // 2)
+        return pid_n * (8 * HALVES) + 8 * H + r8
+
+    @triton.jit
+    def _lane_out(acc, y_ptr, part_ptr, cnt_ptr, m, pid_n, pid_k, rn, M, N, stride_ym,
+                  H: tl.constexpr, HALVES: tl.constexpr, SPLIT_K: tl.constexpr,
+                  SILU: tl.constexpr):  # fmt: skip
+        """Half H's rows summed over the lanes, written (split-K: through the partials; its
+        ticket is that of 8-row tile HALVES * tile + H)."""
+        out = tl.sum(acc, axis=1) * 562949953421312.0  # [8]: undo the decode's 2^-49
+        tile = (m * tl.num_programs(1) + pid_n) * HALVES + H
+        if SILU:
+            g, u = tl.split(tl.trans(tl.reshape(out, [2, 4])))  # rows 0-3 gate, 4-7 up
+            rg = pid_n * (4 * HALVES) + 4 * H + tl.arange(0, 4)
+            tg._silu_epilogue(g, u, y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr, rg,
+                              rg + N // 2, N, M * N, tile, pid_k, SPLIT_K)  # fmt: skip
+        else:
+            tk._splitk_epilogue(out[None, :], y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr,
+                                tl.arange(0, 1), rn, 1, N, 0, M * N, tile, pid_k,
+                                SPLIT_K)  # fmt: skip
+
+    @triton.jit
     def _kq_lane_gemv_kernel(
         x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, KS, stride_xm, stride_ym,
         stride_w, KIND: tl.constexpr, SPLIT_K: tl.constexpr, KB_PER_SPLIT: tl.constexpr,
         EVEN: tl.constexpr, KW: tl.constexpr, SW: tl.constexpr = 0, PDL: tl.constexpr = False,
         SILU: tl.constexpr = False, WARPS: tl.constexpr = 1, PREFETCH: tl.constexpr = True,
-        KSC: tl.constexpr = 0, V: tl.constexpr = 1,
+        KSC: tl.constexpr = 0, V: tl.constexpr = 1, HALVES: tl.constexpr = 1,
+        EARLY: tl.constexpr = False, SCE: tl.constexpr = False,
     ):  # fmt: skip
         """K-quant GEMV, y[m, N] = x[m, K] @ W^T for one row m of x, laid out as
         triton_kernels._gemv_kernel (read its docstring): 8 rows a program, WARPS warps,
@@ -367,7 +439,12 @@ if triton is not None:
         SILU (W = [gate; up]): rows 0-3 of a tile are gate rows, 4-7 their up rows, and
         y = silu(gate) * up. KS: sub-blocks a row; KW: low-nibble words a row (K/8);
         SW: the row stride in words as a constant (EVEN), or 0 (stride_w); KSC: KS as a
-        constant, or 0.
+        constant, or 0. HALVES=2: 16 rows a program, two halves of 8 as above (_lane_rows)
+        that share each k-step's x loads and decode (one code path, the compiler merges the
+        two halves' identical x work); without PREFETCH only. EARLY (without PREFETCH): the
+        first k-step's scales loaded with its words, before the PDL wait, as the int4
+        GEMV's (else a program of one k-step ends on their DRAM round trip). SCE (EVEN
+        only): the scales loaded without masks.
         The scale products d*sc and dmin*m are exact in fp32 (an 11-bit significand times
         a 6- or 8-bit integer)."""
         LANES: tl.constexpr = 32 * WARPS
@@ -382,12 +459,10 @@ if triton is not None:
             ksn = KSC
         else:
             ksn = KS
-        r8 = tl.arange(0, 8)
-        if SILU:
-            rn = pid_n * 4 + r8 % 4 + (r8 // 4) * (N // 2)
-        else:
-            rn = pid_n * 8 + r8
+        rn = _lane_rows(pid_n, N, 0, HALVES, SILU)
         n_mask = rn < N
+        rn1 = _lane_rows(pid_n, N, HALVES - 1, HALVES, SILU)  # rn where HALVES == 1 (unused)
+        n_mask1 = rn1 < N
         rkw = tl.arange(0, 4 * LANES)
         lane = tl.arange(0, LANES)
         # Q4_K/Q5_K's scale offsets, opaque to Triton's contiguity analysis (times a runtime
@@ -401,6 +476,7 @@ if triton is not None:
             x_pair0 = (lane * 16)[:, None] + tl.arange(0, 2)[None, :]
         x_base = x_ptr + m * stride_xm
         acc = tl.zeros([8, LANES], dtype=tl.float32)
+        acc1 = tl.zeros([8, LANES], dtype=tl.float32)
         kb0 = pid_k * KB_PER_SPLIT
         kb_last = kb0 + KB_PER_SPLIT - 1
         # the low-nibble words are the first KW of a row: _load_step's mask (k < row
@@ -410,10 +486,28 @@ if triton is not None:
         if KIND != 0:
             ha = _lane_hi(w_ptr, rn, n_mask, rkw, lane_s, kb0, swn, KW, ksn, KIND, EVEN, LANES,
                           V)  # fmt: skip
+        if HALVES == 2:
+            wa1 = tg._load_step(w_ptr, rn1, n_mask1, rkw, kb0, swn, EVEN, 0, LANES)
+            ha1 = wa1
+            if KIND != 0:
+                ha1 = _lane_hi(w_ptr, rn1, n_mask1, rkw, lane_s, kb0, swn, KW, ksn, KIND, EVEN,
+                               LANES, V)  # fmt: skip
+        sc0 = 0
+        sc1 = 0
+        sd0 = 0
+        sd1 = 0
+        if EARLY:
+            sc0, sc1 = _lane_scales(kb0, lane, lane_s, rn, n_mask, s_ptr, b_ptr, ksn, KIND, LANES,
+                                    V, SCE)  # fmt: skip
+            if HALVES == 2:
+                sd0, sd1 = _lane_scales(kb0, lane, lane_s, rn1, n_mask1, s_ptr, b_ptr, ksn, KIND,
+                                        LANES, V, SCE)  # fmt: skip
         if PDL:  # the weights do not depend on the previous kernel; x does
             tlc.gdc_wait()
             tlc.gdc_launch_dependents()
         if PREFETCH:
+            tl.static_assert(HALVES == 1, "16 rows a program: without prefetch only")
+            tl.static_assert(not EARLY, "the first step's scales early: without prefetch only")
             # two k-steps an iteration, each one's words loaded a step ahead (no register copies)
             for j in range(0, KB_PER_SPLIT // 2):
                 kb = kb0 + 2 * j
@@ -423,20 +517,24 @@ if triton is not None:
                     hb = _lane_hi(w_ptr, rn, n_mask, rkw, lane_s, kb + 1, swn, KW, ksn, KIND, EVEN,
                                   LANES, V)  # fmt: skip
                 acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr,
-                                 b_ptr, ksn, KIND, EVEN, LANES, V)  # fmt: skip
+                                 b_ptr, ksn, KIND, EVEN, LANES, V, 0, 0, False, SCE)  # fmt: skip
                 kn = tl.minimum(kb + 2, kb_last)  # past the last step: reload it, never used
                 wa = tg._load_step(w_ptr, rn, n_mask, rkw, kn, swn, EVEN, 0, LANES)
                 if KIND != 0:
                     ha = _lane_hi(w_ptr, rn, n_mask, rkw, lane_s, kn, swn, KW, ksn, KIND, EVEN,
                                   LANES, V)  # fmt: skip
                 acc = _lane_step(acc, wb, hb, kb + 1, x_base, x_pair0, lane, lane_s, rn, n_mask,
-                                 s_ptr, b_ptr, ksn, KIND, EVEN, LANES, V)  # fmt: skip
+                                 s_ptr, b_ptr, ksn, KIND, EVEN, LANES, V, 0, 0, False, SCE)  # fmt: skip
             if KB_PER_SPLIT % 2 == 1:
                 acc = _lane_step(acc, wa, ha, kb_last, x_base, x_pair0, lane, lane_s, rn, n_mask,
-                                 s_ptr, b_ptr, ksn, KIND, EVEN, LANES, V)  # fmt: skip
+                                 s_ptr, b_ptr, ksn, KIND, EVEN, LANES, V, 0, 0, False, SCE)  # fmt: skip
         else:  # each step's words loaded in the step: fewer registers, more resident warps
             acc = _lane_step(acc, wa, ha, kb0, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr,
-                             b_ptr, ksn, KIND, EVEN, LANES, V)  # fmt: skip
+                             b_ptr, ksn, KIND, EVEN, LANES, V, sc0, sc1, EARLY, SCE)  # fmt: skip
+            if HALVES == 2:
+                acc1 = _lane_step(acc1, wa1, ha1, kb0, x_base, x_pair0, lane, lane_s, rn1,
+                                  n_mask1, s_ptr, b_ptr, ksn, KIND, EVEN, LANES, V, sd0, sd1,
+                                  EARLY, SCE)  # fmt: skip
             for j in range(1, KB_PER_SPLIT):
                 kb = kb0 + j
                 wa = tg._load_step(w_ptr, rn, n_mask, rkw, kb, swn, EVEN, 0, LANES)
@@ -444,16 +542,19 @@ if triton is not None:
                     ha = _lane_hi(
                         w_ptr, rn, n_mask, rkw, lane_s, kb, swn, KW, ksn, KIND, EVEN, LANES, V
                     )
+                if HALVES == 2:  # both halves' words in flight before either computes
+                    wa1 = tg._load_step(w_ptr, rn1, n_mask1, rkw, kb, swn, EVEN, 0, LANES)
+                    if KIND != 0:
+                        ha1 = _lane_hi(w_ptr, rn1, n_mask1, rkw, lane_s, kb, swn, KW, ksn, KIND,
+                                       EVEN, LANES, V)  # fmt: skip
                 acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr,
-                                 b_ptr, ksn, KIND, EVEN, LANES, V)  # fmt: skip
-        out = tl.sum(acc, axis=1) * 562949953421312.0  # [8]: undo the decode's 2^-49
-        tile = m * tl.num_programs(1) + pid_n
-        if SILU:
-            g, u = tl.split(tl.trans(tl.reshape(out, [2, 4])))  # rows 0-3 gate, 4-7 up
-            rg = pid_n * 4 + tl.arange(0, 4)
-            tg._silu_epilogue(g, u, y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr, rg,
-                              rg + N // 2, N, M * N, tile, pid_k, SPLIT_K)  # fmt: skip
-        else:
-            tk._splitk_epilogue(out[None, :], y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr,
-                                tl.arange(0, 1), rn, 1, N, 0, M * N, tile, pid_k,
-                                SPLIT_K)  # fmt: skip
+                                 b_ptr, ksn, KIND, EVEN, LANES, V, 0, 0, False, SCE)  # fmt: skip
+                if HALVES == 2:
+                    acc1 = _lane_step(acc1, wa1, ha1, kb, x_base, x_pair0, lane, lane_s, rn1,
+                                      n_mask1, s_ptr, b_ptr, ksn, KIND, EVEN, LANES, V, 0, 0,
+                                      False, SCE)  # fmt: skip
+        _lane_out(acc, y_ptr, part_ptr, cnt_ptr, m, pid_n, pid_k, rn, M, N, stride_ym, 0, HALVES,
+                  SPLIT_K, SILU)  # fmt: skip
+        if HALVES == 2:
+            _lane_out(acc1, y_ptr, part_ptr, cnt_ptr, m, pid_n, pid_k, rn1, M, N, stride_ym, 1,
+                      HALVES, SPLIT_K, SILU)  # fmt: skip

@@ -283,14 +283,22 @@ def kq_variant() -> int:
     (kquant_lane._q6_bytes: 5.51 -> 4.79 instructions a weight; H100, mlxrun bench
     shape:llama3-8b q6_k 265.9 -> 286.3 tok/s; benchmarks/KERNEL_NOTES.md, 2026-11-27); 5 as
     4, Q6_K's two-warp GEMV of K > 4096 (the down projection) capped at Q6K_MAXNREG too
-    (_maxnreg); 6 (default) as 5, Q6_K laid out at load with hi_spread (hi_shifts) and
+    (_maxnreg); 6 as 5, Q6_K laid out at load with hi_spread (hi_shifts) and
     decoded from it (_loads: V 3, kquant_lane._q6_bytes_spread; 4.79 -> 4.04 instructions a
     weight; H100, kq_ab.py 4096x14336 25.3 -> 21.1 us, 28672x4096 42.9 -> 40.7; mlxrun bench
-    shape:llama3-8b q4_k_m 377.8 -> 383.4 / 382.1 tok/s, one call). The layout follows the
-    variant at load time; a weight's decode follows its layout."""
-    v = os.environ.get("MLXRUN_KQ_VARIANT", "6")
-    if v not in ("0", "1", "2", "3", "4", "5", "6"):
-        raise MlxrunError(f"MLXRUN_KQ_VARIANT={v!r}: use 0, 1, 2, 3, 4, 5 or 6")
+    shape:llama3-8b q4_k_m 377.8 -> 383.4 / 382.1 tok/s, one call); 7 as 6, Q4_K on 16
+    rows a program where a warp has at most 2 k-steps (lane_config); 8 as 7, the first
+    k-step's scales loaded before the PDL wait (cfg.early, as the int4 GEMV); 9 as 8, the
+    scales loaded without masks where the tiles and k-steps are whole (Q6_K spread, 2 warps:
+    1,034 -> 1,006 instructions a k-step, 163 -> 128 registers, Triton 3.6); 10 as 9, the
+    scales early only where lane_config says (one k-step a program; Q6_K: and many row
+    tiles); the default. mlxrun bench shape:llama3-8b (KERNEL_NOTES.md, 2026-11-27), one
+    call each: H100 q4_k_m 6 385.6, 9 394.5 tok/s; H200 q4_k_m 6 430.3, 10 428.4, q6_k 6
+    339.4, 10 354.4. The layout
+    follows the variant at load time; a weight's decode follows its layout."""
+    v = os.environ.get("MLXRUN_KQ_VARIANT", "10")
+    if v not in ("0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "10"):
+        raise MlxrunError(f"MLXRUN_KQ_VARIANT={v!r}: use 0 to 10")
     return int(v)
 
 
@@ -306,16 +314,17 @@ def _maxnreg(w: KQLinear, warps: int) -> dict:
     return {}
 
 
-def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
+def lane_config(m: int, w: KQLinear, device, warps: int = 0) -> tk.KernelConfig:
     """Launch parameters of the K-quant GEMV (_kq_lane_gemv_kernel), as
     triton_kernels.choose_config picks them for an int4 weight of the same shape at 8 rows a
     program (the same low-nibble words a row, read the same way; its H100 sweep is in that
     function): up to GEMV_WARPS warps splitting each row's words, split K until ~6 warps a
     SM run, into a divisor of the k-steps where one is near, and at most 4 serial k-steps
-    where the row blocks are few."""
+    where the row blocks are few. warps > 0 (benchmarks/kq_ab.py's launch sweep): that many
+    warps a program wherever a row holds a k-step of them, the rest of the rule as it is."""
     sms = tk._num_sms(device)
     kw = w.k // 8
-    warps = 1
+    force, warps = warps, 1
     # Q6_K: with the loads built lanes-first (kq_variant 1) several warps a row, except the
     # head-sized (64+ row blocks a SM: one warp, 4 k-steps a program); 2 warps where N <=
     # 4096. H200, us, one warp (previous loads) -> this (kq_ab.py, KERNEL_NOTES 2026-11-26):
@@ -330,6 +339,10 @@ def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
     elif w.kind == "Q6_K" and v == 0 and not w.hi_spread:
         top = 1
     while warps < top and 256 * warps <= kw:
+        warps *= 2
+    while force and warps > force:
+        warps //= 2
+    while warps < force and 256 * warps <= 2 * kw:
         warps *= 2
     ksteps = math.ceil(kw / (128 * warps))
     sk = tk._split(tiles * warps, ksteps, sms, 6.0)
@@ -349,11 +362,26 @@ def lane_config(m: int, w: KQLinear, device) -> tk.KernelConfig:
     # instructions a weight, against 255 registers, 128 B spilled, 5.57 with them (SASS for
     # sm_90, benchmarks/sass_kquant.py); Q4_K on the H100 is as fast or faster without (4096x14336 20.9 -> 17.3 us,
     # 4096x4096 5.9 -> 5.6, the others within 0.1)
+    # 16 rows a program (two halves sharing x's loads and decode), as the int4 GEMV takes
+    # them where a warp has at most 2 k-steps: variant 7, Q4_K only (sm_90, Triton 3.6, 4
+    # warps: 96 -> 168 registers; Q5_K 162 -> 255, Q6_K spills)
+    bn = 8
+    if v >= 7 and w.kind == "Q4_K" and warps > 1 and ksteps <= 2 and w.n % 16 == 0:
+        bn = 16
     per_sm = kq_stream_per_sm()
     if per_sm and w.kind != "Q6_K" and tiles >= 8 * sms and _stream_ok(w, warps):
         # the streaming GEMV where each program gets several tiles (the gate/up, the head)
         return tk.KernelConfig("stream", 1, 8, 1, num_warps=warps, per_sm=per_sm)
-    return tk.KernelConfig("gemv", 1, 8, sk, num_warps=warps, prefetch=False)
+    # the first k-step's scales loaded before the PDL wait (cfg.early): variants 8 and 9
+    # everywhere; 10 where a program has one k-step, for Q6_K only where its row tiles are
+    # many (8+ a SM). H100, kq_ab.py, us, 7 (16 rows) -> 8 (+ early): Q4_K 6144x4096 7.9
+    # -> 7.1, 5120x4096 7.6 -> 5.7, 4096x4096 5.7 -> 4.5, 28672x4096 28.6 -> 25.4, but the
+    # down (3.5 k-steps) 14.9 -> 15.3; Q6_K (scales unmasked), without -> with: 28672x4096
+    # 39.7 -> 36.9, but 6144x4096 10.4 -> 11.6, 4096x4096 7.6 -> 8.6
+    early = v in (8, 9)
+    if v >= 10 and math.ceil(ksteps / sk) == 1:
+        early = w.kind != "Q6_K" or tiles >= 8 * sms
+    return tk.KernelConfig("gemv", 1, bn, sk, num_warps=warps, prefetch=False, early=early)
 
 
 def _loads(w: KQLinear) -> int:
@@ -416,16 +444,20 @@ def _lane_gemv(x2, w: KQLinear, y, silu: bool, cfg: tk.KernelConfig | None) -> N
     split = math.ceil(ksteps / per)  # no empty splits
     sw = _shapes(w.kind, w.n, w.k)["weight"][1]
     dense = w.weight.stride(0) == sw and w.scales.is_contiguous() and w.biases.is_contiguous()
-    even = dense and w.n % 8 == 0 and kw == step * per * split
-    tiles = math.ceil(w.n / 8)  # with silu: 4 gate rows and their 4 up rows a tile
+    bn = cfg.block_n  # 8, or 16 (two halves of 8) without prefetch and with whole tiles
+    if bn != 8 and (cfg.prefetch or w.n % 16):
+        bn = 8
+    even = dense and w.n % bn == 0 and kw == step * per * split
+    tiles = math.ceil(w.n / bn)  # with silu: bn/2 gate rows and their up rows a tile
     part = torch.empty((split, m, w.n), dtype=torch.float32, device=x2.device) if split > 1 else y
-    cnt = tk._counters(x2.device, m * tiles) if split > 1 else y
+    cnt = tk._counters(x2.device, m * tiles * (bn // 8)) if split > 1 else y
     ks = w.k // gb.KQUANTS[w.kind][1]
     kk._kq_lane_gemv_kernel[(m, tiles, split)](
         x2, w.weight, w.scales, w.biases, y, part, cnt, m, w.n, ks, x2.stride(0), y.stride(0),
         w.weight.stride(0), KIND=KINDS[w.kind], SPLIT_K=split, KB_PER_SPLIT=per, EVEN=even,
         KW=kw, SW=sw if even else 0, SILU=silu, WARPS=cfg.num_warps, PREFETCH=cfg.prefetch,
-        KSC=ks if even else 0, V=_loads(w),
+        KSC=ks if even else 0, V=_loads(w), HALVES=bn // 8, EARLY=cfg.early and not cfg.prefetch,
+        SCE=even and kq_variant() >= 9,  # 9 and 10
         num_warps=cfg.num_warps, **_maxnreg(w, cfg.num_warps),
         **tk.pdl_args(x2.device),
     )  # fmt: skip
@@ -515,8 +547,10 @@ def kqmatmul(
         cfg = None
         if config is not None:  # a KQConfig's (or KernelConfig's) split, warps, prefetch
             pf = getattr(config, "prefetch", w.kind != "Q6_K")
+            bn = config.block_n if isinstance(config, tk.KernelConfig) else 8
+            early = getattr(config, "early", False)
             cfg = tk.KernelConfig(
-                "gemv", 1, 8, config.split_k, num_warps=config.num_warps, prefetch=pf
+                "gemv", 1, bn, config.split_k, num_warps=config.num_warps, prefetch=pf, early=early
             )
             if getattr(config, "kernel", "") == "stream":
                 cfg = config

@@ -228,6 +228,7 @@ def test_q4k_lane_gemv_scale_loads(v, monkeypatch):
         (16, 8, 1, 1, torch.float32, False, "4"),
         (20, 6, 2, 2, torch.bfloat16, False, "6"),
         (16, 8, 1, 1, torch.float32, True, "6"),
+        (16, 8, 1, 2, torch.bfloat16, True, "9"),
     ],
     ids=[
         "1warp-split2",
@@ -239,6 +240,7 @@ def test_q4k_lane_gemv_scale_loads(v, monkeypatch):
         "byte-fields-1warp-fp32",
         "spread-2warps-masked-split2",
         "spread-1warp-fp32-silu",
+        "spread-unmasked-scales-2warps-silu",
     ],  # fmt: skip
 )
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -248,12 +250,14 @@ def test_q6k_lane_gemv(n, nb, sk, nw, dtype, silu, v, monkeypatch):
     with row and K masks (20 rows, 3 or 6 super-blocks), split-K and the SiLU epilogue:
     the dequantized product, and silu_mul of it bit for bit; also the previous loads
     (MLXRUN_KQ_VARIANT=0, kept for A/B timing), the codes decoded as byte fields (4) and
-    from the high words laid out spread (6)."""
+    from the high words laid out spread (6), its scales loaded without masks (9, whole
+    tiles and k-steps)."""
     from mlxrun.backends import cuda_ops
 
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", v)
     w, ref = _case("Q6_K", n, nb, seed=31)
-    assert w.hi_spread == (v == "6") and kq._loads(w) == {"0": 0, "4": 2, "6": 3}.get(v, 1)
+    spread = v in ("6", "9")
+    assert w.hi_spread == spread and kq._loads(w) == {"0": 0, "4": 2, "6": 3, "9": 3}.get(v, 1)
     x = torch.randn(1, w.k, generator=torch.Generator().manual_seed(6)).to(dtype)
     cfg = tk.KernelConfig("gemv", 1, 8, sk, num_warps=nw, prefetch=False)
     y = kq.kqmatmul(x.to(DEV), w, cfg)
@@ -261,6 +265,44 @@ def test_q6k_lane_gemv(n, nb, sk, nw, dtype, silu, v, monkeypatch):
     if silu:
         want = cuda_ops.silu_mul(y[:, : n // 2], y[:, n // 2 :])
         assert torch.equal(kq.kqmatmul(x.to(DEV), w, cfg, silu=True), want)
+
+
+@pytest.mark.parametrize(
+    "kind,n,nb,sk,nw,dtype",
+    [
+        ("Q4_K", 32, 8, 1, 2, torch.bfloat16),
+        ("Q5_K", 48, 3, 2, 2, torch.float32),
+        ("Q6_K", 32, 6, 2, 2, torch.bfloat16),
+    ],
+    ids=["q4k-2warps-silu", "q5k-masked-split2-fp32", "q6k-spread-masked-split2"],
+)
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+def test_lane_gemv_16_rows(kind, n, nb, sk, nw, dtype, monkeypatch):
+    """16 rows a program (two halves of 8 sharing x, MLXRUN_KQ_VARIANT=7's Q4_K gate/up,
+    q/k/v and o; any kind through a config): the dequantized product, and the 8-row GEMV's output bit for bit
+    (each half computes as an 8-row tile), with K masks (3 or 6 super-blocks) and split-K;
+    with SiLU on the joint [gate; up], silu_mul of it bit for bit, twice (the tickets).
+    The first k-step's scales loaded before the PDL wait (early, variant 8), and the scales
+    loaded without masks where the tiles and k-steps are whole (9): the same bits."""
+    import dataclasses
+
+    from mlxrun.backends import cuda_ops
+
+    w, ref = _case(kind, n, nb, seed=41)
+    x = torch.randn(1, w.k, generator=torch.Generator().manual_seed(8)).to(dtype).to(DEV)
+    c8 = tk.KernelConfig("gemv", 1, 8, sk, num_warps=nw, prefetch=False)
+    c16 = tk.KernelConfig("gemv", 1, 16, sk, num_warps=nw, prefetch=False)
+    y = kq.kqmatmul(x, w, c16)
+    _check(y, x.cpu(), ref)
+    assert torch.equal(y, kq.kqmatmul(x, w, c8))
+    for c in (c8, c16):
+        assert torch.equal(y, kq.kqmatmul(x, w, dataclasses.replace(c, early=True)))
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "9")
+    assert torch.equal(y, kq.kqmatmul(x, w, c16))
+    if sk == 1:
+        want = cuda_ops.silu_mul(y[:, : n // 2], y[:, n // 2 :])
+        for _ in range(2):
+            assert torch.equal(kq.kqmatmul(x, w, c16, silu=True), want)
 
 
 @pytest.mark.parametrize(
@@ -315,12 +357,13 @@ def test_q6k_launch_settings(monkeypatch):
     blocks a SM) with its register cap; one warp with the previous loads
     (MLXRUN_KQ_VARIANT=0), as many as Q4_K with 2; Q4_K's K <= 4096 on the previous loads
     but where N <= 4096 (3 and later; variant 1: every N; 2: none), Q6_K's codes as
-    byte fields (4); 5 as 4 with Q6_K's two-warp K > 4096 capped; 6 (the default) as 5 with
-    Q6_K laid out spread; a bad variant is one clear error."""
+    byte fields (4); 5 as 4 with Q6_K's two-warp K > 4096 capped; 6 as 5 with
+    Q6_K laid out spread; 7 Q4_K on 16 rows; 8, 9 the scales early; 10 (the default) early
+    where one k-step; a bad variant is one clear error."""
     import dataclasses
 
     monkeypatch.delenv("MLXRUN_KQ_VARIANT", raising=False)
-    assert kq.kq_variant() == 6 and kq.random_kquant("Q6_K", 8, 256, "cpu").hi_spread  # default
+    assert kq.kq_variant() == 10 and kq.random_kquant("Q6_K", 8, 256, "cpu").hi_spread  # default
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "4")  # the previous default: layout as stored
     w = kq.random_kquant("Q6_K", 64, 4096, "cpu")
     q4 = kq.random_kquant("Q4_K", 64, 4096, "cpu")
@@ -355,6 +398,27 @@ def test_q6k_launch_settings(monkeypatch):
     assert kq._loads(w) == 2  # a weight's decode follows its layout
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "0")
     assert kq._loads(dataclasses.replace(w, hi_spread=True)) == 3
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "7")  # Q4_K on 16 rows where <= 2 k-steps
+    assert kq.lane_config(1, dataclasses.replace(q4, n=28672), cuda).block_n == 16
+    assert kq.lane_config(1, dataclasses.replace(q4, n=28672, k=14336), cuda).block_n == 8
+    assert kq.lane_config(1, dataclasses.replace(w, n=28672), cuda).block_n == 8  # Q6_K
+    assert not kq.lane_config(1, q4, cuda).early
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "8")  # as 7, the first step's scales early
+    c = kq.lane_config(1, dataclasses.replace(q4, n=28672), cuda)
+    assert c.early and c.block_n == 16 and kq.lane_config(1, w, cuda).early
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "10")  # early: one k-step a program (Q6_K: many)
+    c = kq.lane_config(1, dataclasses.replace(q4, n=28672), cuda)
+    assert c.early and c.block_n == 16
+    assert not kq.lane_config(1, dataclasses.replace(q4, n=4096, k=14336), cuda).early  # down
+    assert kq.lane_config(1, dataclasses.replace(w, n=28672), cuda).early
+    assert not kq.lane_config(1, dataclasses.replace(w, n=6144), cuda).early
+    monkeypatch.setenv("MLXRUN_KQ_VARIANT", "6")
+    assert kq.lane_config(1, dataclasses.replace(q4, n=28672), cuda).block_n == 8
+    # kq_ab.py's fN: N warps on any shape
+    head = dataclasses.replace(w, n=128256)
+    assert [kq.lane_config(1, head, cuda, f).num_warps for f in (0, 2, 4)] == [1, 2, 4]
+    assert kq.lane_config(1, dataclasses.replace(w, n=6144), cuda, 1).num_warps == 1
+    assert kq.lane_config(1, dataclasses.replace(w, k=512), cuda, 4).num_warps == 1  # 1 k-step
     monkeypatch.setenv("MLXRUN_KQ_VARIANT", "x")
     with pytest.raises(kq.MlxrunError, match="MLXRUN_KQ_VARIANT"):
         kq.lane_config(1, w, cuda)
