@@ -66,7 +66,9 @@ SPECS = [
 def config_for(spec: str, m: int, w, sms: int):
     """The KernelConfig choose_config gives x [m, K] @ W^T under launch `spec` on `sms` SMs."""
     saved = launch.SMALL_M_GEMM, launch.SMALL_M_GEMM_64, launch._num_sms
-    launch.SMALL_M_GEMM = launch.SMALL_M_GEMM_64 = launch._small_m_gemm(spec)
+    parts = spec.split("/")  # "M32/M64": a launch for each, as MLXRUN_SMALL_M_GEMM takes
+    launch.SMALL_M_GEMM = launch._small_m_gemm(parts[0])
+    launch.SMALL_M_GEMM_64 = launch._small_m_gemm(parts[-1])
     launch._num_sms = lambda device: sms
     try:
         cfg = launch.choose_config(m, w, types.SimpleNamespace(type="cuda"), torch.bfloat16)

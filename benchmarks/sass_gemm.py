@@ -167,7 +167,8 @@ def main():
                     "128,4,4,2,1,0,3 for the persistent GEMM at 3 programs a SM")  # fmt: skip
     a = ap.parse_args()
     if a.spec:
-        launch.SMALL_M_GEMM = launch.SMALL_M_GEMM_64 = launch._small_m_gemm(a.spec)
+        launch.SMALL_M_GEMM = launch._small_m_gemm(a.spec.split("/")[0])
+        launch.SMALL_M_GEMM_64 = launch._small_m_gemm(a.spec.split("/")[-1])
     extra = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in a.const}
     extra = {k: bool(v) if k in ("PACKED", "EVEN_N", "EVEN_K") else v for k, v in extra.items()}
     tk = importlib.import_module(a.module)

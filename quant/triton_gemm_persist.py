@@ -182,32 +182,55 @@ def _gemm_persist_kernel(
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
 
 
-def persist_grid(m: int, w, cfg, sms: int) -> tuple[int, int, int]:
+def persist_grid(m: int, w, cfg, sms: int, fit: int = 0) -> tuple[int, int, int]:
     """(programs, KS, C) of the persistent GEMM for x [m, K] @ W^T (w a QLinear, or anything
     with its n, k, group_size) under cfg (a "gemm" KernelConfig with persist > 0):
-    cfg.persist programs a SM, but none with fewer than cfg.min_steps k-steps (a short run
-    is mostly its partial's store and sum); KS the k-steps a tile; C the most programs one
-    tile's k-steps fall to (the partials' slots)."""
+    cfg.persist programs a SM, at most `fit` (the programs a SM holds, where known), and
+    none with fewer than cfg.min_steps k-steps (a short run is mostly its partial's store
+    and sum); KS the k-steps a tile; C the most programs one tile's k-steps fall to (the
+    partials' slots)."""
     ks = math.ceil(w.k / (cfg.ng * w.group_size))
     iters = math.ceil(m / cfg.block_m) * math.ceil(w.n / cfg.block_n) * ks
-    progs = max(1, min(cfg.persist * sms, iters // max(1, cfg.min_steps)))
+    per_sm = min(cfg.persist, fit) if fit else cfg.persist
+    progs = max(1, min(per_sm * sms, iters // max(1, cfg.min_steps)))
     run = iters // progs  # every run has run or run + 1 iterations
     return progs, ks, min(progs, (ks + run - 1) // run + 1)
+
+
+# Programs a SM that the compiled kernel's registers and shared memory allow, by launch
+# (read from the first launch's kernel): a run queued behind the resident ones would double
+# the time (M = 64 takes ~190 registers, 2 a SM, where M = 32 takes ~140, 3 a SM)
+_FIT: dict = {}
+
+
+def _fit(kernel, warps: int, device) -> int:
+    """Programs of `kernel` (Triton's compiled kernel; 0 where unknown) one SM holds: 64K
+    registers allocated 256 a warp at a time, its shared memory plus 1 KB reserved a block."""
+    regs = getattr(kernel, "n_regs", 0) if kernel is not None else 0
+    if not regs or device.type != "cuda":
+        return 0
+    by_regs = 65536 // (-(-regs * 32 // 256) * 256 * warps)
+    smem = getattr(_launch._props(device), "shared_memory_per_multiprocessor", 233472)
+    by_smem = smem // (kernel.metadata.shared + 1024)
+    return max(1, min(by_regs, by_smem, 2048 // (32 * warps)))
 
 
 def launch_persist(x2, w, y, cfg, consts: dict, launch_args: dict) -> None:
     """Run _gemm_persist_kernel for x2 [m, K] (contiguous rows) @ W^T into y [m, N].
     consts: the format's constexprs (MODE, BITS, G, UPCAST, PACKED); launch_args: PDL's."""
     m = x2.shape[0]
-    progs, ks, slots = persist_grid(m, w, cfg, _launch._num_sms(x2.device))
+    key = (x2.device, cfg, w.n, w.k, w.group_size, *consts.values())
+    progs, ks, slots = persist_grid(m, w, cfg, _launch._num_sms(x2.device), _FIT.get(key, 0))
     tiles = math.ceil(m / cfg.block_m) * math.ceil(w.n / cfg.block_n)
     part = torch.empty((slots, m, w.n), dtype=torch.float32, device=x2.device) if slots > 1 else y
     cnt = _counters(x2.device, tiles) if slots > 1 else y
     biases = w.biases if w.biases is not None else w.scales
-    _gemm_persist_kernel[(progs,)](
+    kernel = _gemm_persist_kernel[(progs,)](
         x2, w.weight, w.scales, biases, y, part, cnt, m, w.n, w.k, x2.stride(0), y.stride(0),
         w.weight.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NG=cfg.ng, KS=ks, SLOTS=slots,
         EVEN_N=w.n % cfg.block_n == 0, EVEN_K=w.k == ks * cfg.ng * w.group_size,
         L2_PF=cfg.l2_prefetch, **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_args,
     )  # fmt: skip
+    if key not in _FIT:
+        _FIT[key] = _fit(kernel, cfg.num_warps, x2.device)

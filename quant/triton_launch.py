@@ -57,12 +57,15 @@ def _small_m_gemm(spec: str) -> tuple:
 # 32 layers' GEMMs and the head against the previous 128,4,4,2,1,0): M = 32 0.891x with
 # 256-input steps in 3 stages and 2 steps prefetched, M = 64 0.953x with the old launch
 # and 4 steps prefetched (256-input steps lost there, 1.045x). MLXRUN_SMALL_M_GEMM (the
-# six, comma-separated; "128,4,4,2,1,0" the previous launch) overrides both for A/B timing.
+# numbers, comma-separated; "128,4,4,2,1,0" the previous launch) overrides both for A/B
+# timing, or each with two launches "M32/M64" (e.g. the persistent GEMM at 3 and 2 programs
+# a SM: "128,4,4,2,1,0,3/128,4,4,2,1,0,2").
 # In the model those lost: H100 `bench --batch 32 --prompt-tokens 1024`, the same call,
 # 5,879.3 tok/s with 128,4,4,2,1,0 against 5,665.0 with them, so both stay at it.
 _SMALL_M_ENV = os.environ.get("MLXRUN_SMALL_M_GEMM")
-SMALL_M_GEMM = _small_m_gemm(_SMALL_M_ENV or "128,4,4,2,1,0")
-SMALL_M_GEMM_64 = _small_m_gemm(_SMALL_M_ENV or "128,4,4,2,1,0")
+_SMALL_M_SPECS = (_SMALL_M_ENV or "128,4,4,2,1,0").split("/")
+SMALL_M_GEMM = _small_m_gemm(_SMALL_M_SPECS[0])
+SMALL_M_GEMM_64 = _small_m_gemm(_SMALL_M_SPECS[-1])
 # Load a k-step's scales with its words (KernelConfig.early) where choose_config says;
 # MLXRUN_GEMV_EARLY=0 loads them after the FMAs, as before (for A/B timing)
 GEMV_EARLY = os.environ.get("MLXRUN_GEMV_EARLY", "1") != "0"
