@@ -82,7 +82,8 @@ def gemm_params(tk, mode, bits, g, n, k, m, sms=132):
 
         w = types.SimpleNamespace(n=n, k=k, group_size=g)
         slots = persist_grid(m, w, cfg, sms)[2]
-        params.update(KS=ksteps, SLOTS=slots, EVEN_K=k % (cfg.ng * g) == 0, L2_PF=cfg.l2_prefetch)
+        params.update(KS=ksteps, SLOTS=slots, EVEN_K=k % (cfg.ng * g) == 0, L2_PF=cfg.l2_prefetch,
+                      ONE_M=m <= cfg.block_m)  # fmt: skip
     return params, cfg
 
 

@@ -113,17 +113,18 @@ def _gemm_persist_kernel(
     EVEN_K: tl.constexpr = False,
     PDL: tl.constexpr = False,
     L2_PF: tl.constexpr = 0,
+    ONE_M: tl.constexpr = False,
 ):
     """y[M, N] = x[M, K] @ W^T, W tiles of BLOCK_N rows as wgmma's register operand (acc is
     y^T [BLOCK_N, BLOCK_M]); KS k-steps of NG groups a tile; program p of P runs iterations
     [p * ITERS // P, (p + 1) * ITERS // P) of ITERS = tiles * KS, tile-major. Tiles: the x
-    row tiles fastest (one at M <= BLOCK_M). EVEN_K: K is KS whole k-steps."""
+    row tiles fastest (ONE_M: M <= BLOCK_M, one). EVEN_K: K is KS whole k-steps."""
     EPW: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = G // EPW
     BK: tl.constexpr = NG * G
     pid = tl.program_id(0)
     P = tl.num_programs(0)
-    num_m = tl.cdiv(M, BLOCK_M)
+    num_m = 1 if ONE_M else tl.cdiv(M, BLOCK_M)  # (no division by it in the loop)
     ITERS = num_m * tl.cdiv(N, BLOCK_N) * KS
     start = pid * ITERS // P
     end = (pid + 1) * ITERS // P
@@ -229,7 +230,7 @@ def launch_persist(x2, w, y, cfg, consts: dict, launch_args: dict) -> None:
         x2, w.weight, w.scales, biases, y, part, cnt, m, w.n, w.k, x2.stride(0), y.stride(0),
         w.weight.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NG=cfg.ng, KS=ks, SLOTS=slots,
         EVEN_N=w.n % cfg.block_n == 0, EVEN_K=w.k == ks * cfg.ng * w.group_size,
-        L2_PF=cfg.l2_prefetch, **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        L2_PF=cfg.l2_prefetch, ONE_M=m <= cfg.block_m, **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_args,
     )  # fmt: skip
     if key not in _FIT:
