@@ -7,13 +7,10 @@ min over reps; every launch's output checked against x @ the dequantized weight 
     python3 benchmarks/gemm_smallm.py --warm 128,4,4,2,1   # compile one launch's kernels only
     TRITON_INTERPRET=1 python3 benchmarks/gemm_smallm.py --dry   # CPU: small shapes, no timing
 
-A launch is triton_launch.SMALL_M_GEMM's numbers,
-"BLOCK_N,warps,stages,groups,waves[,l2[,persist[,min_steps]]]" (the form MLXRUN_SMALL_M_GEMM
-takes): W rows a program, warps, pipeline stages, groups of G inputs a k-step (at least 128
-inputs), split-K to that many waves of programs, k-steps of weights prefetched into L2
-before the PDL wait (0: none), and for the persistent GEMM (triton_gemm_persist.py) its
-programs a SM (0: the one-shot launch; waves is then unused) and the fewest k-steps a
-program runs (default 8). The step
+A launch is triton_launch.SMALL_M_GEMM's numbers, "BLOCK_N,warps,stages,groups,waves[,l2]"
+(the form MLXRUN_SMALL_M_GEMM takes): W rows a program, warps, pipeline stages, groups of G
+inputs a k-step (at least 128 inputs), split-K to that many waves of programs, k-steps
+of weights prefetched into L2 before the PDL wait (0: none). The step
 estimate is 32 x (the four layer shapes) + the head, as in an 8B decode step's GEMMs.
 Two reference rows take the place of a launch: "gemv1", the batch-1 GEMV (choose_config's
 launch for one row) on the same weights, and "copy", a device copy of as many bytes as the
@@ -66,9 +63,7 @@ SPECS = [
 def config_for(spec: str, m: int, w, sms: int):
     """The KernelConfig choose_config gives x [m, K] @ W^T under launch `spec` on `sms` SMs."""
     saved = launch.SMALL_M_GEMM, launch.SMALL_M_GEMM_64, launch._num_sms
-    parts = spec.split("/")  # "M32/M64": a launch for each, as MLXRUN_SMALL_M_GEMM takes
-    launch.SMALL_M_GEMM = launch._small_m_gemm(parts[0])
-    launch.SMALL_M_GEMM_64 = launch._small_m_gemm(parts[-1])
+    launch.SMALL_M_GEMM = launch.SMALL_M_GEMM_64 = launch._small_m_gemm(spec)
     launch._num_sms = lambda device: sms
     try:
         cfg = launch.choose_config(m, w, types.SimpleNamespace(type="cuda"), torch.bfloat16)
@@ -120,9 +115,8 @@ def warm(spec: str, ms, shapes, sms: int) -> None:
             try:
                 if spec == "gemv1":
                     tk.qmatmul(x[:1], w)
-                else:  # twice: a persistent launch's second call has its programs capped
-                    for _ in range(2):  # by what the first one's kernel lets a SM hold
-                        tk.qmatmul(x, w, config_for(spec, m, w, sms))
+                else:
+                    tk.qmatmul(x, w, config_for(spec, m, w, sms))
             except Exception as e:  # reported again by the timing run
                 print(f"{spec} M={m} {n}x{k}: {type(e).__name__} {str(e)[:120]}")
         torch.cuda.synchronize()

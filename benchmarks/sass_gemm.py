@@ -75,23 +75,11 @@ def gemm_params(tk, mode, bits, g, n, k, m, sms=132):
         params["PDL"] = True  # as launched on an H100 (Triton 3.3+)
     if "L2_PF" in tk._gemm_kernel.arg_names:
         params["L2_PF"] = min(cfg.l2_prefetch, per)
-    if getattr(cfg, "persist", 0):  # the persistent form (triton_gemm_persist.py)
-        for key in ("SPLIT_K", "KB_PER_SPLIT", "GROUP_M", "SWAP"):
-            del params[key]
-        from mlxrun.quant.triton_gemm_persist import persist_grid
-
-        w = types.SimpleNamespace(n=n, k=k, group_size=g)
-        slots = persist_grid(m, w, cfg, sms)[2]
-        params.update(KS=ksteps, SLOTS=slots, EVEN_K=k % (cfg.ng * g) == 0, L2_PF=cfg.l2_prefetch,
-                      ONE_M=m <= cfg.block_m)  # fmt: skip
     return params, cfg
 
 
 def compile_gemm(tk, params, cfg, n, k, m, x_dtype="bf16"):
-    if "KS" in params:
-        from mlxrun.quant.triton_gemm_persist import _gemm_persist_kernel as fn
-    else:
-        fn = tk._gemm_kernel
+    fn = tk._gemm_kernel
     ints = {"M": m, "N": n, "K": k, "stride_xm": k, "stride_ym": n,
             "stride_wn": k * params["BITS"] // 32}  # fmt: skip
     sdt = "bf16" if params["MODE"] == 0 else "u8"
@@ -123,8 +111,8 @@ def stats(tk, name, n, k, m, dump=None, hist=False, extra=None):
     elems = params["BLOCK_N"] * bk / (32 * cfg.num_warps)  # weight elements per thread per step
     row = dict(
         fmt=name,
-        tile=f"{params['BLOCK_M']}x{params['BLOCK_N']}x{bk}{' swap' if cfg.swap else ''}",
-        split=params.get("SPLIT_K", f"p{cfg.persist}"),
+        tile=f"{params['BLOCK_M']}x{params['BLOCK_N']}x{bk}{' swap' if params['SWAP'] else ''}",
+        split=params["SPLIT_K"],
         loop=len(body),
         per_elem=len(body) / elems,
         regs=int(re.search(r"REG:(\d+)", res).group(1)),
@@ -163,13 +151,7 @@ def main():
         help="NAME=INT constexpr override, e.g. PACKED=0 (the fp32 per-element path), "
         "BLOCK_N=256, num_warps=8",
     )
-    ap.add_argument("--spec", default=None,
-                    help="the batched-decode launch (MLXRUN_SMALL_M_GEMM's form), e.g. "
-                    "128,4,4,2,1,0,3 for the persistent GEMM at 3 programs a SM")  # fmt: skip
     a = ap.parse_args()
-    if a.spec:
-        launch.SMALL_M_GEMM = launch._small_m_gemm(a.spec.split("/")[0])
-        launch.SMALL_M_GEMM_64 = launch._small_m_gemm(a.spec.split("/")[-1])
     extra = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in a.const}
     extra = {k: bool(v) if k in ("PACKED", "EVEN_N", "EVEN_K") else v for k, v in extra.items()}
     tk = importlib.import_module(a.module)

@@ -71,7 +71,6 @@ if triton is not None:
     from .triton_decode import _split_sum as _split_sum
     from .triton_decode import _splitk_epilogue as _splitk_epilogue
     from .triton_gemm import _gemm_kernel
-    from .triton_gemm_persist import launch_persist
     from .triton_gemv import _gemv_kernel
     from .triton_gemv_stream import _gemv_stream_kernel
 
@@ -164,11 +163,6 @@ def qmatmul(
         tiles = math.ceil(w.n / cfg.block_n)  # with silu: gate rows and their up rows a tile
         grid = (m, tiles, split)
         kern = _gemv_kernel
-    elif cfg.persist and cfg.swap:
-        consts = dict(MODE=_MODE_ID[w.mode], BITS=w.bits, G=w.group_size,
-                      UPCAST=x.device.type != "cuda", PACKED=_packed_gemm(w, x.dtype))  # fmt: skip
-        launch_persist(x2, w, y, cfg, consts, pdl_args(x.device))
-        return y.reshape(*lead, y.shape[-1])
     else:
         ksteps = math.ceil(w.k / (cfg.ng * w.group_size))
         per = math.ceil(ksteps / cfg.split_k)

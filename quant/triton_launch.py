@@ -40,14 +40,11 @@ GEMV_WARPS = int(os.environ.get("MLXRUN_GEMV_WARPS", "4"))
 
 
 def _small_m_gemm(spec: str) -> tuple:
-    """Parse "BLOCK_N,warps,stages,groups,waves[,l2[,persist[,min_steps]]]" (SMALL_M_GEMM's
-    eight) into numbers."""
+    """Parse "BLOCK_N,warps,stages,groups,waves[,l2]" (SMALL_M_GEMM's six) into numbers."""
     v = spec.split(",")
     bn, warps, stages, ng, waves = v[:5]
     l2 = int(v[5]) if len(v) > 5 else 0
-    persist = int(v[6]) if len(v) > 6 else 0
-    min_steps = int(v[7]) if len(v) > 7 else 8
-    return int(bn), int(warps), int(stages), int(ng), float(waves), l2, persist, min_steps
+    return int(bn), int(warps), int(stages), int(ng), float(waves), l2
 
 
 # The batched-decode GEMM (4 < M <= 32, and 32 < M <= 64): W rows a tile, warps, stages,
@@ -57,15 +54,12 @@ def _small_m_gemm(spec: str) -> tuple:
 # 32 layers' GEMMs and the head against the previous 128,4,4,2,1,0): M = 32 0.891x with
 # 256-input steps in 3 stages and 2 steps prefetched, M = 64 0.953x with the old launch
 # and 4 steps prefetched (256-input steps lost there, 1.045x). MLXRUN_SMALL_M_GEMM (the
-# numbers, comma-separated; "128,4,4,2,1,0" the previous launch) overrides both for A/B
-# timing, or each with two launches "M32/M64" (e.g. the persistent GEMM at 3 and 2 programs
-# a SM: "128,4,4,2,1,0,3/128,4,4,2,1,0,2").
+# six, comma-separated; "128,4,4,2,1,0" the previous launch) overrides both for A/B timing.
 # In the model those lost: H100 `bench --batch 32 --prompt-tokens 1024`, the same call,
 # 5,879.3 tok/s with 128,4,4,2,1,0 against 5,665.0 with them, so both stay at it.
 _SMALL_M_ENV = os.environ.get("MLXRUN_SMALL_M_GEMM")
-_SMALL_M_SPECS = (_SMALL_M_ENV or "128,4,4,2,1,0").split("/")
-SMALL_M_GEMM = _small_m_gemm(_SMALL_M_SPECS[0])
-SMALL_M_GEMM_64 = _small_m_gemm(_SMALL_M_SPECS[-1])
+SMALL_M_GEMM = _small_m_gemm(_SMALL_M_ENV or "128,4,4,2,1,0")
+SMALL_M_GEMM_64 = _small_m_gemm(_SMALL_M_ENV or "128,4,4,2,1,0")
 # Load a k-step's scales with its words (KernelConfig.early) where choose_config says;
 # MLXRUN_GEMV_EARLY=0 loads them after the FMAs, as before (for A/B timing)
 GEMV_EARLY = os.environ.get("MLXRUN_GEMV_EARLY", "1") != "0"
@@ -164,11 +158,6 @@ class KernelConfig:
     seq: bool = False  # GEMV, 16 rows: each k-step's two 8-row halves one after the other
     early: bool = False  # GEMV: each k-step's scales loaded with its words
     ahead: bool = False  # stream: the next tile's words issued before the last k-step's FMAs
-    # gemm (swapped, M <= 64): this many programs a SM, each an equal run of the (tile,
-    # k-step) iterations (triton_gemm_persist.py; 0: the one-shot split-K launch), none with
-    # fewer than min_steps k-steps
-    persist: int = 0
-    min_steps: int = 8
 
 
 def _split(n_tiles: int, ksteps: int, sms: int, waves: float) -> int:
@@ -415,9 +404,7 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
         # and x's rows its narrow side, split K to about one wave. Measured at M = 32 on the
         # 8B shapes (profile_decode.py --linears): 0.6x the time of the 128x128 tiles.
         # The split divides the k-steps where it can (no k masks in the loop: EVEN_K).
-        bn, warps, stages, ng, waves, l2, persist, min_steps = (
-            SMALL_M_GEMM if m <= 32 else SMALL_M_GEMM_64
-        )
+        bn, warps, stages, ng, waves, l2 = SMALL_M_GEMM if m <= 32 else SMALL_M_GEMM_64
         bm = 32 if m <= 32 else 64
         # at least 128 inputs a step, at most 256 where that takes more than 2 groups (g128
         # keeps 2 groups, so the scale loads are 4 bytes, async; sm_90 registers, no spills)
@@ -425,8 +412,7 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
         ksteps = math.ceil(w.k / (ng * g))
         tiles = math.ceil(m / bm) * math.ceil(w.n / bn)
         sk = _split_even(tiles, ksteps, sms, waves)
-        return KernelConfig("gemm", bm, bn, sk, ng, warps, stages, swap=True, l2_prefetch=l2,
-                            persist=persist, min_steps=min_steps)  # fmt: skip
+        return KernelConfig("gemm", bm, bn, sk, ng, warps, stages, swap=True, l2_prefetch=l2)
     elif w.mode == "affine" and w.bits == 4:
         # measured best for g64 (0.81x the time); with bf16 x the swap puts the packed decode
         # straight into wgmma's register operand (no shared-memory round trip), any g

@@ -198,48 +198,6 @@ def test_small_m_gemm_launches_as_an_h100_runs_them(monkeypatch, spec, m):
     assert y.shape == (m, n) and rel_err(y.cpu(), x.double() @ torch.from_numpy(ref).T) < 1e-2
 
 
-@pytest.mark.parametrize(
-    "spec,m,sms,fmt,dtype",
-    [
-        ("128,4,3,2,1,0,2,2", 32, 3, 1, torch.bfloat16),
-        ("128,4,3,2,1,0,3,1", 8, 2, 1, torch.float16),
-        ("128,4,4,2,1,0,2,3", 64, 1, 6, torch.bfloat16),
-        ("128,4,3,2,1,0,2,2", 40, 2, 1, torch.bfloat16),
-    ],
-    ids=["int4-m32", "int4-fp16-m8", "mxfp4-m64", "int4-two-row-tiles"],
-)
-def test_persistent_small_m_gemm(monkeypatch, spec, m, sms, fmt, dtype):
-    """The persistent batched-decode GEMM (triton_gemm_persist.py: the 7th and 8th numbers of
-    MLXRUN_SMALL_M_GEMM) against the float64 decoder: N = 264 (a partial 128-row tile),
-    K = 576 (4.5 k-steps of 128 inputs, the last masked) or 512, programs whose runs cross
-    tile boundaries so that tiles are summed from 2-3 programs' partials and others written
-    by one; M = 8 (masked rows), 32, 64, and 40 in row tiles of 32 (two); twice, equal (the
-    tickets reset, the sum's order is fixed); the packed bf16x2 decode and fp16's."""
-    import mlxrun.quant.triton_launch as launch
-    from mlxrun.quant.triton_gemm_persist import persist_grid
-
-    mode, bits, group_size = FORMATS[fmt]
-    monkeypatch.setattr(launch, "SMALL_M_GEMM", launch._small_m_gemm(spec))
-    monkeypatch.setattr(launch, "SMALL_M_GEMM_64", launch._small_m_gemm(spec))
-    monkeypatch.setattr(launch, "_num_sms", lambda device: sms)  # the launch's too
-    gen = torch.Generator().manual_seed(m)
-    n, k = 264, 576 if mode == "affine" else 512
-    w, s, b = random_packed(n, k, mode, bits, group_size, gen)
-    sn = s.float().numpy() if mode == "affine" else s.numpy()
-    ref = ref_dequant(w.numpy(), sn, None if b is None else b.float().numpy(), mode, bits,
-                      group_size)  # fmt: skip
-    q = tk.prepare(w.to(DEV), s.to(DEV), None if b is None else b.to(DEV), mode, bits, group_size)
-    cfg = tk.choose_config(m, q, types.SimpleNamespace(type="cuda"), dtype)
-    if m == 40:  # x rows in two tiles of 32
-        cfg = dataclasses.replace(cfg, block_m=32)
-    progs, ks, slots = persist_grid(m, q, cfg, sms)
-    assert cfg.persist and cfg.swap and slots > 1 and progs > 1
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    y = tk.qmatmul(x.to(DEV), q, cfg)
-    assert y.shape == (m, n) and rel_err(y.cpu(), x.double() @ torch.from_numpy(ref).T) < 1e-2
-    assert torch.equal(tk.qmatmul(x.to(DEV), q, cfg), y)
-
-
 @LONG_ON_CPU
 @pytest.mark.parametrize(
     "mode,bits,group_size", [FORMATS[1], FORMATS[6], FORMATS[8]], ids=["int4", "mxfp4", "mxfp8"]
