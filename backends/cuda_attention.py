@@ -335,6 +335,12 @@ class AttnLaunch:
     combine_warps: int = 1
     combine_chunk: int = 64
     fp8_f16: bool | None = None  # fp8 dots in float16; None: where q is bf16 / float16
+    # at least this many splits for a bf16 / float16 / float32 cache: at batch 64 (8 kv heads,
+    # 512 programs) per_sm alone gives one split; two were 5.2% faster in the 8B int4 decode
+    # step (H200, context 1024, benchmarks/attn_loop_ab.py: 7.016 against 7.401 ms, 5
+    # rounds each). Batch 32 already takes two (one, per_sm=1, lost: +4.7%). min_splits=1
+    # gives the previous launch (for A/B timing)
+    min_splits: int = 2
     # one split and no sinks: the attention kernel writes the output, no combine launch
     # (which at batch 64, context 1024, 8B shape, took 0.73 ms a step: one split already);
     # MLXRUN_ATTN_DIRECT=0 keeps the combine (for A/B timing)
@@ -400,6 +406,8 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
     blocks = triton.cdiv(S, BL)
     per_sm = launch.per_sm_quant if quant else launch.per_sm
     want = max(1, min(blocks, triton.cdiv(per_sm * _num_sms(q.device), B * NKV)))
+    if not quant:
+        want = max(want, min(blocks, launch.min_splits))
     per = triton.cdiv(blocks, want) * BL
     splits = triton.cdiv(S, per)
     q = q if q.stride(-1) == 1 else q.contiguous()
