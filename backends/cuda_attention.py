@@ -13,6 +13,7 @@ Without a GPU they run under TRITON_INTERPRET=1, which is how the tests check th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import torch
@@ -23,6 +24,7 @@ from mlxrun.backends.cuda_rope import _QUANT_ID, _rope_args, _rope_new_token, _r
 from mlxrun.backends.cuda_rope import _rope_qkv_kernel as _rope_qkv_kernel
 from mlxrun.backends.cuda_rope import rope_qkv as rope_qkv
 from mlxrun.backends.torch_kv import QuantKV
+from mlxrun.errors import MlxrunError
 from mlxrun.quant.triton_gemm import _l2_prefetch
 from mlxrun.quant.triton_kernels import _l2_bytes, _num_sms, pdl_args, tlc
 
@@ -333,6 +335,12 @@ class AttnLaunch:
     combine_warps: int = 1
     combine_chunk: int = 64
     fp8_f16: bool | None = None  # fp8 dots in float16; None: where q is bf16 / float16
+    # at least this many splits for a bf16 / float16 / float32 cache: at batch 64 (8 kv heads,
+    # 512 programs) per_sm alone gives one split; two were 5.2% faster in the 8B int4 decode
+    # step (H200, context 1024, benchmarks/attn_loop_ab.py: 7.016 against 7.401 ms, 5
+    # rounds each). Batch 32 already takes two (one, per_sm=1, lost: +4.7%). min_splits=1
+    # gives the previous launch (for A/B timing)
+    min_splits: int = 2
     # one split and no sinks: the attention kernel writes the output, no combine launch
     # (which at batch 64, context 1024, 8B shape, took 0.73 ms a step: one split already);
     # MLXRUN_ATTN_DIRECT=0 keeps the combine (for A/B timing)
@@ -351,8 +359,23 @@ class AttnLaunch:
         return cls(**kw)
 
 
+@functools.cache
+def _env_launch() -> AttnLaunch:
+    """The model's launch: the default, or MLXRUN_ATTN_LAUNCH's fields (AttnLaunch.from_spec,
+    e.g. "per_sm=1": one split at batch 32 and the 8B shape's 8 kv heads, so no combine),
+    read at the first call (for A/B timing in the model)."""
+    spec = os.environ.get("MLXRUN_ATTN_LAUNCH", "")
+    try:
+        return AttnLaunch.from_spec(spec)
+    except (ValueError, TypeError):
+        raise MlxrunError(
+            f"MLXRUN_ATTN_LAUNCH={spec!r} is not NAME=INT fields of AttnLaunch joined by ',' "
+            "(e.g. per_sm=1,stages=4); unset it for the default"
+        ) from None
+
+
 def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
-                     launch: AttnLaunch = AttnLaunch(), rope=None) -> torch.Tensor:  # fmt: skip
+                     launch: AttnLaunch | None = None, rope=None) -> torch.Tensor:  # fmt: skip
     """Attention of one new token per sequence: q (B, NH, 1, D) against k, v (B, NKV, S, D)
     (GQA: query head h reads kv head h // (NH / NKV)); mask None or bool (B or 1, 1, 1, S),
     True = may attend; sinks None or (NH,), a logit per head joining the softmax (gpt-oss).
@@ -370,6 +393,7 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
 
     rope (a RopeStep): q is not rotated yet and this step's k, v are not in the cache: the
     kernel does what rope_qkv would have done first, bit for bit, in the same launch."""
+    launch = launch or _env_launch()
     B, NH, _, D = q.shape
     NKV, S = k.shape[1], k.shape[2]
     G = NH // NKV
@@ -382,6 +406,8 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
     blocks = triton.cdiv(S, BL)
     per_sm = launch.per_sm_quant if quant else launch.per_sm
     want = max(1, min(blocks, triton.cdiv(per_sm * _num_sms(q.device), B * NKV)))
+    if not quant:
+        want = max(want, min(blocks, launch.min_splits))
     per = triton.cdiv(blocks, want) * BL
     splits = triton.cdiv(S, per)
     q = q if q.stride(-1) == 1 else q.contiguous()

@@ -232,6 +232,55 @@ def test_decode_attention_equals_sdpa(dtype):
         )
 
 
+def test_attention_takes_two_splits_at_large_batches():
+    """A plain cache takes at least AttnLaunch.min_splits (2) splits where per_sm alone gives
+    one (B * NKV > 2 x SMs; 4 SMs under the interpreter): bit-equal to per_sm=4's two
+    splits, and min_splits=1 to the one-split launch before (float32, where one split and
+    two with the combine differ in the last bit)."""
+    from mlxrun.backends import cuda_attention as ca
+
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(5, 4, 1, 32, generator=g).to(DEV)  # 5 x 2 kv heads: 10 > 8
+    k, v = (torch.randn(5, 2, 300, 32, generator=g).to(DEV) for _ in range(2))
+
+    def att(**kw):
+        return ca.decode_attention(q, k, v, 0.2, None, launch=ca.AttnLaunch(**kw))
+
+    two, one = att(), att(min_splits=1)
+    assert torch.equal(two, att(per_sm=4, min_splits=1))
+    assert torch.equal(one, att(per_sm=1, min_splits=1))  # one split either way
+    assert not torch.equal(two, one)
+
+
+def test_attention_launch_from_the_environment(monkeypatch):
+    """MLXRUN_ATTN_LAUNCH (for A/B timing in the model) sets the launch decode_attention
+    takes when given none: per_sm=1 gives what AttnLaunch(per_sm=1) gives, bit for bit (one
+    split here, no combine, where the default takes two); a malformed value is one
+    MlxrunError line."""
+    from mlxrun.backends import cuda_attention
+    from mlxrun.errors import MlxrunError
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(3, 4, 1, 32, generator=g).to(DEV)
+    k, v = (torch.randn(3, 2, 200, 32, generator=g).to(DEV) for _ in range(2))
+    monkeypatch.setenv("MLXRUN_ATTN_LAUNCH", "per_sm=1")
+    cuda_attention._env_launch.cache_clear()
+    try:
+        got = cuda_attention.decode_attention(q, k, v, 0.2, None)
+        assert cuda_attention._env_launch() == cuda_attention.AttnLaunch(per_sm=1)
+        one = cuda_attention.decode_attention(
+            q, k, v, 0.2, None, launch=cuda_attention.AttnLaunch(per_sm=1)
+        )
+        assert torch.equal(got, one)
+        for bad in ("per_sm", "persm=1", "per_sm=x"):
+            monkeypatch.setenv("MLXRUN_ATTN_LAUNCH", bad)
+            cuda_attention._env_launch.cache_clear()
+            with pytest.raises(MlxrunError, match="MLXRUN_ATTN_LAUNCH"):
+                cuda_attention.decode_attention(q, k, v, 0.2, None)
+    finally:
+        cuda_attention._env_launch.cache_clear()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_slot_rows_are_written_and_read_in_place(dtype):
     """The serving engine's decode step over a slot cache: rope_qkv with `rows` stores each
