@@ -196,11 +196,14 @@ class TorchWeights:
         if first is None:
             return None
 
-        def make():
+        # memo'd under the first bias, by the whole set: (k, v) alone (a last-row pass) and
+        # (q, k, v) may share it where q has none
+        made = self._memo(first, dict)
+        key = (*(id(b) for b in biases), *sizes, dtype)
+        if key not in made:
             parts = [b if b is not None else first.new_zeros(n) for b, n in zip(biases, sizes)]
-            return torch.cat([p.reshape(-1).to(dtype) for p in parts])
-
-        return self._memo(first, make)
+            made[key] = torch.cat([p.reshape(-1).to(dtype) for p in parts])
+        return made[key]
 
     def _kernel(self, w: QuantizedWeight):
         """The Triton-ready weight of `w`; an embedding used as the head is repacked once,

@@ -147,4 +147,7 @@ def test_joint_bias_fills_a_missing_bias_with_zeros():
     jb = be._joint_bias((None, b), (2, 3), torch.float32)
     assert torch.equal(jb, torch.tensor([0.0, 0.0, 0.0, 1.0, 2.0]))
     assert be._joint_bias((None, b), (2, 3), torch.float32) is jb
+    assert torch.equal(
+        be._joint_bias((b, None), (3, 1), torch.float32), torch.tensor([0.0, 1, 2, 0])
+    )
     assert be._joint_bias((None, None), (2, 3), torch.float32) is None
