@@ -431,3 +431,25 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
         **pdl_args(q.device),
     )  # fmt: skip
     return out
+
+
+# The model's decode attention launch from MLXRUN_ATTN_LAUNCH, e.g. "block=32,per_sm=4" (for
+# A/B timing in the model; benchmarks/moe_fused_ab.py --attn sets it); parsed at first use
+ENV_LAUNCH: AttnLaunch | None = None
+
+
+def env_launch() -> AttnLaunch:
+    """AttnLaunch.from_spec(MLXRUN_ATTN_LAUNCH), the default where it is unset."""
+    from mlxrun.errors import MlxrunError
+
+    global ENV_LAUNCH
+    if ENV_LAUNCH is None:
+        spec = os.environ.get("MLXRUN_ATTN_LAUNCH", "")
+        try:
+            ENV_LAUNCH = AttnLaunch.from_spec(spec)
+        except (TypeError, ValueError):
+            raise MlxrunError(
+                f"MLXRUN_ATTN_LAUNCH: {spec!r} is not FIELD=VALUE,... of AttnLaunch's fields "
+                "(backends/cuda_attention.py; e.g. block=32,per_sm=4), or leave it unset"
+            ) from None
+    return ENV_LAUNCH

@@ -226,9 +226,12 @@ class TorchBackend(TorchWeights):
         if isinstance(mask, RowMask):  # k, v: a slot cache's whole buffers; row b reads rows[b]
             mask, rows = mask
         if self.triton_kernels and q.shape[2] == 1 and not causal and D >= 16 and D & (D - 1) == 0:
-            from .cuda_attention import decode_attention  # noqa: PLC0415
+            from .cuda_attention import decode_attention, env_launch  # noqa: PLC0415
 
-            return decode_attention(q, k, v, scale, mask, sinks, rows=rows, rope=rope)
+            launch = env_launch()
+            return decode_attention(
+                q, k, v, scale, mask, sinks, rows=rows, launch=launch, rope=rope
+            )
         if rope is not None:
             q = rope.run()
         if rows is not None:

@@ -1,5 +1,6 @@
-"""quant/gemv4_table.py: batch-1 4-bit GEMV launches fixed by shape, and
-MLXRUN_GEMV4_LAUNCH's value checked with one clear line."""
+"""Launch settings from tables and the environment: quant/gemv4_table.py's batch-1 4-bit
+GEMV launches fixed by shape (MLXRUN_GEMV4_LAUNCH) and decode attention's AttnLaunch
+(MLXRUN_ATTN_LAUNCH), a malformed value one clear line."""
 
 import types
 
@@ -48,3 +49,19 @@ def test_a_malformed_launch_table_is_one_clear_line(spec, monkeypatch):
     monkeypatch.setenv("MLXRUN_GEMV4_LAUNCH", "none")
     monkeypatch.setattr(gemv4_table, "TABLE", None)
     assert gemv4_table.lookup(_w(2048, 4096)) is None
+
+
+def test_the_attention_launch_from_the_environment(monkeypatch):
+    """MLXRUN_ATTN_LAUNCH sets decode attention's AttnLaunch fields; a malformed value is
+    one clear line."""
+    pytest.importorskip("triton")
+    from mlxrun.backends import cuda_attention as ca
+
+    monkeypatch.setattr(ca, "ENV_LAUNCH", None)
+    monkeypatch.setenv("MLXRUN_ATTN_LAUNCH", "block=32,per_sm=4")
+    assert ca.env_launch() == ca.AttnLaunch(block=32, per_sm=4)
+    for bad in ("block32", "blocks=32"):
+        monkeypatch.setattr(ca, "ENV_LAUNCH", None)
+        monkeypatch.setenv("MLXRUN_ATTN_LAUNCH", bad)
+        with pytest.raises(MlxrunError, match="MLXRUN_ATTN_LAUNCH.*AttnLaunch"):
+            ca.env_launch()
