@@ -52,10 +52,6 @@ def main() -> None:
     ap.add_argument("--bias", default="auto",
                     help="torch_weights._BIAS_IN_GEMV values (as MLXRUN_BIAS_IN_GEMV), e.g. "
                          "1,0: q/k/v/o biases added in the GEMV's epilogue (1) or after (0)")  # fmt: skip
-    ap.add_argument("--gemv4", default="auto",
-                    help="4-bit GEMV launch tables, ';' between them, each as "
-                         "MLXRUN_GEMV4_LAUNCH (quant/gemv4_table.py), e.g. "
-                         "'none;int4:2048x4096=g8w2s2'")  # fmt: skip
     ap.add_argument("--attn", default="auto",
                     help="decode attention launches, ';' between them, each as "
                          "MLXRUN_ATTN_LAUNCH, e.g. 'auto;block=32'")  # fmt: skip
@@ -64,16 +60,15 @@ def main() -> None:
     from mlxrun.backends.torch_backend import TorchBackend
     from mlxrun.bench import _quant_specs, build_random, shape_config
     from mlxrun.memory import prefill_chunk_for
-    from mlxrun.quant import gemv4_table
 
     cfg = shape_config(a.model)
     be = TorchBackend("cuda", "bfloat16")
     (qn, spec), *_ = _quant_specs([a.quant]).items()
     model = build_random(cfg, be, spec)
-    variants = [(int(v), q, r + "/" + t + "/" + b + "/" + g + "/" + at) for v in a.variants.split(",")
+    variants = [(int(v), q, r + "/" + t + "/" + b + "/" + at) for v in a.variants.split(",")
                 for q in a.qcfg.split(";") for r in a.router.split(",")
                 for t in a.router_tile.split(";") for b in a.bias.split(",")
-                for g in a.gemv4.split(";") for at in a.attn.split(";")]  # fmt: skip
+                for at in a.attn.split(";")]  # fmt: skip
     cache = model.make_cache(1, a.context + a.reps + 64)
     ids = torch.randint(0, cfg.vocab_size, (1, a.context), device="cuda")
     chunk = prefill_chunk_for(be.name, be.memory_kind, 1)
@@ -87,18 +82,16 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()} {a.model} {qn} batch 1, context {a.context}")
     res: dict[tuple, list[float]] = {v: [] for v in variants}
     qcfg, router, tile, bias = cm.QCFG, cm.ROUTER, cm.ROUTER_TILE, torch_weights._BIAS_IN_GEMV
-    table = gemv4_table.TABLE  # (None: parsed from the environment at first use)
     attn = cuda_attention.ENV_LAUNCH
     for r in range(a.rounds):
         for v, q, rt in variants if r % 2 == 0 else variants[::-1]:
             cm.FUSED = bool(v)
             cm.QCFG = qcfg if q == "auto" else cm.parse_qcfg(q)
-            r_, t_, b_, g_, at_ = rt.split("/")
+            r_, t_, b_, at_ = rt.split("/")
             cuda_attention.ENV_LAUNCH = (
                 attn if at_ == "auto" else cuda_attention.AttnLaunch.from_spec(at_)
             )
             torch_weights._BIAS_IN_GEMV = bias if b_ == "auto" else b_ != "0"
-            gemv4_table.TABLE = table if g_ == "auto" else gemv4_table.parse(g_)
             cm.ROUTER = router if r_ == "auto" else r_
             cm.ROUTER_TILE = tile if t_ == "auto" else tuple(int(v) for v in t_.split(","))
             be._session = None  # a new capture with this variant's kernels
@@ -108,11 +101,11 @@ def main() -> None:
             ms = events_ms(lambda dec=dec, tok=tok: dec(tok), reps=a.reps)
             dec.close()
             res[v, q, rt].append(ms)
-            print(f"  round {r} fused={v} qcfg={q} router/tile/bias/gemv4/attn={rt}: {ms:.4f} ms/step "
+            print(f"  round {r} fused={v} qcfg={q} router/tile/bias/attn={rt}: {ms:.4f} ms/step "
                   f"{1e3 / ms:8.1f} tok/s", flush=True)  # fmt: skip
     for (v, q, rt), ms in res.items():
         best = min(ms)
-        print(f"{a.model} {qn} fused={v} qcfg={q} router/tile/bias/gemv4/attn={rt}: best {best:.4f} ms/step {1e3 / best:.1f} tok/s "
+        print(f"{a.model} {qn} fused={v} qcfg={q} router/tile/bias/attn={rt}: best {best:.4f} ms/step {1e3 / best:.1f} tok/s "
               f"(all: {', '.join(f'{m:.4f}' for m in ms)})")  # fmt: skip
 
 

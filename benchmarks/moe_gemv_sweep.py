@@ -9,9 +9,8 @@ against the float32 product of the dequantized weight.
     python3 benchmarks/moe_gemv_sweep.py --warm              # compile every variant only
 
 Without --variants each shape runs its own list (SWEEP). A variant is "auto" (choose_config's
-pick: with a quant/gemv4_table.py entry, that), or "gBNwWsS" (the one-shot GEMV: BN rows a
-program, W warps, S splits of K) with an optional trailing "e" (each k-step's scales loaded
-with its words: KernelConfig.early).
+pick), or "gBNwWsS" (the one-shot GEMV: BN rows a program, W warps, S splits of K) with an
+optional trailing "e" (each k-step's scales loaded with its words: KernelConfig.early).
 On the CPU (no GPU) it runs each shape's first rows under the interpreter: a check of the
 script.
 """
@@ -23,6 +22,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -56,14 +56,14 @@ SWEEP = {
 def config(name: str, w, device):
     """The KernelConfig of a variant name."""
     from mlxrun.quant import triton_kernels as tk
-    from mlxrun.quant.gemv4_table import launch_of
 
     if name == "auto":
         return tk.choose_config(1, w, device, torch.bfloat16)
-    try:
-        return launch_of(name)
-    except ValueError:
-        raise SystemExit(f"unknown variant {name!r}") from None
+    mt = re.fullmatch(r"g(8|16)w([124])s([1-9])(e?)", name)
+    if not mt:
+        raise SystemExit(f"unknown variant {name!r}")
+    bn, nw, sk = (int(v) for v in mt.groups()[:3])
+    return tk.KernelConfig("gemv", 1, bn, sk, num_warps=nw, early=mt[4] == "e")
 
 
 def main() -> None:

@@ -363,12 +363,6 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
             # on 2 warps 16.1; the stream lost on the K = 4096 shapes (gate/up 24.2 -> 25.4
             # at best, head 95.4 -> 97.6). Batch 1 only: 2-4 rows of x are not measured
             return KernelConfig("stream", 1, 8, 1, num_warps=2, per_sm=4)
-        if w.bits == 4 and m == 1:  # shapes a sweep fixed (quant/gemv4_table.py)
-            from .gemv4_table import lookup
-
-            fixed = lookup(w)
-            if fixed is not None:
-                return fixed
         fixed = gemv8_launch(w) if w.bits == 8 and m == 1 else None
         if fixed and GEMV8 == "stream":  # one launch per linear, from the sweeps
             if fixed.kernel != "stream" or stream_even(w, fixed.block_n, fixed.num_warps):
