@@ -26,6 +26,9 @@ except ImportError:  # reported by get_backend with the extra to install
 
 # MLXRUN_SILU_IN_GEMV=0 runs SiLU-multiply as its own kernel again (for A/B timing)
 _SILU_IN_GEMV = os.environ.get("MLXRUN_SILU_IN_GEMV", "1") != "0"
+# MLXRUN_BIAS_IN_GEMV=0 adds a quantized linear's bias after its GEMV, one kernel a bias (for
+# A/B timing); on, the GEMV's epilogue adds it (q/k/v and o of gpt-oss and Qwen2)
+_BIAS_IN_GEMV = os.environ.get("MLXRUN_BIAS_IN_GEMV", "1") != "0"
 # MLXRUN_DENSE_GEMV=0 leaves batch-1 bf16/fp16 products to cuBLAS (for A/B timing)
 _DENSE_GEMV = os.environ.get("MLXRUN_DENSE_GEMV", "1") != "0"
 
@@ -47,16 +50,20 @@ def _rows(t, ids):
     return t[ids]
 
 
-def _qmatmul(x, kernel, out_dtype=None):
-    """x @ W^T through the Triton kernel of W's prepared form (QLinear or KQLinear)."""
+def _qmatmul(x, kernel, out_dtype=None, bias=None):
+    """x @ W^T (+ bias) through the Triton kernel of W's prepared form (QLinear or
+    KQLinear); a QLinear's GEMV adds the bias in its epilogue unless MLXRUN_BIAS_IN_GEMV=0."""
     from mlxrun.quant.triton_kquant import KQLinear, kqmatmul  # noqa: PLC0415
 
     if isinstance(kernel, KQLinear):  # (tensor-parallel ranks hold K-quants as affine)
         y = kqmatmul(x, kernel)
-        return y if out_dtype is None else y.to(out_dtype)
+        y = y if out_dtype is None else y.to(out_dtype)
+        return y if bias is None else y + bias
     from mlxrun.quant.triton_kernels import qmatmul  # noqa: PLC0415
 
-    return qmatmul(x, kernel, out_dtype=out_dtype)
+    if bias is not None and not _BIAS_IN_GEMV:
+        return qmatmul(x, kernel, out_dtype=out_dtype) + bias
+    return qmatmul(x, kernel, out_dtype=out_dtype, bias=bias)
 
 
 class TorchWeights:
@@ -131,8 +138,7 @@ class TorchWeights:
         if isinstance(w, QuantizedWeight):
             kernel = self._kernel(w)
             if kernel is not None:
-                y = _qmatmul(x, kernel, out_dtype)
-                return y if bias is None else y + bias
+                return _qmatmul(x, kernel, out_dtype, bias)
             # No fused kernel on this device: expand a few MB of rows at a time, so even the
             # (often tied) vocabulary head never exists in full precision.
             from mlxrun.quant.torch_linear import packed_linear  # noqa: PLC0415
@@ -175,10 +181,29 @@ class TorchWeights:
         if fused is None:
             return [self.linear(x, w, b) for w, b in zip(ws, biases)]
         if isinstance(fused, torch.Tensor):
-            y, sizes = self.linear(x, fused), [w.shape[0] for w in ws]
+            sizes = [w.shape[0] for w in ws]
+            y = self.linear(x, fused, self._joint_bias(biases, sizes, fused.dtype))
         else:
-            y, sizes = _qmatmul(x, fused), [w.kernel.n for w in ws]
-        return [o if b is None else o + b for o, b in zip(y.split(sizes, dim=-1), biases)]
+            sizes = [w.kernel.n for w in ws]
+            y = _qmatmul(x, fused, bias=self._joint_bias(biases, sizes, x.dtype))
+        return list(y.split(sizes, dim=-1))
+
+    def _joint_bias(self, biases, sizes, dtype):
+        """The biases of linears run as one (`_joint`), end to end (zeros for a linear
+        without one), made on first use; None when none has a bias. One add, in the GEMV's
+        epilogue where it takes one, instead of one kernel a bias."""
+        first = next((b for b in biases if b is not None), None)
+        if first is None:
+            return None
+
+        # memo'd under the first bias, by the whole set: (k, v) alone (a last-row pass) and
+        # (q, k, v) may share it where q has none
+        made = self._memo(first, dict)
+        key = (*(id(b) for b in biases), *sizes, dtype)
+        if key not in made:
+            parts = [b if b is not None else first.new_zeros(n) for b, n in zip(biases, sizes)]
+            made[key] = torch.cat([p.reshape(-1).to(dtype) for p in parts])
+        return made[key]
 
     def _kernel(self, w: QuantizedWeight):
         """The Triton-ready weight of `w`; an embedding used as the head is repacked once,

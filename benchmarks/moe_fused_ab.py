@@ -49,7 +49,14 @@ def main() -> None:
     ap.add_argument("--router-tile", default="auto",
                     help="route_linear's tiles, ';' between them, as MLXRUN_MOE_ROUTER_TILE "
                          "(rows,warps,vec), e.g. 'auto;1,1,64'")  # fmt: skip
+    ap.add_argument("--bias", default="auto",
+                    help="torch_weights._BIAS_IN_GEMV values (as MLXRUN_BIAS_IN_GEMV), e.g. "
+                         "1,0: q/k/v/o biases added in the GEMV's epilogue (1) or after (0)")  # fmt: skip
+    ap.add_argument("--attn", default="auto",
+                    help="decode attention launches, ';' between them, each as "
+                         "MLXRUN_ATTN_LAUNCH, e.g. 'auto;block=32'")  # fmt: skip
     a = ap.parse_args()
+    from mlxrun.backends import cuda_attention, torch_weights
     from mlxrun.backends.torch_backend import TorchBackend
     from mlxrun.bench import _quant_specs, build_random, shape_config
     from mlxrun.memory import prefill_chunk_for
@@ -58,9 +65,10 @@ def main() -> None:
     be = TorchBackend("cuda", "bfloat16")
     (qn, spec), *_ = _quant_specs([a.quant]).items()
     model = build_random(cfg, be, spec)
-    variants = [(int(v), q, r + "/" + t) for v in a.variants.split(",")
+    variants = [(int(v), q, r + "/" + t + "/" + b + "/" + at) for v in a.variants.split(",")
                 for q in a.qcfg.split(";") for r in a.router.split(",")
-                for t in a.router_tile.split(";")]  # fmt: skip
+                for t in a.router_tile.split(";") for b in a.bias.split(",")
+                for at in a.attn.split(";")]  # fmt: skip
     cache = model.make_cache(1, a.context + a.reps + 64)
     ids = torch.randint(0, cfg.vocab_size, (1, a.context), device="cuda")
     chunk = prefill_chunk_for(be.name, be.memory_kind, 1)
@@ -73,12 +81,16 @@ def main() -> None:
     base = cache.offset  # every capture decodes from here: the same positions for each
     print(f"{torch.cuda.get_device_name()} {a.model} {qn} batch 1, context {a.context}")
     res: dict[tuple, list[float]] = {v: [] for v in variants}
-    qcfg, router, tile = cm.QCFG, cm.ROUTER, cm.ROUTER_TILE
+    qcfg, router, tile, bias = cm.QCFG, cm.ROUTER, cm.ROUTER_TILE, torch_weights._BIAS_IN_GEMV
+    attn = cuda_attention._env_launch  # what decode_attention reads (MLXRUN_ATTN_LAUNCH)
     for r in range(a.rounds):
         for v, q, rt in variants if r % 2 == 0 else variants[::-1]:
             cm.FUSED = bool(v)
             cm.QCFG = qcfg if q == "auto" else cm.parse_qcfg(q)
-            r_, t_ = rt.split("/")
+            r_, t_, b_, at_ = rt.split("/")
+            launch = cuda_attention.AttnLaunch.from_spec(at_) if at_ != "auto" else None
+            cuda_attention._env_launch = attn if launch is None else (lambda x=launch: x)
+            torch_weights._BIAS_IN_GEMV = bias if b_ == "auto" else b_ != "0"
             cm.ROUTER = router if r_ == "auto" else r_
             cm.ROUTER_TILE = tile if t_ == "auto" else tuple(int(v) for v in t_.split(","))
             be._session = None  # a new capture with this variant's kernels
@@ -88,11 +100,11 @@ def main() -> None:
             ms = events_ms(lambda dec=dec, tok=tok: dec(tok), reps=a.reps)
             dec.close()
             res[v, q, rt].append(ms)
-            print(f"  round {r} fused={v} qcfg={q} router/tile={rt}: {ms:.4f} ms/step "
+            print(f"  round {r} fused={v} qcfg={q} router/tile/bias/attn={rt}: {ms:.4f} ms/step "
                   f"{1e3 / ms:8.1f} tok/s", flush=True)  # fmt: skip
     for (v, q, rt), ms in res.items():
         best = min(ms)
-        print(f"{a.model} {qn} fused={v} qcfg={q} router/tile={rt}: best {best:.4f} ms/step {1e3 / best:.1f} tok/s "
+        print(f"{a.model} {qn} fused={v} qcfg={q} router/tile/bias/attn={rt}: best {best:.4f} ms/step {1e3 / best:.1f} tok/s "
               f"(all: {', '.join(f'{m:.4f}' for m in ms)})")  # fmt: skip
 
 

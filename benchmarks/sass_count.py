@@ -90,6 +90,9 @@ def compile_sm90(fn, ptrs, consts, ints=None, other_int=None, **options):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+BIAS = False  # --bias: compile the GEMV with its bias epilogue (HAS_BIAS)
+
+
 def compile_gemv(params, n, k, m=1, x_dtype="bf16", scale_dtype=None):
     ints = {
         "M": m,
@@ -109,7 +112,9 @@ def compile_gemv(params, n, k, m=1, x_dtype="bf16", scale_dtype=None):
         "y_ptr": f"*{x_dtype}",
         "part_ptr": "*fp32",
         "cnt_ptr": "*i32",
+        "bias_ptr": f"*{x_dtype}",
     }
+    params = {"HAS_BIAS": BIAS, **params}  # the bias epilogue (--bias)
     return compile_sm90(
         tk._gemv_kernel, ptr_types, params, ints, num_warps=params.get("WARPS", 1), num_stages=1
     )
@@ -233,7 +238,10 @@ def main():
     ap.add_argument("--dump", default=None, help="write the SASS of the (last) format here")
     ap.add_argument("--hist", action="store_true", help="opcode histogram of the loop body")
     ap.add_argument("--seq", action="store_true", help="16-row tiles' halves in sequence")
+    ap.add_argument("--bias", action="store_true", help="with the bias epilogue (HAS_BIAS)")
     a = ap.parse_args()
+    global BIAS
+    BIAS = a.bias
     print(f"N={a.n} K={a.k} M={a.m}, sm_90, triton {triton.__version__}")
     print(f"{'format':<12} {'BN':>3} {'split':>5} {'kb/sp':>5} {'total':>6} {'loop':>5} "
           f"{'/kstep':>7} {'/elem':>6} {'regs':>5} {'spill':>5}")  # fmt: skip

@@ -180,7 +180,9 @@ class Transformer:
                 # its rows split too: its down partial joins the experts' in one sum
                 a = be.gated_mlp(x, L.gate_proj, L.up_proj, "silu")
                 shared = (a, L.down_proj, be.sigmoid(be.linear(x, e.shared_gate)))
-            y = be.moe_sum(x, be.linear(x, e.router, e.router_bias), e, c.moe, shared)
+            # no router logits: the backend runs the router (on CUDA in decode its linear,
+            # bias and top-k are one kernel: cuda_moe.route_linear)
+            y = be.moe_sum(x, None, e, c.moe, shared)
             h, x = be.add_rms_norm(h, y, nxt, c.rms_norm_eps)
             return h, x
         mlp_b = None if L.gate_bias is None else (L.gate_bias, L.up_bias)

@@ -169,7 +169,10 @@ class _Recorder:
 
     def moe_sum(self, x, logits, experts, opts, shared=None):
         """A layer of experts: its input and router logits, as float32 (tokens, -1); a
-        shared expert's down input as down's."""
+        shared expert's down input as down's. The model passes no logits (the backend
+        runs its router): they are computed here, as the backend would."""
+        if logits is None:
+            logits = self.linear(x, experts.router, experts.router_bias)
         for a, key in ((x, "moe_x"), (logits, "moe_logits")):
             a = self._be.to_numpy(a)
             self.seen.setdefault(key, []).append(a.reshape(-1, a.shape[-1]).astype(np.float32))

@@ -471,8 +471,10 @@ def _gemv_kernel(
     WARPS: tl.constexpr = 1,
     SEQ: tl.constexpr = False,
     EARLY: tl.constexpr = False,
+    bias_ptr=None,
+    HAS_BIAS: tl.constexpr = False,
 ):
-    """y[m, N] = x[m, K] @ W^T for one row m of x: CUDA-core FMA on decoded codes.
+    """y[m, N] = x[m, K] @ W^T (+ bias[N]) for one row m of x: CUDA-core FMA on decoded codes.
 
     WARPS warps per program (launch with num_warps=WARPS), BLOCK_N = 8 or 16 rows (two
     halves of 8 sharing each x input). Lane l of the LANES = 32*WARPS loads words
@@ -503,6 +505,9 @@ def _gemv_kernel(
     SEQ (16 rows): each k-step's first 8 rows, then its second 8 (_gemv_kstep).
     EARLY (not E4M3 or nvfp4): each k-step's scales and biases are loaded with its words
     (the first step's before the PDL wait), not after its FMAs.
+    HAS_BIAS (not SILU): bias_ptr [N] (y's dtype) is added to the fp32 sums before the one
+    rounding to y's dtype, by split 0 (split-K sums it with the other partials): no add
+    kernel after the GEMV (q/k/v/o biases: gpt-oss, Qwen2).
     """
     tl.static_assert(BLOCK_N == 8 or BLOCK_N == 16)
     HALVES: tl.constexpr = BLOCK_N // 8
@@ -557,6 +562,9 @@ def _gemv_kernel(
             out_h = _gemv_sum(acc_h, MODE)
             out = tl.reshape(tl.trans(tl.join(out, out_h)), [16])
         rn_all = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if HAS_BIAS:  # split 0's partial only (a mask, not a branch)
+            bmask = (rn_all < N) & (tl.full([BLOCK_N], pid_k, tl.int32) == 0)
+            out = out + tl.load(bias_ptr + rn_all, mask=bmask, other=0.0).to(tl.float32)
         _splitk_epilogue(out[None, :], y_ptr + m * stride_ym, part_ptr + m * N, cnt_ptr,
                          tl.arange(0, 1), rn_all, 1, N, 0, M * N, tile, pid_k,
                          SPLIT_K)  # fmt: skip

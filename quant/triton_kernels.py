@@ -106,9 +106,12 @@ def qmatmul(
     config: KernelConfig | None = None,
     silu: bool = False,
     out_dtype: torch.dtype | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [..., K] (bf16/fp16/fp32) @ W^T -> [..., N] in out_dtype (default x's), W quantized
-    (QLinear). The kernels sum in fp32: out_dtype float32 keeps those sums unrounded.
+    """x [..., K] (bf16/fp16/fp32) @ W^T (+ bias [N]) -> [..., N] in out_dtype (default x's),
+    W quantized (QLinear). The kernels sum in fp32: out_dtype float32 keeps those sums
+    unrounded. The one-shot GEMV adds the bias to its fp32 sums before rounding once; the
+    other kernels' outputs get it added after (one more rounding, as y + bias).
 
     silu (where silu_fusable): W is the joint [gate; up] and the result [..., N/2] is
     silu(x @ gate^T) * (x @ up^T), rounded as cuda_ops.silu_mul rounds it."""
@@ -120,6 +123,8 @@ def qmatmul(
         raise MlxrunError(f"qmatmul takes bf16/fp16/fp32 inputs, got {x.dtype}")
     if silu and not silu_fusable(x, w, config):
         raise ValueError("qmatmul: silu needs the GEMV and an even [gate; up] weight")
+    if bias is not None and (silu or bias.shape != (w.n,)):
+        raise ValueError(f"qmatmul: bias must be [{w.n}] and without silu")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k)
     if x2.stride(-1) != 1:
@@ -133,7 +138,7 @@ def qmatmul(
     rows = MAX_INDEX // max(w.n, w.k)
     if m > rows:
         for r in range(0, m, rows):
-            y[r : r + rows] = qmatmul(x2[r : r + rows], w, config, out_dtype=out_dtype)
+            y[r : r + rows] = qmatmul(x2[r : r + rows], w, config, out_dtype=out_dtype, bias=bias)
         return y.reshape(*lead, w.n)
     cfg = config or choose_config(m, w, x.device, x.dtype)
     dense = w.weight.stride(0) == w.k * w.bits // 32 and w.scales.is_contiguous()
@@ -154,6 +159,8 @@ def qmatmul(
             w.k, x2.stride(0), y.stride(0), **_stream_constexprs(w, cfg, silu, x.device.type == "cuda"),
             num_warps=cfg.num_warps, **pdl_args(x.device),
         )  # fmt: skip
+        if bias is not None:
+            y += bias
         return y.reshape(*lead, y.shape[-1])
     if cfg.kernel == "gemv":
         if x2.dtype == torch.bfloat16 and (x2.data_ptr() % 4 or (m > 1 and x2.stride(0) % 2)):
@@ -163,6 +170,9 @@ def qmatmul(
         tiles = math.ceil(w.n / cfg.block_n)  # with silu: gate rows and their up rows a tile
         grid = (m, tiles, split)
         kern = _gemv_kernel
+        if bias is not None:  # added in the epilogue, before the one rounding
+            consts = dict(consts, bias_ptr=bias.contiguous(), HAS_BIAS=True)
+            bias = None
     else:
         ksteps = math.ceil(w.k / (cfg.ng * w.group_size))
         per = math.ceil(ksteps / cfg.split_k)
@@ -190,4 +200,6 @@ def qmatmul(
         w.weight.stride(0), **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_args(x.device),
     )  # fmt: skip
+    if bias is not None:
+        y += bias
     return y.reshape(*lead, y.shape[-1])
