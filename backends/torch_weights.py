@@ -5,8 +5,9 @@ MLP with its fused SiLU epilogue, and embedding rows.
 
 Separate from torch_backend.py, which holds the rest of the backend interface (norms, rope,
 attention, caches, captured steps, timing; the collectives are torch_parallel.py): how a
-weight is held and multiplied is one question, what runs around the products another. The methods read the backend's
-`_dt`, `_dev`, `triton_kernels` and `_derived`, which TorchBackend.__init__ sets."""
+weight is held and multiplied is one question, what runs around the products another. The
+methods read the backend's `_dt`, `_dev`, `triton_kernels` and `_derived`, which
+TorchBackend.__init__ sets."""
 
 from __future__ import annotations
 
