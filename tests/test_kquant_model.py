@@ -3,36 +3,9 @@ run packed on the CUDA code path (the Triton kernels, under TRITON_INTERPRET=1 h
 bench's Q4_K_M-shaped model, the planner's bytes. The kernels alone: test_triton_kquant.py.
 """
 
-import importlib
-import os
-
 import numpy as np
-import pytest
 
-torch = pytest.importorskip("torch")
-gguf = pytest.importorskip("gguf")
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
-pytest.importorskip("triton", reason="triton is not installed")
-
-import mlxrun.quant.kquant_kernels as kk  # noqa: E402
-import mlxrun.quant.triton_gemm as tgm  # noqa: E402
-import mlxrun.quant.triton_gemv as tg  # noqa: E402
-import mlxrun.quant.triton_kernels as tk  # noqa: E402
-import mlxrun.quant.triton_kquant as kq  # noqa: E402
-
-if not HAS_CUDA and type(kk._kq_lane_gemv_kernel).__name__ != "InterpretedFunction":
-    importlib.reload(importlib.import_module("mlxrun.quant.triton_decode"))
-    tg = importlib.reload(tg)  # imported earlier without the interpreter: decorate again,
-    tgm = importlib.reload(tgm)  # the kernels the K-quant kernels call first
-    tk = importlib.reload(tk)
-    kk = importlib.reload(kk)
-    kq = importlib.reload(kq)
-
-DEV = "cuda" if HAS_CUDA else "cpu"
-# over a minute on 2 cores under the interpreter: `pytest -m long`; on a GPU by default
-LONG_ON_CPU = pytest.mark.long if not HAS_CUDA else pytest.mark.cuda
+from ._kquant import DEV, HAS_CUDA, LONG_ON_CPU, gguf, kq, tk, torch
 
 
 def _write_kquant_llama(path, rng) -> None:
