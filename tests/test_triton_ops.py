@@ -240,8 +240,9 @@ def test_attention_takes_two_splits_at_large_batches():
     from mlxrun.backends import cuda_attention as ca
 
     g = torch.Generator().manual_seed(2)
-    q = torch.randn(5, 4, 1, 32, generator=g).to(DEV)  # 5 x 2 kv heads: 10 > 8
-    k, v = (torch.randn(5, 2, 300, 32, generator=g).to(DEV) for _ in range(2))
+    B = ca._num_sms(torch.device(DEV)) + 1  # B x 2 kv heads > 2 x SMs, on a GPU too
+    q = torch.randn(B, 4, 1, 32, generator=g).to(DEV)
+    k, v = (torch.randn(B, 2, 300, 32, generator=g).to(DEV) for _ in range(2))
 
     def att(**kw):
         return ca.decode_attention(q, k, v, 0.2, None, launch=ca.AttnLaunch(**kw))
