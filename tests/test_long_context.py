@@ -106,8 +106,10 @@ def test_rope_scaling_far_past_the_original_context(root, name):
 
 
 def test_rope_inverse_frequencies_equal_transformers():
-    """Within two float32 ulps (torch's vectorised pow and numpy's powf disagree on ~1.5% of
-    arbitrary bases), at a real model's sizes (head_dim 128, theta 500000 and 1e6)."""
+    """Within 8 float32 ulps, at a real model's sizes (head_dim 128, theta 500000 and 1e6):
+    torch's and numpy's vectorised float32 pow each miss the rounded power by an ulp or two,
+    differently by CPU (2 ulps apart where AVX2 ran them, 4 after llama3's blend with AVX-512);
+    a wrong scaling is off by orders of magnitude more."""
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -122,7 +124,7 @@ def test_rope_inverse_frequencies_equal_transformers():
             want, att = ROPE_INIT_FUNCTIONS[t](cfg, "cpu", seq)
             mc = ModelConfig.from_dict({"model_type": "llama", **kw})
             got = mc.rope_freqs(seq)
-            np.testing.assert_array_max_ulp(got, want.numpy(), maxulp=2)
+            np.testing.assert_array_max_ulp(got, want.numpy(), maxulp=8)
             assert mc.attention_scale == pytest.approx(128**-0.5 * att**2, rel=1e-12)
 
 
