@@ -71,6 +71,7 @@ if triton is not None:
     from .triton_decode import _split_sum as _split_sum
     from .triton_decode import _splitk_epilogue as _splitk_epilogue
     from .triton_gemm import _gemm_kernel
+    from .triton_gemm_tma import qmatmul_tma, tma_fits
     from .triton_gemv import _gemv_kernel
     from .triton_gemv_stream import _gemv_stream_kernel
 
@@ -194,6 +195,11 @@ def qmatmul(
         )
     part = torch.empty((split, m, w.n), dtype=torch.float32, device=x.device) if split > 1 else y
     cnt = _counters(x.device, m * tiles) if split > 1 else y
+    if cfg.kernel == "gemm" and tma_fits(x2, w, cfg):
+        qmatmul_tma(x2, w, cfg, y, part, cnt, split, per, pdl_args(x.device))
+        if bias is not None:
+            y += bias
+        return y.reshape(*lead, y.shape[-1])
     biases = w.biases if w.biases is not None else w.scales
     kern[grid](
         x2, w.weight, w.scales, biases, y, part, cnt, m, w.n, w.k, x2.stride(0), y.stride(0),

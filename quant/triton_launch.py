@@ -40,11 +40,13 @@ GEMV_WARPS = int(os.environ.get("MLXRUN_GEMV_WARPS", "4"))
 
 
 def _small_m_gemm(spec: str) -> tuple:
-    """Parse "BLOCK_N,warps,stages,groups,waves[,l2]" (SMALL_M_GEMM's six) into numbers."""
+    """Parse "BLOCK_N,warps,stages,groups,waves[,l2[,tma]]" (SMALL_M_GEMM's numbers; tma:
+    0 cp.async loads, 1 TMA loads, 2 TMA loads in a warp-specialised loop) into numbers."""
     v = spec.split(",")
     bn, warps, stages, ng, waves = v[:5]
     l2 = int(v[5]) if len(v) > 5 else 0
-    return int(bn), int(warps), int(stages), int(ng), float(waves), l2
+    tma = int(v[6]) if len(v) > 6 else 0
+    return int(bn), int(warps), int(stages), int(ng), float(waves), l2, tma
 
 
 # The batched-decode GEMM (4 < M <= 32, and 32 < M <= 64): W rows a tile, warps, stages,
@@ -158,6 +160,7 @@ class KernelConfig:
     seq: bool = False  # GEMV, 16 rows: each k-step's two 8-row halves one after the other
     early: bool = False  # GEMV: each k-step's scales loaded with its words
     ahead: bool = False  # stream: the next tile's words issued before the last k-step's FMAs
+    tma: int = 0  # gemm, M <= block_m: 1 TMA loads (triton_gemm_tma.py), 2 warp-specialised
 
 
 def _split(n_tiles: int, ksteps: int, sms: int, waves: float) -> int:
@@ -404,7 +407,7 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
         # and x's rows its narrow side, split K to about one wave. Measured at M = 32 on the
         # 8B shapes (profile_decode.py --linears): 0.6x the time of the 128x128 tiles.
         # The split divides the k-steps where it can (no k masks in the loop: EVEN_K).
-        bn, warps, stages, ng, waves, l2 = SMALL_M_GEMM if m <= 32 else SMALL_M_GEMM_64
+        bn, warps, stages, ng, waves, l2, tma = SMALL_M_GEMM if m <= 32 else SMALL_M_GEMM_64
         bm = 32 if m <= 32 else 64
         # at least 128 inputs a step, at most 256 where that takes more than 2 groups (g128
         # keeps 2 groups, so the scale loads are 4 bytes, async; sm_90 registers, no spills)
@@ -412,7 +415,8 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
         ksteps = math.ceil(w.k / (ng * g))
         tiles = math.ceil(m / bm) * math.ceil(w.n / bn)
         sk = _split_even(tiles, ksteps, sms, waves)
-        return KernelConfig("gemm", bm, bn, sk, ng, warps, stages, swap=True, l2_prefetch=l2)
+        return KernelConfig("gemm", bm, bn, sk, ng, warps, stages, swap=True, l2_prefetch=l2,
+                            tma=tma)  # fmt: skip
     elif w.mode == "affine" and w.bits == 4:
         # measured best for g64 (0.81x the time); with bf16 x the swap puts the packed decode
         # straight into wgmma's register operand (no shared-memory round trip), any g
