@@ -1,10 +1,9 @@
 """The batched-decode GEMM (M <= 64 rows of x, int4 affine with bf16 scales, bf16 x) with
 its tiles loaded by the Tensor Memory Accelerator: one thread issues each k-step's copies
-(weight words, scales, biases, x) into shared memory and the warps wait on an mbarrier,
-instead of every thread issuing cp.async for its part and the warpgroup syncing on it
-(triton_gemm._gemm_kernel). WS adds Triton's warp specialisation (sm_90: a producer warp
-group that only loads, the decode and wgmma in the consumer), so the loads never wait on
-the decode. qmatmul launches it where KernelConfig.tma says.
+(weight words and x; with S_TMA the scales and biases too) into shared memory and the warps
+wait on an mbarrier, instead of every thread issuing cp.async for its part and the
+warpgroup syncing on it (triton_gemm._gemm_kernel). qmatmul launches it where
+KernelConfig.tma says (1: S_TMA, 2: the scales and biases by plain loads).
 
 Imported only where Triton loads (triton_kernels.py checks).
 """
@@ -27,6 +26,7 @@ def _gemm_tma_kernel(
     cnt_ptr,
     M,
     N,
+    KG,
     stride_ym,
     G: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -36,15 +36,16 @@ def _gemm_tma_kernel(
     KB_PER_SPLIT: tl.constexpr,
     STAGES: tl.constexpr,
     UPCAST: tl.constexpr,
-    WS: tl.constexpr = False,
+    S_TMA: tl.constexpr = True,
     PDL: tl.constexpr = False,
 ):
     """y[M, N] = x[M, K] @ W^T for M <= BLOCK_M; program (n tile, k split).
 
     x_desc: x [M, K] bf16, block [BLOCK_M, NG*G] (rows past M read as zeros);
     w_desc: words [N, K/8] int32, block [BLOCK_N, NG*G/8]; s_desc, b_desc: scales and
-    biases [N/8, K/G, 8] bf16 (triton_layout's row-inner tiles), block [BLOCK_N/8, NG, 8].
-    Every k-step lies inside K and every tile inside N (launch checks)."""
+    biases [N/8, K/G, 8] bf16 (triton_layout's row-inner tiles), block [BLOCK_N/8, NG, 8]
+    (S_TMA; else the tensors themselves). Every k-step lies inside K and every tile inside
+    N (launch checks)."""
     WPG: tl.constexpr = G // 8
     BK: tl.constexpr = NG * G
     pid_n = tl.program_id(0)
@@ -54,24 +55,27 @@ def _gemm_tma_kernel(
     if PDL:  # the weights depend on no kernel, but x does: wait before the first load
         tlc.gdc_wait()
         tlc.gdc_launch_dependents()
+    rn = n0 + tl.arange(0, BLOCK_N)
+    s_row = (rn // 8) * (KG * 8) + (rn % 8)  # scales are stored [N/8, K/G, 8]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y^T: the W tile is wgmma's A
-    for j in tl.range(0, KB_PER_SPLIT, num_stages=STAGES, warp_specialize=WS):
+    for j in tl.range(0, KB_PER_SPLIT, num_stages=STAGES):
         kb = kb0 + j
         words = w_desc.load([n0, kb * (NG * WPG)])
-        s = s_desc.load([n0 // 8, kb * NG, 0])
-        b = b_desc.load([n0 // 8, kb * NG, 0])
         x_tile = x_desc.load([0, kb * BK])
+        if S_TMA:  # [N/8 tile, group, row in tile] -> [row, group]
+            s = tl.reshape(tl.permute(s_desc.load([n0 // 8, kb * NG, 0]), [0, 2, 1]), [BLOCK_N, NG])
+            b = tl.reshape(tl.permute(b_desc.load([n0 // 8, kb * NG, 0]), [0, 2, 1]), [BLOCK_N, NG])
+        else:
+            offs = s_row[:, None] + (kb * NG + tl.arange(0, NG))[None, :] * 8
+            s = tl.load(s_desc + offs)
+            b = tl.load(b_desc + offs)
         words = tl.reshape(words, [BLOCK_N, NG, WPG])
-        # [N/8 tile, group, row in tile] -> [row, group]
-        s = tl.reshape(tl.permute(s, [0, 2, 1]), [BLOCK_N, NG])
-        b = tl.reshape(tl.permute(b, [0, 2, 1]), [BLOCK_N, NG])
         s2 = _gq_pair(s, not UPCAST)
         b2 = _gq_pair(b, not UPCAST)
         w_tile = _dequant_4bit_bf16x2(words, s2, b2, 0, BLOCK_N, NG, WPG, not UPCAST)
         acc = _tile_dot(acc, x_tile, w_tile, UPCAST, True)
     acc = tl.trans(acc)
     rm = tl.arange(0, BLOCK_M)
-    rn = n0 + tl.arange(0, BLOCK_N)
     _splitk_epilogue(
         acc, y_ptr, part_ptr, cnt_ptr, rm, rn, M, N, stride_ym, M * N, pid_n, pid_k, SPLIT_K
     )
@@ -112,12 +116,15 @@ def qmatmul_tma(x2, w, cfg, y, part, cnt, split: int, per: int, pdl: dict) -> No
     bk = cfg.ng * w.group_size
     x_desc = TensorDescriptor.from_tensor(x2, [cfg.block_m, bk])
     w_desc = TensorDescriptor.from_tensor(w.weight, [cfg.block_n, bk // 8])
-    s_desc = TensorDescriptor.from_tensor(w.scales, [cfg.block_n // 8, cfg.ng, 8])
-    b_desc = TensorDescriptor.from_tensor(w.biases, [cfg.block_n // 8, cfg.ng, 8])
+    s_desc, b_desc = w.scales, w.biases
+    if cfg.tma == 1:
+        s_desc = TensorDescriptor.from_tensor(w.scales, [cfg.block_n // 8, cfg.ng, 8])
+        b_desc = TensorDescriptor.from_tensor(w.biases, [cfg.block_n // 8, cfg.ng, 8])
     grid = (w.n // cfg.block_n, split)
     _gemm_tma_kernel[grid](
-        x_desc, w_desc, s_desc, b_desc, y, part, cnt, x2.shape[0], w.n, y.stride(0),
+        x_desc, w_desc, s_desc, b_desc, y, part, cnt, x2.shape[0], w.n, w.k // w.group_size,
+        y.stride(0),
         G=w.group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NG=cfg.ng, SPLIT_K=split,
         KB_PER_SPLIT=per, STAGES=cfg.num_stages, UPCAST=x2.device.type != "cuda",
-        WS=cfg.tma == 2, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        S_TMA=cfg.tma == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip

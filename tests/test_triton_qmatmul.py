@@ -198,13 +198,13 @@ def test_small_m_gemm_launches_as_an_h100_runs_them(monkeypatch, spec, m):
     assert y.shape == (m, n) and rel_err(y.cpu(), x.double() @ torch.from_numpy(ref).T) < 1e-2
 
 
-@pytest.mark.parametrize("tma", [1, 2], ids=["tma", "tma-ws"])
+@pytest.mark.parametrize("tma", [1, 2], ids=["tma", "tma-plain-scales"])
 @pytest.mark.parametrize(
     "group_size,m", [(64, 32), (64, 64), (128, 9)], ids=["g64-m32", "g64-m64", "g128-m9"]
 )
 def test_small_m_gemm_tma_loads(monkeypatch, tma, group_size, m):
-    """The batched-decode GEMM with TMA loads (triton_gemm_tma.py; tma 2 also warp
-    specialised on a GPU) as choose_config launches it on a 132-SM GPU: int4 with bf16
+    """The batched-decode GEMM with TMA loads (triton_gemm_tma.py; tma 2: the scales and
+    biases by plain loads) as choose_config launches it on a 132-SM GPU: int4 with bf16
     scales, N = 256 and K = 1024 (whole tiles and k-steps), split-K, rows of x past M in
     the tile; against the float64 decoder and, under the interpreter, bit for bit the
     cp.async kernel. N = 264 (a part tile) takes the cp.async kernel."""
