@@ -1,9 +1,11 @@
 """The batched-decode GEMM (M <= 64 rows of x, int4 affine with bf16 scales, bf16 x) with
-its tiles loaded by the Tensor Memory Accelerator: one thread issues each k-step's copies
-(weight words and x; with S_TMA the scales and biases too) into shared memory and the warps
-wait on an mbarrier, instead of every thread issuing cp.async for its part and the
-warpgroup syncing on it (triton_gemm._gemm_kernel). qmatmul launches it where
-KernelConfig.tma says (1: S_TMA, 2: the scales and biases by plain loads).
+its weight words and x loaded by the Tensor Memory Accelerator: one thread issues each
+k-step's two copies into shared memory and the warps wait on an mbarrier, instead of every
+thread issuing cp.async for its part of them and the warpgroup syncing on it
+(triton_gemm._gemm_kernel). The scales and biases (1/16 of the bytes) stay plain loads:
+through the TMA too (a box of [BLOCK_N/8, NG, 8], two more copies and barriers a k-step)
+the 8B decode step gained 7.9% at batch 32 instead of 13% (H200, KERNEL_NOTES.md,
+2026-11-27). qmatmul launches it where KernelConfig.tma says.
 
 Imported only where Triton loads (triton_kernels.py checks).
 """
@@ -11,7 +13,7 @@ Imported only where Triton loads (triton_kernels.py checks).
 from __future__ import annotations
 
 from .triton_decode import _splitk_epilogue
-from .triton_gemm import _dequant_4bit_bf16x2, _gq_pair, _tile_dot
+from .triton_gemm import _dequant_4bit_bf16x2, _gq_pair, _l2_prefetch_tile, _tile_dot
 from .triton_launch import tl, tlc, triton
 
 
@@ -19,14 +21,16 @@ from .triton_launch import tl, tlc, triton
 def _gemm_tma_kernel(
     x_desc,
     w_desc,
-    s_desc,
-    b_desc,
+    w_ptr,
+    s_ptr,
+    b_ptr,
     y_ptr,
     part_ptr,
     cnt_ptr,
     M,
     N,
     KG,
+    stride_wn,
     stride_ym,
     G: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -36,39 +40,38 @@ def _gemm_tma_kernel(
     KB_PER_SPLIT: tl.constexpr,
     STAGES: tl.constexpr,
     UPCAST: tl.constexpr,
-    S_TMA: tl.constexpr = True,
     PDL: tl.constexpr = False,
+    L2_PF: tl.constexpr = 0,
 ):
     """y[M, N] = x[M, K] @ W^T for M <= BLOCK_M; program (n tile, k split).
 
     x_desc: x [M, K] bf16, block [BLOCK_M, NG*G] (rows past M read as zeros);
-    w_desc: words [N, K/8] int32, block [BLOCK_N, NG*G/8]; s_desc, b_desc: scales and
-    biases [N/8, K/G, 8] bf16 (triton_layout's row-inner tiles), block [BLOCK_N/8, NG, 8]
-    (S_TMA; else the tensors themselves). Every k-step lies inside K and every tile inside
-    N (launch checks)."""
+    w_desc: the words w_ptr [N, K/8] int32 (row stride stride_wn), block [BLOCK_N, NG*G/8];
+    s_ptr, b_ptr: scales and biases [N/8, K/G, 8] bf16 (triton_layout's row-inner tiles).
+    Every k-step lies inside K and every tile inside N (launch checks). L2_PF (with PDL):
+    as _gemm_kernel's, the first k-steps into L2 before the wait."""
     WPG: tl.constexpr = G // 8
     BK: tl.constexpr = NG * G
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n0 = pid_n * BLOCK_N
     kb0 = pid_k * KB_PER_SPLIT
-    if PDL:  # the weights depend on no kernel, but x does: wait before the first load
-        tlc.gdc_wait()
-        tlc.gdc_launch_dependents()
     rn = n0 + tl.arange(0, BLOCK_N)
     s_row = (rn // 8) * (KG * 8) + (rn % 8)  # scales are stored [N/8, K/G, 8]
+    if PDL:  # the weights depend on no kernel, but x does: wait before the first load
+        if L2_PF > 0:
+            _l2_prefetch_tile(w_ptr, s_ptr, b_ptr, rn, True, s_row, kb0, stride_wn, KG, 0,
+                              NG, WPG, L2_PF)  # fmt: skip
+        tlc.gdc_wait()
+        tlc.gdc_launch_dependents()
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y^T: the W tile is wgmma's A
     for j in tl.range(0, KB_PER_SPLIT, num_stages=STAGES):
         kb = kb0 + j
         words = w_desc.load([n0, kb * (NG * WPG)])
         x_tile = x_desc.load([0, kb * BK])
-        if S_TMA:  # [N/8 tile, group, row in tile] -> [row, group]
-            s = tl.reshape(tl.permute(s_desc.load([n0 // 8, kb * NG, 0]), [0, 2, 1]), [BLOCK_N, NG])
-            b = tl.reshape(tl.permute(b_desc.load([n0 // 8, kb * NG, 0]), [0, 2, 1]), [BLOCK_N, NG])
-        else:
-            offs = s_row[:, None] + (kb * NG + tl.arange(0, NG))[None, :] * 8
-            s = tl.load(s_desc + offs)
-            b = tl.load(b_desc + offs)
+        offs = s_row[:, None] + (kb * NG + tl.arange(0, NG))[None, :] * 8
+        s = tl.load(s_ptr + offs)
+        b = tl.load(b_ptr + offs)
         words = tl.reshape(words, [BLOCK_N, NG, WPG])
         s2 = _gq_pair(s, not UPCAST)
         b2 = _gq_pair(b, not UPCAST)
@@ -116,15 +119,11 @@ def qmatmul_tma(x2, w, cfg, y, part, cnt, split: int, per: int, pdl: dict) -> No
     bk = cfg.ng * w.group_size
     x_desc = TensorDescriptor.from_tensor(x2, [cfg.block_m, bk])
     w_desc = TensorDescriptor.from_tensor(w.weight, [cfg.block_n, bk // 8])
-    s_desc, b_desc = w.scales, w.biases
-    if cfg.tma == 1:
-        s_desc = TensorDescriptor.from_tensor(w.scales, [cfg.block_n // 8, cfg.ng, 8])
-        b_desc = TensorDescriptor.from_tensor(w.biases, [cfg.block_n // 8, cfg.ng, 8])
     grid = (w.n // cfg.block_n, split)
     _gemm_tma_kernel[grid](
-        x_desc, w_desc, s_desc, b_desc, y, part, cnt, x2.shape[0], w.n, w.k // w.group_size,
-        y.stride(0),
+        x_desc, w_desc, w.weight, w.scales, w.biases, y, part, cnt, x2.shape[0], w.n,
+        w.k // w.group_size, w.weight.stride(0), y.stride(0),
         G=w.group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NG=cfg.ng, SPLIT_K=split,
         KB_PER_SPLIT=per, STAGES=cfg.num_stages, UPCAST=x2.device.type != "cuda",
-        S_TMA=cfg.tma == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        L2_PF=min(cfg.l2_prefetch, per), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip

@@ -41,7 +41,7 @@ GEMV_WARPS = int(os.environ.get("MLXRUN_GEMV_WARPS", "4"))
 
 def _small_m_gemm(spec: str) -> tuple:
     """Parse "BLOCK_N,warps,stages,groups,waves[,l2[,tma]]" (SMALL_M_GEMM's numbers; tma:
-    0 cp.async loads, 1 TMA loads, 2 TMA loads but the scales and biases) into numbers."""
+    1 the weight words and x loaded by TMA, 0 by cp.async) into numbers."""
     v = spec.split(",")
     bn, warps, stages, ng, waves = v[:5]
     l2 = int(v[5]) if len(v) > 5 else 0
@@ -160,7 +160,7 @@ class KernelConfig:
     seq: bool = False  # GEMV, 16 rows: each k-step's two 8-row halves one after the other
     early: bool = False  # GEMV: each k-step's scales loaded with its words
     ahead: bool = False  # stream: the next tile's words issued before the last k-step's FMAs
-    tma: int = 0  # gemm, M <= block_m: TMA loads (triton_gemm_tma.py), 2: not the scales
+    tma: int = 0  # gemm, M <= block_m: 1 the words and x by TMA (triton_gemm_tma.py)
 
 
 def _split(n_tiles: int, ksteps: int, sms: int, waves: float) -> int:
