@@ -7,10 +7,11 @@ min over reps; every launch's output checked against x @ the dequantized weight 
     python3 benchmarks/gemm_smallm.py --warm 128,4,4,2,1   # compile one launch's kernels only
     TRITON_INTERPRET=1 python3 benchmarks/gemm_smallm.py --dry   # CPU: small shapes, no timing
 
-A launch is triton_launch.SMALL_M_GEMM's numbers, "BLOCK_N,warps,stages,groups,waves[,l2]"
+A launch is triton_launch.SMALL_M_GEMM's numbers, "BLOCK_N,warps,stages,groups,waves[,l2[,tma]]"
 (the form MLXRUN_SMALL_M_GEMM takes): W rows a program, warps, pipeline stages, groups of G
 inputs a k-step (at least 128 inputs), split-K to that many waves of programs, k-steps
-of weights prefetched into L2 before the PDL wait (0: none). The step
+of weights prefetched into L2 before the PDL wait (0: none), 1 for the words and x loaded by
+TMA (triton_gemm_tma.py; 0 or left out: cp.async). The step
 estimate is 32 x (the four layer shapes) + the head, as in an 8B decode step's GEMMs.
 Two reference rows take the place of a launch: "gemv1", the batch-1 GEMV (choose_config's
 launch for one row) on the same weights, and "copy", a device copy of as many bytes as the

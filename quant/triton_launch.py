@@ -51,17 +51,18 @@ def _small_m_gemm(spec: str) -> tuple:
 
 # The batched-decode GEMM (4 < M <= 32, and 32 < M <= 64): W rows a tile, warps, stages,
 # groups a k-step (128 to 256 inputs), split-K to this many waves of programs, k-steps of
-# weights brought into L2 before the PDL wait (KernelConfig.l2_prefetch). From
-# benchmarks/gemm_smallm.py on an H200 (8B int4 g64 shapes alone, cycled weights; the
-# 32 layers' GEMMs and the head against the previous 128,4,4,2,1,0): M = 32 0.891x with
-# 256-input steps in 3 stages and 2 steps prefetched, M = 64 0.953x with the old launch
-# and 4 steps prefetched (256-input steps lost there, 1.045x). MLXRUN_SMALL_M_GEMM (the
-# six, comma-separated; "128,4,4,2,1,0" the previous launch) overrides both for A/B timing.
-# In the model those lost: H100 `bench --batch 32 --prompt-tokens 1024`, the same call,
-# 5,879.3 tok/s with 128,4,4,2,1,0 against 5,665.0 with them, so both stay at it.
+# weights brought into L2 before the PDL wait (KernelConfig.l2_prefetch), and 1 where the
+# words and x come in by TMA (triton_gemm_tma.py; 0: cp.async, triton_gemm._gemm_kernel).
+# The TMA kernel won in the 8B int4 decode step (attn_loop_ab.py, context 1024, H200, one
+# call, against the cp.async launch 128,4,4,2,1,0): batch 8 -10.3% (128-input steps) /
+# -14.1% (256), batch 32 -12.0% / -10.8%, batch 64 -6.3% / -10.1%; `bench --batch 32
+# --prompt-tokens 1024` 6,205 and 6,288 -> 7,017 and 7,016 tok/s (KERNEL_NOTES.md,
+# 2026-11-27). Alone (gemm_smallm.py) the 256-input steps win at M = 32 too (0.73x against
+# 0.91x), not in the step. MLXRUN_SMALL_M_GEMM (the numbers, comma-separated;
+# "128,4,4,2,1,0" the previous cp.async launch) overrides both for A/B timing.
 _SMALL_M_ENV = os.environ.get("MLXRUN_SMALL_M_GEMM")
-SMALL_M_GEMM = _small_m_gemm(_SMALL_M_ENV or "128,4,4,2,1,0")
-SMALL_M_GEMM_64 = _small_m_gemm(_SMALL_M_ENV or "128,4,4,2,1,0")
+SMALL_M_GEMM = _small_m_gemm(_SMALL_M_ENV or "128,4,4,2,1,0,1")
+SMALL_M_GEMM_64 = _small_m_gemm(_SMALL_M_ENV or "128,4,3,4,1,0,1")
 # Load a k-step's scales with its words (KernelConfig.early) where choose_config says;
 # MLXRUN_GEMV_EARLY=0 loads them after the FMAs, as before (for A/B timing)
 GEMV_EARLY = os.environ.get("MLXRUN_GEMV_EARLY", "1") != "0"
