@@ -53,15 +53,15 @@ def _small_m_gemm(spec: str) -> tuple:
 # groups a k-step (128 to 256 inputs), split-K to this many waves of programs, k-steps of
 # weights brought into L2 before the PDL wait (KernelConfig.l2_prefetch), and 1 where the
 # words and x come in by TMA (triton_gemm_tma.py; 0: cp.async, triton_gemm._gemm_kernel).
-# The TMA kernel won in the 8B int4 decode step (attn_loop_ab.py, context 1024, H200, one
-# call, against the cp.async launch 128,4,4,2,1,0): batch 8 -10.3% (128-input steps) /
-# -14.1% (256), batch 32 -12.0% / -10.8%, batch 64 -6.3% / -10.1%; `bench --batch 32
-# --prompt-tokens 1024` 6,205 and 6,288 -> 7,017 and 7,016 tok/s (KERNEL_NOTES.md,
-# 2026-11-27). Alone (gemm_smallm.py) the 256-input steps win at M = 32 too (0.73x against
-# 0.91x), not in the step. MLXRUN_SMALL_M_GEMM (the numbers, comma-separated;
-# "128,4,4,2,1,0" the previous cp.async launch) overrides both for A/B timing.
+# The TMA kernel won in the 8B int4 decode step (attn_loop_ab.py, context 1024, one call,
+# against the cp.async launch 128,4,4,2,1,0): H100 batch 8 / 16 / 24 / 32 / 48 / 64 -11.3 /
+# -9.0 / -11.7 / -10.1 / -10.1 / -10.3%, and 2 k-steps into L2 another -1.7% at batch 32;
+# H200 256-input steps at batch 64 -10.1% against -6.3% with 128 (at 48 on the H100 they
+# lost 2.1% to 128). H100 `bench --prompt-tokens 1024`: batch 32 5,726 -> 6,515 tok/s,
+# batch 64 8,104 -> 9,082 (KERNEL_NOTES.md, 2026-11-27). MLXRUN_SMALL_M_GEMM (the numbers,
+# comma-separated; "128,4,4,2,1,0" the previous cp.async launch) overrides both.
 _SMALL_M_ENV = os.environ.get("MLXRUN_SMALL_M_GEMM")
-SMALL_M_GEMM = _small_m_gemm(_SMALL_M_ENV or "128,4,4,2,1,0,1")
+SMALL_M_GEMM = _small_m_gemm(_SMALL_M_ENV or "128,4,4,2,1,2,1")
 SMALL_M_GEMM_64 = _small_m_gemm(_SMALL_M_ENV or "128,4,3,4,1,0,1")
 # Load a k-step's scales with its words (KernelConfig.early) where choose_config says;
 # MLXRUN_GEMV_EARLY=0 loads them after the FMAs, as before (for A/B timing)
