@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from .triton_decode import _splitk_epilogue
 from .triton_gemm import _dequant_4bit_bf16x2, _gq_pair, _l2_prefetch_tile, _tile_dot
-from .triton_launch import tl, tlc, triton
+from .triton_launch import _props, tl, tlc, triton
 
 
 @triton.jit
@@ -87,12 +87,14 @@ def _gemm_tma_kernel(
 def tma_fits(x2, w, cfg) -> bool:
     """Whether _gemm_tma_kernel can take x2 [m, K] @ w^T under cfg: int4 affine with bf16
     scales and biases, bf16 x, one row tile, whole tiles and k-steps, and the TMA's
-    16-byte alignment of every base and row stride."""
+    16-byte alignment of every base and row stride. A GPU before Hopper (no TMA) keeps the
+    cp.async kernel; the interpreter runs this one."""
     import torch
 
     m = x2.shape[0]
     return (
         cfg.tma > 0
+        and (x2.device.type != "cuda" or _props(x2.device).major >= 9)
         and w.mode == "affine"
         and w.bits == 4
         and x2.dtype == torch.bfloat16
