@@ -20,7 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
-from mlxrun.backends.cuda_rope import _QUANT_ID, _rope_args, _rope_new_token, _rope_tables
+from mlxrun.backends.cuda_rope import (
+    _QUANT_ID,
+    _new_slot,
+    _rope_args,
+    _rope_new_token,
+    _rope_tables,
+    _rotate_rows,
+)
 from mlxrun.backends.cuda_rope import _rope_qkv_kernel as _rope_qkv_kernel
 from mlxrun.backends.cuda_rope import rope_qkv as rope_qkv
 from mlxrun.backends.torch_kv import QuantKV
@@ -151,6 +158,7 @@ def _decode_attn_kernel(
     ROPE: tl.constexpr = False,
     RN: tl.constexpr = False,
     ROPE_EARLY: tl.constexpr = False,
+    EARLY_KV: tl.constexpr = 0,
 ):
     # program (b * NKV + kv head, split): the G query heads of one kv head against keys
     # [split * KEYS_PER_SPLIT, +KEYS_PER_SPLIT), an online softmax over blocks of BL keys;
@@ -216,6 +224,20 @@ def _decode_attn_kernel(
         # (libdevice's, ~100 instructions) are computed before the PDL wait, off the path
         # from the qkv projection's end to the first key block
         c, s, ck, sk = _rope_tables(pos_ptr, inv_ptr, b, spb, rd, q_ptr.dtype.element_ty, D)
+    if EARLY_KV > 0:
+        # (ROPE, a plain cache) every key this program reads but the step's new one was
+        # stored kernels before, so its first block's keys (EARLY_KV 1; and values, 2) are
+        # loaded before the PDL wait; the new key and value, rotated after it as
+        # _rope_new_token stores them, replace their row in registers: no load round trip
+        # between q and the first block's dots
+        keys0 = lo + rl
+        ok0 = keys0 < hi
+        kt0 = tl.load(kbase + keys0[:, None] * sks + rd[None, :], mask=ok0[:, None], other=0)
+        if EARLY_KV == 2:
+            vt0 = tl.load(vbase + keys0[:, None] * svs + rd[None, :], mask=ok0[:, None], other=0)
+        if HAS_MASK:
+            ok0 = ok0 & (tl.load(mask_ptr + b * smb + keys0, mask=ok0, other=0) != 0)
+        new0 = (keys0 == _new_slot(slot_ptr, b, ring, key0, ROWS))[:, None]
     if PDL:
         tlc.gdc_wait()
         tlc.gdc_launch_dependents()
@@ -241,6 +263,20 @@ def _decode_attn_kernel(
     m_i = tl.full([GP], -1.0e30, tl.float32)  # finite: a fully masked block leaves it
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
+    if EARLY_KV > 0:
+        kn = kn_ptr + b * sknb + kh * sknh
+        x = tl.load(kn + rd).to(tl.float32)
+        part = tl.load(kn + (rd + D // 2) % D).to(tl.float32)
+        kn = _rotate_rows(x, part, c, s, rd, q_ptr.dtype.element_ty, D, RN)
+        vn = tl.load(vn_ptr + b * svnb + kh * svnh + rd)
+        kt0 = tl.where(new0, kn.to(kt0.dtype)[None, :], kt0)
+        if EARLY_KV == 1:  # (the values after the wait: 52 registers fewer than 2's 204)
+            vt0 = tl.load(vbase + keys0[:, None] * svs + rd[None, :], mask=ok0[:, None], other=0)
+        vt0 = tl.where(new0, vn.to(vt0.dtype)[None, :], vt0)
+        zero = tl.zeros([BL], tl.float32)  # (no scales: a plain cache)
+        m_i, l_i, acc = _attn_block(q, kt0, vt0, zero, zero, ok0, m_i, l_i, acc, scale, F32_DOT,
+                                    QUANT)  # fmt: skip
+        lo += BL
     for s0 in tl.range(lo, hi, BL, num_stages=NSTAGES):
         keys = s0 + rl
         ok = keys < hi
@@ -277,7 +313,8 @@ def _decode_attn_kernel(
 @triton.jit
 def _decode_attn_combine(part_ptr, stat_ptr, sink_ptr, out_ptr, SPLITS, NH, G: tl.constexpr,
                          D: tl.constexpr, SP: tl.constexpr, HAS_SINK: tl.constexpr,
-                         PDL: tl.constexpr = False, SC: tl.constexpr = 16):  # fmt: skip
+                         PDL: tl.constexpr = False, SC: tl.constexpr = 16,
+                         ONCE: tl.constexpr = False):  # fmt: skip
     if PDL:
         tlc.gdc_wait()
         tlc.gdc_launch_dependents()
@@ -290,6 +327,8 @@ def _decode_attn_combine(part_ptr, stat_ptr, sink_ptr, out_ptr, SPLITS, NH, G: t
     rd = tl.arange(0, D)
     smask = rs < SPLITS
     row = (bkv * SPLITS + rs) * G + g  # [SP]
+    if ONCE:  # (SP <= SC) the partials loaded with the stats: one round trip, not two
+        acc = tl.load(part_ptr + row[:, None] * D + rd[None, :], mask=smask[:, None], other=0.0)
     m = tl.load(stat_ptr + row * 2, mask=smask, other=-1.0e30)
     l_s = tl.load(stat_ptr + row * 2 + 1, mask=smask, other=0.0)
     top = tl.max(m, axis=0)
@@ -302,13 +341,17 @@ def _decode_attn_combine(part_ptr, stat_ptr, sink_ptr, out_ptr, SPLITS, NH, G: t
         den += tl.exp(z - top)
     # the partial outputs SC splits at a time (all SP at once spilled past 64 x 128 floats)
     o = tl.zeros([D], tl.float32)
-    for c0 in range(0, SPLITS, SC):
-        rc = c0 + tl.arange(0, SC)
-        cm = rc < SPLITS
-        rowc = (bkv * SPLITS + rc) * G + g
-        wc = tl.exp(tl.load(stat_ptr + rowc * 2, mask=cm, other=-1.0e30) - top)
-        acc = tl.load(part_ptr + rowc[:, None] * D + rd[None, :], mask=cm[:, None], other=0.0)
-        o += tl.sum(acc * wc[:, None], axis=0)
+    if ONCE:
+        o += tl.sum(acc * w[:, None], axis=0)  # (what the loop's one chunk adds, bit for bit)
+    else:
+        for c0 in range(0, SPLITS, SC):
+            rc = c0 + tl.arange(0, SC)
+            cm = rc < SPLITS
+            rowc = (bkv * SPLITS + rc) * G + g
+            wc = tl.exp(tl.load(stat_ptr + rowc * 2, mask=cm, other=-1.0e30) - top)
+            acc = tl.load(part_ptr + rowc[:, None] * D + rd[None, :], mask=cm[:, None],
+                          other=0.0)  # fmt: skip
+            o += tl.sum(acc * wc[:, None], axis=0)
     tl.store(out_ptr + bq * D + rd, (o / den).to(out_ptr.dtype.element_ty))
 
 
@@ -348,6 +391,12 @@ class AttnLaunch:
     # with the rope folded in (RopeStep): its cos/sin before the PDL wait, not after;
     # MLXRUN_ROPE_EARLY=0 after it (for A/B timing)
     rope_early: bool = os.environ.get("MLXRUN_ROPE_EARLY", "1") == "1"
+    # with the rope folded in and a plain cache: the first block's keys (1; and values, 2)
+    # loaded before the PDL wait, the new key patched in after it (for A/B timing)
+    early_kv: int = 0
+    # the combine loads the stats and partials of its splits together where they fit one
+    # chunk (one round trip to L2, not two); 0: the stats first (for A/B timing)
+    combine_once: bool = False
 
     @classmethod
     def from_spec(cls, spec: str) -> AttnLaunch:
@@ -355,7 +404,8 @@ class AttnLaunch:
         kw = {}
         for item in filter(None, spec.split(",")):
             key, val = item.split("=")
-            kw[key] = bool(int(val)) if key in ("fp8_f16", "direct", "rope_early") else int(val)
+            flags = ("fp8_f16", "direct", "rope_early", "combine_once")
+            kw[key] = bool(int(val)) if key in flags else int(val)
         return cls(**kw)
 
 
@@ -445,6 +495,7 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
         LINES=lines if lines & (lines - 1) == 0 else 0,  # tl.arange takes powers of two
         EPL=128 // k.element_size(), NSTAGES=launch.stages, F16=quant == 2 and f16,
         DIRECT=direct, ROPE_EARLY=rope is not None and launch.rope_early,
+        EARLY_KV=launch.early_kv if rope is not None and not quant else 0,
         **_rope_args(rope, rows, k),
     )  # fmt: skip
     if direct:
@@ -454,6 +505,7 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
         SP=triton.next_power_of_2(splits), HAS_SINK=sinks is not None,
         num_warps=launch.combine_warps,
         SC=min(launch.combine_chunk, triton.next_power_of_2(splits)),
+        ONCE=launch.combine_once and triton.next_power_of_2(splits) <= launch.combine_chunk,
         **pdl_args(q.device),
     )  # fmt: skip
     return out
