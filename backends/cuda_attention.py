@@ -372,6 +372,7 @@ class AttnLaunch:
     per_sm: int = 2  # splits over the keys: about this many programs per SM (bf16)
     per_sm_quant: int = 4  # (int8, fp8)
     stages: int = 3  # blocks whose loads are in flight (Triton's pipeliner)
+    warps: int = 4  # a program's
     # the combine's program (b, head) reads the splits' partials this many at a time: all
     # 128 at once spilled (32k, batch 1, 4 programs per SM); 4 warps over chunks of 16 were
     # slower at 4k (int8 15.6 against 10.9 us)
@@ -489,7 +490,7 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
         mask.stride(0) if mask is not None and mask.shape[0] > 1 else 0,
         ks, vs, ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         NKV=NKV, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BL=BL, QUANT=quant,
-        HAS_MASK=mask is not None, ROWS=rows is not None, num_warps=4,
+        HAS_MASK=mask is not None, ROWS=rows is not None, num_warps=launch.warps,
         # float32 models get float32 dots (not TF32); the interpreter's bf16 dot is wrong
         F32_DOT=q.dtype == torch.float32 or q.device.type != "cuda", **pd,
         LINES=lines if lines & (lines - 1) == 0 else 0,  # tl.arange takes powers of two

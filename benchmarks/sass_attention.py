@@ -44,7 +44,9 @@ def compile_attn(kind: str, launch: ca.AttnLaunch, g: int = 4, d: int = 128, rop
                   ROPE_EARLY=rope and launch.rope_early,
                   EARLY_KV=launch.early_kv if rope and not quant else 0, **params)  # fmt: skip
     # sizes and strides: multiples of 16 at these shapes
-    kern = compile_sm90(fn, ptrs, consts, {"scale": 1.0 / d**0.5}, other_int=16, num_warps=4)
+    kern = compile_sm90(
+        fn, ptrs, consts, {"scale": 1.0 / d**0.5}, other_int=16, num_warps=launch.warps
+    )
     return kern, consts
 
 
