@@ -398,6 +398,7 @@ class AttnLaunch:
     # attn_loop_ab, medians of 10 rounds): 1.8643 ms with neither early load, 1.8575 with
     # early_kv=2 (its key loop one stage deep), 1.8731 with a 3-stage loop behind it
     early_kv: int = 2
+    early_waves: int = 1  # ... where the grid has at most this many programs a SM
     # the combine loads the stats and partials of its splits together where they fit one
     # chunk (one round trip to L2, not two): same step 1.9073 -> 1.8643 ms (-2.3%); 0: the
     # stats first (for A/B timing)
@@ -484,7 +485,7 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
     # kernel's own) and only where the grid is one wave: its registers (204 at early_kv=2,
     # against 88) would cut the programs resident a SM of a larger grid, which gains nothing
     # from an early start (one layer at batch 32, H200: 28.3 -> 31.2 us)
-    one_wave = B * NKV * splits <= _num_sms(q.device)
+    one_wave = B * NKV * splits <= launch.early_waves * _num_sms(q.device)
     early = launch.early_kv if rope is not None and not quant and one_wave else 0
     # the key loop after an early block runs a split's other blocks: a pipeline deeper than
     # them only takes shared memory (at context 512 there are none: 3 stages against 1,
