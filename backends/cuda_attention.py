@@ -398,7 +398,10 @@ class AttnLaunch:
     # attn_loop_ab, medians of 10 rounds): 1.8643 ms with neither early load, 1.8575 with
     # early_kv=2 (its key loop one stage deep), 1.8731 with a 3-stage loop behind it
     early_kv: int = 2
-    early_waves: int = 1  # ... where the grid has at most this many programs a SM
+    # ... where the grid has at most this many programs a SM (8B int4 step, batch 1, H100:
+    # two, against one, -0.7% at context 1024 and -0.9% at 4096, whose 8 kv heads take 18
+    # and 33 splits)
+    early_waves: int = 2
     # the combine loads the stats and partials of its splits together where they fit one
     # chunk (one round trip to L2, not two): same step 1.9073 -> 1.8643 ms (-2.3%); 0: the
     # stats first (for A/B timing)
@@ -482,11 +485,12 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
             mask = mask.contiguous()
     pd = pdl_args(q.device)
     # the first block before the PDL wait: with the rope folded in (the only new key is this
-    # kernel's own) and only where the grid is one wave: its registers (204 at early_kv=2,
-    # against 88) would cut the programs resident a SM of a larger grid, which gains nothing
-    # from an early start (one layer at batch 32, H200: 28.3 -> 31.2 us)
-    one_wave = B * NKV * splits <= launch.early_waves * _num_sms(q.device)
-    early = launch.early_kv if rope is not None and not quant and one_wave else 0
+    # kernel's own) and only where the whole grid is resident at once (two programs a SM,
+    # 204 registers each at early_kv=2, against 88): a larger grid's later programs gain
+    # nothing from an early start and fewer fit a SM (one layer at batch 32, H200: 28.3 ->
+    # 31.2 us)
+    resident = B * NKV * splits <= launch.early_waves * _num_sms(q.device)
+    early = launch.early_kv if rope is not None and not quant and resident else 0
     # the key loop after an early block runs a split's other blocks: a pipeline deeper than
     # them only takes shared memory (at context 512 there are none: 3 stages against 1,
     # 68 against 37 KB, cost 0.8% of the step above)

@@ -106,8 +106,8 @@ def test_fused_rope_attention_equals_rope_then_attention(dtype, B, NH, NKV, S, s
     launch = cuda_attention.AttnLaunch(block=16, block_quant=16, per_sm=8, per_sm_quant=8,
                                        rope_early=quant != "int8")  # fmt: skip
     plain = launch  # the reference: rope_qkv, then the attention without the variant
-    # early_kv runs where the grid is one wave: here every grid is (the interpreter's 4
-    # "SMs" would leave it off; the splits are the keys' blocks either way at these sizes)
+    # early_kv runs where the whole grid is resident: here every grid is (the interpreter's
+    # 4 "SMs" would leave it off; the splits are the keys' blocks either way at these sizes)
     monkeypatch.setattr(cuda_attention, "_num_sms", lambda dev: 4096)
     launch = dataclasses.replace(launch, **VARIANTS[variant])
 
