@@ -158,7 +158,7 @@ def _decode_attn_kernel(
     ROPE: tl.constexpr = False,
     RN: tl.constexpr = False,
     ROPE_EARLY: tl.constexpr = False,
-    EARLY_KV: tl.constexpr = 0,
+    EARLY_KV: tl.constexpr = False,
 ):
     # program (b * NKV + kv head, split): the G query heads of one kv head against keys
     # [split * KEYS_PER_SPLIT, +KEYS_PER_SPLIT), an online softmax over blocks of BL keys;
@@ -224,17 +224,16 @@ def _decode_attn_kernel(
         # (libdevice's, ~100 instructions) are computed before the PDL wait, off the path
         # from the qkv projection's end to the first key block
         c, s, ck, sk = _rope_tables(pos_ptr, inv_ptr, b, spb, rd, q_ptr.dtype.element_ty, D)
-    if EARLY_KV > 0:
+    if EARLY_KV:
         # (ROPE, a plain cache) every key this program reads but the step's new one was
-        # stored kernels before, so its first block's keys (EARLY_KV 1; and values, 2) are
-        # loaded before the PDL wait; the new key and value, rotated after it as
-        # _rope_new_token stores them, replace their row in registers: no load round trip
-        # between q and the first block's dots
+        # stored kernels before, so its first block's keys and values are loaded before the
+        # PDL wait; the new key and value, rotated after it as _rope_new_token stores them,
+        # replace their row in registers: no load round trip between q and the first
+        # block's dots
         keys0 = lo + rl
         ok0 = keys0 < hi
         kt0 = tl.load(kbase + keys0[:, None] * sks + rd[None, :], mask=ok0[:, None], other=0)
-        if EARLY_KV == 2:
-            vt0 = tl.load(vbase + keys0[:, None] * svs + rd[None, :], mask=ok0[:, None], other=0)
+        vt0 = tl.load(vbase + keys0[:, None] * svs + rd[None, :], mask=ok0[:, None], other=0)
         if HAS_MASK:
             ok0 = ok0 & (tl.load(mask_ptr + b * smb + keys0, mask=ok0, other=0) != 0)
         new0 = (keys0 == _new_slot(slot_ptr, b, ring, key0, ROWS))[:, None]
@@ -263,15 +262,13 @@ def _decode_attn_kernel(
     m_i = tl.full([GP], -1.0e30, tl.float32)  # finite: a fully masked block leaves it
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
-    if EARLY_KV > 0:
+    if EARLY_KV:
         kn = kn_ptr + b * sknb + kh * sknh
         x = tl.load(kn + rd).to(tl.float32)
         part = tl.load(kn + (rd + D // 2) % D).to(tl.float32)
         kn = _rotate_rows(x, part, c, s, rd, q_ptr.dtype.element_ty, D, RN)
         vn = tl.load(vn_ptr + b * svnb + kh * svnh + rd)
         kt0 = tl.where(new0, kn.to(kt0.dtype)[None, :], kt0)
-        if EARLY_KV == 1:  # (the values after the wait: 52 registers fewer than 2's 204)
-            vt0 = tl.load(vbase + keys0[:, None] * svs + rd[None, :], mask=ok0[:, None], other=0)
         vt0 = tl.where(new0, vn.to(vt0.dtype)[None, :], vt0)
         zero = tl.zeros([BL], tl.float32)  # (no scales: a plain cache)
         m_i, l_i, acc = _attn_block(q, kt0, vt0, zero, zero, ok0, m_i, l_i, acc, scale, F32_DOT,
@@ -372,7 +369,6 @@ class AttnLaunch:
     per_sm: int = 2  # splits over the keys: about this many programs per SM (bf16)
     per_sm_quant: int = 4  # (int8, fp8)
     stages: int = 3  # blocks whose loads are in flight (Triton's pipeliner)
-    warps: int = 4  # a program's
     # the combine's program (b, head) reads the splits' partials this many at a time: all
     # 128 at once spilled (32k, batch 1, 4 programs per SM); 4 warps over chunks of 16 were
     # slower at 4k (int8 15.6 against 10.9 us)
@@ -392,12 +388,12 @@ class AttnLaunch:
     # with the rope folded in (RopeStep): its cos/sin before the PDL wait, not after;
     # MLXRUN_ROPE_EARLY=0 after it (for A/B timing)
     rope_early: bool = os.environ.get("MLXRUN_ROPE_EARLY", "1") == "1"
-    # with the rope folded in and a plain cache: the first block's keys (1) or keys and
-    # values (2) loaded before the PDL wait, the new key patched in after it; 0: none (for
-    # A/B timing). With combine_once, 8B int4 decode step at context 512, batch 1 (H200,
-    # attn_loop_ab, medians of 10 rounds): 1.8643 ms with neither early load, 1.8575 with
-    # early_kv=2 (its key loop one stage deep), 1.8731 with a 3-stage loop behind it
-    early_kv: int = 2
+    # with the rope folded in and a plain cache: the first block's keys and values loaded
+    # before the PDL wait, the new key patched in after it; 0: after it (for A/B timing).
+    # With combine_once, 8B int4 decode step at context 512, batch 1, medians of 10 rounds
+    # (attn_loop_ab): H100 2.1903 -> 2.1616 ms; H200 1.8643 -> 1.8575 with the key loop one
+    # stage deep, 1.8731 with 3 stages behind it. The keys alone early: H100 2.1888
+    early_kv: bool = True
     # ... where the grid has at most this many programs a SM (8B int4 step, batch 1, H100:
     # two, against one, -0.7% at context 1024 and -0.9% at 4096, whose 8 kv heads take 18
     # and 33 splits)
@@ -413,7 +409,7 @@ class AttnLaunch:
         kw = {}
         for item in filter(None, spec.split(",")):
             key, val = item.split("=")
-            flags = ("fp8_f16", "direct", "rope_early", "combine_once")
+            flags = ("fp8_f16", "direct", "rope_early", "early_kv", "combine_once")
             kw[key] = bool(int(val)) if key in flags else int(val)
         return cls(**kw)
 
@@ -486,11 +482,10 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
     pd = pdl_args(q.device)
     # the first block before the PDL wait: with the rope folded in (the only new key is this
     # kernel's own) and only where the whole grid is resident at once (two programs a SM,
-    # 204 registers each at early_kv=2, against 88): a larger grid's later programs gain
-    # nothing from an early start and fewer fit a SM (one layer at batch 32, H200: 28.3 ->
-    # 31.2 us)
+    # 204 registers each, against 88): a larger grid's later programs gain nothing from an
+    # early start and fewer fit a SM (one layer at batch 32, H200: 28.3 -> 31.2 us)
     resident = B * NKV * splits <= launch.early_waves * _num_sms(q.device)
-    early = launch.early_kv if rope is not None and not quant and resident else 0
+    early = rope is not None and launch.early_kv and not quant and resident
     # the key loop after an early block runs a split's other blocks: a pipeline deeper than
     # them only takes shared memory (at context 512 there are none: 3 stages against 1,
     # 68 against 37 KB, cost 0.8% of the step above)
@@ -509,7 +504,7 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
         mask.stride(0) if mask is not None and mask.shape[0] > 1 else 0,
         ks, vs, ks.stride(0) if quant else 0, ks.stride(1) if quant else 0,
         NKV=NKV, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BL=BL, QUANT=quant,
-        HAS_MASK=mask is not None, ROWS=rows is not None, num_warps=launch.warps,
+        HAS_MASK=mask is not None, ROWS=rows is not None, num_warps=4,
         # float32 models get float32 dots (not TF32); the interpreter's bf16 dot is wrong
         F32_DOT=q.dtype == torch.float32 or q.device.type != "cuda", **pd,
         LINES=lines if lines & (lines - 1) == 0 else 0,  # tl.arange takes powers of two

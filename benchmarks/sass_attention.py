@@ -42,11 +42,9 @@ def compile_attn(kind: str, launch: ca.AttnLaunch, g: int = 4, d: int = 128, rop
                   F32_DOT=False, ROWS=False, PDL=True, LINES=1 if quant else 2,
                   EPL=128 if quant else 64, QUANT=quant, ROPE=rope, RN=rope,
                   ROPE_EARLY=rope and launch.rope_early,
-                  EARLY_KV=launch.early_kv if rope and not quant else 0, **params)  # fmt: skip
+                  EARLY_KV=rope and launch.early_kv and not quant, **params)  # fmt: skip
     # sizes and strides: multiples of 16 at these shapes
-    kern = compile_sm90(
-        fn, ptrs, consts, {"scale": 1.0 / d**0.5}, other_int=16, num_warps=launch.warps
-    )
+    kern = compile_sm90(fn, ptrs, consts, {"scale": 1.0 / d**0.5}, other_int=16, num_warps=4)
     return kern, consts
 
 

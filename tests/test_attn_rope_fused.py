@@ -69,8 +69,8 @@ CASES = [
 
 # the launch's variants of the fused path: the default (the first key block loaded before the
 # PDL wait and the new key patched in, for a plain cache; a quantized one reads it back; the
-# combine's stats and partials loaded together), keys alone early, and neither
-VARIANTS = {"": {}, "k": dict(early_kv=1), "old": dict(early_kv=0, combine_once=False)}
+# combine's stats and partials loaded together), and neither
+VARIANTS = {"": {}, "old": dict(early_kv=False, combine_once=False)}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
