@@ -447,7 +447,9 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
     attention kernel writes the output itself and the combine is not launched.
 
     rope (a RopeStep): q is not rotated yet and this step's k, v are not in the cache: the
-    kernel does what rope_qkv would have done first, bit for bit, in the same launch."""
+    kernel does what rope_qkv would have done first, bit for bit, in the same launch, and
+    (a plain cache, a grid resident at once) loads its first key block before the PDL wait,
+    the new key put in its row in registers (AttnLaunch.early_kv)."""
     launch = launch or _env_launch()
     B, NH, _, D = q.shape
     NKV, S = k.shape[1], k.shape[2]
