@@ -12,7 +12,6 @@ Without a GPU they run under TRITON_INTERPRET=1, which is how the tests check th
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 
@@ -20,7 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
-from mlxrun.backends.cuda_rope import _QUANT_ID, _rope_args, _rope_new_token, _rope_tables
+from mlxrun.backends.cuda_launch import AttnLaunch as AttnLaunch
+from mlxrun.backends.cuda_rope import (
+    _QUANT_ID,
+    _new_slot,
+    _rope_args,
+    _rope_new_token,
+    _rope_tables,
+    _rotate_rows,
+)
 from mlxrun.backends.cuda_rope import _rope_qkv_kernel as _rope_qkv_kernel
 from mlxrun.backends.cuda_rope import rope_qkv as rope_qkv
 from mlxrun.backends.torch_kv import QuantKV
@@ -151,6 +158,7 @@ def _decode_attn_kernel(
     ROPE: tl.constexpr = False,
     RN: tl.constexpr = False,
     ROPE_EARLY: tl.constexpr = False,
+    EARLY_KV: tl.constexpr = False,
 ):
     # program (b * NKV + kv head, split): the G query heads of one kv head against keys
     # [split * KEYS_PER_SPLIT, +KEYS_PER_SPLIT), an online softmax over blocks of BL keys;
@@ -216,6 +224,19 @@ def _decode_attn_kernel(
         # (libdevice's, ~100 instructions) are computed before the PDL wait, off the path
         # from the qkv projection's end to the first key block
         c, s, ck, sk = _rope_tables(pos_ptr, inv_ptr, b, spb, rd, q_ptr.dtype.element_ty, D)
+    if EARLY_KV:
+        # (ROPE, a plain cache) every key this program reads but the step's new one was
+        # stored kernels before, so its first block's keys and values are loaded before the
+        # PDL wait; the new key and value, rotated after it as _rope_new_token stores them,
+        # replace their row in registers: no load round trip between q and the first
+        # block's dots
+        keys0 = lo + rl
+        ok0 = keys0 < hi
+        kt0 = tl.load(kbase + keys0[:, None] * sks + rd[None, :], mask=ok0[:, None], other=0)
+        vt0 = tl.load(vbase + keys0[:, None] * svs + rd[None, :], mask=ok0[:, None], other=0)
+        if HAS_MASK:
+            ok0 = ok0 & (tl.load(mask_ptr + b * smb + keys0, mask=ok0, other=0) != 0)
+        new0 = (keys0 == _new_slot(slot_ptr, b, ring, key0, ROWS))[:, None]
     if PDL:
         tlc.gdc_wait()
         tlc.gdc_launch_dependents()
@@ -241,6 +262,18 @@ def _decode_attn_kernel(
     m_i = tl.full([GP], -1.0e30, tl.float32)  # finite: a fully masked block leaves it
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
+    if EARLY_KV:
+        kn = kn_ptr + b * sknb + kh * sknh
+        x = tl.load(kn + rd).to(tl.float32)
+        part = tl.load(kn + (rd + D // 2) % D).to(tl.float32)
+        kn = _rotate_rows(x, part, c, s, rd, q_ptr.dtype.element_ty, D, RN)
+        vn = tl.load(vn_ptr + b * svnb + kh * svnh + rd)
+        kt0 = tl.where(new0, kn.to(kt0.dtype)[None, :], kt0)
+        vt0 = tl.where(new0, vn.to(vt0.dtype)[None, :], vt0)
+        zero = tl.zeros([BL], tl.float32)  # (no scales: a plain cache)
+        m_i, l_i, acc = _attn_block(q, kt0, vt0, zero, zero, ok0, m_i, l_i, acc, scale, F32_DOT,
+                                    QUANT)  # fmt: skip
+        lo += BL
     for s0 in tl.range(lo, hi, BL, num_stages=NSTAGES):
         keys = s0 + rl
         ok = keys < hi
@@ -277,7 +310,8 @@ def _decode_attn_kernel(
 @triton.jit
 def _decode_attn_combine(part_ptr, stat_ptr, sink_ptr, out_ptr, SPLITS, NH, G: tl.constexpr,
                          D: tl.constexpr, SP: tl.constexpr, HAS_SINK: tl.constexpr,
-                         PDL: tl.constexpr = False, SC: tl.constexpr = 16):  # fmt: skip
+                         PDL: tl.constexpr = False, SC: tl.constexpr = 16,
+                         ONCE: tl.constexpr = False):  # fmt: skip
     if PDL:
         tlc.gdc_wait()
         tlc.gdc_launch_dependents()
@@ -290,6 +324,8 @@ def _decode_attn_combine(part_ptr, stat_ptr, sink_ptr, out_ptr, SPLITS, NH, G: t
     rd = tl.arange(0, D)
     smask = rs < SPLITS
     row = (bkv * SPLITS + rs) * G + g  # [SP]
+    if ONCE:  # (SP <= SC) the partials loaded with the stats: one round trip, not two
+        acc = tl.load(part_ptr + row[:, None] * D + rd[None, :], mask=smask[:, None], other=0.0)
     m = tl.load(stat_ptr + row * 2, mask=smask, other=-1.0e30)
     l_s = tl.load(stat_ptr + row * 2 + 1, mask=smask, other=0.0)
     top = tl.max(m, axis=0)
@@ -302,61 +338,23 @@ def _decode_attn_combine(part_ptr, stat_ptr, sink_ptr, out_ptr, SPLITS, NH, G: t
         den += tl.exp(z - top)
     # the partial outputs SC splits at a time (all SP at once spilled past 64 x 128 floats)
     o = tl.zeros([D], tl.float32)
-    for c0 in range(0, SPLITS, SC):
-        rc = c0 + tl.arange(0, SC)
-        cm = rc < SPLITS
-        rowc = (bkv * SPLITS + rc) * G + g
-        wc = tl.exp(tl.load(stat_ptr + rowc * 2, mask=cm, other=-1.0e30) - top)
-        acc = tl.load(part_ptr + rowc[:, None] * D + rd[None, :], mask=cm[:, None], other=0.0)
-        o += tl.sum(acc * wc[:, None], axis=0)
+    if ONCE:
+        o += tl.sum(acc * w[:, None], axis=0)  # (what the loop's one chunk adds, bit for bit)
+    else:
+        for c0 in range(0, SPLITS, SC):
+            rc = c0 + tl.arange(0, SC)
+            cm = rc < SPLITS
+            rowc = (bkv * SPLITS + rc) * G + g
+            wc = tl.exp(tl.load(stat_ptr + rowc * 2, mask=cm, other=-1.0e30) - top)
+            acc = tl.load(part_ptr + rowc[:, None] * D + rd[None, :], mask=cm[:, None],
+                          other=0.0)  # fmt: skip
+            o += tl.sum(acc * wc[:, None], axis=0)
     tl.store(out_ptr + bq * D + rd, (o / den).to(out_ptr.dtype.element_ty))
 
 
 # Decode attention brings its keys and values into L2 before its PDL wait (H100, int4 batch-1
 # step at context 1024: 2.402 -> 2.382 ms, two A/B pairs); MLXRUN_L2PF_KV=0 turns it off.
 L2_PREFETCH_KV = os.environ.get("MLXRUN_L2PF_KV", "1") == "1"
-
-
-@dataclasses.dataclass(frozen=True)
-class AttnLaunch:
-    """Launch choices of decode_attention (benchmarks/kv_attention.py times others)."""
-
-    # (H100, one layer of Llama-3.1-8B's attention at 4k and 32k, batch 1 and 8; the numbers
-    # in docs/long-context.md): 128-key blocks and more programs suit the one-byte caches,
-    # whose blocks take twice bf16's instructions per value read
-    block: int = 64  # keys a block of a bf16 / float16 / float32 cache (a power of 2, >= 16)
-    block_quant: int = 128  # of an int8 / fp8 cache
-    per_sm: int = 2  # splits over the keys: about this many programs per SM (bf16)
-    per_sm_quant: int = 4  # (int8, fp8)
-    stages: int = 3  # blocks whose loads are in flight (Triton's pipeliner)
-    # the combine's program (b, head) reads the splits' partials this many at a time: all
-    # 128 at once spilled (32k, batch 1, 4 programs per SM); 4 warps over chunks of 16 were
-    # slower at 4k (int8 15.6 against 10.9 us)
-    combine_warps: int = 1
-    combine_chunk: int = 64
-    fp8_f16: bool | None = None  # fp8 dots in float16; None: where q is bf16 / float16
-    # at least this many splits for a bf16 / float16 / float32 cache: at batch 64 (8 kv heads,
-    # 512 programs) per_sm alone gives one split; two were 5.2% faster in the 8B int4 decode
-    # step (H200, context 1024, benchmarks/attn_loop_ab.py: 7.016 against 7.401 ms, 5
-    # rounds each). Batch 32 already takes two (one, per_sm=1, lost: +4.7%). min_splits=1
-    # gives the previous launch (for A/B timing)
-    min_splits: int = 2
-    # one split and no sinks: the attention kernel writes the output, no combine launch
-    # (which at batch 64, context 1024, 8B shape, took 0.73 ms a step: one split already);
-    # MLXRUN_ATTN_DIRECT=0 keeps the combine (for A/B timing)
-    direct: bool = os.environ.get("MLXRUN_ATTN_DIRECT", "1") == "1"
-    # with the rope folded in (RopeStep): its cos/sin before the PDL wait, not after;
-    # MLXRUN_ROPE_EARLY=0 after it (for A/B timing)
-    rope_early: bool = os.environ.get("MLXRUN_ROPE_EARLY", "1") == "1"
-
-    @classmethod
-    def from_spec(cls, spec: str) -> AttnLaunch:
-        """'per_sm=8,fp8_f16=0' -> AttnLaunch(per_sm=8, fp8_f16=False); '' -> the default."""
-        kw = {}
-        for item in filter(None, spec.split(",")):
-            key, val = item.split("=")
-            kw[key] = bool(int(val)) if key in ("fp8_f16", "direct", "rope_early") else int(val)
-        return cls(**kw)
 
 
 @functools.cache
@@ -392,7 +390,9 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
     attention kernel writes the output itself and the combine is not launched.
 
     rope (a RopeStep): q is not rotated yet and this step's k, v are not in the cache: the
-    kernel does what rope_qkv would have done first, bit for bit, in the same launch."""
+    kernel does what rope_qkv would have done first, bit for bit, in the same launch, and
+    (a plain cache, a grid resident at once) loads its first key block before the PDL wait,
+    the new key put in its row in registers (AttnLaunch.early_kv)."""
     launch = launch or _env_launch()
     B, NH, _, D = q.shape
     NKV, S = k.shape[1], k.shape[2]
@@ -425,6 +425,16 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
         if mask.stride(-1) != 1:
             mask = mask.contiguous()
     pd = pdl_args(q.device)
+    # the first block before the PDL wait: with the rope folded in (the only new key is this
+    # kernel's own) and only where the whole grid is resident at once (two programs a SM,
+    # 204 registers each, against 88): a larger grid's later programs gain nothing from an
+    # early start and fewer fit a SM (one layer at batch 32, H200: 28.3 -> 31.2 us)
+    resident = B * NKV * splits <= launch.early_waves * _num_sms(q.device)
+    early = rope is not None and launch.early_kv and not quant and resident
+    # the key loop after an early block runs a split's other blocks: a pipeline deeper than
+    # them only takes shared memory (at context 512 there are none: 3 stages against 1,
+    # 68 against 37 KB, cost 0.8% of the step above)
+    stages = max(1, min(launch.stages, per // BL - 1)) if early else launch.stages
     f16 = launch.fp8_f16 if launch.fp8_f16 is not None else q.dtype != torch.float32
     row = D * k.element_size()  # bytes of a key; prefetched as whole 128-byte lines
     lines = 0
@@ -443,8 +453,9 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
         # float32 models get float32 dots (not TF32); the interpreter's bf16 dot is wrong
         F32_DOT=q.dtype == torch.float32 or q.device.type != "cuda", **pd,
         LINES=lines if lines & (lines - 1) == 0 else 0,  # tl.arange takes powers of two
-        EPL=128 // k.element_size(), NSTAGES=launch.stages, F16=quant == 2 and f16,
+        EPL=128 // k.element_size(), NSTAGES=stages, F16=quant == 2 and f16,
         DIRECT=direct, ROPE_EARLY=rope is not None and launch.rope_early,
+        EARLY_KV=early,
         **_rope_args(rope, rows, k),
     )  # fmt: skip
     if direct:
@@ -454,6 +465,7 @@ def decode_attention(q, k, v, scale: float, mask, sinks=None, rows=None,
         SP=triton.next_power_of_2(splits), HAS_SINK=sinks is not None,
         num_warps=launch.combine_warps,
         SC=min(launch.combine_chunk, triton.next_power_of_2(splits)),
+        ONCE=launch.combine_once and triton.next_power_of_2(splits) <= launch.combine_chunk,
         **pdl_args(q.device),
     )  # fmt: skip
     return out

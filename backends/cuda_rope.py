@@ -245,6 +245,26 @@ def _rope_tables(pos_ptr, inv_ptr, b, spb, rd, dt, D: tl.constexpr):
 
 
 @triton.jit
+def _rotate_rows(x, part, c, s, rd, dt, D: tl.constexpr, RN: tl.constexpr):
+    """Head vectors x (float32, columns rd) rotated by _rope_tables' c, s (column j's that
+    of j mod D/2), part the other half's elements (column j's x[(j + D/2) mod D]): _rotate's
+    roundings, each product rounded, on the whole vector at once. Float32."""
+    sign = tl.where(rd < D // 2, -1.0, 1.0)
+    return (_mul_rn(x, c, RN).to(dt).to(tl.float32)
+            + _mul_rn(sign * part, s, RN).to(dt).to(tl.float32))  # fmt: skip
+
+
+@triton.jit
+def _new_slot(slot_ptr, b, ring, key0, ROWS: tl.constexpr):
+    """The cache slot of sequence b's new key (in the attention's key numbering)."""
+    if ROWS:  # wraps in a sliding-window layer's ring (of `ring` keys), as rope_qkv's does
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+    else:
+        slot = tl.load(slot_ptr).to(tl.int64)
+    return key0 + slot % ring
+
+
+@triton.jit
 def _rope_new_token(q, c, s, ck, sk, q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
                     slot_ptr, b, kb, kh, rg, rd, gmask, start, end, ring, key0, sqb, sqh, sknb,
                     sknh, svnb, svnh, skb, skh, sks, svb, svh, svs, ssb, ssh, G: tl.constexpr,
@@ -259,15 +279,8 @@ def _rope_new_token(q, c, s, ck, sk, q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, ks_ptr
     dt = q_ptr.dtype.element_ty
     part = tl.load(q_ptr + b * sqb + (kh * G + rg)[:, None] * sqh + ((rd + HALF) % D)[None, :],
                    mask=gmask[:, None], other=0.0).to(tl.float32)  # fmt: skip
-    c = c[None, :]
-    s = s[None, :]
-    sign = tl.where(rd < HALF, -1.0, 1.0)[None, :]
-    q = (_mul_rn(q.to(tl.float32), c, RN).to(dt).to(tl.float32)
-         + _mul_rn(sign * part, s, RN).to(dt).to(tl.float32))  # fmt: skip
-    if ROWS:  # wraps in a sliding-window layer's ring (of `ring` keys), as rope_qkv's does
-        slot = key0 + tl.load(slot_ptr + b).to(tl.int64) % ring
-    else:
-        slot = key0 + tl.load(slot_ptr).to(tl.int64) % ring
+    q = _rotate_rows(q.to(tl.float32), part, c[None, :], s[None, :], rd[None, :], dt, D, RN)
+    slot = _new_slot(slot_ptr, b, ring, key0, ROWS)
     if (slot >= start) & (slot < end):
         i = tl.arange(0, HALF)
         m = i < HALF

@@ -9,9 +9,10 @@ Per batch, the KV cache is filled with random keys and values up to `context` (n
 its kernels would cost compiles and time, and the decode step reads the cache the same), the
 decode step is captured as a CUDA graph once per variant (the AttnLaunch fields of
 MLXRUN_ATTN_LAUNCH's form joined by "+", "default" for none; "gemm=128_4_3_4_1_2" sets the
-batched-decode GEMM's launch, MLXRUN_SMALL_M_GEMM's numbers), and the graphs are replayed alternately,
-`steps` steps a measurement, `rounds` rounds, the cache rewound to `context` each time: ms a
-step and tok/s (batch / step). The weights are built once for every batch.
+batched-decode GEMM's launch, MLXRUN_SMALL_M_GEMM's numbers), and the graphs are replayed
+alternately, `steps` steps a measurement, `rounds` rounds (every other one in reverse order),
+the cache rewound to `context` each time: ms a step and tok/s (batch / step), the min and the
+median of the rounds. The weights are built once for every batch.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -78,7 +80,9 @@ def main() -> None:
         res: dict = {v: [] for v in variants}
         out[str(batch)] = res
         for r in range(a.rounds):
-            for v in variants:
+            # every other round in reverse order: a drift over the run (the clocks of a busy
+            # host) then weighs on every variant alike
+            for v in variants if r % 2 == 0 else variants[::-1]:
                 dec = decs[v]
                 tok = dec.tok.view(-1)
                 cache.offset = a.context
@@ -101,11 +105,13 @@ def main() -> None:
                     json.dump(out, f, indent=1)
                 os.replace(a.json + ".tmp", a.json)
         base = min(res[variants[0]])
+        mid = statistics.median(res[variants[0]])
         for v in variants:
-            ms = min(res[v])
+            ms, md = min(res[v]), statistics.median(res[v])
             print(f"batch {batch} {v:20s} ms/step " + " ".join(f"{t:.4f}" for t in res[v])
                   + f"  min {ms:.4f} ({batch * 1e3 / ms:.1f} tok/s, "
-                  f"{100 * (ms / base - 1):+.2f}% vs {variants[0]})", flush=True)  # fmt: skip
+                  f"{100 * (ms / base - 1):+.2f}% vs {variants[0]}), median {md:.4f} "
+                  f"({100 * (md / mid - 1):+.2f}%)", flush=True)  # fmt: skip
         for d in decs.values():
             d.close()
         del decs, cache

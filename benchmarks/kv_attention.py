@@ -145,7 +145,8 @@ def run_case(B, ctx, kind, variants, nh, nkv, D, calls, reps, l2):
         torch.tensor([ctx - 1], device=DEV),
     )
     ref = {}
-    for r in sorted({x.split("rope=")[1][0] for x in variants if "rope=" in x}):
+    ropes = {x.split("rope=")[1][0] for x in variants if "rope=" in x}
+    for r in sorted(ropes | {"0"} if ropes else ropes):  # rope=0: the reference of rope=1
         kc, vc = (QuantKV(x.codes.clone(), x.scales.clone(), x.kind) if isinstance(x, QuantKV)
                   else x.clone() for x in (k0, v0))  # fmt: skip
         ref[r] = (_attn(f"rope={r}")(new, kc, vc, scale, mask), kc, vc)

@@ -6,6 +6,8 @@ wraps, a cache view from a later key (StaticCache's eager decode), int8/fp8 cach
 Shared set-up: tests/_kernels.py (the interpreter without a GPU).
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -65,10 +67,18 @@ CASES = [
 ]
 
 
+# the launch's variants of the fused path: the default (the first key block loaded before the
+# PDL wait and the new key patched in, for a plain cache; a quantized one reads it back; the
+# combine's stats and partials loaded together), and neither
+VARIANTS = {"": {}, "old": dict(early_kv=False, combine_once=False)}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize(("dtype", "B", "NH", "NKV", "S", "slots", "rows", "key0", "quant",
                           "sinks"), CASES)  # fmt: skip
 def test_fused_rope_attention_equals_rope_then_attention(dtype, B, NH, NKV, S, slots, rows,
-                                                         key0, quant, sinks):  # fmt: skip
+                                                         key0, quant, sinks, variant,
+                                                         monkeypatch):  # fmt: skip
     from mlxrun.backends import cuda_attention
     from mlxrun.backends.torch_kv import RopeStep
 
@@ -95,12 +105,17 @@ def test_fused_rope_attention_equals_rope_then_attention(dtype, B, NH, NKV, S, s
     # (and the rope's cos/sin after the PDL wait, as MLXRUN_ROPE_EARLY=0, in the int8 case)
     launch = cuda_attention.AttnLaunch(block=16, block_quant=16, per_sm=8, per_sm_quant=8,
                                        rope_early=quant != "int8")  # fmt: skip
+    plain = launch  # the reference: rope_qkv, then the attention without the variant
+    # early_kv runs where the whole grid is resident: here every grid is (the interpreter's
+    # 4 "SMs" would leave it off; the splits are the keys' blocks either way at these sizes)
+    monkeypatch.setattr(cuda_attention, "_num_sms", lambda dev: 4096)
+    launch = dataclasses.replace(launch, **VARIANTS[variant])
 
     ka, va = _clone(kc), _clone(vc)
     qa = cuda_attention.rope_qkv(q, k, v, pos, inv, _view(ka, key0), _view(va, key0), slot,
                                  rows=rows_t)  # fmt: skip
     want = cuda_attention.decode_attention(qa, ka, va, 0.2, mask, sink, rows=rows_t,
-                                           launch=launch)  # fmt: skip
+                                           launch=plain)  # fmt: skip
     kb, vb = _clone(kc), _clone(vc)
     step = RopeStep(q, k, v, pos, inv, _view(kb, key0), _view(vb, key0), slot, rows_t)
     got = cuda_attention.decode_attention(q, kb, vb, 0.2, mask, sink, rows=rows_t,
