@@ -28,6 +28,8 @@ projection's stream in 8- / 16-row tiles), head-r8, gu-r8s (the gate/up's stream
 ahead (every stream in 8-row tiles, the next tile's words issued ahead: MLXRUN_STREAM_AHEAD=1);
 ROLE=V (ROLE: qkv, o, small = both, gu, down, head) gives that shape gemv8_sweep.py's launch
 variant V (gBNwWsS[nopf], sBNwWpP[b], cBNwWpP[b], aBNwWpP), e.g. small=g8w4s2+gu=c16w4p3.
+fp4 (mxfp4, nvfp4): tc (the tensor-core GEMV of quant/triton_gemv_tc.py, its default launch,
+every shape), tc=tBNwWkBKsS (that launch everywhere), ROLE=tBNwWkBKsS (on ROLE only).
 """
 
 from __future__ import annotations
@@ -113,10 +115,30 @@ def _apply8(part: str, c, w, orig, args):
     return None
 
 
+def _tc(name: str, c, w, role: str = ""):
+    """The fp4 tensor-core GEMV's launch `name` (tBNwWkBKsS) where w is fp4 (of `role`, if
+    given) and the kernel takes it; else c."""
+    import torch
+
+    from mlxrun.quant import triton_launch
+
+    if w.mode not in ("mxfp4", "nvfp4") or (role and _role(w) != role):
+        return c
+    sms = triton_launch._num_sms(torch.device("cuda", torch.cuda.current_device()))
+    return triton_launch.tc_config(w, triton_launch.launch_from_name(name), sms) or c
+
+
 def _apply(part: str, c, w):
     r = dataclasses.replace
     if part in ("default", "gemv4-old"):  # gemv4-old: applied in patch
         return c
+    if part == "tc":  # the fp4 GEMVs on tensor cores, the default launch (MLXRUN_GEMV4_TC=1)
+        return _tc("t64w4k128s0", c, w)
+    if part.startswith("tc="):  # tc=NAME: that launch everywhere
+        return _tc(part[3:], c, w)
+    if "=" in part and w.bits == 4:  # ROLE=tBNwWkBKsS: that launch on ROLE's fp4 GEMV
+        role, v = part.split("=")
+        return _tc(v, c, w, role)
     if part == "early":
         return r(c, early=True)
     if part == "late":  # the scales after the FMAs (the shipped default before early)
@@ -162,7 +184,7 @@ def patch(name: str):
                 triton_launch.GEMV4 = saved
         else:
             c = orig(m, w, device, x_dtype)
-        if c.kernel not in ("gemv", "stream"):
+        if c.kernel not in ("gemv", "stream", "tc"):
             return c
         for p in parts:
             c8 = _apply8(p, c, w, orig, (m, w, device, x_dtype)) if w.bits == 8 else None
@@ -249,7 +271,8 @@ def profile(model, cache, context: int, variant: str, steps: int = 3) -> dict:
         key=lambda e: e.time_range.start,
     )
     per: dict = {}
-    gemv = [e for e in evs if "_gemv_kernel" in e.name or "_gemv_stream_kernel" in e.name]
+    kinds = ("_gemv_kernel", "_gemv_stream_kernel", "_gemv_tc_kernel")
+    gemv = [e for e in evs if any(t in e.name for t in kinds)]
     n = len(gemv) // steps
     roles = ["qkv", "o", "gate_up", "down"]
     for i, e in enumerate(gemv):
@@ -257,7 +280,7 @@ def profile(model, cache, context: int, variant: str, steps: int = 3) -> dict:
         r = "head" if j >= n - 1 else roles[j % 4]
         per.setdefault("gemv " + r, []).append(e.device_time_total)
     for e in evs:
-        if "_gemv_kernel" not in e.name and "_gemv_stream_kernel" not in e.name:
+        if not any(t in e.name for t in kinds):
             per.setdefault(e.name[:60], []).append(e.device_time_total)
     return {k: (sum(v) / steps, len(v) // steps) for k, v in per.items()}
 

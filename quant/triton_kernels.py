@@ -49,6 +49,8 @@ from .triton_launch import (
     choose_config,
     pdl_args,
     stream_even,
+    tc_fits,
+    tc_split,
     torch,
     triton,
 )
@@ -73,6 +75,7 @@ if triton is not None:
     from .triton_gemm import _gemm_kernel
     from .triton_gemv import _gemv_kernel
     from .triton_gemv_stream import _gemv_stream_kernel
+    from .triton_gemv_tc import gemv_tc
 
 MAX_INDEX = 2**31 - 1  # element offsets the kernels compute in int32
 
@@ -97,7 +100,7 @@ def silu_fusable(x: torch.Tensor, w: QLinear, config: KernelConfig | None = None
     if not 0 < m <= GEMV_MAX_M or (w.n // 2) % SCALE_ROWS or w.n % 2:
         return False
     cfg = config or choose_config(m, w, x.device, x.dtype)
-    return cfg.kernel in ("gemv", "stream")
+    return cfg.kernel in ("gemv", "stream", "tc")
 
 
 def qmatmul(
@@ -162,6 +165,22 @@ def qmatmul(
         if bias is not None:
             y += bias
         return y.reshape(*lead, y.shape[-1])
+    dense = w.weight.stride(0) == w.k * w.bits // 32 and w.scales.is_contiguous()
+    if cfg.kernel == "tc" and m == 1 and x2.dtype == torch.bfloat16 and dense:
+        if cfg.split_k == 0:  # the rule's splits
+            cfg = dataclasses.replace(
+                cfg, split_k=tc_split(w, cfg.block_n, cfg.ng, _num_sms(x.device))
+            )
+        if tc_fits(w, cfg.block_n, cfg.ng, silu):
+            gemv_tc(x2, w, cfg, y, silu, lambda s: (
+                torch.empty((s, 1, w.n), dtype=torch.float32, device=x.device),
+                _counters(x.device, w.n // cfg.block_n)), pdl_args(x.device))  # fmt: skip
+            if bias is not None:
+                y += bias
+            return y.reshape(*lead, y.shape[-1])
+    if cfg.kernel == "tc":
+        raise ValueError(f"qmatmul: the tensor-core GEMV does not take {w.n}x{w.k} {w.mode} "
+                         f"at M = {m}, {x2.dtype}, silu={silu} with {cfg}")  # fmt: skip
     if cfg.kernel == "gemv":
         if x2.dtype == torch.bfloat16 and (x2.data_ptr() % 4 or (m > 1 and x2.stride(0) % 2)):
             x2 = x2.clone()  # the GEMV reads bf16 x as uint32 pairs: 4-byte aligned rows

@@ -213,13 +213,19 @@ E2M1_PAIR_ON = os.environ.get("MLXRUN_E2M1_PAIR", "0") == "1"
 
 
 def launch_from_name(name: str) -> KernelConfig:
-    """A batch-1 GEMV launch by its sweep name (benchmarks/gemv8_sweep.py): "gBNwWsS" (the
+    """A batch-1 GEMV launch by its sweep name (benchmarks/gemv8_sweep.py): "tBNwWkBKsS"
+    (the fp4 tensor-core GEMV, triton_gemv_tc.py: BN rows, W warps, BK inputs a k-step, S
+    splits, 0: tc_split's; ng holds BK until tc_config sets it), "gBNwWsS" (the
     one-shot GEMV: BN rows a program, W warps, S splits of K; "nopf": the next k-step's words
     not prefetched) or "sBNwWpP" / "cBNwWpP" / "aBNwWpP" (the streaming GEMV, P programs a
     SM; c: E4M3 a word at a time, a: c with the next tile's words ahead; a trailing "b":
     fewer programs where that gives each the same number of tiles)."""
     import re
 
+    mt = re.fullmatch(r"t(16|32|64|128)w([1248])k(64|128|256|512)s([0-9]+)", name)
+    if mt:  # ng: BK inputs a k-step in groups, set for the weight by tc_config
+        bn, nw, bk, sk = (int(v) for v in mt.groups())
+        return KernelConfig("tc", 1, bn, sk, bk, num_warps=nw)
     mt = re.fullmatch(r"([sca])(8|16)w([1248])p([1-9])(b?)", name)
     if mt:
         bn, nw, ps = (int(v) for v in mt.groups()[1:4])
@@ -297,6 +303,52 @@ def stream_even(w, block_n: int, warps: int, silu: bool = False) -> bool:
     return kw % (128 * warps) == 0 and rows % tile == 0 and (not silu or w.n % 2 == 0)
 
 
+BM_TC = 16  # the fp4 tensor-core GEMV's x tile columns: groups kept apart (triton_gemv_tc.py)
+
+
+def tc_fits(w, block_n: int, ng: int, silu: bool = False) -> bool:
+    """Whether _gemv_tc_kernel takes w (a QLinear, or anything with its n, k, mode and
+    group_size) in BLOCK_N-row tiles of k-steps of ng groups: fp4, whole tiles (gate/up
+    halves with silu), whole windows of BM_TC groups a row."""
+    kg = w.k // w.group_size
+    rows = w.n // 2 if silu else w.n
+    tile = block_n // 2 if silu else block_n
+    return (
+        w.mode in ("mxfp4", "nvfp4")
+        and rows % tile == 0
+        and kg % BM_TC == 0
+        and BM_TC % ng == 0
+        and (not silu or w.n % 2 == 0)
+    )
+
+
+def tc_split(w, block_n: int, ng: int, sms: int, waves: float = 4.0) -> int:
+    """Splits of K for _gemv_tc_kernel: the fewest (a divisor of the windows of BM_TC groups,
+    so every split has whole windows) that give about waves * sms programs."""
+    windows = w.k // w.group_size // BM_TC
+    tiles = w.n // block_n
+    for d in range(1, windows + 1):
+        if windows % d == 0 and tiles * d >= waves * sms:
+            return d
+    return windows
+
+
+def tc_config(w, cfg: KernelConfig, sms: int, silu: bool = False) -> KernelConfig | None:
+    """A "tc" launch by name (launch_from_name: ng holds BK inputs) made concrete for w:
+    ng = BK / G groups a k-step, the splits from tc_split where 0; None where
+    _gemv_tc_kernel does not take w."""
+    ng = max(1, cfg.ng // w.group_size)
+    if not tc_fits(w, cfg.block_n, ng, silu):
+        return None
+    sk = cfg.split_k or tc_split(w, cfg.block_n, ng, sms)
+    return dataclasses.replace(cfg, ng=ng, split_k=sk)
+
+
+# The fp4 GEMVs at batch 1 on tensor cores (triton_gemv_tc.py) where they fit: MLXRUN_GEMV4_TC
+# = 1 (a launch name: that launch); off by default until measured in the decode step
+GEMV4_TC = os.environ.get("MLXRUN_GEMV4_TC", "0")
+
+
 def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
     """Heuristic launch parameters for x [m, K] @ W^T (bench/tuning may override).
 
@@ -312,6 +364,11 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
         # 14.6 -> 14.2, 128256x4096 101.6 -> 96.4; with 4 warps more splits only lost.
         kw = w.k * w.bits // 32
         fp4 = w.mode in ("mxfp4", "nvfp4")
+        if fp4 and m == 1 and GEMV4_TC != "0" and x_dtype in (None, torch.bfloat16):
+            name = "t64w4k128s0" if GEMV4_TC == "1" else GEMV4_TC
+            tc = tc_config(w, launch_from_name(name), sms)
+            if tc is not None:
+                return tc
         warps = 1
         while warps < GEMV_WARPS and 256 * warps <= kw:
             warps *= 2
