@@ -19,7 +19,7 @@ Imported only where Triton loads (triton_kernels.py checks).
 
 from __future__ import annotations
 
-from .triton_decode import _scale_code, _silu_epilogue, _splitk_epilogue
+from .triton_decode import _e4m3_scales, _scale_code, _silu_epilogue, _splitk_epilogue
 from .triton_gemm import _gq_fma2, _gq_prmt, _gq_unpair
 from .triton_launch import tl, tlc, triton
 
@@ -123,6 +123,9 @@ def _gemv_tc_kernel(
         tlc.gdc_launch_dependents()
     out = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
     for j in range(0, KB_PER_SPLIT // PERIOD):
+        # the window's scales first: their DRAM round trip overlaps its k-steps
+        g0 = (kb0 + j * PERIOD) * NG  # the window's first group (a multiple of BM)
+        codes = tl.load(s_ptr + s_row[:, None] + (g0 + col)[None, :] * 8)  # [BN, BM] uint8
         acc = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
         for i in tl.static_range(PERIOD):
             kb = kb0 + j * PERIOD + i
@@ -141,9 +144,10 @@ def _gemv_tc_kernel(
             else:  # the interpreter multiplies bf16 tiles as raw integers: fp32 (exact)
                 acc = tl.dot(w_t.to(tl.float32), tl.trans(x_t.to(tl.float32)), acc)
             words = nxt
-        g0 = (kb0 + j * PERIOD) * NG  # the window's first group (a multiple of BM)
-        codes = tl.load(s_ptr + s_row[:, None] + (g0 + col)[None, :] * 8).to(tl.uint32)
-        out += acc * _scale_code(codes, MODE)
+        if MODE == 2 and ASM:  # E4M3 by the hardware conversion, four a call
+            out += acc * _e4m3_scales(codes)
+        else:
+            out += acc * _scale_code(codes.to(tl.uint32), MODE)
     res = tl.sum(out, axis=1)
     if SILU:
         HALF2: tl.constexpr = BLOCK_N // 2
