@@ -91,6 +91,7 @@ def _gemv_tc_kernel(
     KB_PER_SPLIT: tl.constexpr,
     SILU: tl.constexpr = False,
     RAW: tl.constexpr = False,
+    DEPTH: tl.constexpr = 1,
     ASM: tl.constexpr = True,
     PDL: tl.constexpr = False,
 ):
@@ -99,7 +100,8 @@ def _gemv_tc_kernel(
     of them a program (a multiple of BM/NG: whole windows of BM groups), the splits summed
     by the last program of a tile (_splitk_epilogue). N % BLOCK_N == 0, K/G % BM == 0.
     SILU: a tile's rows are BLOCK_N/2 gate rows and their up rows N/2 further on.
-    PDL: the first k-step's words are loaded before waiting for the previous kernel."""
+    PDL: the first k-step's words are loaded before waiting for the previous kernel.
+    DEPTH: k-steps of words in flight ahead of the one decoded (1 or 2)."""
     BM: tl.constexpr = 16
     WPG: tl.constexpr = G // 8
     BK: tl.constexpr = NG * G
@@ -118,6 +120,9 @@ def _gemv_tc_kernel(
     rk = tl.arange(0, BK)
     kb0 = pid_k * KB_PER_SPLIT
     words = _tc_words(w_ptr, rn, kb0, KW, NG, WPG)
+    ahead = words  # DEPTH 2: the k-step after `words`
+    if DEPTH == 2:
+        ahead = _tc_words(w_ptr, rn, kb0 + (1 if KB_PER_SPLIT > 1 else 0), KW, NG, WPG)
     if PDL:
         tlc.gdc_wait()
         tlc.gdc_launch_dependents()
@@ -129,9 +134,9 @@ def _gemv_tc_kernel(
         acc = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
         for i in tl.static_range(PERIOD):
             kb = kb0 + j * PERIOD + i
-            # the next k-step's words in flight while this one is decoded (past the split's
-            # last step: its first again, in bounds and never used)
-            kn = tl.where(j * PERIOD + i + 1 < KB_PER_SPLIT, kb + 1, kb0)
+            # the next k-step's words (DEPTH 2: the one after) in flight while this one is
+            # decoded (past the split's last step: its first again, in bounds, never used)
+            kn = tl.where(j * PERIOD + i + DEPTH < KB_PER_SPLIT, kb + DEPTH, kb0)
             nxt = _tc_words(w_ptr, rn, kn, KW, NG, WPG)
             # input k of group kb*NG + k // G goes to column (kb*NG + k // G) % BM (the
             # window starts at a multiple of BM): a masked load, 8 inputs a vector
@@ -158,7 +163,11 @@ def _gemv_tc_kernel(
                 acc = tl.dot(w_t, tl.trans(x_t), acc)
             else:  # the interpreter multiplies bf16 tiles as raw integers: fp32 (exact)
                 acc = tl.dot(w_t.to(tl.float32), tl.trans(x_t.to(tl.float32)), acc)
-            words = nxt
+            if DEPTH == 2:
+                words = ahead
+                ahead = nxt
+            else:
+                words = nxt
         if MODE == 2 and ASM:  # E4M3 by the hardware conversion, four a call
             out += acc * _e4m3_scales(codes)
         else:
@@ -188,6 +197,6 @@ def gemv_tc(x2, w, cfg, y, silu: bool, part_fn, pdl_kw: dict) -> None:
     _gemv_tc_kernel[grid](
         x2, w.weight, w.scales, y, part, cnt, w.n, MODE=2 if w.mode == "nvfp4" else 1,
         G=w.group_size, KW=w.k // 8, BLOCK_N=cfg.block_n, NG=cfg.ng, SPLIT_K=split,
-        KB_PER_SPLIT=ksteps // split, SILU=silu, RAW=cfg.raw,
+        KB_PER_SPLIT=ksteps // split, SILU=silu, RAW=cfg.raw, DEPTH=cfg.depth,
         ASM=x2.device.type == "cuda", num_warps=cfg.num_warps, num_stages=1, **pdl_kw,
     )  # fmt: skip
