@@ -37,6 +37,7 @@ import os
 
 from mlxrun.errors import MlxrunError
 
+from . import triton_launch
 from .triton_launch import (
     _TRITON_ERROR,
     GEMV_MAX_M,
@@ -178,9 +179,8 @@ def qmatmul(
             if bias is not None:
                 y += bias
             return y.reshape(*lead, y.shape[-1])
-    if cfg.kernel == "tc":
-        raise ValueError(f"qmatmul: the tensor-core GEMV does not take {w.n}x{w.k} {w.mode} "
-                         f"at M = {m}, {x2.dtype}, silu={silu} with {cfg}")  # fmt: skip
+    if cfg.kernel == "tc":  # not for this weight or input: the CUDA-core GEMV's launch
+        cfg = triton_launch.choose_config(m, w, x.device, x.dtype, tc=False)
     if cfg.kernel == "gemv":
         if x2.dtype == torch.bfloat16 and (x2.data_ptr() % 4 or (m > 1 and x2.stride(0) % 2)):
             x2 = x2.clone()  # the GEMV reads bf16 x as uint32 pairs: 4-byte aligned rows

@@ -352,8 +352,9 @@ def tc_config(w, cfg: KernelConfig, sms: int, silu: bool = False) -> KernelConfi
 GEMV4_TC = os.environ.get("MLXRUN_GEMV4_TC", "0")
 
 
-def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
-    """Heuristic launch parameters for x [m, K] @ W^T (bench/tuning may override).
+def choose_config(m: int, w: QLinear, device, x_dtype=None, tc: bool = True) -> KernelConfig:
+    """Heuristic launch parameters for x [m, K] @ W^T (bench/tuning may override); tc: the
+    fp4 tensor-core GEMV may be picked (qmatmul passes False where its weight is a view).
 
     Chosen from the H100 sweep in benchmarks/KERNEL_NOTES.md (run 3).
     """
@@ -367,7 +368,7 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
         # 14.6 -> 14.2, 128256x4096 101.6 -> 96.4; with 4 warps more splits only lost.
         kw = w.k * w.bits // 32
         fp4 = w.mode in ("mxfp4", "nvfp4")
-        if fp4 and m == 1 and GEMV4_TC != "0" and x_dtype in (None, torch.bfloat16):
+        if tc and fp4 and m == 1 and GEMV4_TC != "0" and x_dtype in (None, torch.bfloat16):
             name = "t64w4k128s0" if GEMV4_TC == "1" else GEMV4_TC
             tc = tc_config(w, launch_from_name(name), sms)
             if tc is not None:
