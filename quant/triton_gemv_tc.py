@@ -37,7 +37,7 @@ def _tc_e2m1(r, B: tl.constexpr):
 
 @triton.jit
 def _tc_decode(words, BLOCK_N: tl.constexpr, NG: tl.constexpr, WPG: tl.constexpr,
-               ASM: tl.constexpr, RAW: tl.constexpr):  # fmt: skip
+               ASM: tl.constexpr):  # fmt: skip
     """E2M1 words [BN, NG, WPG] (prepare's layout) -> the W tile [BN, NG*G] in natural k order:
     bf16 (ASM) or fp32 holding the same values (interpreter); value (DENORM) or value *
     2^-126. Two words 2j, 2j+1 hold inputs i*WPG + 2j + {0, 1} at position i: one prmt puts
@@ -56,10 +56,12 @@ def _tc_decode(words, BLOCK_N: tl.constexpr, NG: tl.constexpr, WPG: tl.constexpr
     m = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # [BN, NG, 2, HW, 2 (c), 2 (d)]
     m = tl.permute(m, [0, 1, 2, 4, 5, 3])  # [BN, NG, 2, 2, 2 (position 2c + d), HW]
     m = tl.reshape(m, [BLOCK_N, NG, 2, 4, HW])
-    if not RAW:  # times 2^126 (bf16 0x7E80 a half) plus -0: the values, exact
-        c1 = tl.full([BLOCK_N, NG, 2, 4, HW], 0x7E807E80, tl.int32)
-        c0 = tl.full([BLOCK_N, NG, 2, 4, HW], -2147450880, tl.int32)  # 0x80008000
-        m = _gq_fma2(m, c1, c0, ASM)
+    # times 2^126 (bf16 0x7E80 a half) plus -0: the values, exact (codes +-0.5 are bf16
+    # subnormals until then). Without it, and x * 2^100 instead, ptxas spends as many
+    # moves as it saves multiplies (the tile's registers for its shared-memory stores)
+    c1 = tl.full([BLOCK_N, NG, 2, 4, HW], 0x7E807E80, tl.int32)
+    c0 = tl.full([BLOCK_N, NG, 2, 4, HW], -2147450880, tl.int32)  # 0x80008000
+    m = _gq_fma2(m, c1, c0, ASM)
     v = tl.reshape(m, [BLOCK_N, NG, 8, HW])
     lo, hi = _gq_unpair(v, ASM)
     return tl.reshape(tl.join(lo, hi), [BLOCK_N, NG * WPG * 8])
@@ -90,7 +92,6 @@ def _gemv_tc_kernel(
     SPLIT_K: tl.constexpr,
     KB_PER_SPLIT: tl.constexpr,
     SILU: tl.constexpr = False,
-    RAW: tl.constexpr = False,
     DEPTH: tl.constexpr = 1,
     ASM: tl.constexpr = True,
     PDL: tl.constexpr = False,
@@ -141,24 +142,9 @@ def _gemv_tc_kernel(
             # input k of group kb*NG + k // G goes to column (kb*NG + k // G) % BM (the
             # window starts at a multiple of BM): a masked load, 8 inputs a vector
             grp = (i * NG + rk // G)[None, :]
-            if RAW:  # x * 2^100 (exact, packed): the products of value * 2^-126 stay normal
-                rk2 = tl.arange(0, BK // 2)
-                x2 = tl.load(
-                    x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-                    + kb * (BK // 2)
-                    + rk2[None, :]
-                    + 0 * col[:, None],
-                    mask=col[:, None] == (i * NG + 2 * rk2 // G)[None, :],
-                    other=0,
-                )
-                c1x = tl.full([BM, BK // 2], 0x71807180, tl.int32)  # bf16 2^100 a half
-                c0x = tl.full([BM, BK // 2], -2147450880, tl.int32)  # 0x80008000: -0
-                xlo, xhi = _gq_unpair(_gq_fma2(x2, c1x, c0x, ASM), ASM)
-                x_t = tl.reshape(tl.join(xlo, xhi), [BM, BK])
-            else:
-                x_t = tl.load(x_ptr + kb * BK + rk[None, :] + 0 * col[:, None],
-                              mask=col[:, None] == grp, other=0.0)  # fmt: skip
-            w_t = _tc_decode(words, BLOCK_N, NG, WPG, ASM, RAW)  # [BN, BK]
+            x_t = tl.load(x_ptr + kb * BK + rk[None, :] + 0 * col[:, None],
+                          mask=col[:, None] == grp, other=0.0)  # fmt: skip
+            w_t = _tc_decode(words, BLOCK_N, NG, WPG, ASM)  # [BN, BK]
             if ASM:
                 acc = tl.dot(w_t, tl.trans(x_t), acc)
             else:  # the interpreter multiplies bf16 tiles as raw integers: fp32 (exact)
@@ -173,8 +159,6 @@ def _gemv_tc_kernel(
         else:
             out += acc * _scale_code(codes.to(tl.uint32), MODE)
     res = tl.sum(out, axis=1)
-    if RAW:
-        res = res * 67108864.0  # 2^26: undoes 2^-126 * 2^100
     if SILU:
         HALF2: tl.constexpr = BLOCK_N // 2
         g, u = tl.split(tl.trans(tl.reshape(res, [2, HALF2])))
@@ -197,6 +181,6 @@ def gemv_tc(x2, w, cfg, y, silu: bool, part_fn, pdl_kw: dict) -> None:
     _gemv_tc_kernel[grid](
         x2, w.weight, w.scales, y, part, cnt, w.n, MODE=2 if w.mode == "nvfp4" else 1,
         G=w.group_size, KW=w.k // 8, BLOCK_N=cfg.block_n, NG=cfg.ng, SPLIT_K=split,
-        KB_PER_SPLIT=ksteps // split, SILU=silu, RAW=cfg.raw, DEPTH=cfg.depth,
+        KB_PER_SPLIT=ksteps // split, SILU=silu, DEPTH=cfg.depth,
         ASM=x2.device.type == "cuda", num_warps=cfg.num_warps, num_stages=1, **pdl_kw,
     )  # fmt: skip

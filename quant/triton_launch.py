@@ -158,7 +158,6 @@ class KernelConfig:
     seq: bool = False  # GEMV, 16 rows: each k-step's two 8-row halves one after the other
     early: bool = False  # GEMV: each k-step's scales loaded with its words
     ahead: bool = False  # stream: the next tile's words issued before the last k-step's FMAs
-    raw: bool = False  # tc: E2M1 as value * 2^-126 (bf16 subnormals) into the tensor core
     depth: int = 1  # tc: k-steps of words in flight ahead of the one decoded
 
 
@@ -215,20 +214,19 @@ E2M1_PAIR_ON = os.environ.get("MLXRUN_E2M1_PAIR", "0") == "1"
 
 
 def launch_from_name(name: str) -> KernelConfig:
-    """A batch-1 GEMV launch by its sweep name (benchmarks/gemv8_sweep.py): "tBNwWkBKsS[r][d2]"
+    """A batch-1 GEMV launch by its sweep name (benchmarks/gemv8_sweep.py): "tBNwWkBKsS[d2]"
     (the fp4 tensor-core GEMV, triton_gemv_tc.py: BN rows, W warps, BK inputs a k-step, S
-    splits, 0: tc_split's; ng holds BK until tc_config sets it; r: KernelConfig.raw; d2: depth 2), "gBNwWsS" (the
+    splits, 0: tc_split's; ng holds BK until tc_config sets it; d2: depth 2), "gBNwWsS" (the
     one-shot GEMV: BN rows a program, W warps, S splits of K; "nopf": the next k-step's words
     not prefetched) or "sBNwWpP" / "cBNwWpP" / "aBNwWpP" (the streaming GEMV, P programs a
     SM; c: E4M3 a word at a time, a: c with the next tile's words ahead; a trailing "b":
     fewer programs where that gives each the same number of tiles)."""
     import re
 
-    mt = re.fullmatch(r"t(16|32|64|128)w([1248])k(64|128|256|512)s([0-9]+)(r?)(d2)?", name)
+    mt = re.fullmatch(r"t(16|32|64|128)w([1248])k(64|128|256|512)s([0-9]+)(d2)?", name)
     if mt:  # ng: BK inputs a k-step in groups, set for the weight by tc_config
         bn, nw, bk, sk = (int(v) for v in mt.groups()[:4])
-        return KernelConfig("tc", 1, bn, sk, bk, num_warps=nw, raw=mt[5] == "r",
-                            depth=2 if mt[6] else 1)  # fmt: skip
+        return KernelConfig("tc", 1, bn, sk, bk, num_warps=nw, depth=2 if mt[5] else 1)
     mt = re.fullmatch(r"([sca])(8|16)w([1248])p([1-9])(b?)", name)
     if mt:
         bn, nw, ps = (int(v) for v in mt.groups()[1:4])

@@ -155,12 +155,11 @@ def test_fp4_tensor_core_gemv_equals_the_reference(mode, group_size):
     x = torch.randn(1, k, generator=gen).bfloat16()
     want = x.double() @ ref_fp4(w, s, mode, group_size).T
     x = x.to(DEV)
-    # 32 rows on one warp (mma.sync on a GPU), 64 on four (wgmma), 1 and 2 splits; raw: the
-    # codes as value * 2^-126 (bf16 subnormals for +-0.5) and x * 2^100
-    # (and depth 2: two k-steps of words in flight)
-    for bn, warps, split, raw in ((32, 1, 1, False), (64, 4, 2, False), (64, 4, 2, True)):
-        cfg = tk.KernelConfig("tc", 1, bn, split, 128 // group_size, num_warps=warps, raw=raw,
-                              depth=1 + raw)  # fmt: skip
+    # 32 rows on one warp (mma.sync on a GPU), 64 on four (wgmma), 1 and 2 splits, one and
+    # two k-steps of words in flight
+    for bn, warps, split, depth in ((32, 1, 1, 1), (64, 4, 2, 1), (64, 4, 2, 2)):
+        cfg = tk.KernelConfig("tc", 1, bn, split, 128 // group_size, num_warps=warps,
+                              depth=depth)  # fmt: skip
         y32 = tk.qmatmul(x, q, cfg, out_dtype=torch.float32)
         assert rel_err(y32, want) < 1e-6
         y = tk.qmatmul(x, q, cfg)
