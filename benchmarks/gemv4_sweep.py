@@ -57,10 +57,10 @@ def config(name: str, m: int, w, device):
     if name == "mm":
         return tk.choose_config(32, w, device, torch.bfloat16)
     if name.startswith("t"):  # the tensor-core GEMV (triton_gemv_tc.py), where it fits
-        from mlxrun.quant import triton_launch
+        from mlxrun.quant import triton_launch, triton_tc_launch
 
         cfg = triton_launch.launch_from_name(name)
-        return triton_launch.tc_config(w, cfg, triton_launch._num_sms(device)) or cfg
+        return triton_tc_launch.tc_config(w, cfg, triton_launch._num_sms(device)) or cfg
     if name not in ("old", "new"):
         return _config8(name, m, w, device)
     from mlxrun.quant import triton_launch

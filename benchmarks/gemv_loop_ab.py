@@ -120,12 +120,12 @@ def _tc(name: str, c, w, role: str = ""):
     given) and the kernel takes it; else c."""
     import torch
 
-    from mlxrun.quant import triton_launch
+    from mlxrun.quant import triton_launch, triton_tc_launch
 
     if w.mode not in ("mxfp4", "nvfp4") or (role and _role(w) != role):
         return c
     sms = triton_launch._num_sms(torch.device("cuda", torch.cuda.current_device()))
-    return triton_launch.tc_config(w, triton_launch.launch_from_name(name), sms) or c
+    return triton_tc_launch.tc_config(w, triton_launch.launch_from_name(name), sms) or c
 
 
 def _apply(part: str, c, w):

@@ -50,8 +50,6 @@ from .triton_launch import (
     choose_config,
     pdl_args,
     stream_even,
-    tc_fits,
-    tc_split,
     torch,
     triton,
 )
@@ -67,6 +65,7 @@ from .triton_layout import concat as concat
 from .triton_layout import dequantize_torch as dequantize_torch
 from .triton_layout import join_rows as join_rows
 from .triton_layout import prepare as prepare
+from .triton_tc_launch import tc_fits, tc_split
 
 if triton is not None:
     from .triton_decode import _group_scale as _group_scale
