@@ -258,8 +258,8 @@ def _gemv_kstep(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_r
 def _gemv_scales_of(kb, s_ptr, b_ptr, s_row, n_mask, g_a, KG, MODE: tl.constexpr,
                     G: tl.constexpr, BITS: tl.constexpr, EVEN: tl.constexpr,
                     LANES: tl.constexpr):  # fmt: skip
-    """The scales and biases [8, LANES] of k-step kb's groups of this lane (as _gemv_apply
-    loads them; not for TWO)."""
+    """The scales and biases [8, LANES] of k-step kb's groups g_a of this lane (as _gemv_apply
+    loads them)."""
     NG: tl.constexpr = 4 * LANES // (G // (32 // BITS))  # groups per k-step
     g_idx = kb * NG + g_a
     smask = n_mask[:, None] & (g_idx < KG)[None, :]
@@ -268,13 +268,18 @@ def _gemv_scales_of(kb, s_ptr, b_ptr, s_row, n_mask, g_a, KG, MODE: tl.constexpr
 
 @triton.jit
 def _load_early(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb, swn, s_ptr, b_ptr, s_row, s_row_h,
-                g_a, KG, MODE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                g_a, g_b, KG, MODE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
                 HALVES: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
     """k-step kb's words, scales and biases of both halves (the second half's = the first's
-    when HALVES == 1), for EARLY."""
+    when HALVES == 1), for EARLY. nvfp4 (a lane's words 0, 1 and 2, 3 in two groups): the
+    bias slots hold the scales of words 2, 3 (groups g_b)."""
+    TWO: tl.constexpr = G // (32 // BITS) < 4
     wa = _load_step(w_ptr, rn, n_mask, rkw, kb, swn, EVEN, MODE, LANES)
     sa, ba = _gemv_scales_of(kb, s_ptr, b_ptr, s_row, n_mask, g_a, KG, MODE, G, BITS, EVEN,
                              LANES)  # fmt: skip
+    if TWO:
+        ba, _ = _gemv_scales_of(kb, s_ptr, b_ptr, s_row, n_mask, g_b, KG, MODE, G, BITS, EVEN,
+                                LANES)  # fmt: skip
     wa_h = wa
     sh = sa
     bh = ba
@@ -282,6 +287,9 @@ def _load_early(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb, swn, s_ptr, b_ptr, s
         wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb, swn, EVEN, MODE, LANES)
         sh, bh = _gemv_scales_of(kb, s_ptr, b_ptr, s_row_h, n_mask_h, g_a, KG, MODE, G, BITS,
                                  EVEN, LANES)  # fmt: skip
+        if TWO:
+            bh, _ = _gemv_scales_of(kb, s_ptr, b_ptr, s_row_h, n_mask_h, g_b, KG, MODE, G,
+                                    BITS, EVEN, LANES)  # fmt: skip
     return wa, wa_h, sa, ba, sh, bh
 
 
@@ -289,23 +297,28 @@ def _load_early(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb, swn, s_ptr, b_ptr, s
 def _gemv_one_step(acc, acc_h, wa, wa_h, sa, ba, sh, bh, kb, x_base, x_pair0, g_pair, KG,
                    MODE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
                    HALVES: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
-    """_gemv_step with the scales sa, sh and biases ba, bh already loaded: the same sums
-    (each half as _gemv_kstep's SEQ); not for E4M3 or TWO."""
+    """_gemv_step with the scales sa, sh and biases ba, bh already loaded (nvfp4: ba, bh the
+    scales of words 2, 3): the same sums (each half as _gemv_kstep's SEQ); not for E4M3."""
     EPW: tl.constexpr = 32 // BITS
     NG: tl.constexpr = 4 * LANES // (G // EPW)  # groups per k-step
+    TWO: tl.constexpr = G // EPW < 4
     xo = x_pair0 + kb * (NG * G // 2)
     xmask = (kb * NG + g_pair) < KG
     w0, w1, w2, w3 = _gemv_words(wa, LANES)
-    p, _, xsum = _gemv_half(w0, w1, w2, w3, x_base, xo, xmask, MODE, BITS, G, EVEN, LANES)
+    p, pb, xsum = _gemv_half(w0, w1, w2, w3, x_base, xo, xmask, MODE, BITS, G, EVEN, LANES)
     if MODE == 0:
         acc = acc + p * sa + ba * xsum[None, :]
+    elif TWO:
+        acc = acc + p * sa + pb * ba
     else:
         acc = acc + p * sa
     if HALVES == 2:
         v0, v1, v2, v3 = _gemv_words(wa_h, LANES)
-        q, _, _ = _gemv_half(v0, v1, v2, v3, x_base, xo, xmask, MODE, BITS, G, EVEN, LANES)
+        q, qb, _ = _gemv_half(v0, v1, v2, v3, x_base, xo, xmask, MODE, BITS, G, EVEN, LANES)
         if MODE == 0:
             acc_h = acc_h + q * sh + bh * xsum[None, :]
+        elif TWO:
+            acc_h = acc_h + q * sh + qb * bh
         else:
             acc_h = acc_h + q * sh
     return acc, acc_h
@@ -344,12 +357,12 @@ def _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pai
     with PREFETCH: the weights depend on no kernel) and let the next one launch."""
     acc = tl.zeros([8, LANES], dtype=tl.float32)
     acc_h = tl.zeros([8, LANES], dtype=tl.float32)
-    if EARLY and MODE != 3 and G // (32 // BITS) >= 4:
+    if EARLY and MODE != 3:
         # each step's scales (and biases) are loaded with its words, one step ahead (the
         # first before the wait), instead of after its FMAs: a split of one k-step otherwise
         # ends on a DRAM round trip for them
         wa, wa_h, sa, ba, sh, bh = _load_early(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0,
-                                               swn, s_ptr, b_ptr, s_row, s_row_h, g_a, KG,
+                                               swn, s_ptr, b_ptr, s_row, s_row_h, g_a, g_b, KG,
                                                MODE, BITS, G, HALVES, EVEN,
                                                LANES)  # fmt: skip
         if PDL:
@@ -360,15 +373,15 @@ def _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pai
             kb = kb0 + 2 * j
             wb, wb_h, sb, bb, sbh, bbh = _load_early(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw,
                                                      kb + 1, swn, s_ptr, b_ptr, s_row,
-                                                     s_row_h, g_a, KG, MODE, BITS, G, HALVES,
-                                                     EVEN, LANES)  # fmt: skip
+                                                     s_row_h, g_a, g_b, KG, MODE, BITS, G,
+                                                     HALVES, EVEN, LANES)  # fmt: skip
             acc, acc_h = _gemv_one_step(acc, acc_h, wa, wa_h, sa, ba, sh, bh, kb, x_base,
                                         x_pair0, g_pair, KG, MODE, BITS, G, HALVES, EVEN,
                                         LANES)  # fmt: skip
             kn = tl.minimum(kb + 2, kb_last)  # past the last step: reloaded, never used
             wa, wa_h, sa, ba, sh, bh = _load_early(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kn,
-                                                   swn, s_ptr, b_ptr, s_row, s_row_h, g_a, KG,
-                                                   MODE, BITS, G, HALVES, EVEN,
+                                                   swn, s_ptr, b_ptr, s_row, s_row_h, g_a, g_b,
+                                                   KG, MODE, BITS, G, HALVES, EVEN,
                                                    LANES)  # fmt: skip
             acc, acc_h = _gemv_one_step(acc, acc_h, wb, wb_h, sb, bb, sbh, bbh, kb + 1, x_base,
                                         x_pair0, g_pair, KG, MODE, BITS, G, HALVES, EVEN,
@@ -503,7 +516,7 @@ def _gemv_kernel(
     silu(gate) * up, rounded as cuda_ops.silu_mul rounds the two products: no SiLU
     launch of its own.
     SEQ (16 rows): each k-step's first 8 rows, then its second 8 (_gemv_kstep).
-    EARLY (not E4M3 or nvfp4): each k-step's scales and biases are loaded with its words
+    EARLY (not E4M3): each k-step's scales and biases are loaded with its words
     (the first step's before the PDL wait), not after its FMAs.
     HAS_BIAS (not SILU): bias_ptr [N] (y's dtype) is added to the fp32 sums before the one
     rounding to y's dtype, by split 0 (split-K sums it with the other partials): no add

@@ -230,13 +230,15 @@ def test_silu_in_the_gate_up_epilogue(mode, bits, group_size):
         tk.qmatmul(x, w, gemm, silu=True)
 
 
-@pytest.mark.parametrize("mode,bits,group_size", [FORMATS[1], FORMATS[6]], ids=["int4", "mxfp4"])
+@pytest.mark.parametrize(
+    "mode,bits,group_size", [FORMATS[1], FORMATS[6], FORMATS[7]], ids=["int4", "mxfp4", "nvfp4"]
+)
 def test_gemv_orders_equal_the_default(mode, bits, group_size):
     """seq (a 16-row tile's first 8 rows through every position, then the second 8) and
     early (one k-step's scales loaded with its words) run the same FFMA chains as the
     default order: bit-identical outputs, plain (on the prefetch loop and without it) and
-    with the SiLU epilogue (int4: 16-row tiles; mxfp4: 8); and near the float64 product of
-    the dequantized weight."""
+    with the SiLU epilogue (int4: 16-row tiles; mxfp4, nvfp4: 8; nvfp4's lanes take two
+    scale groups); and near the float64 product of the dequantized weight."""
     gen = torch.Generator().manual_seed(11)
     # int4: one tile of 16 rows, one one-warp k-step of 128 words a row; mxfp4: 2 tiles of
     # 8 rows, two k-steps (early's loop)
