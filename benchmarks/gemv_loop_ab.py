@@ -28,8 +28,8 @@ projection's stream in 8- / 16-row tiles), head-r8, gu-r8s (the gate/up's stream
 ahead (every stream in 8-row tiles, the next tile's words issued ahead: MLXRUN_STREAM_AHEAD=1);
 ROLE=V (ROLE: qkv, o, small = both, gu, down, head) gives that shape gemv8_sweep.py's launch
 variant V (gBNwWsS[nopf], sBNwWpP[b], cBNwWpP[b], aBNwWpP), e.g. small=g8w4s2+gu=c16w4p3.
-fp4 (mxfp4, nvfp4): tc (the tensor-core GEMV of quant/triton_gemv_tc.py, its default launch,
-every shape), tc=tBNwWkBKsS (that launch everywhere), ROLE=tBNwWkBKsS (on ROLE only).
+fp4 (mxfp4, nvfp4): tc (the tensor-core GEMV of quant/triton_gemv_tc.py, the launches
+MLXRUN_GEMV4_TC=1 picks: triton_tc_launch.TC_LAUNCH), tc=tBNwWkBKsS (that launch everywhere), ROLE=tBNwWkBKsS (on ROLE only).
 """
 
 from __future__ import annotations
@@ -132,8 +132,11 @@ def _apply(part: str, c, w):
     r = dataclasses.replace
     if part in ("default", "gemv4-old"):  # gemv4-old: applied in patch
         return c
-    if part == "tc":  # the fp4 GEMVs on tensor cores, the default launch (MLXRUN_GEMV4_TC=1)
-        return _tc("t64w4k128s0", c, w)
+    if part == "tc":  # the fp4 GEMVs on tensor cores, TC_LAUNCH's (MLXRUN_GEMV4_TC=1)
+        from mlxrun.quant.triton_launch import role8
+        from mlxrun.quant.triton_tc_launch import TC_LAUNCH
+
+        return _tc(TC_LAUNCH[role8(w)], c, w)
     if part.startswith("tc="):  # tc=NAME: that launch everywhere
         return _tc(part[3:], c, w)
     if "=" in part and w.bits == 4:  # ROLE=tBNwWkBKsS: that launch on ROLE's fp4 GEMV

@@ -12,7 +12,7 @@ import math
 import os
 
 from .triton_layout import _MODE_ID, QLinear
-from .triton_tc_launch import GEMV4_TC, tc_config
+from .triton_tc_launch import GEMV4_TC, TC_LAUNCH, tc_config
 
 try:
     import torch
@@ -322,10 +322,11 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None, tc: bool = True) -> 
         kw = w.k * w.bits // 32
         fp4 = w.mode in ("mxfp4", "nvfp4")
         if tc and fp4 and m == 1 and GEMV4_TC != "0" and x_dtype in (None, torch.bfloat16):
-            name = "t64w4k128s0" if GEMV4_TC == "1" else GEMV4_TC
-            tc = tc_config(w, launch_from_name(name), sms)
-            if tc is not None:
-                return tc
+            # the fp4 GEMV on tensor cores (triton_gemv_tc.py), its launch per linear
+            name = TC_LAUNCH[role8(w)] if GEMV4_TC == "1" else GEMV4_TC
+            cfg_tc = tc_config(w, launch_from_name(name), sms)
+            if cfg_tc is not None:
+                return cfg_tc
         warps = 1
         while warps < GEMV_WARPS and 256 * warps <= kw:
             warps *= 2

@@ -50,5 +50,14 @@ def tc_config(w, cfg, sms: int, silu: bool = False):
 
 
 # The fp4 GEMVs at batch 1 on tensor cores (triton_gemv_tc.py) where they fit: MLXRUN_GEMV4_TC
-# = 1 (a launch name: that launch); off by default until measured in the decode step
+# = 1 (TC_LAUNCH's launch per linear) or a launch name (that one everywhere); off by default
+# until measured in the decode step
 GEMV4_TC = os.environ.get("MLXRUN_GEMV4_TC", "0")
+# launch_from_name's "tBNwWkBKsS[d2]" per Llama linear (triton_launch.role8)
+TC_LAUNCH = {
+    "qkv": "t64w4k128s0",
+    "o": "t64w4k128s0",
+    "gu": "t64w4k128s0",
+    "down": "t64w4k128s0",
+    "head": "t64w4k128s0",
+}
