@@ -136,7 +136,7 @@ def _apply(part: str, c, w):
         from mlxrun.quant.triton_launch import role8
         from mlxrun.quant.triton_tc_launch import TC_LAUNCH
 
-        return _tc(TC_LAUNCH[role8(w)], c, w)
+        return _tc(TC_LAUNCH[role8(w)], c, w) if TC_LAUNCH[role8(w)] else c
     if part.startswith("tc="):  # tc=NAME: that launch everywhere
         return _tc(part[3:], c, w)
     if "=" in part and w.bits == 4:  # ROLE=tBNwWkBKsS: that launch on ROLE's fp4 GEMV

@@ -324,7 +324,7 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None, tc: bool = True) -> 
         if tc and fp4 and m == 1 and GEMV4_TC != "0" and x_dtype in (None, torch.bfloat16):
             # the fp4 GEMV on tensor cores (triton_gemv_tc.py), its launch per linear
             name = TC_LAUNCH[role8(w)] if GEMV4_TC == "1" else GEMV4_TC
-            cfg_tc = tc_config(w, launch_from_name(name), sms)
+            cfg_tc = tc_config(w, launch_from_name(name), sms) if name else None
             if cfg_tc is not None:
                 return cfg_tc
         warps = 1

@@ -53,7 +53,8 @@ def tc_config(w, cfg, sms: int, silu: bool = False):
 # = 1 (TC_LAUNCH's launch per linear) or a launch name (that one everywhere); off by default
 # until measured in the decode step
 GEMV4_TC = os.environ.get("MLXRUN_GEMV4_TC", "0")
-# launch_from_name's "tBNwWkBKsS[d2]" per Llama linear (triton_launch.role8)
+# launch_from_name's "tBNwWkBKsS[d2]" per Llama linear (triton_launch.role8); "": the
+# CUDA-core GEMV there
 TC_LAUNCH = {
     "qkv": "t64w4k128s0",
     "o": "t64w4k128s0",
