@@ -166,7 +166,9 @@ def qmatmul(
             y += bias
         return y.reshape(*lead, y.shape[-1])
     dense = w.weight.stride(0) == w.k * w.bits // 32 and w.scales.is_contiguous()
-    if cfg.kernel == "tc" and m == 1 and x2.dtype == torch.bfloat16 and dense:
+    # the fp4 tensor-core GEMV (one bf16 row, whole tiles; a bias goes to the CUDA-core
+    # GEMV, whose epilogue adds it before rounding, no add kernel)
+    if cfg.kernel == "tc" and m == 1 and x2.dtype == torch.bfloat16 and dense and bias is None:
         if cfg.split_k == 0:  # the rule's splits
             cfg = dataclasses.replace(
                 cfg, split_k=tc_split(w, cfg.block_n, cfg.ng, _num_sms(x.device))
@@ -175,10 +177,8 @@ def qmatmul(
             gemv_tc(x2, w, cfg, y, silu, lambda s: (
                 torch.empty((s, 1, w.n), dtype=torch.float32, device=x.device),
                 _counters(x.device, w.n // cfg.block_n)), pdl_args(x.device))  # fmt: skip
-            if bias is not None:
-                y += bias
             return y.reshape(*lead, y.shape[-1])
-    if cfg.kernel == "tc":  # not for this weight or input: the CUDA-core GEMV's launch
+    if cfg.kernel == "tc":  # not for this weight, input or bias: the CUDA-core GEMV's launch
         cfg = triton_launch.choose_config(m, w, x.device, x.dtype, tc=False)
     if cfg.kernel == "gemv":
         if x2.dtype == torch.bfloat16 and (x2.data_ptr() % 4 or (m > 1 and x2.stride(0) % 2)):

@@ -144,8 +144,8 @@ def test_fp4_tensor_core_gemv_equals_the_reference(mode, group_size):
     the float64 decoder's product up to fp32 summation (every code and scale decoded
     exactly: a wrong one shows as ~1e-2), over 1 and 2 splits of K (the partials summed by
     the last program), 4 and 2 windows of 16 groups a split, plain and with the SiLU
-    epilogue (against silu of the rounded outputs, as the GEMV rounds them); fp32 x goes
-    to the CUDA-core GEMV."""
+    epilogue (against silu of the rounded outputs, as the GEMV rounds them); fp32 x and a
+    bias go to the CUDA-core GEMV."""
     n, k = 64, 64 * group_size  # 4 windows of 16 groups a row
     w, s, gen = packed_fp4(n, k, mode, group_size, seed=5)
     if mode == "nvfp4":  # every finite E4M3 scale code (not 0x7F, 0xFF), subnormals included
@@ -167,5 +167,8 @@ def test_fp4_tensor_core_gemv_equals_the_reference(mode, group_size):
         ys = tk.qmatmul(x, q, cfg, silu=True)
         g, u = y.double().cpu().split(n // 2, -1)
         assert rel_err(ys, torch.nn.functional.silu(g) * u) < 1e-2
-    # an input it does not take (fp32 x): the CUDA-core GEMV's launch instead
+    # an input it does not take (fp32 x), a bias: the CUDA-core GEMV's launch instead
     assert rel_err(tk.qmatmul(x.float(), q, cfg), want) < 1e-5
+    bias = torch.randn(n, generator=gen).bfloat16()
+    yb = tk.qmatmul(x, q, cfg, bias=bias.to(DEV), out_dtype=torch.float32)
+    assert rel_err(yb, want + bias.double()) < 1e-5
