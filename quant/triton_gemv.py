@@ -111,6 +111,56 @@ def _gemv_fma(p, pb, w0, w1, w2, w3, x0, x1, x2, x3, I: tl.constexpr, MODE: tl.c
 
 
 @triton.jit
+def _gemv_xq(x_base, xo, Q: tl.constexpr):
+    """Pairs 4Q..4Q+3 of this lane's k-step of bf16 x (fp4: 32 inputs, 16 uint32 pairs from
+    xo's first column on): one 16-byte load a lane, [LANES, 4] uint32."""
+    base, _ = tl.split(xo)  # [LANES]: 16 * lane + the k-step's, for both fp4 formats
+    offs = tl.multiple_of(base, 16)[:, None] + 4 * Q + tl.arange(0, 4)[None, :]
+    return tl.load(x_base.to(tl.pointer_type(tl.uint32), bitcast=True) + offs)
+
+
+@triton.jit
+def _gemv_xpick(v0, v1, v2, v3, J: tl.constexpr):
+    """Pair J (0-15) of the lane's k-step from _gemv_xq's four loads: [LANES] uint32."""
+    if J // 4 == 0:
+        v = v0
+    elif J // 4 == 1:
+        v = v1
+    elif J // 4 == 2:
+        v = v2
+    else:
+        v = v3
+    lo, hi = tl.split(tl.reshape(v, [v.shape[0], 2, 2]))  # pairs 2e / 2e + 1 of the four
+    t = hi if J % 2 == 1 else lo
+    a, b = tl.split(t)
+    return b if (J // 2) % 2 == 1 else a
+
+
+@triton.jit
+def _gemv_x4v(xv0, xv1, xv2, xv3, x_base, xo, xmask, I: tl.constexpr, MODE: tl.constexpr,
+              BITS: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr,
+              XVEC: tl.constexpr):  # fmt: skip
+    """_gemv_x4 for position I: with XVEC (fp4, bf16 x, no masks) from the k-step's pairs
+    loaded at once by _gemv_xq (pair c of the lane at J = c*G/2 (nvfp4) or c (mxfp4), plus
+    I*WPG/2: 4 16-byte loads a lane a k-step, against 1 or 2 of 8 or 4 bytes a position at a
+    64-byte lane stride, nvfp4's 16 loads a k-step), else loaded here."""
+    if XVEC:
+        WPG: tl.constexpr = G // 8
+        C1: tl.constexpr = G // 2 if WPG < 4 else 1
+        va = _gemv_xpick(xv0, xv1, xv2, xv3, I * (WPG // 2))
+        vb = _gemv_xpick(xv0, xv1, xv2, xv3, C1 + I * (WPG // 2))
+        E: tl.constexpr = 100 << 23  # x * 2^100 (SH = 0 for E2M1)
+        x0 = ((va << 16) + E).to(tl.float32, bitcast=True)
+        x1 = ((va & 0xFFFF0000) + E).to(tl.float32, bitcast=True)
+        x2 = ((vb << 16) + E).to(tl.float32, bitcast=True)
+        x3 = ((vb & 0xFFFF0000) + E).to(tl.float32, bitcast=True)
+    else:
+        WPG2: tl.constexpr = G // (32 // BITS)
+        x0, x1, x2, x3 = _gemv_x4(x_base, xo + I * (WPG2 // 2), xmask, I, MODE, BITS, EVEN)
+    return x0, x1, x2, x3
+
+
+@triton.jit
 def _gemv_apply(acc, p, pb, xsum, s_ptr, b_ptr, s_row, n_mask, g_a, g_b, kb, KG,
                 MODE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
                 EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
@@ -139,7 +189,7 @@ def _gemv_apply(acc, p, pb, xsum, s_ptr, b_ptr, s_row, n_mask, g_a, g_b, kb, KG,
 def _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_row, s_row_h,
                n_mask, n_mask_h, s_ptr, b_ptr, KG, MODE: tl.constexpr, BITS: tl.constexpr,
                G: tl.constexpr, HALVES: tl.constexpr, EVEN: tl.constexpr,
-               LANES: tl.constexpr):  # fmt: skip
+               LANES: tl.constexpr, XVEC: tl.constexpr = False):  # fmt: skip
     """One k-step of _gemv_kernel for 8 rows (HALVES == 1) or 16 (wa_h, acc_h: rows 8..15,
     sharing the x inputs): acc [8, LANES] += this lane's 4 words of each row (wa [8,
     4*LANES]) times x, with the scales (and biases) of their groups."""
@@ -164,8 +214,13 @@ def _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_ro
         if HALVES == 2:
             v0, v1, v2, v3 = _gemv_words(wa_h, LANES)
     xsum = tl.zeros([LANES], dtype=tl.float32)  # sum of the lane's inputs * 2^-49
+    xv0, xv1, xv2, xv3 = xo, xo, xo, xo  # XVEC: the k-step's x, 4 16-byte loads a lane
+    if XVEC:
+        xv0, xv1, xv2, xv3 = (_gemv_xq(x_base, xo, 0), _gemv_xq(x_base, xo, 1),
+                              _gemv_xq(x_base, xo, 2), _gemv_xq(x_base, xo, 3))  # fmt: skip
     for i in tl.static_range(NPOS):
-        x0, x1, x2, x3 = _gemv_x4(x_base, xo + i * (WPG // 2), xmask, i, MODE, BITS, EVEN)
+        x0, x1, x2, x3 = _gemv_x4v(xv0, xv1, xv2, xv3, x_base, xo, xmask, i, MODE, BITS, G,
+                                   EVEN, XVEC)  # fmt: skip
         p, pb = _gemv_fma(p, pb, w0, w1, w2, w3, x0, x1, x2, x3, i, MODE, BITS, TWO)
         if HALVES == 2:
             q, qb = _gemv_fma(q, qb, v0, v1, v2, v3, x0, x1, x2, x3, i, MODE, BITS, TWO)
@@ -194,7 +249,8 @@ def _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_ro
 
 @triton.jit
 def _gemv_half(w0, w1, w2, w3, x_base, xo, xmask, MODE: tl.constexpr, BITS: tl.constexpr,
-               G: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
+               G: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr,
+               XVEC: tl.constexpr = False):  # fmt: skip
     """(p, pb, xsum): every position of one 8-row half's words w0..w3 [8, LANES] times x,
     in _gemv_step's order (the same FFMA chains, so the same sums); for _gemv_step_seq."""
     EPW: tl.constexpr = 32 // BITS
@@ -205,8 +261,13 @@ def _gemv_half(w0, w1, w2, w3, x_base, xo, xmask, MODE: tl.constexpr, BITS: tl.c
     p = tl.zeros([8, LANES], dtype=tl.float32)
     pb = tl.zeros([8, LANES], dtype=tl.float32)
     xsum = tl.zeros([LANES], dtype=tl.float32)
+    xv0, xv1, xv2, xv3 = xo, xo, xo, xo  # XVEC: the k-step's x, 4 16-byte loads a lane
+    if XVEC:
+        xv0, xv1, xv2, xv3 = (_gemv_xq(x_base, xo, 0), _gemv_xq(x_base, xo, 1),
+                              _gemv_xq(x_base, xo, 2), _gemv_xq(x_base, xo, 3))  # fmt: skip
     for i in tl.static_range(NPOS):
-        x0, x1, x2, x3 = _gemv_x4(x_base, xo + i * (WPG // 2), xmask, i, MODE, BITS, EVEN)
+        x0, x1, x2, x3 = _gemv_x4v(xv0, xv1, xv2, xv3, x_base, xo, xmask, i, MODE, BITS, G,
+                                   EVEN, XVEC)  # fmt: skip
         p, pb = _gemv_fma(p, pb, w0, w1, w2, w3, x0, x1, x2, x3, i, MODE, BITS, TWO)
         if MODE == 0:
             xsum += _gemv_xsum(x0, x1, x2, x3, i, BITS)
@@ -227,7 +288,7 @@ def _gemv_half(w0, w1, w2, w3, x_base, xo, xmask, MODE: tl.constexpr, BITS: tl.c
 def _gemv_kstep(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_row, s_row_h,
                 n_mask, n_mask_h, s_ptr, b_ptr, KG, MODE: tl.constexpr, BITS: tl.constexpr,
                 G: tl.constexpr, HALVES: tl.constexpr, EVEN: tl.constexpr,
-                LANES: tl.constexpr, SEQ: tl.constexpr):  # fmt: skip
+                LANES: tl.constexpr, SEQ: tl.constexpr, XVEC: tl.constexpr = False):  # fmt: skip
     """_gemv_step, or with SEQ (16 rows, not E4M3) the first half's every position, then
     the second's, instead of both halves a position at a time: the first half's FMAs then
     need only its own words (loaded first) and may run while the second half's are still
@@ -239,18 +300,18 @@ def _gemv_kstep(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_r
         xmask = (kb * NG + g_pair) < KG
         w0, w1, w2, w3 = _gemv_words(wa, LANES)
         p, pb, xsum = _gemv_half(w0, w1, w2, w3, x_base, xo, xmask, MODE, BITS, G, EVEN,
-                                  LANES)  # fmt: skip
+                                  LANES, XVEC)  # fmt: skip
         acc = _gemv_apply(acc, p, pb, xsum, s_ptr, b_ptr, s_row, n_mask, g_a, g_b, kb, KG,
                           MODE, G, BITS, EVEN, LANES)  # fmt: skip
         v0, v1, v2, v3 = _gemv_words(wa_h, LANES)
         q, qb, _ = _gemv_half(v0, v1, v2, v3, x_base, xo, xmask, MODE, BITS, G, EVEN,
-                                  LANES)  # fmt: skip
+                                  LANES, XVEC)  # fmt: skip
         acc_h = _gemv_apply(acc_h, q, qb, xsum, s_ptr, b_ptr, s_row_h, n_mask_h, g_a, g_b,
                             kb, KG, MODE, G, BITS, EVEN, LANES)  # fmt: skip
     else:
         acc, acc_h = _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b,
                                 s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr, KG, MODE,
-                                BITS, G, HALVES, EVEN, LANES)  # fmt: skip
+                                BITS, G, HALVES, EVEN, LANES, XVEC)  # fmt: skip
     return acc, acc_h
 
 
@@ -296,7 +357,8 @@ def _load_early(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb, swn, s_ptr, b_ptr, s
 @triton.jit
 def _gemv_one_step(acc, acc_h, wa, wa_h, sa, ba, sh, bh, kb, x_base, x_pair0, g_pair, KG,
                    MODE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
-                   HALVES: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
+                   HALVES: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr,
+                   XVEC: tl.constexpr = False):  # fmt: skip
     """_gemv_step with the scales sa, sh and biases ba, bh already loaded (nvfp4: ba, bh the
     scales of words 2, 3): the same sums (each half as _gemv_kstep's SEQ); not for E4M3."""
     EPW: tl.constexpr = 32 // BITS
@@ -305,7 +367,8 @@ def _gemv_one_step(acc, acc_h, wa, wa_h, sa, ba, sh, bh, kb, x_base, x_pair0, g_
     xo = x_pair0 + kb * (NG * G // 2)
     xmask = (kb * NG + g_pair) < KG
     w0, w1, w2, w3 = _gemv_words(wa, LANES)
-    p, pb, xsum = _gemv_half(w0, w1, w2, w3, x_base, xo, xmask, MODE, BITS, G, EVEN, LANES)
+    p, pb, xsum = _gemv_half(w0, w1, w2, w3, x_base, xo, xmask, MODE, BITS, G, EVEN, LANES,
+                             XVEC)  # fmt: skip
     if MODE == 0:
         acc = acc + p * sa + ba * xsum[None, :]
     elif TWO:
@@ -314,7 +377,8 @@ def _gemv_one_step(acc, acc_h, wa, wa_h, sa, ba, sh, bh, kb, x_base, x_pair0, g_
         acc = acc + p * sa
     if HALVES == 2:
         v0, v1, v2, v3 = _gemv_words(wa_h, LANES)
-        q, qb, _ = _gemv_half(v0, v1, v2, v3, x_base, xo, xmask, MODE, BITS, G, EVEN, LANES)
+        q, qb, _ = _gemv_half(v0, v1, v2, v3, x_base, xo, xmask, MODE, BITS, G, EVEN, LANES,
+                              XVEC)  # fmt: skip
         if MODE == 0:
             acc_h = acc_h + q * sh + bh * xsum[None, :]
         elif TWO:
@@ -349,7 +413,8 @@ def _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pai
                  BITS: tl.constexpr, G: tl.constexpr, HALVES: tl.constexpr,
                  EVEN: tl.constexpr, LANES: tl.constexpr, KSTEPS: tl.constexpr,
                  PREFETCH: tl.constexpr, PDL: tl.constexpr,
-                 SEQ: tl.constexpr = False, EARLY: tl.constexpr = False):  # fmt: skip
+                 SEQ: tl.constexpr = False, EARLY: tl.constexpr = False,
+                 XVEC: tl.constexpr = False):  # fmt: skip
     """(acc, acc_h) [8, LANES]: k-steps kb0 .. kb0 + KSTEPS of rows rn (and rn_h, the second
     half, when HALVES == 2) through _gemv_step, swn words a row. With PREFETCH the loop runs
     two k-steps an iteration, each step's words loaded one step ahead (two register
@@ -377,7 +442,7 @@ def _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pai
                                                      HALVES, EVEN, LANES)  # fmt: skip
             acc, acc_h = _gemv_one_step(acc, acc_h, wa, wa_h, sa, ba, sh, bh, kb, x_base,
                                         x_pair0, g_pair, KG, MODE, BITS, G, HALVES, EVEN,
-                                        LANES)  # fmt: skip
+                                        LANES, XVEC)  # fmt: skip
             kn = tl.minimum(kb + 2, kb_last)  # past the last step: reloaded, never used
             wa, wa_h, sa, ba, sh, bh = _load_early(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kn,
                                                    swn, s_ptr, b_ptr, s_row, s_row_h, g_a, g_b,
@@ -385,11 +450,11 @@ def _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pai
                                                    LANES)  # fmt: skip
             acc, acc_h = _gemv_one_step(acc, acc_h, wb, wb_h, sb, bb, sbh, bbh, kb + 1, x_base,
                                         x_pair0, g_pair, KG, MODE, BITS, G, HALVES, EVEN,
-                                        LANES)  # fmt: skip
+                                        LANES, XVEC)  # fmt: skip
         if KSTEPS % 2 == 1:
             acc, acc_h = _gemv_one_step(acc, acc_h, wa, wa_h, sa, ba, sh, bh, kb_last, x_base,
                                         x_pair0, g_pair, KG, MODE, BITS, G, HALVES, EVEN,
-                                        LANES)  # fmt: skip
+                                        LANES, XVEC)  # fmt: skip
     elif PREFETCH:  # each step's words are in flight while the previous step computes
         # (with PDL the first step's are issued before the wait, while the previous kernel
         # still runs; a second step issued there too made ptxas hold it through the loop:
@@ -410,7 +475,7 @@ def _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pai
                 wb_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb + 1, swn, EVEN, MODE, LANES)
             acc, acc_h = _gemv_kstep(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a,
                                      g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr, KG,
-                                     MODE, BITS, G, HALVES, EVEN, LANES, SEQ)  # fmt: skip
+                                     MODE, BITS, G, HALVES, EVEN, LANES, SEQ, XVEC)  # fmt: skip
             # past the last step: reload it (in bounds, no predicate, never used; peeling
             # the last pair instead makes ptxas spill at 16 rows)
             kn = tl.minimum(kb + 2, kb_last)
@@ -420,11 +485,11 @@ def _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pai
                 wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kn, swn, EVEN, MODE, LANES)
             acc, acc_h = _gemv_kstep(acc, acc_h, wb, wb_h, kb + 1, x_base, x_pair0, g_pair,
                                      g_a, g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr,
-                                     KG, MODE, BITS, G, HALVES, EVEN, LANES, SEQ)  # fmt: skip
+                                     KG, MODE, BITS, G, HALVES, EVEN, LANES, SEQ, XVEC)  # fmt: skip
         if KSTEPS % 2 == 1:
             acc, acc_h = _gemv_kstep(acc, acc_h, wa, wa_h, kb_last, x_base, x_pair0, g_pair,
                                      g_a, g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr,
-                                     KG, MODE, BITS, G, HALVES, EVEN, LANES, SEQ)  # fmt: skip
+                                     KG, MODE, BITS, G, HALVES, EVEN, LANES, SEQ, XVEC)  # fmt: skip
     else:
         if PDL:
             tlc.gdc_wait()
@@ -437,7 +502,7 @@ def _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pai
                 wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb, swn, EVEN, MODE, LANES)
             acc, acc_h = _gemv_kstep(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a,
                                      g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr, KG,
-                                     MODE, BITS, G, HALVES, EVEN, LANES, SEQ)  # fmt: skip
+                                     MODE, BITS, G, HALVES, EVEN, LANES, SEQ, XVEC)  # fmt: skip
     return acc, acc_h
 
 
@@ -484,6 +549,7 @@ def _gemv_kernel(
     WARPS: tl.constexpr = 1,
     SEQ: tl.constexpr = False,
     EARLY: tl.constexpr = False,
+    XVEC: tl.constexpr = False,
     bias_ptr=None,
     HAS_BIAS: tl.constexpr = False,
 ):
@@ -516,6 +582,8 @@ def _gemv_kernel(
     silu(gate) * up, rounded as cuda_ops.silu_mul rounds the two products: no SiLU
     launch of its own.
     SEQ (16 rows): each k-step's first 8 rows, then its second 8 (_gemv_kstep).
+    XVEC (fp4, bf16 x, EVEN): a k-step's x as 4 16-byte loads a lane (_gemv_xvec), not 1-2
+    loads a position.
     EARLY (not E4M3): each k-step's scales and biases are loaded with its words
     (the first step's before the PDL wait), not after its FMAs.
     HAS_BIAS (not SILU): bias_ptr [N] (y's dtype) is added to the fp32 sums before the one
@@ -555,10 +623,14 @@ def _gemv_kernel(
     x_pair0, g_pair, g_a, g_b = _gemv_lanes(lane, G, WPG, TWO)
     x_base = x_ptr + m * stride_xm
     kb0 = pid_k * KB_PER_SPLIT
+    # XVEC: fp4 with bf16 x and no masks
+    XV: tl.constexpr = (
+        XVEC and (MODE == 1 or MODE == 2) and EVEN and x_ptr.dtype.element_ty == tl.bfloat16
+    )
     acc, acc_h = _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pair0,
                               g_pair, g_a, g_b, s_row, s_row_h, s_ptr, b_ptr, KG, MODE, BITS, G,
                               HALVES, EVEN, LANES, KB_PER_SPLIT, PREFETCH, PDL,
-                              SEQ, EARLY)  # fmt: skip
+                              SEQ, EARLY, XV)  # fmt: skip
     out = _gemv_sum(acc, MODE)  # [8]
     tile = m * tl.num_programs(1) + pid_n
     if SILU and HALVES == 2:

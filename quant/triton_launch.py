@@ -160,6 +160,7 @@ class KernelConfig:
     early: bool = False  # GEMV: each k-step's scales loaded with its words
     ahead: bool = False  # stream: the next tile's words issued before the last k-step's FMAs
     depth: int = 1  # tc: k-steps of words in flight ahead of the one decoded
+    xvec: bool = False  # GEMV, fp4 with bf16 x: a k-step's x as 16-byte loads, not per position
 
 
 def _split(n_tiles: int, ksteps: int, sms: int, waves: float) -> int:
@@ -498,4 +499,5 @@ def _gemv_constexprs(w, cfg: KernelConfig, silu: bool = False, dense: bool = Tru
         WARPS=cfg.num_warps,
         SEQ=cfg.seq,
         EARLY=cfg.early,
+        XVEC=cfg.xvec,
     )
