@@ -28,7 +28,8 @@ projection's stream in 8- / 16-row tiles), head-r8, gu-r8s (the gate/up's stream
 ahead (every stream in 8-row tiles, the next tile's words issued ahead: MLXRUN_STREAM_AHEAD=1);
 ROLE=V (ROLE: qkv, o, small = both, gu, down, head) gives that shape gemv8_sweep.py's launch
 variant V (gBNwWsS[nopf], sBNwWpP[b], cBNwWpP[b], aBNwWpP), e.g. small=g8w4s2+gu=c16w4p3.
-fp4 (mxfp4, nvfp4): xvec (the GEMV's x a k-step at a time in 16-byte loads); tc (the
+fp4 (mxfp4, nvfp4): xvec (the GEMV's x a k-step at a time in 16-byte loads); quads (the
+gate/up's scales as two 4-row runs a lane, not through shared memory); tc (the
 tensor-core GEMV of quant/triton_gemv_tc.py, the launches
 MLXRUN_GEMV4_TC=1 picks: triton_tc_launch.TC_LAUNCH), tc=tBNwWkBKsS (that launch everywhere), ROLE=tBNwWkBKsS (on ROLE only).
 """
@@ -135,6 +136,8 @@ def _apply(part: str, c, w):
         return c
     if part == "xvec":  # fp4: a k-step's x as 16-byte loads a lane
         return r(c, xvec=True) if c.kernel == "gemv" else c
+    if part == "quads":  # fp4 gate/up (SiLU, 8 rows): the scales as two 4-row runs a lane
+        return r(c, quads=True) if c.kernel == "gemv" else c
     if part == "tc":  # the fp4 GEMVs on tensor cores, TC_LAUNCH's (MLXRUN_GEMV4_TC=1)
         from mlxrun.quant.triton_launch import role8
         from mlxrun.quant.triton_tc_launch import TC_LAUNCH

@@ -161,24 +161,54 @@ def _gemv_x4v(xv0, xv1, xv2, xv3, x_base, xo, xmask, I: tl.constexpr, MODE: tl.c
 
 
 @triton.jit
+def _gemv_scale_quads(s_ptr, s_row, g_idx, MODE: tl.constexpr, LANES: tl.constexpr):
+    """The E8M0 / E4M3 scales [8, LANES] (fp32) of a SiLU 8-row tile (s_row: 4 gate rows,
+    then their 4 up rows: two runs of 4 contiguous, 4-aligned scale bytes) for groups g_idx,
+    loaded as two [4, LANES] runs a lane and joined: the 8 rows land in each lane's registers,
+    as the partial sums are. One [8, LANES] load put 8 threads along the rows (the compiler
+    cannot see the runs through the row arithmetic), and p, pb went through shared memory
+    (2 barriers each) to meet it every k-step."""
+    sg, su = tl.split(tl.trans(tl.reshape(s_row, [2, 4])))  # [4] gate rows, [4] up rows
+    sg = tl.max_contiguous(tl.multiple_of(sg, 4), 4)
+    su = tl.max_contiguous(tl.multiple_of(su, 4), 4)
+    eg = tl.load(s_ptr + sg[:, None] + g_idx[None, :] * 8)  # [4, LANES] uint8
+    eu = tl.load(s_ptr + su[:, None] + g_idx[None, :] * 8)
+    e8 = tl.reshape(tl.permute(tl.join(eg, eu), [2, 0, 1]), [8, LANES])
+    if MODE == 2 and E4M3_CVT:
+        s = _e4m3_scales(e8)
+    else:
+        s = _scale_code(e8.to(tl.uint32), MODE)
+    return s
+
+
+@triton.jit
 def _gemv_apply(acc, p, pb, xsum, s_ptr, b_ptr, s_row, n_mask, g_a, g_b, kb, KG,
                 MODE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-                EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
-    """acc [8, LANES] += p * scale (+ bias * xsum) with the scales of this lane's groups."""
+                EVEN: tl.constexpr, LANES: tl.constexpr,
+                QUADS: tl.constexpr = False):  # fmt: skip
+    """acc [8, LANES] += p * scale (+ bias * xsum) with the scales of this lane's groups.
+    QUADS (fp4, EVEN): s_row is a SiLU tile's (_gemv_scale_quads)."""
     EPW: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = G // EPW
     NG: tl.constexpr = 4 * LANES // WPG  # groups per k-step
     g_idx = kb * NG + g_a  # [LANES]
-    smask = n_mask[:, None] & (g_idx < KG)[None, :]
-    scale, bias = _gemv_scale(s_ptr, b_ptr, s_row[:, None] + g_idx[None, :] * 8, smask,
-                              MODE, EVEN)  # fmt: skip
+    if QUADS:
+        scale = _gemv_scale_quads(s_ptr, s_row, g_idx, MODE, LANES)
+        bias = scale
+    else:
+        smask = n_mask[:, None] & (g_idx < KG)[None, :]
+        scale, bias = _gemv_scale(s_ptr, b_ptr, s_row[:, None] + g_idx[None, :] * 8, smask,
+                                  MODE, EVEN)  # fmt: skip
     if MODE == 0:
         acc = acc + p * scale + bias * xsum[None, :]
     elif WPG < 4:
         g_idx2 = kb * NG + g_b
-        smask2 = n_mask[:, None] & (g_idx2 < KG)[None, :]
-        scale2, _ = _gemv_scale(s_ptr, b_ptr, s_row[:, None] + g_idx2[None, :] * 8, smask2,
-                                MODE, EVEN)  # fmt: skip
+        if QUADS:
+            scale2 = _gemv_scale_quads(s_ptr, s_row, g_idx2, MODE, LANES)
+        else:
+            smask2 = n_mask[:, None] & (g_idx2 < KG)[None, :]
+            scale2, _ = _gemv_scale(s_ptr, b_ptr, s_row[:, None] + g_idx2[None, :] * 8,
+                                    smask2, MODE, EVEN)  # fmt: skip
         acc = acc + p * scale + pb * scale2
     else:
         acc = acc + p * scale
@@ -189,7 +219,8 @@ def _gemv_apply(acc, p, pb, xsum, s_ptr, b_ptr, s_row, n_mask, g_a, g_b, kb, KG,
 def _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_row, s_row_h,
                n_mask, n_mask_h, s_ptr, b_ptr, KG, MODE: tl.constexpr, BITS: tl.constexpr,
                G: tl.constexpr, HALVES: tl.constexpr, EVEN: tl.constexpr,
-               LANES: tl.constexpr, XVEC: tl.constexpr = False):  # fmt: skip
+               LANES: tl.constexpr, XVEC: tl.constexpr = False,
+               QUADS: tl.constexpr = False):  # fmt: skip
     """One k-step of _gemv_kernel for 8 rows (HALVES == 1) or 16 (wa_h, acc_h: rows 8..15,
     sharing the x inputs): acc [8, LANES] += this lane's 4 words of each row (wa [8,
     4*LANES]) times x, with the scales (and biases) of their groups."""
@@ -240,7 +271,7 @@ def _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_ro
             q, qb = _gemv_fma(q, qb, v0, v1, v2, v3, y0, y1, y2, y3, 6, MODE, BITS, TWO)
             q, qb = _gemv_fma(q, qb, v0, v1, v2, v3, z0, z1, z2, z3, 7, MODE, BITS, TWO)
     acc = _gemv_apply(acc, p, pb, xsum, s_ptr, b_ptr, s_row, n_mask, g_a, g_b, kb, KG,
-                      MODE, G, BITS, EVEN, LANES)  # fmt: skip
+                      MODE, G, BITS, EVEN, LANES, QUADS)  # fmt: skip
     if HALVES == 2:
         acc_h = _gemv_apply(acc_h, q, qb, xsum, s_ptr, b_ptr, s_row_h, n_mask_h, g_a, g_b,
                             kb, KG, MODE, G, BITS, EVEN, LANES)  # fmt: skip
@@ -288,7 +319,8 @@ def _gemv_half(w0, w1, w2, w3, x_base, xo, xmask, MODE: tl.constexpr, BITS: tl.c
 def _gemv_kstep(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_row, s_row_h,
                 n_mask, n_mask_h, s_ptr, b_ptr, KG, MODE: tl.constexpr, BITS: tl.constexpr,
                 G: tl.constexpr, HALVES: tl.constexpr, EVEN: tl.constexpr,
-                LANES: tl.constexpr, SEQ: tl.constexpr, XVEC: tl.constexpr = False):  # fmt: skip
+                LANES: tl.constexpr, SEQ: tl.constexpr, XVEC: tl.constexpr = False,
+                QUADS: tl.constexpr = False):  # fmt: skip
     """_gemv_step, or with SEQ (16 rows, not E4M3) the first half's every position, then
     the second's, instead of both halves a position at a time: the first half's FMAs then
     need only its own words (loaded first) and may run while the second half's are still
@@ -311,7 +343,7 @@ def _gemv_kstep(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_r
     else:
         acc, acc_h = _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b,
                                 s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr, KG, MODE,
-                                BITS, G, HALVES, EVEN, LANES, XVEC)  # fmt: skip
+                                BITS, G, HALVES, EVEN, LANES, XVEC, QUADS)  # fmt: skip
     return acc, acc_h
 
 
@@ -414,7 +446,7 @@ def _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pai
                  EVEN: tl.constexpr, LANES: tl.constexpr, KSTEPS: tl.constexpr,
                  PREFETCH: tl.constexpr, PDL: tl.constexpr,
                  SEQ: tl.constexpr = False, EARLY: tl.constexpr = False,
-                 XVEC: tl.constexpr = False):  # fmt: skip
+                 XVEC: tl.constexpr = False, QUADS: tl.constexpr = False):  # fmt: skip
     """(acc, acc_h) [8, LANES]: k-steps kb0 .. kb0 + KSTEPS of rows rn (and rn_h, the second
     half, when HALVES == 2) through _gemv_step, swn words a row. With PREFETCH the loop runs
     two k-steps an iteration, each step's words loaded one step ahead (two register
@@ -475,7 +507,7 @@ def _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pai
                 wb_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb + 1, swn, EVEN, MODE, LANES)
             acc, acc_h = _gemv_kstep(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a,
                                      g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr, KG,
-                                     MODE, BITS, G, HALVES, EVEN, LANES, SEQ, XVEC)  # fmt: skip
+                                     MODE, BITS, G, HALVES, EVEN, LANES, SEQ, XVEC, QUADS)  # fmt: skip
             # past the last step: reload it (in bounds, no predicate, never used; peeling
             # the last pair instead makes ptxas spill at 16 rows)
             kn = tl.minimum(kb + 2, kb_last)
@@ -485,11 +517,11 @@ def _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pai
                 wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kn, swn, EVEN, MODE, LANES)
             acc, acc_h = _gemv_kstep(acc, acc_h, wb, wb_h, kb + 1, x_base, x_pair0, g_pair,
                                      g_a, g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr,
-                                     KG, MODE, BITS, G, HALVES, EVEN, LANES, SEQ, XVEC)  # fmt: skip
+                                     KG, MODE, BITS, G, HALVES, EVEN, LANES, SEQ, XVEC, QUADS)  # fmt: skip
         if KSTEPS % 2 == 1:
             acc, acc_h = _gemv_kstep(acc, acc_h, wa, wa_h, kb_last, x_base, x_pair0, g_pair,
                                      g_a, g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr,
-                                     KG, MODE, BITS, G, HALVES, EVEN, LANES, SEQ, XVEC)  # fmt: skip
+                                     KG, MODE, BITS, G, HALVES, EVEN, LANES, SEQ, XVEC, QUADS)  # fmt: skip
     else:
         if PDL:
             tlc.gdc_wait()
@@ -502,7 +534,7 @@ def _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pai
                 wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb, swn, EVEN, MODE, LANES)
             acc, acc_h = _gemv_kstep(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a,
                                      g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr, KG,
-                                     MODE, BITS, G, HALVES, EVEN, LANES, SEQ, XVEC)  # fmt: skip
+                                     MODE, BITS, G, HALVES, EVEN, LANES, SEQ, XVEC, QUADS)  # fmt: skip
     return acc, acc_h
 
 
@@ -550,6 +582,7 @@ def _gemv_kernel(
     SEQ: tl.constexpr = False,
     EARLY: tl.constexpr = False,
     XVEC: tl.constexpr = False,
+    QUADS: tl.constexpr = False,
     bias_ptr=None,
     HAS_BIAS: tl.constexpr = False,
 ):
@@ -582,8 +615,9 @@ def _gemv_kernel(
     silu(gate) * up, rounded as cuda_ops.silu_mul rounds the two products: no SiLU
     launch of its own.
     SEQ (16 rows): each k-step's first 8 rows, then its second 8 (_gemv_kstep).
-    XVEC (fp4, bf16 x, EVEN): a k-step's x as 4 16-byte loads a lane (_gemv_xvec), not 1-2
-    loads a position.
+    XVEC (fp4, bf16 x, EVEN): a k-step's x as 4 16-byte loads a lane (_gemv_xq), not 1-2
+    loads a position. QUADS (fp4, SILU in 8 rows, EVEN): the scales as two runs of 4 rows
+    (_gemv_scale_quads).
     EARLY (not E4M3): each k-step's scales and biases are loaded with its words
     (the first step's before the PDL wait), not after its FMAs.
     HAS_BIAS (not SILU): bias_ptr [N] (y's dtype) is added to the fp32 sums before the one
@@ -624,13 +658,15 @@ def _gemv_kernel(
     x_base = x_ptr + m * stride_xm
     kb0 = pid_k * KB_PER_SPLIT
     # XVEC: fp4 with bf16 x and no masks
+    # QUADS: fp4 SiLU 8-row tiles, no masks (_gemv_scale_quads)
+    QD: tl.constexpr = QUADS and SILU and HALVES == 1 and (MODE == 1 or MODE == 2) and EVEN
     XV: tl.constexpr = (
         XVEC and (MODE == 1 or MODE == 2) and EVEN and x_ptr.dtype.element_ty == tl.bfloat16
     )
     acc, acc_h = _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pair0,
                               g_pair, g_a, g_b, s_row, s_row_h, s_ptr, b_ptr, KG, MODE, BITS, G,
                               HALVES, EVEN, LANES, KB_PER_SPLIT, PREFETCH, PDL,
-                              SEQ, EARLY, XV)  # fmt: skip
+                              SEQ, EARLY, XV, QD)  # fmt: skip
     out = _gemv_sum(acc, MODE)  # [8]
     tile = m * tl.num_programs(1) + pid_n
     if SILU and HALVES == 2:

@@ -161,6 +161,7 @@ class KernelConfig:
     ahead: bool = False  # stream: the next tile's words issued before the last k-step's FMAs
     depth: int = 1  # tc: k-steps of words in flight ahead of the one decoded
     xvec: bool = False  # GEMV, fp4 with bf16 x: a k-step's x as 16-byte loads, not per position
+    quads: bool = False  # GEMV, fp4 SiLU 8-row tiles: the scales as two 4-row runs a lane
 
 
 def _split(n_tiles: int, ksteps: int, sms: int, waves: float) -> int:
@@ -500,4 +501,5 @@ def _gemv_constexprs(w, cfg: KernelConfig, silu: bool = False, dense: bool = Tru
         SEQ=cfg.seq,
         EARLY=cfg.early,
         XVEC=cfg.xvec,
+        QUADS=cfg.quads,
     )

@@ -235,8 +235,9 @@ def test_silu_in_the_gate_up_epilogue(mode, bits, group_size):
 )
 def test_gemv_orders_equal_the_default(mode, bits, group_size):
     """seq (a 16-row tile's first 8 rows through every position, then the second 8), early
-    (one k-step's scales loaded with its words) and xvec (fp4: a k-step's x loaded at once,
-    4 16-byte vectors a lane) run the same FFMA chains as the
+    (one k-step's scales loaded with its words), xvec (fp4: a k-step's x loaded at once,
+    4 16-byte vectors a lane) and quads (fp4: a SiLU 8-row tile's scales as two 4-row runs)
+    run the same FFMA chains as the
     default order: bit-identical outputs, plain (on the prefetch loop and without it) and
     with the SiLU epilogue (int4: 16-row tiles; mxfp4, nvfp4: 8; nvfp4's lanes take two
     scale groups); and near the float64 product of the dequantized weight."""
@@ -263,6 +264,10 @@ def test_gemv_orders_equal_the_default(mode, bits, group_size):
         if "xvec" in names and "early" in names:
             new = dataclasses.replace(old, early=True, xvec=True)
             assert torch.equal(tk.qmatmul(x, w, new, silu=silu), want), new
+        if silu and mode != "affine":  # quads: the SiLU tile's scales as two 4-row runs
+            for new in (dataclasses.replace(old, quads=True),
+                        dataclasses.replace(old, quads=True, xvec=True)):  # fmt: skip
+                assert torch.equal(tk.qmatmul(x, w, new, silu=silu), want), new
 
 
 def test_leading_dims_and_errors():
