@@ -2,9 +2,7 @@
 (cycled weights in a CUDA graph, variants alternated in one process, min over reps, each
 output checked against the dequantized fp32 product) with its variants, where "old" and
 "new" are choose_config's picks and the fp4 decode with MLXRUN_GEMV4=old (before this
-work) and with the current code, "mm" the tensor-core GEMM of the batched decode on one row,
-and "tBNwWkBKsS" the fp4 tensor-core GEMV (quant/triton_gemv_tc.py: BN rows, W warps, BK
-inputs a k-step, S splits, 0: its rule's).
+work) and with the current code, and "mm" the tensor-core GEMM of the batched decode on one row.
 
     python3 benchmarks/gemv4_sweep.py [--formats mxfp4,nvfp4] [--variants old,new,s16w4p4]
         [--reps 3] [--json out.json]
@@ -56,11 +54,6 @@ def config(name: str, m: int, w, device):
 
     if name == "mm":
         return tk.choose_config(32, w, device, torch.bfloat16)
-    if name.startswith("t"):  # the tensor-core GEMV (triton_gemv_tc.py), where it fits
-        from mlxrun.quant import triton_launch, triton_tc_launch
-
-        cfg = triton_launch.launch_from_name(name)
-        return triton_tc_launch.tc_config(w, cfg, triton_launch._num_sms(device)) or cfg
     if name not in ("old", "new"):
         return _config8(name, m, w, device)
     from mlxrun.quant import triton_launch

@@ -29,9 +29,7 @@ ahead (every stream in 8-row tiles, the next tile's words issued ahead: MLXRUN_S
 ROLE=V (ROLE: qkv, o, small = both, gu, down, head) gives that shape gemv8_sweep.py's launch
 variant V (gBNwWsS[nopf], sBNwWpP[b], cBNwWpP[b], aBNwWpP), e.g. small=g8w4s2+gu=c16w4p3.
 fp4 (mxfp4, nvfp4): xvec (the GEMV's x a k-step at a time in 16-byte loads); quads (the
-gate/up's scales as two 4-row runs a lane, not through shared memory); tc (the
-tensor-core GEMV of quant/triton_gemv_tc.py, the launches
-MLXRUN_GEMV4_TC=1 picks: triton_tc_launch.TC_LAUNCH), tc=tBNwWkBKsS (that launch everywhere), ROLE=tBNwWkBKsS (on ROLE only).
+gate/up's scales as two 4-row runs a lane, not through shared memory).
 """
 
 from __future__ import annotations
@@ -117,19 +115,6 @@ def _apply8(part: str, c, w, orig, args):
     return None
 
 
-def _tc(name: str, c, w, role: str = ""):
-    """The fp4 tensor-core GEMV's launch `name` (tBNwWkBKsS) where w is fp4 (of `role`, if
-    given) and the kernel takes it; else c."""
-    import torch
-
-    from mlxrun.quant import triton_launch, triton_tc_launch
-
-    if w.mode not in ("mxfp4", "nvfp4") or (role and _role(w) != role):
-        return c
-    sms = triton_launch._num_sms(torch.device("cuda", torch.cuda.current_device()))
-    return triton_tc_launch.tc_config(w, triton_launch.launch_from_name(name), sms) or c
-
-
 def _apply(part: str, c, w):
     r = dataclasses.replace
     if part in ("default", "gemv4-old"):  # gemv4-old: applied in patch
@@ -138,16 +123,6 @@ def _apply(part: str, c, w):
         return r(c, xvec=True) if c.kernel == "gemv" else c
     if part == "quads":  # fp4 gate/up (SiLU, 8 rows): the scales as two 4-row runs a lane
         return r(c, quads=True) if c.kernel == "gemv" else c
-    if part == "tc":  # the fp4 GEMVs on tensor cores, TC_LAUNCH's (MLXRUN_GEMV4_TC=1)
-        from mlxrun.quant.triton_launch import role8
-        from mlxrun.quant.triton_tc_launch import TC_LAUNCH
-
-        return _tc(TC_LAUNCH[role8(w)], c, w) if TC_LAUNCH[role8(w)] else c
-    if part.startswith("tc="):  # tc=NAME: that launch everywhere
-        return _tc(part[3:], c, w)
-    if "=" in part and w.bits == 4:  # ROLE=tBNwWkBKsS: that launch on ROLE's fp4 GEMV
-        role, v = part.split("=")
-        return _tc(v, c, w, role)
     if part == "early":
         return r(c, early=True)
     if part == "late":  # the scales after the FMAs (the shipped default before early)
@@ -193,7 +168,7 @@ def patch(name: str):
                 triton_launch.GEMV4 = saved
         else:
             c = orig(m, w, device, x_dtype)
-        if c.kernel not in ("gemv", "stream", "tc"):
+        if c.kernel not in ("gemv", "stream"):
             return c
         for p in parts:
             c8 = _apply8(p, c, w, orig, (m, w, device, x_dtype)) if w.bits == 8 else None
@@ -280,8 +255,7 @@ def profile(model, cache, context: int, variant: str, steps: int = 3) -> dict:
         key=lambda e: e.time_range.start,
     )
     per: dict = {}
-    kinds = ("_gemv_kernel", "_gemv_stream_kernel", "_gemv_tc_kernel")
-    gemv = [e for e in evs if any(t in e.name for t in kinds)]
+    gemv = [e for e in evs if "_gemv_kernel" in e.name or "_gemv_stream_kernel" in e.name]
     n = len(gemv) // steps
     roles = ["qkv", "o", "gate_up", "down"]
     for i, e in enumerate(gemv):
@@ -289,7 +263,7 @@ def profile(model, cache, context: int, variant: str, steps: int = 3) -> dict:
         r = "head" if j >= n - 1 else roles[j % 4]
         per.setdefault("gemv " + r, []).append(e.device_time_total)
     for e in evs:
-        if not any(t in e.name for t in kinds):
+        if "_gemv_kernel" not in e.name and "_gemv_stream_kernel" not in e.name:
             per.setdefault(e.name[:60], []).append(e.device_time_total)
     return {k: (sum(v) / steps, len(v) // steps) for k, v in per.items()}
 

@@ -37,7 +37,6 @@ import os
 
 from mlxrun.errors import MlxrunError
 
-from . import triton_launch
 from .triton_launch import (
     _TRITON_ERROR,
     GEMV_MAX_M,
@@ -65,7 +64,6 @@ from .triton_layout import concat as concat
 from .triton_layout import dequantize_torch as dequantize_torch
 from .triton_layout import join_rows as join_rows
 from .triton_layout import prepare as prepare
-from .triton_tc_launch import tc_fits, tc_split
 
 if triton is not None:
     from .triton_decode import _group_scale as _group_scale
@@ -75,7 +73,6 @@ if triton is not None:
     from .triton_gemm import _gemm_kernel
     from .triton_gemv import _gemv_kernel
     from .triton_gemv_stream import _gemv_stream_kernel
-    from .triton_gemv_tc import gemv_tc
 
 MAX_INDEX = 2**31 - 1  # element offsets the kernels compute in int32
 
@@ -100,7 +97,7 @@ def silu_fusable(x: torch.Tensor, w: QLinear, config: KernelConfig | None = None
     if not 0 < m <= GEMV_MAX_M or (w.n // 2) % SCALE_ROWS or w.n % 2:
         return False
     cfg = config or choose_config(m, w, x.device, x.dtype)
-    return cfg.kernel in ("gemv", "stream", "tc")
+    return cfg.kernel in ("gemv", "stream")
 
 
 def qmatmul(
@@ -165,21 +162,6 @@ def qmatmul(
         if bias is not None:
             y += bias
         return y.reshape(*lead, y.shape[-1])
-    dense = w.weight.stride(0) == w.k * w.bits // 32 and w.scales.is_contiguous()
-    # the fp4 tensor-core GEMV (one bf16 row, whole tiles; a bias goes to the CUDA-core
-    # GEMV, whose epilogue adds it before rounding, no add kernel)
-    if cfg.kernel == "tc" and m == 1 and x2.dtype == torch.bfloat16 and dense and bias is None:
-        if cfg.split_k == 0:  # the rule's splits
-            cfg = dataclasses.replace(
-                cfg, split_k=tc_split(w, cfg.block_n, cfg.ng, _num_sms(x.device))
-            )
-        if tc_fits(w, cfg.block_n, cfg.ng, silu):
-            gemv_tc(x2, w, cfg, y, silu, lambda s: (
-                torch.empty((s, 1, w.n), dtype=torch.float32, device=x.device),
-                _counters(x.device, w.n // cfg.block_n)), pdl_args(x.device))  # fmt: skip
-            return y.reshape(*lead, y.shape[-1])
-    if cfg.kernel == "tc":  # not for this weight, input or bias: the CUDA-core GEMV's launch
-        cfg = triton_launch.choose_config(m, w, x.device, x.dtype, tc=False)
     if cfg.kernel == "gemv":
         if x2.dtype == torch.bfloat16 and (x2.data_ptr() % 4 or (m > 1 and x2.stride(0) % 2)):
             x2 = x2.clone()  # the GEMV reads bf16 x as uint32 pairs: 4-byte aligned rows

@@ -12,7 +12,6 @@ import math
 import os
 
 from .triton_layout import _MODE_ID, QLinear
-from .triton_tc_launch import GEMV4_TC, TC_LAUNCH, tc_config
 
 try:
     import torch
@@ -159,7 +158,6 @@ class KernelConfig:
     seq: bool = False  # GEMV, 16 rows: each k-step's two 8-row halves one after the other
     early: bool = False  # GEMV: each k-step's scales loaded with its words
     ahead: bool = False  # stream: the next tile's words issued before the last k-step's FMAs
-    depth: int = 1  # tc: k-steps of words in flight ahead of the one decoded
     xvec: bool = False  # GEMV, fp4 with bf16 x: a k-step's x as 16-byte loads, not per position
     quads: bool = False  # GEMV, fp4 SiLU 8-row tiles: the scales as two 4-row runs a lane
 
@@ -217,19 +215,13 @@ E2M1_PAIR_ON = os.environ.get("MLXRUN_E2M1_PAIR", "0") == "1"
 
 
 def launch_from_name(name: str) -> KernelConfig:
-    """A batch-1 GEMV launch by its sweep name (benchmarks/gemv8_sweep.py): "tBNwWkBKsS[d2]"
-    (the fp4 tensor-core GEMV, triton_gemv_tc.py: BN rows, W warps, BK inputs a k-step, S
-    splits, 0: tc_split's; ng holds BK until tc_config sets it; d2: depth 2), "gBNwWsS" (the
+    """A batch-1 GEMV launch by its sweep name (benchmarks/gemv8_sweep.py): "gBNwWsS" (the
     one-shot GEMV: BN rows a program, W warps, S splits of K; "nopf": the next k-step's words
     not prefetched) or "sBNwWpP" / "cBNwWpP" / "aBNwWpP" (the streaming GEMV, P programs a
     SM; c: E4M3 a word at a time, a: c with the next tile's words ahead; a trailing "b":
     fewer programs where that gives each the same number of tiles)."""
     import re
 
-    mt = re.fullmatch(r"t(16|32|64|128)w([1248])k(64|128|256|512)s([0-9]+)(d2)?", name)
-    if mt:  # ng: BK inputs a k-step in groups, set for the weight by tc_config
-        bn, nw, bk, sk = (int(v) for v in mt.groups()[:4])
-        return KernelConfig("tc", 1, bn, sk, bk, num_warps=nw, depth=2 if mt[5] else 1)
     mt = re.fullmatch(r"([sca])(8|16)w([1248])p([1-9])(b?)", name)
     if mt:
         bn, nw, ps = (int(v) for v in mt.groups()[1:4])
@@ -307,9 +299,8 @@ def stream_even(w, block_n: int, warps: int, silu: bool = False) -> bool:
     return kw % (128 * warps) == 0 and rows % tile == 0 and (not silu or w.n % 2 == 0)
 
 
-def choose_config(m: int, w: QLinear, device, x_dtype=None, tc: bool = True) -> KernelConfig:
-    """Heuristic launch parameters for x [m, K] @ W^T (bench/tuning may override); tc: the
-    fp4 tensor-core GEMV may be picked (qmatmul passes False where its weight is a view).
+def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
+    """Heuristic launch parameters for x [m, K] @ W^T (bench/tuning may override).
 
     Chosen from the H100 sweep in benchmarks/KERNEL_NOTES.md (run 3).
     """
@@ -323,12 +314,6 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None, tc: bool = True) -> 
         # 14.6 -> 14.2, 128256x4096 101.6 -> 96.4; with 4 warps more splits only lost.
         kw = w.k * w.bits // 32
         fp4 = w.mode in ("mxfp4", "nvfp4")
-        if tc and fp4 and m == 1 and GEMV4_TC != "0" and x_dtype in (None, torch.bfloat16):
-            # the fp4 GEMV on tensor cores (triton_gemv_tc.py), its launch per linear
-            name = TC_LAUNCH[role8(w)] if GEMV4_TC == "1" else GEMV4_TC
-            cfg_tc = tc_config(w, launch_from_name(name), sms) if name else None
-            if cfg_tc is not None:
-                return cfg_tc
         warps = 1
         while warps < GEMV_WARPS and 256 * warps <= kw:
             warps *= 2

@@ -136,39 +136,3 @@ def test_fp4_decode_equals_the_old_decode(mode, group_size):
     assert rel_err(outs[0], want) < 1e-2
     assert torch.equal(outs[1], outs[0])
     assert torch.equal(outs[2], outs[0])
-
-
-@pytest.mark.parametrize("mode,group_size", FP4, ids=[m for m, _ in FP4])
-def test_fp4_tensor_core_gemv_equals_the_reference(mode, group_size):
-    """The tensor-core GEMV (quant/triton_gemv_tc.py) on mxfp4 / nvfp4: its fp32 sums equal
-    the float64 decoder's product up to fp32 summation (every code and scale decoded
-    exactly: a wrong one shows as ~1e-2), over 1 and 2 splits of K (the partials summed by
-    the last program), 4 and 2 windows of 16 groups a split, plain and with the SiLU
-    epilogue (against silu of the rounded outputs, as the GEMV rounds them); fp32 x and a
-    bias go to the CUDA-core GEMV."""
-    n, k = 64, 64 * group_size  # 4 windows of 16 groups a row
-    w, s, gen = packed_fp4(n, k, mode, group_size, seed=5)
-    if mode == "nvfp4":  # every finite E4M3 scale code (not 0x7F, 0xFF), subnormals included
-        codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
-        s.view(-1)[: codes.numel()] = codes
-    q = tk.prepare(w.to(DEV), s.to(DEV), None, mode, 4, group_size)
-    x = torch.randn(1, k, generator=gen).bfloat16()
-    want = x.double() @ ref_fp4(w, s, mode, group_size).T
-    x = x.to(DEV)
-    # 32 rows on one warp (mma.sync on a GPU), 64 on four (wgmma), 1 and 2 splits, one and
-    # two k-steps of words in flight
-    for bn, warps, split, depth in ((32, 1, 1, 1), (64, 4, 2, 1), (64, 4, 2, 2)):
-        cfg = tk.KernelConfig("tc", 1, bn, split, 128 // group_size, num_warps=warps,
-                              depth=depth)  # fmt: skip
-        y32 = tk.qmatmul(x, q, cfg, out_dtype=torch.float32)
-        assert rel_err(y32, want) < 1e-6
-        y = tk.qmatmul(x, q, cfg)
-        assert rel_err(y, want) < 1e-2
-        ys = tk.qmatmul(x, q, cfg, silu=True)
-        g, u = y.double().cpu().split(n // 2, -1)
-        assert rel_err(ys, torch.nn.functional.silu(g) * u) < 1e-2
-    # an input it does not take (fp32 x), a bias: the CUDA-core GEMV's launch instead
-    assert rel_err(tk.qmatmul(x.float(), q, cfg), want) < 1e-5
-    bias = torch.randn(n, generator=gen).bfloat16()
-    yb = tk.qmatmul(x, q, cfg, bias=bias.to(DEV), out_dtype=torch.float32)
-    assert rel_err(yb, want + bias.double()) < 1e-5
