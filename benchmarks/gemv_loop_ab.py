@@ -28,8 +28,9 @@ projection's stream in 8- / 16-row tiles), head-r8, gu-r8s (the gate/up's stream
 ahead (every stream in 8-row tiles, the next tile's words issued ahead: MLXRUN_STREAM_AHEAD=1);
 ROLE=V (ROLE: qkv, o, small = both, gu, down, head) gives that shape gemv8_sweep.py's launch
 variant V (gBNwWsS[nopf], sBNwWpP[b], cBNwWpP[b], aBNwWpP), e.g. small=g8w4s2+gu=c16w4p3.
-fp4 (mxfp4, nvfp4): xvec (the GEMV's x a k-step at a time in 16-byte loads); quads (the
-gate/up's scales as two 4-row runs a lane, not through shared memory).
+fp4 (mxfp4, nvfp4): xvec (the GEMV's x a k-step at a time in 16-byte loads; xvec-nd: not on
+the down projection); quads (the gate/up's scales as two 4-row runs a lane, not through
+shared memory); loads-old (neither, nor early: MLXRUN_GEMV4_LOADS=0).
 """
 
 from __future__ import annotations
@@ -121,6 +122,11 @@ def _apply(part: str, c, w):
         return c
     if part == "xvec":  # fp4: a k-step's x as 16-byte loads a lane
         return r(c, xvec=True) if c.kernel == "gemv" else c
+    if part == "xvec-nd":  # xvec but not on the down projection (K > N)
+        return r(c, xvec=w.k <= w.n) if c.kernel == "gemv" else c
+    if part == "loads-old":  # fp4: x loaded a position at a time, the scales after the FMAs
+        fp4 = w.mode in ("mxfp4", "nvfp4")
+        return r(c, xvec=False, early=False, quads=False) if fp4 and c.kernel == "gemv" else c
     if part == "quads":  # fp4 gate/up (SiLU, 8 rows): the scales as two 4-row runs a lane
         return r(c, quads=True) if c.kernel == "gemv" else c
     if part == "early":

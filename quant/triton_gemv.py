@@ -111,12 +111,20 @@ def _gemv_fma(p, pb, w0, w1, w2, w3, x0, x1, x2, x3, I: tl.constexpr, MODE: tl.c
 
 
 @triton.jit
-def _gemv_xq(x_base, xo, Q: tl.constexpr):
+def _gemv_xq(x_base, xo, xmask, Q: tl.constexpr, EVEN: tl.constexpr):
     """Pairs 4Q..4Q+3 of this lane's k-step of bf16 x (fp4: 32 inputs, 16 uint32 pairs from
-    xo's first column on): one 16-byte load a lane, [LANES, 4] uint32."""
+    xo's first column on): one 16-byte load a lane, [LANES, 4] uint32. Not EVEN: a lane's
+    32 inputs are all in K or all past it (K % 32 == 0, _gemv_constexprs), so its first
+    group's mask (xmask [LANES, 2]) is the lane's: 0 past K."""
     base, _ = tl.split(xo)  # [LANES]: 16 * lane + the k-step's, for both fp4 formats
     offs = tl.multiple_of(base, 16)[:, None] + 4 * Q + tl.arange(0, 4)[None, :]
-    return tl.load(x_base.to(tl.pointer_type(tl.uint32), bitcast=True) + offs)
+    ptrs = x_base.to(tl.pointer_type(tl.uint32), bitcast=True) + offs
+    if EVEN:
+        v = tl.load(ptrs)
+    else:
+        mk, _ = tl.split(xmask)
+        v = tl.load(ptrs, mask=mk[:, None], other=0)
+    return v
 
 
 @triton.jit
@@ -140,7 +148,7 @@ def _gemv_xpick(v0, v1, v2, v3, J: tl.constexpr):
 def _gemv_x4v(xv0, xv1, xv2, xv3, x_base, xo, xmask, I: tl.constexpr, MODE: tl.constexpr,
               BITS: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr,
               XVEC: tl.constexpr):  # fmt: skip
-    """_gemv_x4 for position I: with XVEC (fp4, bf16 x, no masks) from the k-step's pairs
+    """_gemv_x4 for position I: with XVEC (fp4, bf16 x) from the k-step's pairs
     loaded at once by _gemv_xq (pair c of the lane at J = c*G/2 (nvfp4) or c (mxfp4), plus
     I*WPG/2: 4 16-byte loads a lane a k-step, against 1 or 2 of 8 or 4 bytes a position at a
     64-byte lane stride, nvfp4's 16 loads a k-step), else loaded here."""
@@ -247,8 +255,10 @@ def _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_ro
     xsum = tl.zeros([LANES], dtype=tl.float32)  # sum of the lane's inputs * 2^-49
     xv0, xv1, xv2, xv3 = xo, xo, xo, xo  # XVEC: the k-step's x, 4 16-byte loads a lane
     if XVEC:
-        xv0, xv1, xv2, xv3 = (_gemv_xq(x_base, xo, 0), _gemv_xq(x_base, xo, 1),
-                              _gemv_xq(x_base, xo, 2), _gemv_xq(x_base, xo, 3))  # fmt: skip
+        xv0, xv1, xv2, xv3 = (_gemv_xq(x_base, xo, xmask, 0, EVEN),
+                              _gemv_xq(x_base, xo, xmask, 1, EVEN),
+                              _gemv_xq(x_base, xo, xmask, 2, EVEN),
+                              _gemv_xq(x_base, xo, xmask, 3, EVEN))  # fmt: skip
     for i in tl.static_range(NPOS):
         x0, x1, x2, x3 = _gemv_x4v(xv0, xv1, xv2, xv3, x_base, xo, xmask, i, MODE, BITS, G,
                                    EVEN, XVEC)  # fmt: skip
@@ -294,8 +304,10 @@ def _gemv_half(w0, w1, w2, w3, x_base, xo, xmask, MODE: tl.constexpr, BITS: tl.c
     xsum = tl.zeros([LANES], dtype=tl.float32)
     xv0, xv1, xv2, xv3 = xo, xo, xo, xo  # XVEC: the k-step's x, 4 16-byte loads a lane
     if XVEC:
-        xv0, xv1, xv2, xv3 = (_gemv_xq(x_base, xo, 0), _gemv_xq(x_base, xo, 1),
-                              _gemv_xq(x_base, xo, 2), _gemv_xq(x_base, xo, 3))  # fmt: skip
+        xv0, xv1, xv2, xv3 = (_gemv_xq(x_base, xo, xmask, 0, EVEN),
+                              _gemv_xq(x_base, xo, xmask, 1, EVEN),
+                              _gemv_xq(x_base, xo, xmask, 2, EVEN),
+                              _gemv_xq(x_base, xo, xmask, 3, EVEN))  # fmt: skip
     for i in tl.static_range(NPOS):
         x0, x1, x2, x3 = _gemv_x4v(xv0, xv1, xv2, xv3, x_base, xo, xmask, i, MODE, BITS, G,
                                    EVEN, XVEC)  # fmt: skip
@@ -615,8 +627,8 @@ def _gemv_kernel(
     silu(gate) * up, rounded as cuda_ops.silu_mul rounds the two products: no SiLU
     launch of its own.
     SEQ (16 rows): each k-step's first 8 rows, then its second 8 (_gemv_kstep).
-    XVEC (fp4, bf16 x, EVEN): a k-step's x as 4 16-byte loads a lane (_gemv_xq), not 1-2
-    loads a position. QUADS (fp4, SILU in 8 rows, EVEN): the scales as two runs of 4 rows
+    XVEC (fp4, bf16 x, K % 32 == 0): a k-step's x as 4 16-byte loads a lane (_gemv_xq),
+    not 1-2 loads a position. QUADS (fp4, SILU in 8 rows, EVEN): the scales as two runs of 4 rows
     (_gemv_scale_quads).
     EARLY (not E4M3): each k-step's scales and biases are loaded with its words
     (the first step's before the PDL wait), not after its FMAs.
@@ -660,9 +672,7 @@ def _gemv_kernel(
     # XVEC: fp4 with bf16 x and no masks
     # QUADS: fp4 SiLU 8-row tiles, no masks (_gemv_scale_quads)
     QD: tl.constexpr = QUADS and SILU and HALVES == 1 and (MODE == 1 or MODE == 2) and EVEN
-    XV: tl.constexpr = (
-        XVEC and (MODE == 1 or MODE == 2) and EVEN and x_ptr.dtype.element_ty == tl.bfloat16
-    )
+    XV: tl.constexpr = XVEC and (MODE == 1 or MODE == 2) and x_ptr.dtype.element_ty == tl.bfloat16
     acc, acc_h = _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pair0,
                               g_pair, g_a, g_b, s_row, s_row_h, s_ptr, b_ptr, KG, MODE, BITS, G,
                               HALVES, EVEN, LANES, KB_PER_SPLIT, PREFETCH, PDL,

@@ -208,6 +208,9 @@ STREAM_AHEAD = os.environ.get("MLXRUN_STREAM_AHEAD", "0") == "1"
 # us) and lost in the model on an H100: fp4 449.3 -> 373.0, nvfp4 385.3 -> 339.0 tok/s, same
 # call (KERNEL_NOTES.md, 2026-11-27); MLXRUN_GEMV4=new for the A/B
 GEMV4 = os.environ.get("MLXRUN_GEMV4", "old")
+# The fp4 GEMVs' loads (KernelConfig.xvec, and early where a split has one k-step):
+# MLXRUN_GEMV4_LOADS=0 gives the loads before 2026-11-27 (for the A/B; KERNEL_NOTES.md)
+GEMV4_LOADS = os.environ.get("MLXRUN_GEMV4_LOADS", "1") != "0"
 # E2M1 positions 3 and 7 of a word from one shared mask (triton_gemv._decode_pos): fewer
 # instructions, more registers (mxfp4 122 -> 158, sm_90); not measured in the decode loop,
 # so off unless MLXRUN_E2M1_PAIR=1
@@ -391,10 +394,16 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
         # int4, one k-step a split (q/k/v, o, gate/up, head): the scales loaded with the
         # words, before the PDL wait; otherwise the program ends on a DRAM round trip for
         # them after its FMAs. 8B decode step (gemv_loop_ab.py, H200): 1.929 -> 1.868 ms.
-        # Not where a split loops (down: 128 -> 140 registers, the step +2.7%), nor fp4
-        # (one-step shapes 2.003 -> 2.002 ms, looping ones slower)
-        early = GEMV_EARLY and w.mode == "affine" and w.bits == 4 and math.ceil(ksteps / sk) == 1
-        return KernelConfig("gemv", 1, bn, sk, num_warps=warps, prefetch=prefetch, early=early)
+        # Not where a split loops (down: 128 -> 140 registers, the step +2.7%). fp4 with
+        # GEMV4_LOADS: there too (q/k/v and o), with x a k-step at a time (xvec); H200
+        # decode step, same process: nvfp4 2.4077 -> 2.2375 ms, mxfp4 1.9911 -> 1.9617
+        # (xvec alone 2.2493, 1.9745; early alone 2.3972, 1.9727; early everywhere +2.3%)
+        one = math.ceil(ksteps / sk) == 1
+        int4 = w.mode == "affine" and w.bits == 4
+        loads = fp4 and GEMV4_LOADS
+        early = GEMV_EARLY and (int4 or loads) and one
+        return KernelConfig("gemv", 1, bn, sk, num_warps=warps, prefetch=prefetch, early=early,
+                            xvec=loads)  # fmt: skip
     g = w.group_size
     swap = False
     if device.type == "cpu":  # interpreter: small tiles keep the CPU tests fast
@@ -485,6 +494,6 @@ def _gemv_constexprs(w, cfg: KernelConfig, silu: bool = False, dense: bool = Tru
         WARPS=cfg.num_warps,
         SEQ=cfg.seq,
         EARLY=cfg.early,
-        XVEC=cfg.xvec,
+        XVEC=cfg.xvec and w.k % 32 == 0,  # whole lanes of x in or past K (_gemv_xq)
         QUADS=cfg.quads,
     )

@@ -7,6 +7,7 @@ independent float64 decoder of the canonical (MLX) words, and the one-shot GEMV,
 FFMA chains the streaming kernel repeats (so their outputs must be equal bit for bit).
 """
 
+import dataclasses
 import importlib
 import types
 
@@ -136,3 +137,29 @@ def test_fp4_decode_equals_the_old_decode(mode, group_size):
     assert rel_err(outs[0], want) < 1e-2
     assert torch.equal(outs[1], outs[0])
     assert torch.equal(outs[2], outs[0])
+
+
+@pytest.mark.parametrize("mode,group_size", FP4, ids=[m for m, _ in FP4])
+def test_fp4_loads_on_an_h100(monkeypatch, mode, group_size):
+    """choose_config at batch 1 on an H100-sized GPU: the fp4 GEMV loads x a k-step at a
+    time (xvec) on every 8B shape and the scales with the words (early) where a split has
+    one k-step (q/k/v, o); MLXRUN_GEMV4_LOADS=0 (GEMV4_LOADS False) neither, the same
+    launches otherwise."""
+    from mlxrun.quant import triton_launch
+
+    monkeypatch.setattr(triton_launch, "_num_sms", lambda device: 132)
+    gpu = types.SimpleNamespace(type="cuda")
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+
+    def picks():
+        ws = [types.SimpleNamespace(n=n, k=k, bits=4, group_size=group_size, mode=mode)
+              for n, k in shapes]  # fmt: skip
+        return [tk.choose_config(1, w, gpu) for w in ws]
+
+    new = picks()
+    assert [(c.xvec, c.early) for c in new] == [(True, True)] * 2 + [(True, False)] * 3
+    monkeypatch.setattr(triton_launch, "GEMV4_LOADS", False)
+    old = picks()
+    assert all(not c.xvec and not c.early for c in old)
+    strip = [dataclasses.replace(c, xvec=False, early=False) for c in new]
+    assert strip == old
