@@ -30,7 +30,8 @@ ROLE=V (ROLE: qkv, o, small = both, gu, down, head) gives that shape gemv8_sweep
 variant V (gBNwWsS[nopf], sBNwWpP[b], cBNwWpP[b], aBNwWpP), e.g. small=g8w4s2+gu=c16w4p3.
 fp4 (mxfp4, nvfp4): xvec (the GEMV's x a k-step at a time in 16-byte loads; xvec-nd: not on
 the down projection); quads (the gate/up's scales as two 4-row runs a lane, not through
-shared memory); loads-old (neither, nor early: MLXRUN_GEMV4_LOADS=0).
+shared memory); loads-old (neither, nor early: MLXRUN_GEMV4_LOADS=0); cvt (nvfp4's E4M3
+scales by the hardware conversion), pair (that and E2M1 positions 3 and 7 from one mask).
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def _apply8(part: str, c, w, orig, args):
 
 def _apply(part: str, c, w):
     r = dataclasses.replace
-    if part in ("default", "gemv4-old"):  # gemv4-old: applied in patch
+    if part in ("default", "gemv4-old", "cvt", "pair"):  # applied in patch
         return c
     if part == "xvec":  # fp4: a k-step's x as 16-byte loads a lane
         return r(c, xvec=True) if c.kernel == "gemv" else c
@@ -182,11 +183,41 @@ def patch(name: str):
         return c
 
     tk.choose_config = choose
+    restore = _decode_variant(parts)
 
     def undo():
         tk.choose_config = orig
+        restore()
 
     return undo
+
+
+def _decode_variant(parts):
+    """cvt / pair (fp4): the GEMV recompiled with nvfp4's E4M3 scales by cvt (pair: and E2M1
+    positions 3 and 7 from one mask; MLXRUN_GEMV4=new decodes, with the default launches)
+    until the returned restore() (the modules are reloaded, as the decode switches are read
+    at import; the variant's kernels must be compiled and captured before it)."""
+    dec = [p for p in parts if p in ("cvt", "pair")]
+    if not dec:
+        return lambda: None
+    import importlib
+
+    from mlxrun.quant import triton_decode, triton_gemv, triton_launch
+    from mlxrun.quant import triton_kernels as tk
+
+    saved = (triton_launch.GEMV4, triton_launch.E2M1_PAIR_ON, tk._gemv_kernel)
+    triton_launch.GEMV4, triton_launch.E2M1_PAIR_ON = "new", "pair" in dec
+    importlib.reload(triton_decode)
+    tk._gemv_kernel = importlib.reload(triton_gemv)._gemv_kernel
+    triton_launch.GEMV4 = saved[0]  # the launches stay the default's
+
+    def restore():
+        triton_launch.E2M1_PAIR_ON = saved[1]
+        importlib.reload(triton_decode)
+        importlib.reload(triton_gemv)
+        tk._gemv_kernel = saved[2]
+
+    return restore
 
 
 def _shapes(cfg):
@@ -206,6 +237,9 @@ def changes(cfg, quant: str, variant: str) -> bool:
     dev = torch.device("cuda", torch.cuda.current_device())
     ws = [types.SimpleNamespace(n=n, k=k, bits=bits, group_size=g, mode=mode)
           for n, k, _ in _shapes(cfg)]  # fmt: skip
+    parts = variant.split("+")
+    if "pair" in parts or "cvt" in parts:  # a decode, not a launch (cvt: nvfp4's scales)
+        return mode in ("mxfp4", "nvfp4") if "pair" in parts else mode == "nvfp4"
     old = [tk.choose_config(1, w, dev, torch.bfloat16) for w in ws]
     undo = patch(variant)
     new = [tk.choose_config(1, w, dev, torch.bfloat16) for w in ws]
