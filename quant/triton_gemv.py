@@ -16,7 +16,10 @@ from .triton_decode import (  # noqa: F401 (re-exported)
     _decode_pos,
     _e4m3_scales,
     _gemv_scale,
+    _gemv_scale_quads,
     _gemv_x4,
+    _gemv_x4v,
+    _gemv_xq,
     _gemv_xsum,
     _group_scale,
     _scale_code,
@@ -108,85 +111,6 @@ def _gemv_fma(p, pb, w0, w1, w2, w3, x0, x1, x2, x3, I: tl.constexpr, MODE: tl.c
     else:
         p = p + f0 * x0[None, :] + f1 * x1[None, :] + f2 * x2[None, :] + f3 * x3[None, :]
     return p, pb
-
-
-@triton.jit
-def _gemv_xq(x_base, xo, xmask, Q: tl.constexpr, EVEN: tl.constexpr):
-    """Pairs 4Q..4Q+3 of this lane's k-step of bf16 x (fp4: 32 inputs, 16 uint32 pairs from
-    xo's first column on): one 16-byte load a lane, [LANES, 4] uint32. Not EVEN: a lane's
-    32 inputs are all in K or all past it (K % 32 == 0, _gemv_constexprs), so its first
-    group's mask (xmask [LANES, 2]) is the lane's: 0 past K."""
-    base, _ = tl.split(xo)  # [LANES]: 16 * lane + the k-step's, for both fp4 formats
-    offs = tl.multiple_of(base, 16)[:, None] + 4 * Q + tl.arange(0, 4)[None, :]
-    ptrs = x_base.to(tl.pointer_type(tl.uint32), bitcast=True) + offs
-    if EVEN:
-        v = tl.load(ptrs)
-    else:
-        mk, _ = tl.split(xmask)
-        v = tl.load(ptrs, mask=mk[:, None], other=0)
-    return v
-
-
-@triton.jit
-def _gemv_xpick(v0, v1, v2, v3, J: tl.constexpr):
-    """Pair J (0-15) of the lane's k-step from _gemv_xq's four loads: [LANES] uint32."""
-    if J // 4 == 0:
-        v = v0
-    elif J // 4 == 1:
-        v = v1
-    elif J // 4 == 2:
-        v = v2
-    else:
-        v = v3
-    lo, hi = tl.split(tl.reshape(v, [v.shape[0], 2, 2]))  # pairs 2e / 2e + 1 of the four
-    t = hi if J % 2 == 1 else lo
-    a, b = tl.split(t)
-    return b if (J // 2) % 2 == 1 else a
-
-
-@triton.jit
-def _gemv_x4v(xv0, xv1, xv2, xv3, x_base, xo, xmask, I: tl.constexpr, MODE: tl.constexpr,
-              BITS: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr,
-              XVEC: tl.constexpr):  # fmt: skip
-    """_gemv_x4 for position I: with XVEC (fp4, bf16 x) from the k-step's pairs
-    loaded at once by _gemv_xq (pair c of the lane at J = c*G/2 (nvfp4) or c (mxfp4), plus
-    I*WPG/2: 4 16-byte loads a lane a k-step, against 1 or 2 of 8 or 4 bytes a position at a
-    64-byte lane stride, nvfp4's 16 loads a k-step), else loaded here."""
-    if XVEC:
-        WPG: tl.constexpr = G // 8
-        C1: tl.constexpr = G // 2 if WPG < 4 else 1
-        va = _gemv_xpick(xv0, xv1, xv2, xv3, I * (WPG // 2))
-        vb = _gemv_xpick(xv0, xv1, xv2, xv3, C1 + I * (WPG // 2))
-        E: tl.constexpr = 100 << 23  # x * 2^100 (SH = 0 for E2M1)
-        x0 = ((va << 16) + E).to(tl.float32, bitcast=True)
-        x1 = ((va & 0xFFFF0000) + E).to(tl.float32, bitcast=True)
-        x2 = ((vb << 16) + E).to(tl.float32, bitcast=True)
-        x3 = ((vb & 0xFFFF0000) + E).to(tl.float32, bitcast=True)
-    else:
-        WPG2: tl.constexpr = G // (32 // BITS)
-        x0, x1, x2, x3 = _gemv_x4(x_base, xo + I * (WPG2 // 2), xmask, I, MODE, BITS, EVEN)
-    return x0, x1, x2, x3
-
-
-@triton.jit
-def _gemv_scale_quads(s_ptr, s_row, g_idx, MODE: tl.constexpr, LANES: tl.constexpr):
-    """The E8M0 / E4M3 scales [8, LANES] (fp32) of a SiLU 8-row tile (s_row: 4 gate rows,
-    then their 4 up rows: two runs of 4 contiguous, 4-aligned scale bytes) for groups g_idx,
-    loaded as two [4, LANES] runs a lane and joined: the 8 rows land in each lane's registers,
-    as the partial sums are. One [8, LANES] load put 8 threads along the rows (the compiler
-    cannot see the runs through the row arithmetic), and p, pb went through shared memory
-    (2 barriers each) to meet it every k-step."""
-    sg, su = tl.split(tl.trans(tl.reshape(s_row, [2, 4])))  # [4] gate rows, [4] up rows
-    sg = tl.max_contiguous(tl.multiple_of(sg, 4), 4)
-    su = tl.max_contiguous(tl.multiple_of(su, 4), 4)
-    eg = tl.load(s_ptr + sg[:, None] + g_idx[None, :] * 8)  # [4, LANES] uint8
-    eu = tl.load(s_ptr + su[:, None] + g_idx[None, :] * 8)
-    e8 = tl.reshape(tl.permute(tl.join(eg, eu), [2, 0, 1]), [8, LANES])
-    if MODE == 2 and E4M3_CVT:
-        s = _e4m3_scales(e8)
-    else:
-        s = _scale_code(e8.to(tl.uint32), MODE)
-    return s
 
 
 @triton.jit
