@@ -13,13 +13,19 @@ from __future__ import annotations
 
 import os
 
-from .triton_launch import E2M1_PAIR_ON, GEMV4, tl, triton
+from .triton_launch import E2M1_PAIR_ON, GEMV4, GEMV4_LOADS, tl, triton
 
 # nvfp4's E4M3 scales decoded by the hardware (cvt.rn.f16x2.e4m3x2, then f16 -> f32) where
-# the GEMV is compiled (not the interpreter); MLXRUN_GEMV4=old keeps the bit decode (the
-# same values)
-E2M1_PAIR = tl.constexpr(GEMV4 != "old" and E2M1_PAIR_ON)  # MLXRUN_E2M1_PAIR=1
-E4M3_CVT = tl.constexpr(GEMV4 != "old" and os.environ.get("TRITON_INTERPRET", "0") != "1")
+# the GEMV is compiled (not the interpreter), and nvfp4's E2M1 positions 3 and 7 from one
+# shared mask: the fp4 GEMV loads' defaults (MLXRUN_GEMV4_LOADS=0 keeps the bit decodes; the
+# same values). H100 decode step, same process: nvfp4 2.4491 ms (x a k-step at a time, no
+# cvt) -> 2.3748 (cvt) -> 2.2602 (cvt + shared mask). mxfp4 with the shared mask: +3.3%, so
+# only MLXRUN_E2M1_PAIR=1 (with MLXRUN_GEMV4=new) gives it there
+E2M1_PAIR = tl.constexpr(GEMV4 != "old" and E2M1_PAIR_ON)  # mxfp4 (MODE 1)
+E2M1_PAIR_NV = tl.constexpr(GEMV4_LOADS or (GEMV4 != "old" and E2M1_PAIR_ON))  # nvfp4
+E4M3_CVT = tl.constexpr(
+    (GEMV4_LOADS or GEMV4 != "old") and os.environ.get("TRITON_INTERPRET", "0") != "1"
+)
 
 
 @triton.jit
@@ -68,11 +74,12 @@ def _decode_pos(w, I: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr):
         t = w >> (8 * I)
         f = (((t << 20) & 0x07F00000) | ((t << 24) & 0x80000000)).to(tl.float32, bitcast=True)
     else:  # E2M1 in prepare's layout (_E2M1_BITS): magnitude -> 22..24, sign -> 31
-        if I == 3 and E2M1_PAIR:  # m, e0 at 13, 14, e1 at 10, sign at 11: one multiply
+        PAIR: tl.constexpr = E2M1_PAIR_NV if MODE == 2 else E2M1_PAIR
+        if I == 3 and PAIR:  # m, e0 at 13, 14, e1 at 10, sign at 11: one multiply
             # adds three copies of the isolated bits (shifted by 9, 14, 20; no carries); the
             # mask is position 7's too (computed once): its bits 26-30 go past bit 31
             v = (w & 0x6C006C00) * ((1 << 9) + (1 << 14) + (1 << 20))
-        elif I == 7 and E2M1_PAIR:  # the same 16 bits higher, moved down to 19, 20, 22, 23:
+        elif I == 7 and PAIR:  # the same 16 bits higher, moved down to 19, 20, 22, 23:
             # position 3's bits land at 3..18 (distinct, so no carries), below the mask
             v = ((w & 0x6C006C00) >> 7) * (1 + (1 << 5) + (1 << 11))
         elif I == 3:  # a mask each (the default; MLXRUN_E2M1_PAIR=1 shares it)

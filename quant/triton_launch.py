@@ -208,12 +208,13 @@ STREAM_AHEAD = os.environ.get("MLXRUN_STREAM_AHEAD", "0") == "1"
 # us) and lost in the model on an H100: fp4 449.3 -> 373.0, nvfp4 385.3 -> 339.0 tok/s, same
 # call (KERNEL_NOTES.md, 2026-11-27); MLXRUN_GEMV4=new for the A/B
 GEMV4 = os.environ.get("MLXRUN_GEMV4", "old")
-# The fp4 GEMVs' loads (KernelConfig.xvec, and early where a split has one k-step):
-# MLXRUN_GEMV4_LOADS=0 gives the loads before 2026-11-27 (for the A/B; KERNEL_NOTES.md)
+# The fp4 GEMVs' loads (KernelConfig.xvec, early where a split has one k-step, nvfp4's quads)
+# and nvfp4's decodes (triton_decode: E4M3 scales by cvt, E2M1 positions 3, 7 from one mask):
+# MLXRUN_GEMV4_LOADS=0 gives them as before 2026-11-27 (for the A/B; KERNEL_NOTES.md)
 GEMV4_LOADS = os.environ.get("MLXRUN_GEMV4_LOADS", "1") != "0"
-# E2M1 positions 3 and 7 of a word from one shared mask (triton_gemv._decode_pos): fewer
-# instructions, more registers (mxfp4 122 -> 158, sm_90); not measured in the decode loop,
-# so off unless MLXRUN_E2M1_PAIR=1
+# mxfp4's E2M1 positions 3 and 7 of a word from one shared mask (triton_decode._decode_pos,
+# with MLXRUN_GEMV4=new): fewer instructions, more registers (122 -> 158, sm_90); in the H100
+# decode step +3.3%, so off unless MLXRUN_E2M1_PAIR=1 (nvfp4 has it with GEMV4_LOADS)
 E2M1_PAIR_ON = os.environ.get("MLXRUN_E2M1_PAIR", "0") == "1"
 
 
@@ -398,12 +399,15 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
         # GEMV4_LOADS: there too (q/k/v and o), with x a k-step at a time (xvec); H200
         # decode step, same process: nvfp4 2.4077 -> 2.2375 ms, mxfp4 1.9911 -> 1.9617
         # (xvec alone 2.2493, 1.9745; early alone 2.3972, 1.9727; early everywhere +2.3%)
+        # nvfp4's gate/up (SiLU, 8-row tiles) also loads its scales as two 4-row runs a lane
+        # (quads: H100 step 2.3748 -> 2.3226 ms with the cvt scales; mxfp4 +1.5%, not there)
         one = math.ceil(ksteps / sk) == 1
         int4 = w.mode == "affine" and w.bits == 4
         loads = fp4 and GEMV4_LOADS
         early = GEMV_EARLY and (int4 or loads) and one
+        quads = loads and w.mode == "nvfp4"
         return KernelConfig("gemv", 1, bn, sk, num_warps=warps, prefetch=prefetch, early=early,
-                            xvec=loads)  # fmt: skip
+                            xvec=loads, quads=quads)  # fmt: skip
     g = w.group_size
     swap = False
     if device.type == "cpu":  # interpreter: small tiles keep the CPU tests fast
