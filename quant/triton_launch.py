@@ -204,9 +204,9 @@ STREAM_AHEAD = os.environ.get("MLXRUN_STREAM_AHEAD", "0") == "1"
 
 
 # The fp4 GEMVs' (mxfp4, nvfp4) batch-1 launches and decode: "old" (the default) or "new" (the
-# down projection streamed, nvfp4's E4M3 scales by cvt). "new" won alone (down 14.8 -> 14.4
-# us) and lost in the model on an H100: fp4 449.3 -> 373.0, nvfp4 385.3 -> 339.0 tok/s, same
-# call (KERNEL_NOTES.md, 2026-11-27); MLXRUN_GEMV4=new for the A/B
+# down projection streamed, nvfp4's E4M3 scales by cvt: now GEMV4_LOADS's too). "new" won alone
+# (down 14.8 -> 14.4 us) and lost in the model on an H100: fp4 449.3 -> 373.0, nvfp4 385.3 ->
+# 339.0 tok/s, same call (KERNEL_NOTES.md, 2026-11-27); MLXRUN_GEMV4=new for the A/B
 GEMV4 = os.environ.get("MLXRUN_GEMV4", "old")
 # The fp4 GEMVs' loads (KernelConfig.xvec, early where a split has one k-step, nvfp4's quads)
 # and nvfp4's decodes (triton_decode: E4M3 scales by cvt, E2M1 positions 3, 7 from one mask):
