@@ -28,6 +28,11 @@ projection's stream in 8- / 16-row tiles), head-r8, gu-r8s (the gate/up's stream
 ahead (every stream in 8-row tiles, the next tile's words issued ahead: MLXRUN_STREAM_AHEAD=1);
 ROLE=V (ROLE: qkv, o, small = both, gu, down, head) gives that shape gemv8_sweep.py's launch
 variant V (gBNwWsS[nopf], sBNwWpP[b], cBNwWpP[b], aBNwWpP), e.g. small=g8w4s2+gu=c16w4p3.
+fp4 (mxfp4, nvfp4): xvec (the GEMV's x a k-step at a time in 16-byte loads; xvec-nd: not on
+the down projection); quads (the gate/up's scales as two 4-row runs a lane, not through
+shared memory; no-quads: off); loads-old (neither, nor early, nor nvfp4's decodes:
+MLXRUN_GEMV4_LOADS=0); cvt (nvfp4's E4M3 scales by the hardware conversion), pair (that and
+E2M1 positions 3 and 7 from one mask, mxfp4's too).
 """
 
 from __future__ import annotations
@@ -115,8 +120,20 @@ def _apply8(part: str, c, w, orig, args):
 
 def _apply(part: str, c, w):
     r = dataclasses.replace
-    if part in ("default", "gemv4-old"):  # gemv4-old: applied in patch
+    if part in ("default", "gemv4-old", "cvt", "pair"):  # applied in patch
         return c
+    if part == "xvec":  # fp4: a k-step's x as 16-byte loads a lane
+        return r(c, xvec=True) if c.kernel == "gemv" else c
+    if part == "xvec-nd":  # xvec but not on the down projection (K > N)
+        return r(c, xvec=w.k <= w.n) if c.kernel == "gemv" else c
+    if part == "loads-old":  # fp4: x a position at a time, the scales after the FMAs, the
+        # old decodes (MLXRUN_GEMV4_LOADS=0; those in patch)
+        fp4 = w.mode in ("mxfp4", "nvfp4")
+        return r(c, xvec=False, early=False, quads=False) if fp4 and c.kernel == "gemv" else c
+    if part == "no-quads":
+        return r(c, quads=False) if c.kernel == "gemv" else c
+    if part == "quads":  # fp4 gate/up (SiLU, 8 rows): the scales as two 4-row runs a lane
+        return r(c, quads=True) if c.kernel == "gemv" else c
     if part == "early":
         return r(c, early=True)
     if part == "late":  # the scales after the FMAs (the shipped default before early)
@@ -170,11 +187,48 @@ def patch(name: str):
         return c
 
     tk.choose_config = choose
+    restore = _decode_variant(parts)
 
     def undo():
         tk.choose_config = orig
+        restore()
 
     return undo
+
+
+def _decode_variant(parts):
+    """cvt / pair / loads-old (fp4): the GEMV recompiled with nvfp4's E4M3 scales by cvt
+    (pair: and E2M1 positions 3 and 7 from one mask, mxfp4's too; MLXRUN_GEMV4=new decodes,
+    with the default launches), or with the decodes before GEMV4_LOADS
+    (MLXRUN_GEMV4_LOADS=0), until the returned restore() (the modules are reloaded, as the
+    decode switches are read at import; the variant's kernels must be compiled and captured
+    before it)."""
+    dec = [p for p in parts if p in ("cvt", "pair", "loads-old")]
+    if not dec:
+        return lambda: None
+    import importlib
+
+    from mlxrun.quant import triton_decode, triton_gemv, triton_launch
+    from mlxrun.quant import triton_kernels as tk
+
+    saved = (triton_launch.GEMV4, triton_launch.E2M1_PAIR_ON, triton_launch.GEMV4_LOADS,
+             tk._gemv_kernel)  # fmt: skip
+    if "loads-old" in dec:
+        triton_launch.GEMV4_LOADS = False
+    else:
+        triton_launch.GEMV4, triton_launch.E2M1_PAIR_ON = "new", "pair" in dec
+    importlib.reload(triton_decode)
+    tk._gemv_kernel = importlib.reload(triton_gemv)._gemv_kernel
+    triton_launch.GEMV4 = saved[0]  # the launches stay the default's
+    triton_launch.GEMV4_LOADS = saved[2]
+
+    def restore():
+        triton_launch.E2M1_PAIR_ON = saved[1]
+        importlib.reload(triton_decode)
+        importlib.reload(triton_gemv)
+        tk._gemv_kernel = saved[3]
+
+    return restore
 
 
 def _shapes(cfg):
@@ -194,6 +248,9 @@ def changes(cfg, quant: str, variant: str) -> bool:
     dev = torch.device("cuda", torch.cuda.current_device())
     ws = [types.SimpleNamespace(n=n, k=k, bits=bits, group_size=g, mode=mode)
           for n, k, _ in _shapes(cfg)]  # fmt: skip
+    parts = variant.split("+")
+    if "pair" in parts or "cvt" in parts:  # a decode, not a launch (cvt: nvfp4's scales)
+        return mode in ("mxfp4", "nvfp4") if "pair" in parts else mode == "nvfp4"
     old = [tk.choose_config(1, w, dev, torch.bfloat16) for w in ws]
     undo = patch(variant)
     new = [tk.choose_config(1, w, dev, torch.bfloat16) for w in ws]

@@ -1,6 +1,7 @@
 """What the quantized kernels share about their codes and outputs: a format's scale and
 code decode (_scale_code, _group_scale, _decode_pos, _gemv_x4, _gemv_xsum, _gemv_scale,
-_e4m3_scales) and the split-K and SiLU epilogues (_split_sum, _splitk_epilogue, _silu_store,
+_e4m3_scales), the fp4 GEMV's x and scale loads (_gemv_xq, _gemv_x4v, _gemv_scale_quads) and
+the split-K and SiLU epilogues (_split_sum, _splitk_epilogue, _silu_store,
 _silu_epilogue). Used by the GEMV (triton_gemv.py), the GEMM (triton_gemm.py), the K-quant
 and MoE kernels and backends/cuda_ops.py; the decoding tricks are described in
 triton_kernels.py's docstring.
@@ -12,13 +13,19 @@ from __future__ import annotations
 
 import os
 
-from .triton_launch import E2M1_PAIR_ON, GEMV4, tl, triton
+from .triton_launch import E2M1_PAIR_ON, GEMV4, GEMV4_LOADS, tl, triton
 
 # nvfp4's E4M3 scales decoded by the hardware (cvt.rn.f16x2.e4m3x2, then f16 -> f32) where
-# the GEMV is compiled (not the interpreter); MLXRUN_GEMV4=old keeps the bit decode (the
-# same values)
-E2M1_PAIR = tl.constexpr(GEMV4 != "old" and E2M1_PAIR_ON)  # MLXRUN_E2M1_PAIR=1
-E4M3_CVT = tl.constexpr(GEMV4 != "old" and os.environ.get("TRITON_INTERPRET", "0") != "1")
+# the GEMV is compiled (not the interpreter), and nvfp4's E2M1 positions 3 and 7 from one
+# shared mask: the fp4 GEMV loads' defaults (MLXRUN_GEMV4_LOADS=0 keeps the bit decodes; the
+# same values). H100 decode step, same process: nvfp4 2.4491 ms (x a k-step at a time, no
+# cvt) -> 2.3748 (cvt) -> 2.2602 (cvt + shared mask). mxfp4 with the shared mask: +3.3%, so
+# only MLXRUN_E2M1_PAIR=1 (with MLXRUN_GEMV4=new) gives it there
+E2M1_PAIR = tl.constexpr(GEMV4 != "old" and E2M1_PAIR_ON)  # mxfp4 (MODE 1)
+E2M1_PAIR_NV = tl.constexpr(GEMV4_LOADS or (GEMV4 != "old" and E2M1_PAIR_ON))  # nvfp4
+E4M3_CVT = tl.constexpr(
+    (GEMV4_LOADS or GEMV4 != "old") and os.environ.get("TRITON_INTERPRET", "0") != "1"
+)
 
 
 @triton.jit
@@ -67,11 +74,12 @@ def _decode_pos(w, I: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr):
         t = w >> (8 * I)
         f = (((t << 20) & 0x07F00000) | ((t << 24) & 0x80000000)).to(tl.float32, bitcast=True)
     else:  # E2M1 in prepare's layout (_E2M1_BITS): magnitude -> 22..24, sign -> 31
-        if I == 3 and E2M1_PAIR:  # m, e0 at 13, 14, e1 at 10, sign at 11: one multiply
+        PAIR: tl.constexpr = E2M1_PAIR_NV if MODE == 2 else E2M1_PAIR
+        if I == 3 and PAIR:  # m, e0 at 13, 14, e1 at 10, sign at 11: one multiply
             # adds three copies of the isolated bits (shifted by 9, 14, 20; no carries); the
             # mask is position 7's too (computed once): its bits 26-30 go past bit 31
             v = (w & 0x6C006C00) * ((1 << 9) + (1 << 14) + (1 << 20))
-        elif I == 7 and E2M1_PAIR:  # the same 16 bits higher, moved down to 19, 20, 22, 23:
+        elif I == 7 and PAIR:  # the same 16 bits higher, moved down to 19, 20, 22, 23:
             # position 3's bits land at 3..18 (distinct, so no carries), below the mask
             v = ((w & 0x6C006C00) >> 7) * (1 + (1 << 5) + (1 << 11))
         elif I == 3:  # a mask each (the default; MLXRUN_E2M1_PAIR=1 shares it)
@@ -167,6 +175,85 @@ def _gemv_scale(s_ptr, b_ptr, offs, mask, MODE: tl.constexpr, EVEN: tl.constexpr
             s = _scale_code(e8.to(tl.uint32), MODE)
         b = s  # unused outside affine mode
     return s, b
+
+
+@triton.jit
+def _gemv_xq(x_base, xo, xmask, Q: tl.constexpr, EVEN: tl.constexpr):
+    """Pairs 4Q..4Q+3 of this lane's k-step of bf16 x (fp4: 32 inputs, 16 uint32 pairs from
+    xo's first column on): one 16-byte load a lane, [LANES, 4] uint32. Not EVEN: a lane's
+    32 inputs are all in K or all past it (K % 32 == 0, _gemv_constexprs), so its first
+    group's mask (xmask [LANES, 2]) is the lane's: 0 past K."""
+    base, _ = tl.split(xo)  # [LANES]: 16 * lane + the k-step's, for both fp4 formats
+    offs = tl.multiple_of(base, 16)[:, None] + 4 * Q + tl.arange(0, 4)[None, :]
+    ptrs = x_base.to(tl.pointer_type(tl.uint32), bitcast=True) + offs
+    if EVEN:
+        v = tl.load(ptrs)
+    else:
+        mk, _ = tl.split(xmask)
+        v = tl.load(ptrs, mask=mk[:, None], other=0)
+    return v
+
+
+@triton.jit
+def _gemv_xpick(v0, v1, v2, v3, J: tl.constexpr):
+    """Pair J (0-15) of the lane's k-step from _gemv_xq's four loads: [LANES] uint32."""
+    if J // 4 == 0:
+        v = v0
+    elif J // 4 == 1:
+        v = v1
+    elif J // 4 == 2:
+        v = v2
+    else:
+        v = v3
+    lo, hi = tl.split(tl.reshape(v, [v.shape[0], 2, 2]))  # pairs 2e / 2e + 1 of the four
+    t = hi if J % 2 == 1 else lo
+    a, b = tl.split(t)
+    return b if (J // 2) % 2 == 1 else a
+
+
+@triton.jit
+def _gemv_x4v(xv0, xv1, xv2, xv3, x_base, xo, xmask, I: tl.constexpr, MODE: tl.constexpr,
+              BITS: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr,
+              XVEC: tl.constexpr):  # fmt: skip
+    """_gemv_x4 for position I: with XVEC (fp4, bf16 x) from the k-step's pairs
+    loaded at once by _gemv_xq (pair c of the lane at J = c*G/2 (nvfp4) or c (mxfp4), plus
+    I*WPG/2: 4 16-byte loads a lane a k-step, against 1 or 2 of 8 or 4 bytes a position at a
+    64-byte lane stride, nvfp4's 16 loads a k-step), else loaded here."""
+    if XVEC:
+        WPG: tl.constexpr = G // 8
+        C1: tl.constexpr = G // 2 if WPG < 4 else 1
+        va = _gemv_xpick(xv0, xv1, xv2, xv3, I * (WPG // 2))
+        vb = _gemv_xpick(xv0, xv1, xv2, xv3, C1 + I * (WPG // 2))
+        E: tl.constexpr = 100 << 23  # x * 2^100 (SH = 0 for E2M1)
+        x0 = ((va << 16) + E).to(tl.float32, bitcast=True)
+        x1 = ((va & 0xFFFF0000) + E).to(tl.float32, bitcast=True)
+        x2 = ((vb << 16) + E).to(tl.float32, bitcast=True)
+        x3 = ((vb & 0xFFFF0000) + E).to(tl.float32, bitcast=True)
+    else:
+        WPG2: tl.constexpr = G // (32 // BITS)
+        x0, x1, x2, x3 = _gemv_x4(x_base, xo + I * (WPG2 // 2), xmask, I, MODE, BITS, EVEN)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _gemv_scale_quads(s_ptr, s_row, g_idx, MODE: tl.constexpr, LANES: tl.constexpr):
+    """The E8M0 / E4M3 scales [8, LANES] (fp32) of a SiLU 8-row tile (s_row: 4 gate rows,
+    then their 4 up rows: two runs of 4 contiguous, 4-aligned scale bytes) for groups g_idx,
+    loaded as two [4, LANES] runs a lane and joined: the 8 rows land in each lane's registers,
+    as the partial sums are. One [8, LANES] load put 8 threads along the rows (the compiler
+    cannot see the runs through the row arithmetic), and p, pb went through shared memory
+    (2 barriers each) to meet it every k-step."""
+    sg, su = tl.split(tl.trans(tl.reshape(s_row, [2, 4])))  # [4] gate rows, [4] up rows
+    sg = tl.max_contiguous(tl.multiple_of(sg, 4), 4)
+    su = tl.max_contiguous(tl.multiple_of(su, 4), 4)
+    eg = tl.load(s_ptr + sg[:, None] + g_idx[None, :] * 8)  # [4, LANES] uint8
+    eu = tl.load(s_ptr + su[:, None] + g_idx[None, :] * 8)
+    e8 = tl.reshape(tl.permute(tl.join(eg, eu), [2, 0, 1]), [8, LANES])
+    if MODE == 2 and E4M3_CVT:
+        s = _e4m3_scales(e8)
+    else:
+        s = _scale_code(e8.to(tl.uint32), MODE)
+    return s
 
 
 # The 4 E4M3 bytes of a 32-bit register ($4) as 4 fp32 ($0-$3): two cvt.rn.f16x2.e4m3x2 and

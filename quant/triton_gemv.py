@@ -16,7 +16,10 @@ from .triton_decode import (  # noqa: F401 (re-exported)
     _decode_pos,
     _e4m3_scales,
     _gemv_scale,
+    _gemv_scale_quads,
     _gemv_x4,
+    _gemv_x4v,
+    _gemv_xq,
     _gemv_xsum,
     _group_scale,
     _scale_code,
@@ -113,22 +116,31 @@ def _gemv_fma(p, pb, w0, w1, w2, w3, x0, x1, x2, x3, I: tl.constexpr, MODE: tl.c
 @triton.jit
 def _gemv_apply(acc, p, pb, xsum, s_ptr, b_ptr, s_row, n_mask, g_a, g_b, kb, KG,
                 MODE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-                EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
-    """acc [8, LANES] += p * scale (+ bias * xsum) with the scales of this lane's groups."""
+                EVEN: tl.constexpr, LANES: tl.constexpr,
+                QUADS: tl.constexpr = False):  # fmt: skip
+    """acc [8, LANES] += p * scale (+ bias * xsum) with the scales of this lane's groups.
+    QUADS (fp4, EVEN): s_row is a SiLU tile's (_gemv_scale_quads)."""
     EPW: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = G // EPW
     NG: tl.constexpr = 4 * LANES // WPG  # groups per k-step
     g_idx = kb * NG + g_a  # [LANES]
-    smask = n_mask[:, None] & (g_idx < KG)[None, :]
-    scale, bias = _gemv_scale(s_ptr, b_ptr, s_row[:, None] + g_idx[None, :] * 8, smask,
-                              MODE, EVEN)  # fmt: skip
+    if QUADS:
+        scale = _gemv_scale_quads(s_ptr, s_row, g_idx, MODE, LANES)
+        bias = scale
+    else:
+        smask = n_mask[:, None] & (g_idx < KG)[None, :]
+        scale, bias = _gemv_scale(s_ptr, b_ptr, s_row[:, None] + g_idx[None, :] * 8, smask,
+                                  MODE, EVEN)  # fmt: skip
     if MODE == 0:
         acc = acc + p * scale + bias * xsum[None, :]
     elif WPG < 4:
         g_idx2 = kb * NG + g_b
-        smask2 = n_mask[:, None] & (g_idx2 < KG)[None, :]
-        scale2, _ = _gemv_scale(s_ptr, b_ptr, s_row[:, None] + g_idx2[None, :] * 8, smask2,
-                                MODE, EVEN)  # fmt: skip
+        if QUADS:
+            scale2 = _gemv_scale_quads(s_ptr, s_row, g_idx2, MODE, LANES)
+        else:
+            smask2 = n_mask[:, None] & (g_idx2 < KG)[None, :]
+            scale2, _ = _gemv_scale(s_ptr, b_ptr, s_row[:, None] + g_idx2[None, :] * 8,
+                                    smask2, MODE, EVEN)  # fmt: skip
         acc = acc + p * scale + pb * scale2
     else:
         acc = acc + p * scale
@@ -139,7 +151,8 @@ def _gemv_apply(acc, p, pb, xsum, s_ptr, b_ptr, s_row, n_mask, g_a, g_b, kb, KG,
 def _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_row, s_row_h,
                n_mask, n_mask_h, s_ptr, b_ptr, KG, MODE: tl.constexpr, BITS: tl.constexpr,
                G: tl.constexpr, HALVES: tl.constexpr, EVEN: tl.constexpr,
-               LANES: tl.constexpr):  # fmt: skip
+               LANES: tl.constexpr, XVEC: tl.constexpr = False,
+               QUADS: tl.constexpr = False):  # fmt: skip
     """One k-step of _gemv_kernel for 8 rows (HALVES == 1) or 16 (wa_h, acc_h: rows 8..15,
     sharing the x inputs): acc [8, LANES] += this lane's 4 words of each row (wa [8,
     4*LANES]) times x, with the scales (and biases) of their groups."""
@@ -164,8 +177,15 @@ def _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_ro
         if HALVES == 2:
             v0, v1, v2, v3 = _gemv_words(wa_h, LANES)
     xsum = tl.zeros([LANES], dtype=tl.float32)  # sum of the lane's inputs * 2^-49
+    xv0, xv1, xv2, xv3 = xo, xo, xo, xo  # XVEC: the k-step's x, 4 16-byte loads a lane
+    if XVEC:
+        xv0, xv1, xv2, xv3 = (_gemv_xq(x_base, xo, xmask, 0, EVEN),
+                              _gemv_xq(x_base, xo, xmask, 1, EVEN),
+                              _gemv_xq(x_base, xo, xmask, 2, EVEN),
+                              _gemv_xq(x_base, xo, xmask, 3, EVEN))  # fmt: skip
     for i in tl.static_range(NPOS):
-        x0, x1, x2, x3 = _gemv_x4(x_base, xo + i * (WPG // 2), xmask, i, MODE, BITS, EVEN)
+        x0, x1, x2, x3 = _gemv_x4v(xv0, xv1, xv2, xv3, x_base, xo, xmask, i, MODE, BITS, G,
+                                   EVEN, XVEC)  # fmt: skip
         p, pb = _gemv_fma(p, pb, w0, w1, w2, w3, x0, x1, x2, x3, i, MODE, BITS, TWO)
         if HALVES == 2:
             q, qb = _gemv_fma(q, qb, v0, v1, v2, v3, x0, x1, x2, x3, i, MODE, BITS, TWO)
@@ -185,7 +205,7 @@ def _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_ro
             q, qb = _gemv_fma(q, qb, v0, v1, v2, v3, y0, y1, y2, y3, 6, MODE, BITS, TWO)
             q, qb = _gemv_fma(q, qb, v0, v1, v2, v3, z0, z1, z2, z3, 7, MODE, BITS, TWO)
     acc = _gemv_apply(acc, p, pb, xsum, s_ptr, b_ptr, s_row, n_mask, g_a, g_b, kb, KG,
-                      MODE, G, BITS, EVEN, LANES)  # fmt: skip
+                      MODE, G, BITS, EVEN, LANES, QUADS)  # fmt: skip
     if HALVES == 2:
         acc_h = _gemv_apply(acc_h, q, qb, xsum, s_ptr, b_ptr, s_row_h, n_mask_h, g_a, g_b,
                             kb, KG, MODE, G, BITS, EVEN, LANES)  # fmt: skip
@@ -194,7 +214,8 @@ def _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_ro
 
 @triton.jit
 def _gemv_half(w0, w1, w2, w3, x_base, xo, xmask, MODE: tl.constexpr, BITS: tl.constexpr,
-               G: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
+               G: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr,
+               XVEC: tl.constexpr = False):  # fmt: skip
     """(p, pb, xsum): every position of one 8-row half's words w0..w3 [8, LANES] times x,
     in _gemv_step's order (the same FFMA chains, so the same sums); for _gemv_step_seq."""
     EPW: tl.constexpr = 32 // BITS
@@ -205,8 +226,15 @@ def _gemv_half(w0, w1, w2, w3, x_base, xo, xmask, MODE: tl.constexpr, BITS: tl.c
     p = tl.zeros([8, LANES], dtype=tl.float32)
     pb = tl.zeros([8, LANES], dtype=tl.float32)
     xsum = tl.zeros([LANES], dtype=tl.float32)
+    xv0, xv1, xv2, xv3 = xo, xo, xo, xo  # XVEC: the k-step's x, 4 16-byte loads a lane
+    if XVEC:
+        xv0, xv1, xv2, xv3 = (_gemv_xq(x_base, xo, xmask, 0, EVEN),
+                              _gemv_xq(x_base, xo, xmask, 1, EVEN),
+                              _gemv_xq(x_base, xo, xmask, 2, EVEN),
+                              _gemv_xq(x_base, xo, xmask, 3, EVEN))  # fmt: skip
     for i in tl.static_range(NPOS):
-        x0, x1, x2, x3 = _gemv_x4(x_base, xo + i * (WPG // 2), xmask, i, MODE, BITS, EVEN)
+        x0, x1, x2, x3 = _gemv_x4v(xv0, xv1, xv2, xv3, x_base, xo, xmask, i, MODE, BITS, G,
+                                   EVEN, XVEC)  # fmt: skip
         p, pb = _gemv_fma(p, pb, w0, w1, w2, w3, x0, x1, x2, x3, i, MODE, BITS, TWO)
         if MODE == 0:
             xsum += _gemv_xsum(x0, x1, x2, x3, i, BITS)
@@ -227,7 +255,8 @@ def _gemv_half(w0, w1, w2, w3, x_base, xo, xmask, MODE: tl.constexpr, BITS: tl.c
 def _gemv_kstep(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_row, s_row_h,
                 n_mask, n_mask_h, s_ptr, b_ptr, KG, MODE: tl.constexpr, BITS: tl.constexpr,
                 G: tl.constexpr, HALVES: tl.constexpr, EVEN: tl.constexpr,
-                LANES: tl.constexpr, SEQ: tl.constexpr):  # fmt: skip
+                LANES: tl.constexpr, SEQ: tl.constexpr, XVEC: tl.constexpr = False,
+                QUADS: tl.constexpr = False):  # fmt: skip
     """_gemv_step, or with SEQ (16 rows, not E4M3) the first half's every position, then
     the second's, instead of both halves a position at a time: the first half's FMAs then
     need only its own words (loaded first) and may run while the second half's are still
@@ -239,18 +268,18 @@ def _gemv_kstep(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_r
         xmask = (kb * NG + g_pair) < KG
         w0, w1, w2, w3 = _gemv_words(wa, LANES)
         p, pb, xsum = _gemv_half(w0, w1, w2, w3, x_base, xo, xmask, MODE, BITS, G, EVEN,
-                                  LANES)  # fmt: skip
+                                  LANES, XVEC)  # fmt: skip
         acc = _gemv_apply(acc, p, pb, xsum, s_ptr, b_ptr, s_row, n_mask, g_a, g_b, kb, KG,
                           MODE, G, BITS, EVEN, LANES)  # fmt: skip
         v0, v1, v2, v3 = _gemv_words(wa_h, LANES)
         q, qb, _ = _gemv_half(v0, v1, v2, v3, x_base, xo, xmask, MODE, BITS, G, EVEN,
-                                  LANES)  # fmt: skip
+                                  LANES, XVEC)  # fmt: skip
         acc_h = _gemv_apply(acc_h, q, qb, xsum, s_ptr, b_ptr, s_row_h, n_mask_h, g_a, g_b,
                             kb, KG, MODE, G, BITS, EVEN, LANES)  # fmt: skip
     else:
         acc, acc_h = _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b,
                                 s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr, KG, MODE,
-                                BITS, G, HALVES, EVEN, LANES)  # fmt: skip
+                                BITS, G, HALVES, EVEN, LANES, XVEC, QUADS)  # fmt: skip
     return acc, acc_h
 
 
@@ -258,8 +287,8 @@ def _gemv_kstep(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_r
 def _gemv_scales_of(kb, s_ptr, b_ptr, s_row, n_mask, g_a, KG, MODE: tl.constexpr,
                     G: tl.constexpr, BITS: tl.constexpr, EVEN: tl.constexpr,
                     LANES: tl.constexpr):  # fmt: skip
-    """The scales and biases [8, LANES] of k-step kb's groups of this lane (as _gemv_apply
-    loads them; not for TWO)."""
+    """The scales and biases [8, LANES] of k-step kb's groups g_a of this lane (as _gemv_apply
+    loads them)."""
     NG: tl.constexpr = 4 * LANES // (G // (32 // BITS))  # groups per k-step
     g_idx = kb * NG + g_a
     smask = n_mask[:, None] & (g_idx < KG)[None, :]
@@ -268,13 +297,18 @@ def _gemv_scales_of(kb, s_ptr, b_ptr, s_row, n_mask, g_a, KG, MODE: tl.constexpr
 
 @triton.jit
 def _load_early(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb, swn, s_ptr, b_ptr, s_row, s_row_h,
-                g_a, KG, MODE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                g_a, g_b, KG, MODE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
                 HALVES: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
     """k-step kb's words, scales and biases of both halves (the second half's = the first's
-    when HALVES == 1), for EARLY."""
+    when HALVES == 1), for EARLY. nvfp4 (a lane's words 0, 1 and 2, 3 in two groups): the
+    bias slots hold the scales of words 2, 3 (groups g_b)."""
+    TWO: tl.constexpr = G // (32 // BITS) < 4
     wa = _load_step(w_ptr, rn, n_mask, rkw, kb, swn, EVEN, MODE, LANES)
     sa, ba = _gemv_scales_of(kb, s_ptr, b_ptr, s_row, n_mask, g_a, KG, MODE, G, BITS, EVEN,
                              LANES)  # fmt: skip
+    if TWO:
+        ba, _ = _gemv_scales_of(kb, s_ptr, b_ptr, s_row, n_mask, g_b, KG, MODE, G, BITS, EVEN,
+                                LANES)  # fmt: skip
     wa_h = wa
     sh = sa
     bh = ba
@@ -282,30 +316,41 @@ def _load_early(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb, swn, s_ptr, b_ptr, s
         wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb, swn, EVEN, MODE, LANES)
         sh, bh = _gemv_scales_of(kb, s_ptr, b_ptr, s_row_h, n_mask_h, g_a, KG, MODE, G, BITS,
                                  EVEN, LANES)  # fmt: skip
+        if TWO:
+            bh, _ = _gemv_scales_of(kb, s_ptr, b_ptr, s_row_h, n_mask_h, g_b, KG, MODE, G,
+                                    BITS, EVEN, LANES)  # fmt: skip
     return wa, wa_h, sa, ba, sh, bh
 
 
 @triton.jit
 def _gemv_one_step(acc, acc_h, wa, wa_h, sa, ba, sh, bh, kb, x_base, x_pair0, g_pair, KG,
                    MODE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
-                   HALVES: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
-    """_gemv_step with the scales sa, sh and biases ba, bh already loaded: the same sums
-    (each half as _gemv_kstep's SEQ); not for E4M3 or TWO."""
+                   HALVES: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr,
+                   XVEC: tl.constexpr = False):  # fmt: skip
+    """_gemv_step with the scales sa, sh and biases ba, bh already loaded (nvfp4: ba, bh the
+    scales of words 2, 3): the same sums (each half as _gemv_kstep's SEQ); not for E4M3."""
     EPW: tl.constexpr = 32 // BITS
     NG: tl.constexpr = 4 * LANES // (G // EPW)  # groups per k-step
+    TWO: tl.constexpr = G // EPW < 4
     xo = x_pair0 + kb * (NG * G // 2)
     xmask = (kb * NG + g_pair) < KG
     w0, w1, w2, w3 = _gemv_words(wa, LANES)
-    p, _, xsum = _gemv_half(w0, w1, w2, w3, x_base, xo, xmask, MODE, BITS, G, EVEN, LANES)
+    p, pb, xsum = _gemv_half(w0, w1, w2, w3, x_base, xo, xmask, MODE, BITS, G, EVEN, LANES,
+                             XVEC)  # fmt: skip
     if MODE == 0:
         acc = acc + p * sa + ba * xsum[None, :]
+    elif TWO:
+        acc = acc + p * sa + pb * ba
     else:
         acc = acc + p * sa
     if HALVES == 2:
         v0, v1, v2, v3 = _gemv_words(wa_h, LANES)
-        q, _, _ = _gemv_half(v0, v1, v2, v3, x_base, xo, xmask, MODE, BITS, G, EVEN, LANES)
+        q, qb, _ = _gemv_half(v0, v1, v2, v3, x_base, xo, xmask, MODE, BITS, G, EVEN, LANES,
+                              XVEC)  # fmt: skip
         if MODE == 0:
             acc_h = acc_h + q * sh + bh * xsum[None, :]
+        elif TWO:
+            acc_h = acc_h + q * sh + qb * bh
         else:
             acc_h = acc_h + q * sh
     return acc, acc_h
@@ -336,7 +381,8 @@ def _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pai
                  BITS: tl.constexpr, G: tl.constexpr, HALVES: tl.constexpr,
                  EVEN: tl.constexpr, LANES: tl.constexpr, KSTEPS: tl.constexpr,
                  PREFETCH: tl.constexpr, PDL: tl.constexpr,
-                 SEQ: tl.constexpr = False, EARLY: tl.constexpr = False):  # fmt: skip
+                 SEQ: tl.constexpr = False, EARLY: tl.constexpr = False,
+                 XVEC: tl.constexpr = False, QUADS: tl.constexpr = False):  # fmt: skip
     """(acc, acc_h) [8, LANES]: k-steps kb0 .. kb0 + KSTEPS of rows rn (and rn_h, the second
     half, when HALVES == 2) through _gemv_step, swn words a row. With PREFETCH the loop runs
     two k-steps an iteration, each step's words loaded one step ahead (two register
@@ -344,12 +390,12 @@ def _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pai
     with PREFETCH: the weights depend on no kernel) and let the next one launch."""
     acc = tl.zeros([8, LANES], dtype=tl.float32)
     acc_h = tl.zeros([8, LANES], dtype=tl.float32)
-    if EARLY and MODE != 3 and G // (32 // BITS) >= 4:
+    if EARLY and MODE != 3:
         # each step's scales (and biases) are loaded with its words, one step ahead (the
         # first before the wait), instead of after its FMAs: a split of one k-step otherwise
         # ends on a DRAM round trip for them
         wa, wa_h, sa, ba, sh, bh = _load_early(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0,
-                                               swn, s_ptr, b_ptr, s_row, s_row_h, g_a, KG,
+                                               swn, s_ptr, b_ptr, s_row, s_row_h, g_a, g_b, KG,
                                                MODE, BITS, G, HALVES, EVEN,
                                                LANES)  # fmt: skip
         if PDL:
@@ -360,23 +406,23 @@ def _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pai
             kb = kb0 + 2 * j
             wb, wb_h, sb, bb, sbh, bbh = _load_early(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw,
                                                      kb + 1, swn, s_ptr, b_ptr, s_row,
-                                                     s_row_h, g_a, KG, MODE, BITS, G, HALVES,
-                                                     EVEN, LANES)  # fmt: skip
+                                                     s_row_h, g_a, g_b, KG, MODE, BITS, G,
+                                                     HALVES, EVEN, LANES)  # fmt: skip
             acc, acc_h = _gemv_one_step(acc, acc_h, wa, wa_h, sa, ba, sh, bh, kb, x_base,
                                         x_pair0, g_pair, KG, MODE, BITS, G, HALVES, EVEN,
-                                        LANES)  # fmt: skip
+                                        LANES, XVEC)  # fmt: skip
             kn = tl.minimum(kb + 2, kb_last)  # past the last step: reloaded, never used
             wa, wa_h, sa, ba, sh, bh = _load_early(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kn,
-                                                   swn, s_ptr, b_ptr, s_row, s_row_h, g_a, KG,
-                                                   MODE, BITS, G, HALVES, EVEN,
+                                                   swn, s_ptr, b_ptr, s_row, s_row_h, g_a, g_b,
+                                                   KG, MODE, BITS, G, HALVES, EVEN,
                                                    LANES)  # fmt: skip
             acc, acc_h = _gemv_one_step(acc, acc_h, wb, wb_h, sb, bb, sbh, bbh, kb + 1, x_base,
                                         x_pair0, g_pair, KG, MODE, BITS, G, HALVES, EVEN,
-                                        LANES)  # fmt: skip
+                                        LANES, XVEC)  # fmt: skip
         if KSTEPS % 2 == 1:
             acc, acc_h = _gemv_one_step(acc, acc_h, wa, wa_h, sa, ba, sh, bh, kb_last, x_base,
                                         x_pair0, g_pair, KG, MODE, BITS, G, HALVES, EVEN,
-                                        LANES)  # fmt: skip
+                                        LANES, XVEC)  # fmt: skip
     elif PREFETCH:  # each step's words are in flight while the previous step computes
         # (with PDL the first step's are issued before the wait, while the previous kernel
         # still runs; a second step issued there too made ptxas hold it through the loop:
@@ -397,7 +443,7 @@ def _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pai
                 wb_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb + 1, swn, EVEN, MODE, LANES)
             acc, acc_h = _gemv_kstep(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a,
                                      g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr, KG,
-                                     MODE, BITS, G, HALVES, EVEN, LANES, SEQ)  # fmt: skip
+                                     MODE, BITS, G, HALVES, EVEN, LANES, SEQ, XVEC, QUADS)  # fmt: skip
             # past the last step: reload it (in bounds, no predicate, never used; peeling
             # the last pair instead makes ptxas spill at 16 rows)
             kn = tl.minimum(kb + 2, kb_last)
@@ -407,11 +453,11 @@ def _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pai
                 wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kn, swn, EVEN, MODE, LANES)
             acc, acc_h = _gemv_kstep(acc, acc_h, wb, wb_h, kb + 1, x_base, x_pair0, g_pair,
                                      g_a, g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr,
-                                     KG, MODE, BITS, G, HALVES, EVEN, LANES, SEQ)  # fmt: skip
+                                     KG, MODE, BITS, G, HALVES, EVEN, LANES, SEQ, XVEC, QUADS)  # fmt: skip
         if KSTEPS % 2 == 1:
             acc, acc_h = _gemv_kstep(acc, acc_h, wa, wa_h, kb_last, x_base, x_pair0, g_pair,
                                      g_a, g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr,
-                                     KG, MODE, BITS, G, HALVES, EVEN, LANES, SEQ)  # fmt: skip
+                                     KG, MODE, BITS, G, HALVES, EVEN, LANES, SEQ, XVEC, QUADS)  # fmt: skip
     else:
         if PDL:
             tlc.gdc_wait()
@@ -424,7 +470,7 @@ def _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pai
                 wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb, swn, EVEN, MODE, LANES)
             acc, acc_h = _gemv_kstep(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a,
                                      g_b, s_row, s_row_h, n_mask, n_mask_h, s_ptr, b_ptr, KG,
-                                     MODE, BITS, G, HALVES, EVEN, LANES, SEQ)  # fmt: skip
+                                     MODE, BITS, G, HALVES, EVEN, LANES, SEQ, XVEC, QUADS)  # fmt: skip
     return acc, acc_h
 
 
@@ -471,6 +517,8 @@ def _gemv_kernel(
     WARPS: tl.constexpr = 1,
     SEQ: tl.constexpr = False,
     EARLY: tl.constexpr = False,
+    XVEC: tl.constexpr = False,
+    QUADS: tl.constexpr = False,
     bias_ptr=None,
     HAS_BIAS: tl.constexpr = False,
 ):
@@ -503,7 +551,10 @@ def _gemv_kernel(
     silu(gate) * up, rounded as cuda_ops.silu_mul rounds the two products: no SiLU
     launch of its own.
     SEQ (16 rows): each k-step's first 8 rows, then its second 8 (_gemv_kstep).
-    EARLY (not E4M3 or nvfp4): each k-step's scales and biases are loaded with its words
+    XVEC (fp4, bf16 x, K % 32 == 0): a k-step's x as 4 16-byte loads a lane (_gemv_xq),
+    not 1-2 loads a position. QUADS (fp4, SILU in 8 rows, EVEN): the scales as two runs of 4 rows
+    (_gemv_scale_quads).
+    EARLY (not E4M3): each k-step's scales and biases are loaded with its words
     (the first step's before the PDL wait), not after its FMAs.
     HAS_BIAS (not SILU): bias_ptr [N] (y's dtype) is added to the fp32 sums before the one
     rounding to y's dtype, by split 0 (split-K sums it with the other partials): no add
@@ -542,10 +593,14 @@ def _gemv_kernel(
     x_pair0, g_pair, g_a, g_b = _gemv_lanes(lane, G, WPG, TWO)
     x_base = x_ptr + m * stride_xm
     kb0 = pid_k * KB_PER_SPLIT
+    # XVEC: fp4 with bf16 x and no masks
+    # QUADS: fp4 SiLU 8-row tiles, no masks (_gemv_scale_quads)
+    QD: tl.constexpr = QUADS and SILU and HALVES == 1 and (MODE == 1 or MODE == 2) and EVEN
+    XV: tl.constexpr = XVEC and (MODE == 1 or MODE == 2) and x_ptr.dtype.element_ty == tl.bfloat16
     acc, acc_h = _gemv_ksteps(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb0, swn, x_base, x_pair0,
                               g_pair, g_a, g_b, s_row, s_row_h, s_ptr, b_ptr, KG, MODE, BITS, G,
                               HALVES, EVEN, LANES, KB_PER_SPLIT, PREFETCH, PDL,
-                              SEQ, EARLY)  # fmt: skip
+                              SEQ, EARLY, XV, QD)  # fmt: skip
     out = _gemv_sum(acc, MODE)  # [8]
     tile = m * tl.num_programs(1) + pid_n
     if SILU and HALVES == 2:

@@ -162,6 +162,8 @@ class KernelConfig:
     early: bool = False  # GEMV: each k-step's scales loaded with its words
     ahead: bool = False  # stream: the next tile's words issued before the last k-step's FMAs
     tma: int = 0  # gemm, M <= block_m: 1 the words and x by TMA (triton_gemm_tma.py)
+    xvec: bool = False  # GEMV, fp4 with bf16 x: a k-step's x as 16-byte loads, not per position
+    quads: bool = False  # GEMV, fp4 SiLU 8-row tiles: the scales as two 4-row runs a lane
 
 
 def _split(n_tiles: int, ksteps: int, sms: int, waves: float) -> int:
@@ -206,13 +208,17 @@ STREAM_AHEAD = os.environ.get("MLXRUN_STREAM_AHEAD", "0") == "1"
 
 
 # The fp4 GEMVs' (mxfp4, nvfp4) batch-1 launches and decode: "old" (the default) or "new" (the
-# down projection streamed, nvfp4's E4M3 scales by cvt). "new" won alone (down 14.8 -> 14.4
-# us) and lost in the model on an H100: fp4 449.3 -> 373.0, nvfp4 385.3 -> 339.0 tok/s, same
-# call (KERNEL_NOTES.md, 2026-11-27); MLXRUN_GEMV4=new for the A/B
+# down projection streamed, nvfp4's E4M3 scales by cvt: now GEMV4_LOADS's too). "new" won alone
+# (down 14.8 -> 14.4 us) and lost in the model on an H100: fp4 449.3 -> 373.0, nvfp4 385.3 ->
+# 339.0 tok/s, same call (KERNEL_NOTES.md, 2026-11-27); MLXRUN_GEMV4=new for the A/B
 GEMV4 = os.environ.get("MLXRUN_GEMV4", "old")
-# E2M1 positions 3 and 7 of a word from one shared mask (triton_gemv._decode_pos): fewer
-# instructions, more registers (mxfp4 122 -> 158, sm_90); not measured in the decode loop,
-# so off unless MLXRUN_E2M1_PAIR=1
+# The fp4 GEMVs' loads (KernelConfig.xvec, early where a split has one k-step, nvfp4's quads)
+# and nvfp4's decodes (triton_decode: E4M3 scales by cvt, E2M1 positions 3, 7 from one mask):
+# MLXRUN_GEMV4_LOADS=0 gives them as before 2026-11-27 (for the A/B; KERNEL_NOTES.md)
+GEMV4_LOADS = os.environ.get("MLXRUN_GEMV4_LOADS", "1") != "0"
+# mxfp4's E2M1 positions 3 and 7 of a word from one shared mask (triton_decode._decode_pos,
+# with MLXRUN_GEMV4=new): fewer instructions, more registers (122 -> 158, sm_90); in the H100
+# decode step +3.3%, so off unless MLXRUN_E2M1_PAIR=1 (nvfp4 has it with GEMV4_LOADS)
 E2M1_PAIR_ON = os.environ.get("MLXRUN_E2M1_PAIR", "0") == "1"
 
 
@@ -393,10 +399,19 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
         # int4, one k-step a split (q/k/v, o, gate/up, head): the scales loaded with the
         # words, before the PDL wait; otherwise the program ends on a DRAM round trip for
         # them after its FMAs. 8B decode step (gemv_loop_ab.py, H200): 1.929 -> 1.868 ms.
-        # Not where a split loops (down: 128 -> 140 registers, the step +2.7%), nor fp4
-        # (one-step shapes 2.003 -> 2.002 ms, looping ones slower)
-        early = GEMV_EARLY and w.mode == "affine" and w.bits == 4 and math.ceil(ksteps / sk) == 1
-        return KernelConfig("gemv", 1, bn, sk, num_warps=warps, prefetch=prefetch, early=early)
+        # Not where a split loops (down: 128 -> 140 registers, the step +2.7%). fp4 with
+        # GEMV4_LOADS: there too (q/k/v and o), with x a k-step at a time (xvec); H200
+        # decode step, same process: nvfp4 2.4077 -> 2.2375 ms, mxfp4 1.9911 -> 1.9617
+        # (xvec alone 2.2493, 1.9745; early alone 2.3972, 1.9727; early everywhere +2.3%)
+        # nvfp4's gate/up (SiLU, 8-row tiles) also loads its scales as two 4-row runs a lane
+        # (quads: H100 step 2.3748 -> 2.3226 ms with the cvt scales; mxfp4 +1.5%, not there)
+        one = math.ceil(ksteps / sk) == 1
+        int4 = w.mode == "affine" and w.bits == 4
+        loads = fp4 and GEMV4_LOADS
+        early = GEMV_EARLY and (int4 or loads) and one
+        quads = loads and w.mode == "nvfp4"
+        return KernelConfig("gemv", 1, bn, sk, num_warps=warps, prefetch=prefetch, early=early,
+                            xvec=loads, quads=quads)  # fmt: skip
     g = w.group_size
     swap = False
     if device.type == "cpu":  # interpreter: small tiles keep the CPU tests fast
@@ -488,4 +503,6 @@ def _gemv_constexprs(w, cfg: KernelConfig, silu: bool = False, dense: bool = Tru
         WARPS=cfg.num_warps,
         SEQ=cfg.seq,
         EARLY=cfg.early,
+        XVEC=cfg.xvec and w.k % 32 == 0,  # whole lanes of x in or past K (_gemv_xq)
+        QUADS=cfg.quads,
     )

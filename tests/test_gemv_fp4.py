@@ -7,6 +7,7 @@ independent float64 decoder of the canonical (MLX) words, and the one-shot GEMV,
 FFMA chains the streaming kernel repeats (so their outputs must be equal bit for bit).
 """
 
+import dataclasses
 import importlib
 import types
 
@@ -103,11 +104,11 @@ def test_fp4_launches_on_an_h100(monkeypatch, mode, group_size):
 
 @pytest.mark.parametrize("mode,group_size", FP4, ids=[m for m, _ in FP4])
 def test_fp4_decode_equals_the_old_decode(mode, group_size):
-    """The fp4 decodes give the old decode's outputs (MLXRUN_GEMV4=old, the default) bit for
-    bit: "new" (nvfp4's E4M3 scales by the hardware conversion where compiled) and with
-    MLXRUN_E2M1_PAIR=1 (E2M1 positions 3 and 7 from one mask), the kernels reloaded for
-    each; over every E2M1 code and every finite E4M3 scale code (subnormals included); and
-    the float64 decoder's product."""
+    """The fp4 decodes give the old decode's outputs (MLXRUN_GEMV4=old, MLXRUN_GEMV4_LOADS=0)
+    bit for bit: "new" (nvfp4's E4M3 scales by the hardware conversion where compiled), with
+    MLXRUN_E2M1_PAIR=1 (E2M1 positions 3 and 7 from one mask) and the default (both for
+    nvfp4 only), the kernels reloaded for each; over every E2M1 code and every finite E4M3
+    scale code (subnormals included); and the float64 decoder's product."""
     from mlxrun.quant import triton_decode, triton_gemv, triton_launch
 
     n, k = 16, 512
@@ -120,19 +121,51 @@ def test_fp4_decode_equals_the_old_decode(mode, group_size):
     want = x.double() @ ref_fp4(w, s, mode, group_size).T
     x = x.to(DEV)
     cfg = tk.KernelConfig("gemv", 1, 8, 1)
-    saved = (triton_launch.GEMV4, triton_launch.E2M1_PAIR_ON, tk._gemv_kernel)
+    saved = (triton_launch.GEMV4, triton_launch.E2M1_PAIR_ON, triton_launch.GEMV4_LOADS,
+             tk._gemv_kernel)  # fmt: skip
     outs = []
-    try:  # old decode (the default); E4M3 by cvt where compiled; with the shared E2M1 mask
-        for gemv4, pair in (("old", False), ("new", False), ("new", True)):
+    try:  # the old decodes; E4M3 by cvt where compiled; with the shared E2M1 mask; nvfp4's
+        # default (GEMV4_LOADS: cvt and the shared mask for nvfp4 only)
+        for gemv4, pair, loads in (("old", False, False), ("new", False, False),
+                                   ("new", True, False), ("old", False, True)):  # fmt: skip
             triton_launch.GEMV4, triton_launch.E2M1_PAIR_ON = gemv4, pair
-            importlib.reload(triton_decode)  # its decode reads the two switches
+            triton_launch.GEMV4_LOADS = loads
+            importlib.reload(triton_decode)  # its decode reads the switches
             tk._gemv_kernel = importlib.reload(triton_gemv)._gemv_kernel
             outs.append(tk.qmatmul(x, q, cfg))
     finally:
         triton_launch.GEMV4, triton_launch.E2M1_PAIR_ON = saved[:2]
+        triton_launch.GEMV4_LOADS = saved[2]
         importlib.reload(triton_decode)
         importlib.reload(triton_gemv)
-        tk._gemv_kernel = saved[2]
+        tk._gemv_kernel = saved[3]
     assert rel_err(outs[0], want) < 1e-2
-    assert torch.equal(outs[1], outs[0])
-    assert torch.equal(outs[2], outs[0])
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
+@pytest.mark.parametrize("mode,group_size", FP4, ids=[m for m, _ in FP4])
+def test_fp4_loads_on_an_h100(monkeypatch, mode, group_size):
+    """choose_config at batch 1 on an H100-sized GPU: the fp4 GEMV loads x a k-step at a
+    time (xvec) on every 8B shape and the scales with the words (early) where a split has
+    one k-step (q/k/v, o), nvfp4 its SiLU tiles' scales as two 4-row runs (quads);
+    MLXRUN_GEMV4_LOADS=0 (GEMV4_LOADS False) none of them, the same launches otherwise."""
+    from mlxrun.quant import triton_launch
+
+    monkeypatch.setattr(triton_launch, "_num_sms", lambda device: 132)
+    gpu = types.SimpleNamespace(type="cuda")
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+
+    def picks():
+        ws = [types.SimpleNamespace(n=n, k=k, bits=4, group_size=group_size, mode=mode)
+              for n, k in shapes]  # fmt: skip
+        return [tk.choose_config(1, w, gpu) for w in ws]
+
+    new = picks()
+    assert [(c.xvec, c.early) for c in new] == [(True, True)] * 2 + [(True, False)] * 3
+    assert [c.quads for c in new] == [mode == "nvfp4"] * 5  # (it acts on gate/up only)
+    monkeypatch.setattr(triton_launch, "GEMV4_LOADS", False)
+    old = picks()
+    assert all(not c.xvec and not c.early and not c.quads for c in old)
+    strip = [dataclasses.replace(c, xvec=False, early=False, quads=False) for c in new]
+    assert strip == old

@@ -264,13 +264,17 @@ def test_silu_in_the_gate_up_epilogue(mode, bits, group_size):
         tk.qmatmul(x, w, gemm, silu=True)
 
 
-@pytest.mark.parametrize("mode,bits,group_size", [FORMATS[1], FORMATS[6]], ids=["int4", "mxfp4"])
+@pytest.mark.parametrize(
+    "mode,bits,group_size", [FORMATS[1], FORMATS[6], FORMATS[7]], ids=["int4", "mxfp4", "nvfp4"]
+)
 def test_gemv_orders_equal_the_default(mode, bits, group_size):
-    """seq (a 16-row tile's first 8 rows through every position, then the second 8) and
-    early (one k-step's scales loaded with its words) run the same FFMA chains as the
+    """seq (a 16-row tile's first 8 rows through every position, then the second 8), early
+    (one k-step's scales loaded with its words), xvec (fp4: a k-step's x loaded at once,
+    4 16-byte vectors a lane) and quads (fp4: a SiLU 8-row tile's scales as two 4-row runs)
+    run the same FFMA chains as the
     default order: bit-identical outputs, plain (on the prefetch loop and without it) and
-    with the SiLU epilogue (int4: 16-row tiles; mxfp4: 8); and near the float64 product of
-    the dequantized weight."""
+    with the SiLU epilogue (int4: 16-row tiles; mxfp4, nvfp4: 8; nvfp4's lanes take two
+    scale groups); and near the float64 product of the dequantized weight."""
     gen = torch.Generator().manual_seed(11)
     # int4: one tile of 16 rows, one one-warp k-step of 128 words a row; mxfp4: 2 tiles of
     # 8 rows, two k-steps (early's loop)
@@ -281,8 +285,8 @@ def test_gemv_orders_equal_the_default(mode, bits, group_size):
     x = torch.randn(1, k, generator=gen).bfloat16().to(DEV)
     bn = 16 if mode == "affine" else 8
     cases = [(True, False, ("seq", "early")), (False, True, ("early",))]
-    if mode != "affine":  # seq is the default order at 8 rows
-        cases = [(True, True, ("early",))]
+    if mode != "affine":  # seq is the default order at 8 rows; xvec: x a k-step at a time
+        cases = [(True, True, ("early", "xvec")), (False, False, ("xvec",))]
     for pf, silu, names in cases:
         old = tk.KernelConfig("gemv", 1, bn, 1, prefetch=pf)
         want = tk.qmatmul(x, w, old, silu=silu)
@@ -291,6 +295,13 @@ def test_gemv_orders_equal_the_default(mode, bits, group_size):
         for name in names:
             new = dataclasses.replace(old, **{name: True})
             assert torch.equal(tk.qmatmul(x, w, new, silu=silu), want), new
+        if "xvec" in names and "early" in names:
+            new = dataclasses.replace(old, early=True, xvec=True)
+            assert torch.equal(tk.qmatmul(x, w, new, silu=silu), want), new
+        if silu and mode != "affine":  # quads: the SiLU tile's scales as two 4-row runs
+            for new in (dataclasses.replace(old, quads=True),
+                        dataclasses.replace(old, quads=True, xvec=True)):  # fmt: skip
+                assert torch.equal(tk.qmatmul(x, w, new, silu=silu), want), new
 
 
 def test_leading_dims_and_errors():
