@@ -31,6 +31,7 @@ import torch
 import triton
 
 from mlxrun.backends.base import QuantizedWeight
+from mlxrun.backends.cuda_moe_down import joined_fits, joined_launch
 from mlxrun.backends.cuda_moe_kernels import (
     _moe_gemv,
     _moe_grouped,
@@ -304,6 +305,44 @@ def _default_qconfig(p: PackedExperts) -> QConfig:
     return QConfig(warps, bn, prefetch)
 
 
+# The down projection of a token's k slots as one GEMV over their joined rows
+# (cuda_moe_down.py: no partials or ticket), where the per-slot kernel's programs each read
+# one slot's short rows (qwen3-30b-a3b: 384 bytes). MLXRUN_MOE_DOWN: "0" the per-slot
+# kernel, "1" joined with choose_down's launch, or "wXnY" joined with X warps, Y rows (A/B).
+_DOWN_SPEC = re.compile(r"w(1|2|4|8)n(8|16)")
+
+
+def parse_down(spec: str) -> tuple[int, int] | bool:
+    """MLXRUN_MOE_DOWN -> False (per slot), True (joined, choose_down) or (warps, rows)."""
+    spec = spec.strip()
+    if spec in ("0", "1"):
+        return spec == "1"
+    m = _DOWN_SPEC.fullmatch(spec)
+    if m is None:
+        raise MlxrunError(
+            f"MLXRUN_MOE_DOWN: cannot read {spec!r}: write 0 (per-slot down kernel), 1 (joined)"
+            " or w<warps>n<rows>, e.g. w2n16 (warps 1/2/4/8, rows 8/16)"
+        )
+    return int(m.group(1)), int(m.group(2))
+
+
+DOWN = parse_down(os.environ.get("MLXRUN_MOE_DOWN", "0"))
+
+
+def choose_down(p: PackedExperts, top_k: int) -> tuple[int, int]:
+    """The joined down kernel's (warps, rows a program): 2 warps, 16 rows (affine) or 8."""
+    return 2, 16 if p.w.mode == "affine" else 8
+
+
+def _down(h, flat, rw, y, dn: PackedExperts, bias, o, k: int) -> None:
+    """The fused down launch: joined (DOWN) where it fits, else the per-slot kernel."""
+    if DOWN and joined_fits(dn, k):
+        warps, rows = DOWN if isinstance(DOWN, tuple) else choose_down(dn, k)
+        joined_launch(h, flat, rw, y, dn, bias, k, warps, rows, pdl_args(h.device))
+    else:
+        _qlaunch(h, flat, y, rw, dn, bias, None, 1, o, True, top_k=k)
+
+
 def _fused_args(out, top_k: int) -> dict:
     """The down kernels' slot-sum arguments (_slot_sum) for out (T, N), top_k slots a token:
     the (T*k, N) float32 partials and T * row tiles tickets (zeroed once, reset by the
@@ -490,7 +529,7 @@ def moe_experts(x, ids, weights, e, o, grouped: bool | None = None, out_dtype=No
         else:
             gu, dn = packed
             _qlaunch(x, flat, h, rw, gu, e.gate_bias, e.up_bias, k, o, False)
-            _qlaunch(h, flat, y, rw, dn, e.down_bias, None, 1, o, True, top_k=k)
+            _down(h, flat, rw, y, dn, e.down_bias, o, k)
         return y
     y = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
     if packed is None:
