@@ -9,6 +9,7 @@ step actually reads, against the copy bandwidth measured in the same run.
     python3 benchmarks/moe_kernels.py --batch 1 --no-per-slot --qcfg 'auto;gu:w2;dn:n8'
     python3 benchmarks/moe_kernels.py --batch 1 --no-per-slot --down '0;w2n16;w1n8'
     python3 benchmarks/moe_kernels.py --router      # router linear + route vs route_linear
+    python3 benchmarks/moe_kernels.py --router --router-tile 'auto;4,1,64;1,1,64'
     TRITON_INTERPRET=1 python3 benchmarks/moe_kernels.py --tiny        # CPU: values only
 
 Shapes: gpt-oss-20b (32 experts, top-4, hidden = intermediate = 2880, biases, clamped
@@ -314,6 +315,9 @@ def main() -> None:
                          "'0;1;w2n16' (a row each: /d0, /d1..)")  # fmt: skip
     ap.add_argument("--router", action="store_true",
                     help="time the router alone (linear + route against route_linear), then stop")  # fmt: skip
+    ap.add_argument("--router-tile", default="auto",
+                    help="--router: route_linear's tiles, ';' between them, as "
+                         "MLXRUN_MOE_ROUTER_TILE (rows,warps,vec), e.g. 'auto;4,1,64'")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="CPU values check (TRITON_INTERPRET=1)")
     a = ap.parse_args()
     if a.tiny:
@@ -326,7 +330,10 @@ def main() -> None:
           f"L2 {l2 >> 20} MiB")  # fmt: skip
     if a.router:
         for shape in a.shape.split(","):
-            print(router_row(shape, a.calls, l2), flush=True)
+            for tile in a.router_tile.split(";"):
+                if tile != "auto":
+                    cm.ROUTER_TILE = tuple(int(v) for v in tile.split(","))
+                print(f"{router_row(shape, a.calls, l2)} [tile {cm.ROUTER_TILE}]", flush=True)
         return
     qcfgs = a.qcfg.split(";")
     for i, q in enumerate(qcfgs):
