@@ -308,12 +308,14 @@ def _default_qconfig(p: PackedExperts) -> QConfig:
 # The down projection of a token's k slots as one GEMV over their joined rows
 # (cuda_moe_down.py: no partials or ticket), where the per-slot kernel's programs each read
 # one slot's short rows (qwen3-30b-a3b: 384 bytes). MLXRUN_MOE_DOWN: "0" the per-slot
-# kernel, "1" joined with choose_down's launch, or "wXnY" joined with X warps, Y rows (A/B).
-_DOWN_SPEC = re.compile(r"w(1|2|4|8)n(8|16)")
+# kernel, "1" joined with choose_down's launch, or "wXnY" joined with X warps, Y rows, and
+# "wXnYe" its first weights loaded before the PDL wait (A/B).
+_DOWN_SPEC = re.compile(r"w(1|2|4|8)n(8|16)(e?)")
 
 
-def parse_down(spec: str) -> tuple[int, int] | bool:
-    """MLXRUN_MOE_DOWN -> False (per slot), True (joined, choose_down) or (warps, rows)."""
+def parse_down(spec: str) -> tuple[int, int, bool] | bool:
+    """MLXRUN_MOE_DOWN -> False (per slot), True (joined, choose_down) or (warps, rows,
+    early)."""
     spec = spec.strip()
     if spec in ("0", "1"):
         return spec == "1"
@@ -321,24 +323,26 @@ def parse_down(spec: str) -> tuple[int, int] | bool:
     if m is None:
         raise MlxrunError(
             f"MLXRUN_MOE_DOWN: cannot read {spec!r}: write 0 (per-slot down kernel), 1 (joined)"
-            " or w<warps>n<rows>, e.g. w2n16 (warps 1/2/4/8, rows 8/16)"
+            " or w<warps>n<rows>[e], e.g. w2n16 (warps 1/2/4/8, rows 8/16; e: weights before"
+            " the PDL wait)"
         )
-    return int(m.group(1)), int(m.group(2))
+    return int(m.group(1)), int(m.group(2)), m.group(3) == "e"
 
 
 DOWN = parse_down(os.environ.get("MLXRUN_MOE_DOWN", "0"))
 
 
-def choose_down(p: PackedExperts, top_k: int) -> tuple[int, int]:
-    """The joined down kernel's (warps, rows a program): 2 warps, 16 rows (affine) or 8."""
-    return 2, 16 if p.w.mode == "affine" else 8
+def choose_down(p: PackedExperts, top_k: int) -> tuple[int, int, bool]:
+    """The joined down kernel's (warps, rows a program, early): 2 warps, 16 rows (affine)
+    or 8."""
+    return 2, 16 if p.w.mode == "affine" else 8, False
 
 
 def _down(h, flat, rw, y, dn: PackedExperts, bias, o, k: int) -> None:
     """The fused down launch: joined (DOWN) where it fits, else the per-slot kernel."""
     if DOWN and joined_fits(dn, k):
-        warps, rows = DOWN if isinstance(DOWN, tuple) else choose_down(dn, k)
-        joined_launch(h, flat, rw, y, dn, bias, k, warps, rows, pdl_args(h.device))
+        warps, rows, early = DOWN if isinstance(DOWN, tuple) else choose_down(dn, k)
+        joined_launch(h, flat, rw, y, dn, bias, k, warps, rows, early, pdl_args(h.device))
     else:
         _qlaunch(h, flat, y, rw, dn, bias, None, 1, o, True, top_k=k)
 

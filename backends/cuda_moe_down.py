@@ -111,7 +111,7 @@ def _joined_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_
 def _moe_down(X, IDS, RW, OUT, W, S, B, BIAS, N, MODE: tl.constexpr, BITS: tl.constexpr,
               G: tl.constexpr, KE: tl.constexpr, TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
               BLOCK_N: tl.constexpr, WARPS: tl.constexpr, EVEN: tl.constexpr,
-              PDL: tl.constexpr = False):  # fmt: skip
+              EARLY: tl.constexpr = False, PDL: tl.constexpr = False):  # fmt: skip
     """OUT[t, rows] for token t = program 0, rows program 1 * BLOCK_N..: the sum over its
     TOP_K slots s = t*TOP_K + j of RW[s] * (X[s] . W[IDS[s], row] + BIAS[IDS[s], row]).
 
@@ -119,7 +119,10 @@ def _moe_down(X, IDS, RW, OUT, W, S, B, BIAS, N, MODE: tl.constexpr, BITS: tl.co
     scales (and affine biases) of all experts, expert e's N rows at e*N (not MODE 3: E4M3).
     The joined row is TOP_K * KE inputs; a k-step is 4 words a lane of WARPS warps (the
     dense GEMV's), each step's words loaded one step ahead. EVEN: no row or K masks.
-    PDL: the ids, routing weights and x come from earlier kernels: nothing before the wait.
+    PDL: x (h) is the previous kernel's output: the wait comes before its loads. EARLY: the
+    first k-step's ids and words are loaded before the wait (the ids are the router's, two
+    kernels back: complete once the previous kernel's programs, which waited for it, let
+    this one launch); else nothing before it.
     """
     HALVES: tl.constexpr = BLOCK_N // 8
     LANES: tl.constexpr = 32 * WARPS
@@ -133,7 +136,7 @@ def _moe_down(X, IDS, RW, OUT, W, S, B, BIAS, N, MODE: tl.constexpr, BITS: tl.co
     KSTEPS: tl.constexpr = (KW + 4 * LANES - 1) // (4 * LANES)
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if PDL:
+    if PDL and not EARLY:
         tlc.gdc_wait()
         tlc.gdc_launch_dependents()
     ids_t = IDS + t * TOP_K
@@ -157,6 +160,9 @@ def _moe_down(X, IDS, RW, OUT, W, S, B, BIAS, N, MODE: tl.constexpr, BITS: tl.co
     wa_h = wa
     if HALVES == 2:
         wa_h = _joined_words(W, ids_t, rn_h, n_mask_h, rkw, 0, N, KWE, KW, EVEN, LANES)
+    if PDL and EARLY:
+        tlc.gdc_wait()
+        tlc.gdc_launch_dependents()
     for i in range(0, KSTEPS // 2):
         kb = 2 * i
         wb = _joined_words(W, ids_t, rn, n_mask, rkw, kb + 1, N, KWE, KW, EVEN, LANES)
@@ -198,9 +204,11 @@ def joined_fits(p, top_k: int) -> bool:
     return w.mode != "mxfp8" and (p.k * w.bits // 32) % 4 == 0 and top_k > 0
 
 
-def joined_launch(h, ids, rw, out, p, bias, top_k: int, warps: int, block_n: int, pdl: dict):
+def joined_launch(h, ids, rw, out, p, bias, top_k: int, warps: int, block_n: int, early: bool,
+                  pdl: dict):  # fmt: skip
     """_moe_down: out (T, N) = each token's top_k slots of h (T*top_k, K) through expert
-    ids (T*top_k,) int32 of PackedExperts p (down), weighted by rw (T*top_k,) float32."""
+    ids (T*top_k,) int32 of PackedExperts p (down), weighted by rw (T*top_k,) float32;
+    early: the first weights loaded before the PDL wait (_moe_down's EARLY)."""
     from mlxrun.quant.triton_layout import _MODE_ID  # noqa: PLC0415
 
     w = p.w
@@ -211,5 +219,5 @@ def joined_launch(h, ids, rw, out, p, bias, top_k: int, warps: int, block_n: int
         h, ids, rw, out, w.weight, w.scales, w.biases if w.biases is not None else w.scales,
         bias if bias is not None else out, p.n, MODE=_MODE_ID[w.mode], BITS=w.bits,
         G=w.group_size, KE=p.k, TOP_K=top_k, HAS_BIAS=bias is not None, BLOCK_N=block_n,
-        WARPS=warps, EVEN=even, num_warps=warps, **pdl,
+        WARPS=warps, EVEN=even, EARLY=early, num_warps=warps, **pdl,
     )  # fmt: skip

@@ -394,17 +394,17 @@ def test_fused_slot_sum(fmt):
 # 4 slots: 256, two whole steps or one 2-warp step, no masks) and 1024 (3 one-warp steps: the
 # pair, then the odd last one); 8 and 16 rows; gpt-oss's biases; each format with a k-step.
 JOINED = [
-    pytest.param(f, i2, k2, cfg, marks=() if (f, i2, cfg) == (("affine", 4, 32), 512, (1, 16))
-                 else LONG_ON_CPU, id=f"{''.join(map(str, f))}-i{i2}-k{k2}-w{cfg[0]}n{cfg[1]}")
+    pytest.param(f, i2, k2, cfg, marks=() if (f, i2, cfg) == (("affine", 4, 32), 512, (1, 16, False))
+                 else LONG_ON_CPU, id=f"{''.join(map(str, f))}-i{i2}-k{k2}-w{cfg[0]}n{cfg[1]}{'e' if cfg[2] else ''}")
     for f, i2, k2, cfg in [
-        (("affine", 4, 32), 512, 3, (1, 16)),
-        (("affine", 4, 32), 512, 4, (1, 8)),
-        (("affine", 4, 32), 512, 4, (2, 16)),
-        (("affine", 4, 32), 1024, 3, (1, 8)),
-        (("affine", 4, 32), 32, 3, (2, 8)),
-        (("affine", 8, 32), 256, 3, (1, 16)),
-        (("mxfp4", 4, 32), 512, 3, (1, 8)),
-        (("nvfp4", 4, 16), 512, 3, (1, 8)),
+        (("affine", 4, 32), 512, 3, (1, 16, False)),
+        (("affine", 4, 32), 512, 4, (1, 8, False)),
+        (("affine", 4, 32), 512, 4, (2, 16, True)),
+        (("affine", 4, 32), 1024, 3, (1, 8, False)),
+        (("affine", 4, 32), 32, 3, (2, 8, False)),
+        (("affine", 8, 32), 256, 3, (1, 16, False)),
+        (("mxfp4", 4, 32), 512, 3, (1, 8, False)),
+        (("nvfp4", 4, 16), 512, 3, (1, 8, False)),
     ]
 ]  # fmt: skip
 
@@ -439,7 +439,8 @@ def test_joined_down(fmt, i2, k2, cfg, monkeypatch):
 
 def test_down_spec():
     assert cm.parse_down("0") is False and cm.parse_down("1") is True
-    assert cm.parse_down("w2n16") == (2, 16)
-    for bad in ("2", "w3n8", "w2n32", "n8"):
+    assert cm.parse_down("w2n16") == (2, 16, False)
+    assert cm.parse_down("w1n8e") == (1, 8, True)
+    for bad in ("2", "w3n8", "w2n32", "n8", "w2n8x"):
         with pytest.raises(cm.MlxrunError, match="MLXRUN_MOE_DOWN"):
             cm.parse_down(bad)
