@@ -53,6 +53,12 @@ _MODE = {"dense": 0, "affine": 1, "mxfp4": 2, "nvfp4": 3, "mxfp8": 4}
 FUSED = os.environ.get("MLXRUN_MOE_FUSED", "1") != "0"
 
 
+# The top-k's rounds over the values' order-preserving int32 bits: an integer max (one
+# redux.sync on a warp) where a float max took 5 shuffles (_topk_store's PACKED).
+# MLXRUN_MOE_TOPK: "0" float max (default), "1" integer keys (A/B).
+TOPK_PACKED = os.environ.get("MLXRUN_MOE_TOPK", "0") == "1"
+
+
 def route(logits: torch.Tensor, o) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits (N, E) -> (weights (N, k) float32, expert ids (N, k) int32) in one
     launch: torch_moe.route's arithmetic without its topk/softmax/copy kernels (~10 a layer
@@ -65,7 +71,7 @@ def route(logits: torch.Tensor, o) -> tuple[torch.Tensor, torch.Tensor]:
         _route_kernel[(n,)](
             logits.contiguous(), w, ids, E, TOP_K=k, KP=triton.next_power_of_2(k),
             BLOCK_E=triton.next_power_of_2(E), SOFTMAX_FIRST=o.routing == "softmax_topk",
-            NORM=o.norm_topk, num_warps=1 if E <= 128 else 4,
+            NORM=o.norm_topk, PACKED=TOPK_PACKED, num_warps=1 if E <= 128 else 4,
             **(pdl_args(logits.device) if FUSED else {}),
         )  # fmt: skip
     return w, ids
@@ -126,7 +132,7 @@ def route_linear(x: torch.Tensor, w: torch.Tensor, bias, o) -> tuple[torch.Tenso
             BLOCK_K=block_k, EVEN=E % rows == 0 and K % block_k == 0,
             ONE_STEP=K <= block_k, TOP_K=k, KP=triton.next_power_of_2(k),
             BLOCK_E=triton.next_power_of_2(E), SOFTMAX_FIRST=o.routing == "softmax_topk",
-            NORM=o.norm_topk, num_warps=warps, **pdl_args(x.device),
+            NORM=o.norm_topk, PACKED=TOPK_PACKED, num_warps=warps, **pdl_args(x.device),
         )  # fmt: skip
     return wout, ids
 

@@ -9,7 +9,7 @@ step actually reads, against the copy bandwidth measured in the same run.
     python3 benchmarks/moe_kernels.py --batch 1 --no-per-slot --qcfg 'auto;gu:w2;dn:n8'
     python3 benchmarks/moe_kernels.py --batch 1 --no-per-slot --down '0;w2n16;w1n8'
     python3 benchmarks/moe_kernels.py --router      # router linear + route vs route_linear
-    python3 benchmarks/moe_kernels.py --router --router-tile 'auto;4,1,64;1,1,64'
+    python3 benchmarks/moe_kernels.py --router --router-tile 'auto;4,1,64;1,1,64' --topk 0,1
     TRITON_INTERPRET=1 python3 benchmarks/moe_kernels.py --tiny        # CPU: values only
 
 Shapes: gpt-oss-20b (32 experts, top-4, hidden = intermediate = 2880, biases, clamped
@@ -318,6 +318,8 @@ def main() -> None:
     ap.add_argument("--router-tile", default="auto",
                     help="--router: route_linear's tiles, ';' between them, as "
                          "MLXRUN_MOE_ROUTER_TILE (rows,warps,vec), e.g. 'auto;4,1,64'")  # fmt: skip
+    ap.add_argument("--topk", default="auto",
+                    help="--router: the top-k's form, as MLXRUN_MOE_TOPK, e.g. 0,1")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="CPU values check (TRITON_INTERPRET=1)")
     a = ap.parse_args()
     if a.tiny:
@@ -333,7 +335,10 @@ def main() -> None:
             for tile in a.router_tile.split(";"):
                 if tile != "auto":
                     cm.ROUTER_TILE = tuple(int(v) for v in tile.split(","))
-                print(f"{router_row(shape, a.calls, l2)} [tile {cm.ROUTER_TILE}]", flush=True)
+                for topk in a.topk.split(","):
+                    cm.TOPK_PACKED = topk == "1" if topk != "auto" else cm.TOPK_PACKED
+                    print(f"{router_row(shape, a.calls, l2)} [tile {cm.ROUTER_TILE}, "
+                          f"topk {int(cm.TOPK_PACKED)}]", flush=True)  # fmt: skip
         return
     qcfgs = a.qcfg.split(";")
     for i, q in enumerate(qcfgs):

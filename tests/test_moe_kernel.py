@@ -198,11 +198,15 @@ def test_qcfg_refuses_what_it_cannot_read():
                                                ("softmax_topk", False, 8, 2),
                                                ("topk_softmax", False, 32, 4),
                                                ("topk_softmax", False, 12, 3)])  # fmt: skip
-def test_route_kernel_matches_torch(routing, norm, E2, k):
+@pytest.mark.parametrize("packed", [False, True], ids=["rounds", "packed"])
+def test_route_kernel_matches_torch(routing, norm, E2, k, packed, monkeypatch):
+    """Both top-k forms (_topk_store's PACKED): ties, negative logits and probabilities."""
+    monkeypatch.setattr(cm, "TOPK_PACKED", packed)
     rng = np.random.default_rng(2)
     o = MoEOptions(E2, k, 8, routing, norm_topk=norm)
     logits = torch.from_numpy(rng.standard_normal((5, E2))).float().to(DEV)
     logits[0, 1] = logits[0, 3] = logits[0].max() + 1  # a tie on top: the lower index first
+    logits[1] = -logits[1].abs() - 1  # every logit negative
     w_want, ids_want = torch_moe.route(logits, o)
     ids_want[0, :2] = torch.tensor([1, 3])  # torch.topk orders ties as it likes
     w, ids = cm.route(logits, o)
@@ -253,7 +257,8 @@ def test_router_kernel_matches_linear_and_route(routing, norm, E2, k, K2, bias, 
     if b is not None:
         logits = logits + b
     w_want, ids_want = cm.route(logits, o)
-    for _ in range(2):  # the second launch finds the tickets reset by the first
+    for packed in (False, True):  # the second launch finds the tickets reset by the first
+        monkeypatch.setattr(cm, "TOPK_PACKED", packed)
         w_got, ids_got = cm.route_linear(x, w, b, o)
         assert ids_got.tolist() == ids_want.tolist()
         assert torch.equal(w_got, w_want)
