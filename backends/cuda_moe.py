@@ -313,8 +313,10 @@ def _default_qconfig(p: PackedExperts) -> QConfig:
 
 # The down projection of a token's k slots as one GEMV over their joined rows
 # (cuda_moe_down.py: no partials or ticket), where the per-slot kernel's programs each read
-# one slot's short rows (qwen3-30b-a3b: 384 bytes). MLXRUN_MOE_DOWN: "0" the per-slot
-# kernel, "1" joined with choose_down's launch, or "wXnY" joined with X warps, Y rows, and
+# one slot's short rows (qwen3-30b-a3b: 384 bytes). H200, the captured batch-1 step
+# (moe_fused_ab.py --down): qwen3-30b-a3b int4 1.802 -> 1.691 ms (-6.2%), gpt-oss-20b fp4
+# 1.575 -> 1.551 (-1.5%). MLXRUN_MOE_DOWN: "0" the per-slot kernel, "1" (default) joined
+# with choose_down's launch, or "wXnY" joined with X warps, Y rows, and
 # "wXnYe" its first weights loaded before the PDL wait (A/B).
 _DOWN_SPEC = re.compile(r"w(1|2|4|8)n(8|16)(e?)")
 
@@ -335,13 +337,17 @@ def parse_down(spec: str) -> tuple[int, int, bool] | bool:
     return int(m.group(1)), int(m.group(2)), m.group(3) == "e"
 
 
-DOWN = parse_down(os.environ.get("MLXRUN_MOE_DOWN", "0"))
+DOWN = parse_down(os.environ.get("MLXRUN_MOE_DOWN", "1"))
 
 
 def choose_down(p: PackedExperts, top_k: int) -> tuple[int, int, bool]:
-    """The joined down kernel's (warps, rows a program, early): 2 warps, 16 rows (affine)
-    or 8."""
-    return 2, 16 if p.w.mode == "affine" else 8, False
+    """The joined down kernel's (warps, rows a program, early): 8 rows; 2 warps where their
+    k-step of 256 words divides the joined row, else 4. One H200, a layer's experts at batch
+    1 (moe_kernels.py --down, us; per-slot down first): qwen3-30b-a3b int4 (768 words)
+    17.2 / w1 18.3, w2 14.7, w4 14.8, 16 rows w2 17.9 (128 programs: under one an SM);
+    gpt-oss-20b mxfp4 (1440) 32.6 / w1 41.1, w2 36.4, w4 31.4."""
+    kw = top_k * p.k * p.w.bits // 32
+    return (2 if kw % 256 == 0 else 4), 8, False
 
 
 def _down(h, flat, rw, y, dn: PackedExperts, bias, o, k: int) -> None:
