@@ -32,6 +32,7 @@ import triton
 
 from mlxrun.backends.base import QuantizedWeight
 from mlxrun.backends.cuda_moe_down import joined_fits, joined_launch
+from mlxrun.backends.cuda_moe_gu import stream_fits, stream_launch
 from mlxrun.backends.cuda_moe_kernels import (
     _moe_gemv,
     _moe_grouped,
@@ -350,6 +351,40 @@ def choose_down(p: PackedExperts, top_k: int) -> tuple[int, int, bool]:
     return (2 if kw % 256 == 0 else 4), 8, False
 
 
+# The gate/up launch with each program streaming several row tiles of its slot's expert
+# (cuda_moe_gu.py), where a row is one k-step. MLXRUN_MOE_GU: "0" the per-slot kernel
+# (default), "tT" T tiles a program, "tTnB" and B rows a tile (8 or 16) (A/B).
+_GU_SPEC = re.compile(r"t(1|2|3|4|6|8)(?:n(8|16))?")
+
+
+def parse_gu(spec: str) -> tuple[int, int | None] | None:
+    """MLXRUN_MOE_GU -> None (per slot) or (tiles a program, rows a tile or None: QCFG's)."""
+    spec = spec.strip()
+    if spec == "0":
+        return None
+    m = _GU_SPEC.fullmatch(spec)
+    if m is None:
+        raise MlxrunError(
+            f"MLXRUN_MOE_GU: cannot read {spec!r}: write 0 (per-slot gate/up kernel) or "
+            "t<tiles>[n<rows>], e.g. t2 or t4n8 (tiles 1/2/3/4/6/8 a program, rows 8/16)"
+        )
+    return int(m.group(1)), m.group(2) and int(m.group(2))
+
+
+GU = parse_gu(os.environ.get("MLXRUN_MOE_GU", "0"))
+
+
+def _gate_up(x, flat, h, rw, gu: PackedExperts, e, o, k: int) -> None:
+    """The gate/up launch: streamed (GU) where a row is one k-step, else the per-slot one."""
+    cfg = choose_qconfig(gu)
+    if GU is not None and stream_fits(gu, cfg.warps):
+        tiles, rows = GU
+        stream_launch(x, flat, h, gu, e.gate_bias, e.up_bias, k, o, cfg.warps,
+                      rows or cfg.block_n, tiles, pdl_args(x.device))  # fmt: skip
+    else:
+        _qlaunch(x, flat, h, rw, gu, e.gate_bias, e.up_bias, k, o, False, cfg)
+
+
 def _down(h, flat, rw, y, dn: PackedExperts, bias, o, k: int) -> None:
     """The fused down launch: joined (DOWN) where it fits, else the per-slot kernel."""
     if DOWN and joined_fits(dn, k):
@@ -544,7 +579,7 @@ def moe_experts(x, ids, weights, e, o, grouped: bool | None = None, out_dtype=No
             _launch(h, flat, y, rw, e.down, e.down_bias, None, None, 1, o, False, True, k)
         else:
             gu, dn = packed
-            _qlaunch(x, flat, h, rw, gu, e.gate_bias, e.up_bias, k, o, False)
+            _gate_up(x, flat, h, rw, gu, e, o, k)
             _down(h, flat, rw, y, dn, e.down_bias, o, k)
         return y
     y = torch.empty((T * k, H), dtype=torch.float32, device=x.device)

@@ -206,24 +206,8 @@ def _moe_qgemv(X, IDS, OUT, RW, W, S, B, BIAS1, BIAS2, N, K, X_DIV, limit, alpha
     out = _gemv_sum(acc, MODE)  # [8]
     out_row = OUT + s.to(tl.int64) * N
     if GATED:
-        if HALVES == 2:
-            g = out
-            u = _gemv_sum(acc_h, MODE)
-            rg = pid_n * 8 + tl.arange(0, 8)
-        else:
-            g, u = tl.split(tl.trans(tl.reshape(out, [2, 4])))  # rows 0-3 gate, 4-7 up
-            rg = pid_n * 4 + tl.arange(0, 4)
-        m = rg < N
-        if HAS_BIAS:
-            g += tl.load(BIAS1 + e * N + rg, mask=m, other=0.0).to(tl.float32)
-            u += tl.load(BIAS2 + e * N + rg, mask=m, other=0.0).to(tl.float32)
-        if ACT == 0:  # SiLU(gate) * up
-            y = g / (1.0 + tl.exp(-g)) * u
-        else:  # gpt-oss: gate clamped above, up both sides, (up + 1) * gate * sigmoid(a*gate)
-            g = tl.minimum(g, limit)
-            u = tl.minimum(tl.maximum(u, -limit), limit)
-            y = (u + 1.0) * g / (1.0 + tl.exp(-alpha * g))
-        tl.store(out_row + rg, y.to(OUT.dtype.element_ty), mask=m)
+        _gated_store(out, acc_h, pid_n, e, N, out_row, BIAS1, BIAS2, limit, alpha, MODE,
+                     ACT, HAS_BIAS, HALVES)  # fmt: skip
     else:
         if HAS_BIAS:
             out += tl.load(BIAS1 + e * N + rn, mask=n_mask, other=0.0).to(tl.float32)
@@ -245,6 +229,33 @@ def _moe_qgemv(X, IDS, OUT, RW, W, S, B, BIAS1, BIAS2, N, K, X_DIV, limit, alpha
             tl.store(out_row + rn, out.to(OUT.dtype.element_ty), mask=n_mask)
             if HALVES == 2:
                 tl.store(out_row + rn_h, out_h.to(OUT.dtype.element_ty), mask=n_mask_h)
+
+
+@triton.jit
+def _gated_store(out, acc_h, pid_n, e, N, out_row, BIAS1, BIAS2, limit, alpha,
+                 MODE: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 HALVES: tl.constexpr):  # fmt: skip
+    """The gate/up epilogue of row tile pid_n: out [8] the summed first half (HALVES 2: 8
+    gate rows, acc_h their up rows' lanes; 1: rows 0-3 gate, 4-7 up) of expert e -> the
+    activation of its BLOCK_N // 2 outputs (+ the expert's biases) at out_row."""
+    if HALVES == 2:
+        g = out
+        u = _gemv_sum(acc_h, MODE)
+        rg = pid_n * 8 + tl.arange(0, 8)
+    else:
+        g, u = tl.split(tl.trans(tl.reshape(out, [2, 4])))  # rows 0-3 gate, 4-7 up
+        rg = pid_n * 4 + tl.arange(0, 4)
+    m = rg < N
+    if HAS_BIAS:
+        g += tl.load(BIAS1 + e * N + rg, mask=m, other=0.0).to(tl.float32)
+        u += tl.load(BIAS2 + e * N + rg, mask=m, other=0.0).to(tl.float32)
+    if ACT == 0:  # SiLU(gate) * up
+        y = g / (1.0 + tl.exp(-g)) * u
+    else:  # gpt-oss: gate clamped above, up both sides, (up + 1) * gate * sigmoid(a*gate)
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        y = (u + 1.0) * g / (1.0 + tl.exp(-alpha * g))
+    tl.store(out_row + rg, y.to(out_row.dtype.element_ty), mask=m)
 
 
 @triton.jit
