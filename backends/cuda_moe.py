@@ -31,8 +31,8 @@ import torch
 import triton
 
 from mlxrun.backends.base import QuantizedWeight
-from mlxrun.backends.cuda_moe_down import joined_fits, joined_launch
-from mlxrun.backends.cuda_moe_gu import stream_fits, stream_launch
+from mlxrun.backends.cuda_moe_down import choose_down, joined_fits, joined_launch, parse_down
+from mlxrun.backends.cuda_moe_gu import parse_gu, stream_fits, stream_launch
 from mlxrun.backends.cuda_moe_kernels import (
     _moe_gemv,
     _moe_grouped,
@@ -319,58 +319,12 @@ def _default_qconfig(p: PackedExperts) -> QConfig:
 # 1.575 -> 1.551 (-1.5%). MLXRUN_MOE_DOWN: "0" the per-slot kernel, "1" (default) joined
 # with choose_down's launch, or "wXnY" joined with X warps, Y rows, and
 # "wXnYe" its first weights loaded before the PDL wait (A/B).
-_DOWN_SPEC = re.compile(r"w(1|2|4|8)n(8|16)(e?)")
-
-
-def parse_down(spec: str) -> tuple[int, int, bool] | bool:
-    """MLXRUN_MOE_DOWN -> False (per slot), True (joined, choose_down) or (warps, rows,
-    early)."""
-    spec = spec.strip()
-    if spec in ("0", "1"):
-        return spec == "1"
-    m = _DOWN_SPEC.fullmatch(spec)
-    if m is None:
-        raise MlxrunError(
-            f"MLXRUN_MOE_DOWN: cannot read {spec!r}: write 0 (per-slot down kernel), 1 (joined)"
-            " or w<warps>n<rows>[e], e.g. w2n16 (warps 1/2/4/8, rows 8/16; e: weights before"
-            " the PDL wait)"
-        )
-    return int(m.group(1)), int(m.group(2)), m.group(3) == "e"
-
-
 DOWN = parse_down(os.environ.get("MLXRUN_MOE_DOWN", "1"))
-
-
-def choose_down(p: PackedExperts, top_k: int) -> tuple[int, int, bool]:
-    """The joined down kernel's (warps, rows a program, early): 8 rows; 2 warps where their
-    k-step of 256 words divides the joined row, else 4. One H200, a layer's experts at batch
-    1 (moe_kernels.py --down, us; per-slot down first): qwen3-30b-a3b int4 (768 words)
-    17.2 / w1 18.3, w2 14.7, w4 14.8, 16 rows w2 17.9 (128 programs: under one an SM);
-    gpt-oss-20b mxfp4 (1440) 32.6 / w1 41.1, w2 36.4, w4 31.4."""
-    kw = top_k * p.k * p.w.bits // 32
-    return (2 if kw % 256 == 0 else 4), 8, False
 
 
 # The gate/up launch with each program streaming several row tiles of its slot's expert
 # (cuda_moe_gu.py), where a row is one k-step. MLXRUN_MOE_GU: "0" the per-slot kernel
 # (default), "tT" T tiles a program, "tTnB" and B rows a tile (8 or 16) (A/B).
-_GU_SPEC = re.compile(r"t(1|2|3|4|6|8)(?:n(8|16))?")
-
-
-def parse_gu(spec: str) -> tuple[int, int | None] | None:
-    """MLXRUN_MOE_GU -> None (per slot) or (tiles a program, rows a tile or None: QCFG's)."""
-    spec = spec.strip()
-    if spec == "0":
-        return None
-    m = _GU_SPEC.fullmatch(spec)
-    if m is None:
-        raise MlxrunError(
-            f"MLXRUN_MOE_GU: cannot read {spec!r}: write 0 (per-slot gate/up kernel) or "
-            "t<tiles>[n<rows>], e.g. t2 or t4n8 (tiles 1/2/3/4/6/8 a program, rows 8/16)"
-        )
-    return int(m.group(1)), m.group(2) and int(m.group(2))
-
-
 GU = parse_gu(os.environ.get("MLXRUN_MOE_GU", "0"))
 
 

@@ -19,9 +19,12 @@ and scales come from differs (the slot's expert).
 
 from __future__ import annotations
 
+import re
+
 import triton
 import triton.language as tl
 
+from mlxrun.errors import MlxrunError
 from mlxrun.quant.triton_gemv import (
     _gemv_half,
     _gemv_lanes,
@@ -221,3 +224,32 @@ def joined_launch(h, ids, rw, out, p, bias, top_k: int, warps: int, block_n: int
         G=w.group_size, KE=p.k, TOP_K=top_k, HAS_BIAS=bias is not None, BLOCK_N=block_n,
         WARPS=warps, EVEN=even, EARLY=early, num_warps=warps, **pdl,
     )  # fmt: skip
+
+
+_DOWN_SPEC = re.compile(r"w(1|2|4|8)n(8|16)(e?)")
+
+
+def parse_down(spec: str) -> tuple[int, int, bool] | bool:
+    """MLXRUN_MOE_DOWN -> False (per slot), True (joined, choose_down) or (warps, rows,
+    early)."""
+    spec = spec.strip()
+    if spec in ("0", "1"):
+        return spec == "1"
+    m = _DOWN_SPEC.fullmatch(spec)
+    if m is None:
+        raise MlxrunError(
+            f"MLXRUN_MOE_DOWN: cannot read {spec!r}: write 0 (per-slot down kernel), 1 (joined)"
+            " or w<warps>n<rows>[e], e.g. w2n16 (warps 1/2/4/8, rows 8/16; e: weights before"
+            " the PDL wait)"
+        )
+    return int(m.group(1)), int(m.group(2)), m.group(3) == "e"
+
+
+def choose_down(p, top_k: int) -> tuple[int, int, bool]:
+    """The joined down kernel's (warps, rows a program, early): 8 rows; 2 warps where their
+    k-step of 256 words divides the joined row, else 4. One H200, a layer's experts at batch
+    1 (moe_kernels.py --down, us; per-slot down first): qwen3-30b-a3b int4 (768 words)
+    17.2 / w1 18.3, w2 14.7, w4 14.8, 16 rows w2 17.9 (128 programs: under one an SM);
+    gpt-oss-20b mxfp4 (1440) 32.6 / w1 41.1, w2 36.4, w4 31.4."""
+    kw = top_k * p.k * p.w.bits // 32
+    return (2 if kw % 256 == 0 else 4), 8, False

@@ -12,10 +12,13 @@ per-slot kernel's (the same values).
 
 from __future__ import annotations
 
+import re
+
 import triton
 import triton.language as tl
 
 from mlxrun.backends.cuda_moe_kernels import _gated_store
+from mlxrun.errors import MlxrunError
 from mlxrun.quant.triton_gemv import _gemv_kstep, _gemv_lanes, _gemv_sum, _load_step
 from mlxrun.quant.triton_launch import tlc
 
@@ -123,3 +126,20 @@ def stream_launch(x, ids, h, p, b1, b2, x_div, o, warps: int, block_n: int, tile
         ACT=0 if o.act == "silu" else 1, HAS_BIAS=bias, BLOCK_N=block_n, WARPS=warps,
         TILES=tiles, EVEN=even, num_warps=warps, **pdl,
     )  # fmt: skip
+
+
+_GU_SPEC = re.compile(r"t(1|2|3|4|6|8)(?:n(8|16))?")
+
+
+def parse_gu(spec: str) -> tuple[int, int | None] | None:
+    """MLXRUN_MOE_GU -> None (per slot) or (tiles a program, rows a tile or None: QCFG's)."""
+    spec = spec.strip()
+    if spec == "0":
+        return None
+    m = _GU_SPEC.fullmatch(spec)
+    if m is None:
+        raise MlxrunError(
+            f"MLXRUN_MOE_GU: cannot read {spec!r}: write 0 (per-slot gate/up kernel) or "
+            "t<tiles>[n<rows>], e.g. t2 or t4n8 (tiles 1/2/3/4/6/8 a program, rows 8/16)"
+        )
+    return int(m.group(1)), m.group(2) and int(m.group(2))
