@@ -32,7 +32,6 @@ import triton
 
 from mlxrun.backends.base import QuantizedWeight
 from mlxrun.backends.cuda_moe_down import choose_down, joined_fits, joined_launch, parse_down
-from mlxrun.backends.cuda_moe_gu import parse_gu, stream_fits, stream_launch
 from mlxrun.backends.cuda_moe_kernels import (
     _moe_gemv,
     _moe_grouped,
@@ -55,9 +54,11 @@ FUSED = os.environ.get("MLXRUN_MOE_FUSED", "1") != "0"
 
 
 # The top-k's rounds over the values' order-preserving int32 bits: an integer max (one
-# redux.sync on a warp) where a float max took 5 shuffles (_topk_store's PACKED).
-# MLXRUN_MOE_TOPK: "0" float max (default), "1" integer keys (A/B).
-TOPK_PACKED = os.environ.get("MLXRUN_MOE_TOPK", "0") == "1"
+# redux.sync on a warp) where a float max took 5 shuffles (_topk_store's PACKED; sm_90, the
+# route kernel at 128 experts, top-8: 53 -> 8 SHFL). H200, qwen3-30b-a3b's router alone
+# (linear + route) 3.30 -> 3.07 us. MLXRUN_MOE_TOPK: "1" integer keys (default), "0" the
+# float max (A/B).
+TOPK_PACKED = os.environ.get("MLXRUN_MOE_TOPK", "1") == "1"
 
 
 def route(logits: torch.Tensor, o) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,28 +316,12 @@ def _default_qconfig(p: PackedExperts) -> QConfig:
 # The down projection of a token's k slots as one GEMV over their joined rows
 # (cuda_moe_down.py: no partials or ticket), where the per-slot kernel's programs each read
 # one slot's short rows (qwen3-30b-a3b: 384 bytes). H200, the captured batch-1 step
-# (moe_fused_ab.py --down): qwen3-30b-a3b int4 1.802 -> 1.691 ms (-6.2%), gpt-oss-20b fp4
-# 1.575 -> 1.551 (-1.5%). MLXRUN_MOE_DOWN: "0" the per-slot kernel, "1" (default) joined
+# (moe_fused_ab.py --down 0;1 --topk 0,1, best of 3 alternated rounds), per-slot + float
+# top-k -> joined with its first weights before the PDL wait + integer top-k: qwen3-30b-a3b
+# int4 1.806 -> 1.685 ms (-6.7%), gpt-oss-20b fp4 1.579 -> 1.541 (-2.4%). MLXRUN_MOE_DOWN: "0" the per-slot kernel, "1" (default) joined
 # with choose_down's launch, or "wXnY" joined with X warps, Y rows, and
 # "wXnYe" its first weights loaded before the PDL wait (A/B).
 DOWN = parse_down(os.environ.get("MLXRUN_MOE_DOWN", "1"))
-
-
-# The gate/up launch with each program streaming several row tiles of its slot's expert
-# (cuda_moe_gu.py), where a row is one k-step. MLXRUN_MOE_GU: "0" the per-slot kernel
-# (default), "tT" T tiles a program, "tTnB" and B rows a tile (8 or 16) (A/B).
-GU = parse_gu(os.environ.get("MLXRUN_MOE_GU", "0"))
-
-
-def _gate_up(x, flat, h, rw, gu: PackedExperts, e, o, k: int) -> None:
-    """The gate/up launch: streamed (GU) where a row is one k-step, else the per-slot one."""
-    cfg = choose_qconfig(gu)
-    if GU is not None and stream_fits(gu, cfg.warps):
-        tiles, rows = GU
-        stream_launch(x, flat, h, gu, e.gate_bias, e.up_bias, k, o, cfg.warps,
-                      rows or cfg.block_n, tiles, pdl_args(x.device))  # fmt: skip
-    else:
-        _qlaunch(x, flat, h, rw, gu, e.gate_bias, e.up_bias, k, o, False, cfg)
 
 
 def _down(h, flat, rw, y, dn: PackedExperts, bias, o, k: int) -> None:
@@ -533,7 +518,7 @@ def moe_experts(x, ids, weights, e, o, grouped: bool | None = None, out_dtype=No
             _launch(h, flat, y, rw, e.down, e.down_bias, None, None, 1, o, False, True, k)
         else:
             gu, dn = packed
-            _gate_up(x, flat, h, rw, gu, e, o, k)
+            _qlaunch(x, flat, h, rw, gu, e.gate_bias, e.up_bias, k, o, False)
             _down(h, flat, rw, y, dn, e.down_bias, o, k)
         return y
     y = torch.empty((T * k, H), dtype=torch.float32, device=x.device)

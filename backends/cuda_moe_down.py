@@ -247,9 +247,10 @@ def parse_down(spec: str) -> tuple[int, int, bool] | bool:
 
 def choose_down(p, top_k: int) -> tuple[int, int, bool]:
     """The joined down kernel's (warps, rows a program, early): 8 rows; 2 warps where their
-    k-step of 256 words divides the joined row, else 4. One H200, a layer's experts at batch
-    1 (moe_kernels.py --down, us; per-slot down first): qwen3-30b-a3b int4 (768 words)
-    17.2 / w1 18.3, w2 14.7, w4 14.8, 16 rows w2 17.9 (128 programs: under one an SM);
-    gpt-oss-20b mxfp4 (1440) 32.6 / w1 41.1, w2 36.4, w4 31.4."""
+    k-step of 256 words divides the joined row, else 4; the first weights before the PDL
+    wait. One H200, a layer's experts at batch 1 (moe_kernels.py --down, us; per-slot down
+    first): qwen3-30b-a3b int4 (768 words) 17.2 / w1 18.3, w2 14.7, w4 14.8, w8 14.3, 16
+    rows w2 17.9 (128 programs: under one an SM), w2 early 14.0; gpt-oss-20b mxfp4 (1440)
+    32.6 / w1 41.1, w2 36.4, w4 31.4, w8 31.8, w4 early 30.8."""
     kw = top_k * p.k * p.w.bits // 32
-    return (2 if kw % 256 == 0 else 4), 8, False
+    return (2 if kw % 256 == 0 else 4), 8, True

@@ -62,9 +62,6 @@ def main() -> None:
     ap.add_argument("--topk", default="auto",
                     help="the top-k's form, as MLXRUN_MOE_TOPK, e.g. 0,1: float max (0) or "
                          "integer keys (1)")  # fmt: skip
-    ap.add_argument("--gu", default="auto",
-                    help="gate/up kernels, ';' between them, each as MLXRUN_MOE_GU, e.g. "
-                         "'0;t2': per slot (0) or streamed row tiles (cuda_moe_gu.py)")  # fmt: skip
     a = ap.parse_args()
     from mlxrun.backends import cuda_attention, torch_weights
     from mlxrun.backends.torch_backend import TorchBackend
@@ -75,11 +72,11 @@ def main() -> None:
     be = TorchBackend("cuda", "bfloat16")
     (qn, spec), *_ = _quant_specs([a.quant]).items()
     model = build_random(cfg, be, spec)
-    variants = [(int(v), q, r + "/" + t + "/" + b + "/" + at + "/" + d + "/" + tk + "/" + g) for v in a.variants.split(",")
+    variants = [(int(v), q, r + "/" + t + "/" + b + "/" + at + "/" + d + "/" + tk) for v in a.variants.split(",")
                 for q in a.qcfg.split(";") for r in a.router.split(",")
                 for t in a.router_tile.split(";") for b in a.bias.split(",")
                 for at in a.attn.split(";") for d in a.down.split(";")
-                for tk in a.topk.split(",") for g in a.gu.split(";")]  # fmt: skip
+                for tk in a.topk.split(",")]  # fmt: skip
     cache = model.make_cache(1, a.context + a.reps + 64)
     ids = torch.randint(0, cfg.vocab_size, (1, a.context), device="cuda")
     chunk = prefill_chunk_for(be.name, be.memory_kind, 1)
@@ -93,14 +90,13 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()} {a.model} {qn} batch 1, context {a.context}")
     res: dict[tuple, list[float]] = {v: [] for v in variants}
     qcfg, router, tile, bias = cm.QCFG, cm.ROUTER, cm.ROUTER_TILE, torch_weights._BIAS_IN_GEMV
-    down, topk, gu = cm.DOWN, cm.TOPK_PACKED, cm.GU
+    down, topk = cm.DOWN, cm.TOPK_PACKED
     attn = cuda_attention._env_launch  # what decode_attention reads (MLXRUN_ATTN_LAUNCH)
     for r in range(a.rounds):
         for v, q, rt in variants if r % 2 == 0 else variants[::-1]:
             cm.FUSED = bool(v)
             cm.QCFG = qcfg if q == "auto" else cm.parse_qcfg(q)
-            r_, t_, b_, at_, d_, tk_, g_ = rt.split("/")
-            cm.GU = gu if g_ == "auto" else cm.parse_gu(g_)
+            r_, t_, b_, at_, d_, tk_ = rt.split("/")
             cm.DOWN = down if d_ == "auto" else cm.parse_down(d_)
             cm.TOPK_PACKED = topk if tk_ == "auto" else tk_ == "1"
             launch = cuda_attention.AttnLaunch.from_spec(at_) if at_ != "auto" else None
@@ -115,11 +111,11 @@ def main() -> None:
             ms = events_ms(lambda dec=dec, tok=tok: dec(tok), reps=a.reps)
             dec.close()
             res[v, q, rt].append(ms)
-            print(f"  round {r} fused={v} qcfg={q} router/tile/bias/attn/down/topk/gu={rt}: {ms:.4f} ms/step "
+            print(f"  round {r} fused={v} qcfg={q} router/tile/bias/attn/down/topk={rt}: {ms:.4f} ms/step "
                   f"{1e3 / ms:8.1f} tok/s", flush=True)  # fmt: skip
     for (v, q, rt), ms in res.items():
         best = min(ms)
-        print(f"{a.model} {qn} fused={v} qcfg={q} router/tile/bias/attn/down/topk/gu={rt}: best {best:.4f} ms/step {1e3 / best:.1f} tok/s "
+        print(f"{a.model} {qn} fused={v} qcfg={q} router/tile/bias/attn/down/topk={rt}: best {best:.4f} ms/step {1e3 / best:.1f} tok/s "
               f"(all: {', '.join(f'{m:.4f}' for m in ms)})")  # fmt: skip
 
 

@@ -8,7 +8,6 @@ step actually reads, against the copy bandwidth measured in the same run.
     python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --batch 1 --fused 0,1 --no-per-slot
     python3 benchmarks/moe_kernels.py --batch 1 --no-per-slot --qcfg 'auto;gu:w2;dn:n8'
     python3 benchmarks/moe_kernels.py --batch 1 --no-per-slot --down '0;w2n16;w1n8'
-    python3 benchmarks/moe_kernels.py --batch 1 --no-per-slot --gu '0;t2;t4n8'
     python3 benchmarks/moe_kernels.py --router      # router linear + route vs route_linear
     python3 benchmarks/moe_kernels.py --router --router-tile 'auto;4,1,64;1,1,64' --topk 0,1
     TRITON_INTERPRET=1 python3 benchmarks/moe_kernels.py --tiny        # CPU: values only
@@ -219,7 +218,8 @@ def row(shape, name, o, layers, stored, batch, calls, bw, slots) -> str:
     def gate_up(i):
         p = cm.prepared(layers[i % copies])
         if p is not None:
-            cm._gate_up(xs[i], flats[i], h, rw, p[0], layers[i % copies], o, k)
+            e = layers[i % copies]
+            cm._qlaunch(xs[i], flats[i], h, rw, p[0], e.gate_bias, e.up_bias, k, o, False)
         return h
 
     us = events_ms(graphed(packed, calls)) * 1e3 / calls
@@ -279,7 +279,6 @@ _WINS = cm.grouped_wins
 _FUSED = cm.FUSED
 _QCFG = cm.QCFG
 _DOWN = cm.DOWN
-_GU = cm.GU
 
 
 def _forced(grouped: bool):
@@ -314,9 +313,6 @@ def main() -> None:
     ap.add_argument("--down", default="auto",
                     help="down kernels to time, ';' between them, each as MLXRUN_MOE_DOWN, e.g. "
                          "'0;1;w2n16' (a row each: /d0, /d1..)")  # fmt: skip
-    ap.add_argument("--gu", default="auto",
-                    help="gate/up kernels to time, ';' between them, each as MLXRUN_MOE_GU, e.g. "
-                         "'0;t2;t4n8' (a row each: /g0, /g1..)")  # fmt: skip
     ap.add_argument("--router", action="store_true",
                     help="time the router alone (linear + route against route_linear), then stop")  # fmt: skip
     ap.add_argument("--router-tile", default="auto",
@@ -352,10 +348,7 @@ def main() -> None:
     for i, d in enumerate(downs):
         if d != "auto":
             print(f"# d{i}: MLXRUN_MOE_DOWN={d}")
-    gus = a.gu.split(";")
-    for i, g in enumerate(gus):
-        if g != "auto":
-            print(f"# g{i}: MLXRUN_MOE_GU={g}")
+
     print(f"{'shape':<14} {'format':<9} {'batch':>5} {'experts':>7} {'MB':>7} "
           f"{'us':>8} {'GB/s':>6} {'%copy':>6} {'route+us':>8} {'err0':>7} {'gu us':>6} "
           f"{'per-slot us':>11} "
@@ -384,22 +377,17 @@ def main() -> None:
                             cm.FUSED = _FUSED if fused == "auto" else fused != "0"
                             for qi, q in enumerate(qcfgs if fmt is not None else ["auto"]):
                                 cm.QCFG = _QCFG if q == "auto" else cm.parse_qcfg(q)
-                                packed = fmt is not None
-                                for di, d in enumerate(downs if packed else ["auto"]):
+                                for di, d in enumerate(downs if fmt is not None else ["auto"]):
                                     cm.DOWN = _DOWN if d == "auto" else cm.parse_down(d)
-                                    for gi, g in enumerate(gus if packed else ["auto"]):
-                                        cm.GU = _GU if g == "auto" else cm.parse_gu(g)
-                                        label = name + ("" if path == "auto" else f"/{path[0]}")
-                                        label += "" if warps == "auto" else f"/w{warps}"
-                                        label += "" if fused == "auto" else f"/f{fused}"
-                                        label += "" if q == "auto" else f"/q{qi}"
-                                        label += "" if d == "auto" else f"/d{di}"
-                                        label += "" if g == "auto" else f"/g{gi}"
-                                        print(row(shape, label, o, layers, stored, batch,
-                                                  a.calls, bw, not a.no_per_slot),
-                                              flush=True)  # fmt: skip
+                                    label = name + ("" if path == "auto" else f"/{path[0]}")
+                                    label += "" if warps == "auto" else f"/w{warps}"
+                                    label += "" if fused == "auto" else f"/f{fused}"
+                                    label += "" if q == "auto" else f"/q{qi}"
+                                    label += "" if d == "auto" else f"/d{di}"
+                                    print(row(shape, label, o, layers, stored, batch, a.calls,
+                                              bw, not a.no_per_slot), flush=True)  # fmt: skip
                 cm.choose_qconfig, cm.grouped_wins, cm.FUSED = _CHOOSE, _WINS, _FUSED
-                cm.QCFG, cm.DOWN, cm.GU = _QCFG, _DOWN, _GU
+                cm.QCFG, cm.DOWN = _QCFG, _DOWN
             del layers, stored, one
             torch.cuda.empty_cache()
 

@@ -34,12 +34,10 @@ if not HAS_CUDA and type(tk._gemv_step).__name__ != "InterpretedFunction":
     tgm = importlib.reload(tgm)
     ck = importlib.reload(ck)
     importlib.reload(importlib.import_module("mlxrun.backends.cuda_moe_down"))
-    importlib.reload(importlib.import_module("mlxrun.backends.cuda_moe_gu"))
     cm = importlib.reload(cm)
 elif not HAS_CUDA and type(ck._moe_qgemv).__name__ != "InterpretedFunction":
     ck = importlib.reload(ck)
     importlib.reload(importlib.import_module("mlxrun.backends.cuda_moe_down"))
-    importlib.reload(importlib.import_module("mlxrun.backends.cuda_moe_gu"))
     cm = importlib.reload(cm)
 
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -451,49 +449,3 @@ def test_down_spec():
     for bad in ("2", "w3n8", "w2n32", "n8", "w2n8x"):
         with pytest.raises(cm.MlxrunError, match="MLXRUN_MOE_DOWN"):
             cm.parse_down(bad)
-
-
-# The streamed gate/up kernel (cuda_moe_gu._moe_gu_stream: a program takes several row
-# tiles of its slot, the next one's words in flight): rows of one 1-warp k-step (4-bit K =
-# 1024: 128 words), 16-row tiles (affine: gate and up halves) and 8-row ones (4 + 4), whole
-# programs (tiles dividing the rows) and a part-masked last one; gpt-oss's biases and gate.
-STREAM = [
-    pytest.param(f, spec, marks=() if (f, spec) == (("affine", 4, 32), "t3") else LONG_ON_CPU,
-                 id=f"{''.join(map(str, f))}-{spec}")
-    for f, spec in [(("affine", 4, 32), "t3"), (("affine", 4, 32), "t2"),
-                    (("affine", 4, 32), "t2n8"), (("mxfp4", 4, 32), "t3"),
-                    (("nvfp4", 4, 16), "t2"), (("affine", 8, 32), "t2")]
-]  # fmt: skip
-
-
-@pytest.mark.parametrize("fmt,spec", STREAM)
-def test_streamed_gate_up(fmt, spec, monkeypatch):
-    """The streamed gate/up launch against the per-slot one, through moe_experts: the same
-    outputs (the same k-step and epilogue)."""
-    rng = np.random.default_rng(8)
-    E2, k2, T2, i2 = 4, 2, 2, 64
-    h2 = 1024 if fmt[1] == 4 else 512  # one 1-warp k-step of 128 words
-    o = MoEOptions(E2, k2, i2, "topk_softmax", act="swiglu_clamped", bias=True, swiglu_limit=0.6)
-    w = {n: (0.2 * rng.standard_normal(s)).astype(np.float32)
-         for n, s in (("gate", (E2, i2, h2)), ("up", (E2, i2, h2)), ("down", (E2, h2, i2)))}  # fmt: skip
-    e = Experts(None, *(_stack(w[n], fmt) for n in ("gate", "up", "down")))
-    for n, width in (("gate_bias", i2), ("up_bias", i2), ("down_bias", h2)):
-        setattr(e, n, torch.from_numpy(0.3 * rng.standard_normal((E2, width))).float().to(DEV))
-    x = torch.from_numpy(rng.standard_normal((T2, h2))).float().to(DEV)
-    weights, ids = cm.route(torch.from_numpy(rng.standard_normal((T2, E2))).float().to(DEV), o)
-    monkeypatch.setattr(cm, "DOWN", False)
-    monkeypatch.setattr(cm, "GU", None)
-    want = cm.moe_experts(x, ids, weights, e, o, fused=True)
-    gu = cm.prepared(e)[0]
-    assert cm.stream_fits(gu, cm.choose_qconfig(gu).warps)
-    monkeypatch.setattr(cm, "GU", cm.parse_gu(spec))
-    got = cm.moe_experts(x, ids, weights, e, o, fused=True)
-    assert float((got - want).norm() / want.norm()) < 1e-6
-
-
-def test_gu_spec():
-    assert cm.parse_gu("0") is None and cm.parse_gu("t2") == (2, None)
-    assert cm.parse_gu("t4n8") == (4, 8)
-    for bad in ("1", "t5", "t2n32", "n8"):
-        with pytest.raises(cm.MlxrunError, match="MLXRUN_MOE_GU"):
-            cm.parse_gu(bad)
