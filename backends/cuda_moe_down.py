@@ -42,12 +42,10 @@ def _joined_words(W, ids_t, rn, n_mask, rkw, kb, N, KWE: tl.constexpr, KW: tl.co
     the row of expert ids_t[w // KWE]."""
     kw = kb * (4 * LANES) + rkw
     j = kw // KWE
-    # .cg (L2, not L1): with EARLY these are read before the PDL wait, and the same
-    # addresses held the last graph replay's ids
     if EVEN:
-        e = tl.load(ids_t + j, cache_modifier=".cg")
+        e = tl.load(ids_t + j)
     else:
-        e = tl.load(ids_t + j, mask=kw < KW, other=0, cache_modifier=".cg")
+        e = tl.load(ids_t + j, mask=kw < KW, other=0)
     rows = e.to(tl.int64)[None, :] * N + rn[:, None]
     ptrs = W + rows * KWE + (kw - j * KWE)[None, :]
     if EVEN:
