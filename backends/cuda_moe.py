@@ -31,6 +31,7 @@ import torch
 import triton
 
 from mlxrun.backends.base import QuantizedWeight
+from mlxrun.backends.cuda_moe_down import choose_down, joined_fits, joined_launch, parse_down
 from mlxrun.backends.cuda_moe_kernels import (
     _moe_gemv,
     _moe_grouped,
@@ -52,6 +53,14 @@ _MODE = {"dense": 0, "affine": 1, "mxfp4": 2, "nvfp4": 3, "mxfp8": 4}
 FUSED = os.environ.get("MLXRUN_MOE_FUSED", "1") != "0"
 
 
+# The top-k's rounds over the values' order-preserving int32 bits: an integer max (one
+# redux.sync on a warp) where a float max took 5 shuffles (_topk_store's PACKED; sm_90, the
+# route kernel at 128 experts, top-8: 53 -> 8 SHFL). H200, qwen3-30b-a3b's router alone
+# (linear + route) 3.30 -> 3.07 us. MLXRUN_MOE_TOPK: "1" integer keys (default), "0" the
+# float max (A/B).
+TOPK_PACKED = os.environ.get("MLXRUN_MOE_TOPK", "1") == "1"
+
+
 def route(logits: torch.Tensor, o) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits (N, E) -> (weights (N, k) float32, expert ids (N, k) int32) in one
     launch: torch_moe.route's arithmetic without its topk/softmax/copy kernels (~10 a layer
@@ -64,7 +73,7 @@ def route(logits: torch.Tensor, o) -> tuple[torch.Tensor, torch.Tensor]:
         _route_kernel[(n,)](
             logits.contiguous(), w, ids, E, TOP_K=k, KP=triton.next_power_of_2(k),
             BLOCK_E=triton.next_power_of_2(E), SOFTMAX_FIRST=o.routing == "softmax_topk",
-            NORM=o.norm_topk, num_warps=1 if E <= 128 else 4,
+            NORM=o.norm_topk, PACKED=TOPK_PACKED, num_warps=1 if E <= 128 else 4,
             **(pdl_args(logits.device) if FUSED else {}),
         )  # fmt: skip
     return w, ids
@@ -125,7 +134,7 @@ def route_linear(x: torch.Tensor, w: torch.Tensor, bias, o) -> tuple[torch.Tenso
             BLOCK_K=block_k, EVEN=E % rows == 0 and K % block_k == 0,
             ONE_STEP=K <= block_k, TOP_K=k, KP=triton.next_power_of_2(k),
             BLOCK_E=triton.next_power_of_2(E), SOFTMAX_FIRST=o.routing == "softmax_topk",
-            NORM=o.norm_topk, num_warps=warps, **pdl_args(x.device),
+            NORM=o.norm_topk, PACKED=TOPK_PACKED, num_warps=warps, **pdl_args(x.device),
         )  # fmt: skip
     return wout, ids
 
@@ -302,6 +311,26 @@ def _default_qconfig(p: PackedExperts) -> QConfig:
     bn = 16 if w.mode == "affine" else 8
     prefetch = not (w.mode == "mxfp8" and warps > 1 and ksteps > 2)
     return QConfig(warps, bn, prefetch)
+
+
+# The down projection of a token's k slots as one GEMV over their joined rows
+# (cuda_moe_down.py: no partials or ticket), where the per-slot kernel's programs each read
+# one slot's short rows (qwen3-30b-a3b: 384 bytes). H200, the captured batch-1 step
+# (moe_fused_ab.py --down 0;1 --topk 0,1, best of 3 alternated rounds), per-slot + float
+# top-k -> joined with its first weights before the PDL wait + integer top-k: qwen3-30b-a3b
+# int4 1.806 -> 1.685 ms (-6.7%), gpt-oss-20b fp4 1.579 -> 1.541 (-2.4%). MLXRUN_MOE_DOWN: "0" the per-slot kernel, "1" (default) joined
+# with choose_down's launch, or "wXnY" joined with X warps, Y rows, and
+# "wXnYe" its first weights loaded before the PDL wait (A/B).
+DOWN = parse_down(os.environ.get("MLXRUN_MOE_DOWN", "1"))
+
+
+def _down(h, flat, rw, y, dn: PackedExperts, bias, o, k: int) -> None:
+    """The fused down launch: joined (DOWN) where it fits, else the per-slot kernel."""
+    if DOWN and joined_fits(dn, k):
+        warps, rows, early = DOWN if isinstance(DOWN, tuple) else choose_down(dn, k)
+        joined_launch(h, flat, rw, y, dn, bias, k, warps, rows, early, pdl_args(h.device))
+    else:
+        _qlaunch(h, flat, y, rw, dn, bias, None, 1, o, True, top_k=k)
 
 
 def _fused_args(out, top_k: int) -> dict:
@@ -490,7 +519,7 @@ def moe_experts(x, ids, weights, e, o, grouped: bool | None = None, out_dtype=No
         else:
             gu, dn = packed
             _qlaunch(x, flat, h, rw, gu, e.gate_bias, e.up_bias, k, o, False)
-            _qlaunch(h, flat, y, rw, dn, e.down_bias, None, 1, o, True, top_k=k)
+            _down(h, flat, rw, y, dn, e.down_bias, o, k)
         return y
     y = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
     if packed is None:

@@ -206,24 +206,8 @@ def _moe_qgemv(X, IDS, OUT, RW, W, S, B, BIAS1, BIAS2, N, K, X_DIV, limit, alpha
     out = _gemv_sum(acc, MODE)  # [8]
     out_row = OUT + s.to(tl.int64) * N
     if GATED:
-        if HALVES == 2:
-            g = out
-            u = _gemv_sum(acc_h, MODE)
-            rg = pid_n * 8 + tl.arange(0, 8)
-        else:
-            g, u = tl.split(tl.trans(tl.reshape(out, [2, 4])))  # rows 0-3 gate, 4-7 up
-            rg = pid_n * 4 + tl.arange(0, 4)
-        m = rg < N
-        if HAS_BIAS:
-            g += tl.load(BIAS1 + e * N + rg, mask=m, other=0.0).to(tl.float32)
-            u += tl.load(BIAS2 + e * N + rg, mask=m, other=0.0).to(tl.float32)
-        if ACT == 0:  # SiLU(gate) * up
-            y = g / (1.0 + tl.exp(-g)) * u
-        else:  # gpt-oss: gate clamped above, up both sides, (up + 1) * gate * sigmoid(a*gate)
-            g = tl.minimum(g, limit)
-            u = tl.minimum(tl.maximum(u, -limit), limit)
-            y = (u + 1.0) * g / (1.0 + tl.exp(-alpha * g))
-        tl.store(out_row + rg, y.to(OUT.dtype.element_ty), mask=m)
+        _gated_store(out, acc_h, pid_n, e, N, out_row, BIAS1, BIAS2, limit, alpha, MODE,
+                     ACT, HAS_BIAS, HALVES)  # fmt: skip
     else:
         if HAS_BIAS:
             out += tl.load(BIAS1 + e * N + rn, mask=n_mask, other=0.0).to(tl.float32)
@@ -248,6 +232,33 @@ def _moe_qgemv(X, IDS, OUT, RW, W, S, B, BIAS1, BIAS2, N, K, X_DIV, limit, alpha
 
 
 @triton.jit
+def _gated_store(out, acc_h, pid_n, e, N, out_row, BIAS1, BIAS2, limit, alpha,
+                 MODE: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 HALVES: tl.constexpr):  # fmt: skip
+    """The gate/up epilogue of row tile pid_n: out [8] the summed first half (HALVES 2: 8
+    gate rows, acc_h their up rows' lanes; 1: rows 0-3 gate, 4-7 up) of expert e -> the
+    activation of its BLOCK_N // 2 outputs (+ the expert's biases) at out_row."""
+    if HALVES == 2:
+        g = out
+        u = _gemv_sum(acc_h, MODE)
+        rg = pid_n * 8 + tl.arange(0, 8)
+    else:
+        g, u = tl.split(tl.trans(tl.reshape(out, [2, 4])))  # rows 0-3 gate, 4-7 up
+        rg = pid_n * 4 + tl.arange(0, 4)
+    m = rg < N
+    if HAS_BIAS:
+        g += tl.load(BIAS1 + e * N + rg, mask=m, other=0.0).to(tl.float32)
+        u += tl.load(BIAS2 + e * N + rg, mask=m, other=0.0).to(tl.float32)
+    if ACT == 0:  # SiLU(gate) * up
+        y = g / (1.0 + tl.exp(-g)) * u
+    else:  # gpt-oss: gate clamped above, up both sides, (up + 1) * gate * sigmoid(a*gate)
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        y = (u + 1.0) * g / (1.0 + tl.exp(-alpha * g))
+    tl.store(out_row + rg, y.to(out_row.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _slot_sum(y, rows, mask, s, pid_n, n_tiles, N, OUT, PART, CNT, TOP_K: tl.constexpr):
     """Slot s's weighted outputs y at `rows` of its token t = s // TOP_K, summed over the
     token's TOP_K slots: y goes to PART (S, N) float32 and the (t, row tile) ticket is taken
@@ -264,7 +275,8 @@ def _slot_sum(y, rows, mask, s, pid_n, n_tiles, N, OUT, PART, CNT, TOP_K: tl.con
 @triton.jit
 def _route_kernel(L, WOUT, IDS, E, TOP_K: tl.constexpr, KP: tl.constexpr,
                   BLOCK_E: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
-                  NORM: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+                  NORM: tl.constexpr, PACKED: tl.constexpr = False,
+                  PDL: tl.constexpr = False):  # fmt: skip
     """Token t = program 0: its E router logits L[t] -> the top-k experts IDS[t] (int32,
     best first) and their weights WOUT[t] (float32), as torch_moe.route computes them
     (_topk_store). PDL: the logits come from the router's linear; the expert kernels after
@@ -277,32 +289,63 @@ def _route_kernel(L, WOUT, IDS, E, TOP_K: tl.constexpr, KP: tl.constexpr,
     m = offs < E
     z = tl.load(L + t * E + offs, mask=m, other=float("-inf")).to(tl.float32)
     _topk_store(z, m, offs, WOUT + t * TOP_K, IDS + t * TOP_K, TOP_K, KP, BLOCK_E,
-                SOFTMAX_FIRST, NORM)  # fmt: skip
+                SOFTMAX_FIRST, NORM, PACKED)  # fmt: skip
+
+
+@triton.jit
+def _key(v):
+    """float32 -> int32 in the same order (-0.0 just below +0.0; no NaNs)."""
+    bits = v.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _unkey(k):
+    """_key's inverse."""
+    return (k ^ ((k >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _topk_store(z, m, offs, WOUT, IDS, TOP_K: tl.constexpr, KP: tl.constexpr,
-                BLOCK_E: tl.constexpr, SOFTMAX_FIRST: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
+                BLOCK_E: tl.constexpr, SOFTMAX_FIRST: tl.constexpr, NORM: tl.constexpr,
+                PACKED: tl.constexpr = False):  # fmt: skip
     """One token's logits z [BLOCK_E] float32 (-inf past E, m = offs < E) -> its top-k
     expert ids IDS[0:k] and weights WOUT[0:k]: SOFTMAX_FIRST: softmax over all E in fp32,
     the k largest, renormalised to sum 1 when NORM; else the k largest logits, softmax over
     those k. Larger first, ties to the lower index (KP: k rounded up to a power of two):
-    k rounds of max + the lowest index holding it. (Ranks from one E x E comparison, three
-    reductions in all, were slower on an H200: 7.8 against 3.4 us for qwen3's 128 experts.)"""
+    k rounds of max + the lowest index holding it (PACKED: the max over the values'
+    order-preserving int32 bits, integer reductions both). (Ranks from one E x E
+    comparison, three reductions in all, were slower on an H200: 7.8 against 3.4 us for
+    qwen3's 128 experts.)"""
     if SOFTMAX_FIRST:
-        p = tl.exp(z - tl.max(z, axis=0))
+        if PACKED:
+            zmax = _unkey(tl.max(_key(z), axis=0))
+        else:
+            zmax = tl.max(z, axis=0)
+        p = tl.exp(z - zmax)
         v = tl.where(m, p / tl.sum(p, axis=0), -1.0)
     else:
         v = z
     slot = tl.arange(0, KP)
     vals = tl.zeros([KP], tl.float32)
     ids = tl.zeros([KP], tl.int32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(v, axis=0)
-        idx = tl.min(tl.where(v == best, offs, BLOCK_E), axis=0)
-        vals = tl.where(slot == j, best, vals)
-        ids = tl.where(slot == j, idx, ids)
-        v = tl.where(offs == idx, float("-inf"), v)
+    if PACKED:  # int32 keys (the floats' order-preserving bits): both reductions of a round
+        # are 32-bit integer ones, one redux.sync each on a warp, where a float max is 5
+        # shuffles (sm_90: the route kernel's 53 SHFL at 128 experts, top-8)
+        key = _key(v)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(key, axis=0)
+            idx = tl.min(tl.where(key == best, offs, BLOCK_E), axis=0)
+            vals = tl.where(slot == j, _unkey(best), vals)
+            ids = tl.where(slot == j, idx, ids)
+            key = tl.where(offs == idx, -2147483648, key)  # below every float's key
+    else:
+        for j in tl.static_range(TOP_K):
+            best = tl.max(v, axis=0)
+            idx = tl.min(tl.where(v == best, offs, BLOCK_E), axis=0)
+            vals = tl.where(slot == j, best, vals)
+            ids = tl.where(slot == j, idx, ids)
+            v = tl.where(offs == idx, float("-inf"), v)
     km = slot < TOP_K
     if SOFTMAX_FIRST:
         w = vals
@@ -320,7 +363,8 @@ def _router_kernel(X, W, BIAS, L, WOUT, IDS, CNT, E, K, HAS_BIAS: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
                    ONE_STEP: tl.constexpr, TOP_K: tl.constexpr,
                    KP: tl.constexpr, BLOCK_E: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
-                   NORM: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+                   NORM: tl.constexpr, PACKED: tl.constexpr = False,
+                   PDL: tl.constexpr = False):  # fmt: skip
     """The router's linear and the routing in one launch. Program (token t, BLOCK_N rows of
     the router W (E, K)): the rows' logits x[t] @ W^T as cuda_ops.dense_gemv computes them
     (the same tiles and sums, rounded to x's dtype, then + bias rounded again, as the linear
@@ -365,7 +409,7 @@ def _router_kernel(X, W, BIAS, L, WOUT, IDS, CNT, E, K, HAS_BIAS: tl.constexpr,
         m = offs < E
         zz = tl.load(l_row + offs, mask=m, other=float("-inf"), cache_modifier=".cg")
         _topk_store(zz.to(tl.float32), m, offs, WOUT + t * TOP_K, IDS + t * TOP_K, TOP_K, KP,
-                    BLOCK_E, SOFTMAX_FIRST, NORM)  # fmt: skip
+                    BLOCK_E, SOFTMAX_FIRST, NORM, PACKED)  # fmt: skip
 
 
 @triton.jit

@@ -7,6 +7,7 @@ order every other round), so load time and drift are shared.
     python3 benchmarks/moe_fused_ab.py --model shape:gpt-oss-20b --quant fp4 --rounds 3
     python3 benchmarks/moe_fused_ab.py --variants 1 --qcfg 'auto;gu:w2;dn:n8'
     python3 benchmarks/moe_fused_ab.py --variants 1 --router 0,1
+    python3 benchmarks/moe_fused_ab.py --variants 1 --down '0;1;w2n8' --topk 0,1
 
 H100 (benchmarks/results/h100-moe-fused.txt), ms a step, 0 -> 1: qwen3-30b-a3b int4 2.247 ->
 1.958 (445.1 -> 510.8 tok/s), gpt-oss-20b fp4 2.181 -> 2.075 (458.5 -> 482.0).
@@ -55,6 +56,12 @@ def main() -> None:
     ap.add_argument("--attn", default="auto",
                     help="decode attention launches, ';' between them, each as "
                          "MLXRUN_ATTN_LAUNCH, e.g. 'auto;block=32'")  # fmt: skip
+    ap.add_argument("--down", default="auto",
+                    help="down kernels, ';' between them, each as MLXRUN_MOE_DOWN, e.g. "
+                         "'0;1;w2n8': per slot (0) or the joined GEMV (cuda_moe_down.py)")  # fmt: skip
+    ap.add_argument("--topk", default="auto",
+                    help="the top-k's form, as MLXRUN_MOE_TOPK, e.g. 0,1: float max (0) or "
+                         "integer keys (1)")  # fmt: skip
     a = ap.parse_args()
     from mlxrun.backends import cuda_attention, torch_weights
     from mlxrun.backends.torch_backend import TorchBackend
@@ -65,10 +72,11 @@ def main() -> None:
     be = TorchBackend("cuda", "bfloat16")
     (qn, spec), *_ = _quant_specs([a.quant]).items()
     model = build_random(cfg, be, spec)
-    variants = [(int(v), q, r + "/" + t + "/" + b + "/" + at) for v in a.variants.split(",")
+    variants = [(int(v), q, r + "/" + t + "/" + b + "/" + at + "/" + d + "/" + tk) for v in a.variants.split(",")
                 for q in a.qcfg.split(";") for r in a.router.split(",")
                 for t in a.router_tile.split(";") for b in a.bias.split(",")
-                for at in a.attn.split(";")]  # fmt: skip
+                for at in a.attn.split(";") for d in a.down.split(";")
+                for tk in a.topk.split(",")]  # fmt: skip
     cache = model.make_cache(1, a.context + a.reps + 64)
     ids = torch.randint(0, cfg.vocab_size, (1, a.context), device="cuda")
     chunk = prefill_chunk_for(be.name, be.memory_kind, 1)
@@ -82,12 +90,15 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()} {a.model} {qn} batch 1, context {a.context}")
     res: dict[tuple, list[float]] = {v: [] for v in variants}
     qcfg, router, tile, bias = cm.QCFG, cm.ROUTER, cm.ROUTER_TILE, torch_weights._BIAS_IN_GEMV
+    down, topk = cm.DOWN, cm.TOPK_PACKED
     attn = cuda_attention._env_launch  # what decode_attention reads (MLXRUN_ATTN_LAUNCH)
     for r in range(a.rounds):
         for v, q, rt in variants if r % 2 == 0 else variants[::-1]:
             cm.FUSED = bool(v)
             cm.QCFG = qcfg if q == "auto" else cm.parse_qcfg(q)
-            r_, t_, b_, at_ = rt.split("/")
+            r_, t_, b_, at_, d_, tk_ = rt.split("/")
+            cm.DOWN = down if d_ == "auto" else cm.parse_down(d_)
+            cm.TOPK_PACKED = topk if tk_ == "auto" else tk_ == "1"
             launch = cuda_attention.AttnLaunch.from_spec(at_) if at_ != "auto" else None
             cuda_attention._env_launch = attn if launch is None else (lambda x=launch: x)
             torch_weights._BIAS_IN_GEMV = bias if b_ == "auto" else b_ != "0"
@@ -100,11 +111,11 @@ def main() -> None:
             ms = events_ms(lambda dec=dec, tok=tok: dec(tok), reps=a.reps)
             dec.close()
             res[v, q, rt].append(ms)
-            print(f"  round {r} fused={v} qcfg={q} router/tile/bias/attn={rt}: {ms:.4f} ms/step "
+            print(f"  round {r} fused={v} qcfg={q} router/tile/bias/attn/down/topk={rt}: {ms:.4f} ms/step "
                   f"{1e3 / ms:8.1f} tok/s", flush=True)  # fmt: skip
     for (v, q, rt), ms in res.items():
         best = min(ms)
-        print(f"{a.model} {qn} fused={v} qcfg={q} router/tile/bias/attn={rt}: best {best:.4f} ms/step {1e3 / best:.1f} tok/s "
+        print(f"{a.model} {qn} fused={v} qcfg={q} router/tile/bias/attn/down/topk={rt}: best {best:.4f} ms/step {1e3 / best:.1f} tok/s "
               f"(all: {', '.join(f'{m:.4f}' for m in ms)})")  # fmt: skip
 
 

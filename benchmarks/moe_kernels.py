@@ -7,7 +7,9 @@ step actually reads, against the copy bandwidth measured in the same run.
     python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --path slot,grouped --batch 8,16,32,64
     python3 benchmarks/moe_kernels.py --formats int4,mxfp4 --batch 1 --fused 0,1 --no-per-slot
     python3 benchmarks/moe_kernels.py --batch 1 --no-per-slot --qcfg 'auto;gu:w2;dn:n8'
+    python3 benchmarks/moe_kernels.py --batch 1 --no-per-slot --down '0;w2n16;w1n8'
     python3 benchmarks/moe_kernels.py --router      # router linear + route vs route_linear
+    python3 benchmarks/moe_kernels.py --router --router-tile 'auto;4,1,64;1,1,64' --topk 0,1
     TRITON_INTERPRET=1 python3 benchmarks/moe_kernels.py --tiny        # CPU: values only
 
 Shapes: gpt-oss-20b (32 experts, top-4, hidden = intermediate = 2880, biases, clamped
@@ -31,6 +33,9 @@ int4 23.0 (24.1) -> 19.5 (19.6), gpt-oss-20b mxfp4 46.6 (47.0) -> 43.4 (42.6).
 Packed formats' rows take the decode path moe_experts picks (per slot below 2 slots an
 expert, else grouped by expert: cuda_moe.grouped_wins); --path slot,grouped times both
 (format/s, format/g), --warps the per-slot kernel's warps a program (format/w2).
+--down times the down launch's kernels (as MLXRUN_MOE_DOWN: 0 per slot, 1 or wXnY the
+joined GEMV of cuda_moe_down.py, /d0, /d1.. rows); `gu us` is the gate/up launch alone (the
+same routes), so `us` - `gu us` is down's share.
 `per-slot` times the kernel that reads each slot's expert on its own (`_moe_gemv`, the path
 before the packed one) on the same weights and routes, for comparison in the same process;
 `err` is the packed result's relative difference from it.
@@ -206,7 +211,19 @@ def row(shape, name, o, layers, stored, batch, calls, bw, slots) -> str:
         ids, w, _ = rs[i]
         return per_slot(xs[i], ids, w, stored[i % copies], o)
 
+    flats = [ids.reshape(-1).to(torch.int32) for ids, _, _ in rs]  # made outside the graph
+    rw = torch.ones(batch * k, dtype=torch.float32, device=dev)  # unused (not SCALED)
+    h = torch.empty((batch * k, I), dtype=torch.bfloat16, device=dev)
+
+    def gate_up(i):
+        p = cm.prepared(layers[i % copies])
+        if p is not None:
+            e = layers[i % copies]
+            cm._qlaunch(xs[i], flats[i], h, rw, p[0], e.gate_bias, e.up_bias, k, o, False)
+        return h
+
     us = events_ms(graphed(packed, calls)) * 1e3 / calls
+    gus = events_ms(graphed(gate_up, calls)) * 1e3 / calls
     rus = events_ms(graphed(routed, calls)) * 1e3 / calls
     torch.cuda.synchronize()
     fused, cm.FUSED = cm.FUSED, False
@@ -216,7 +233,8 @@ def row(shape, name, o, layers, stored, batch, calls, bw, slots) -> str:
     err0 = max(float((outs[i].float() - r).norm() / r.norm()) for i, r in enumerate(ref))
     gbs = nbytes / us / 1e3
     line = (f"{shape:<14} {name:<9} {batch:>5} {used:>7.1f} {nbytes / 1e6:>7.1f} "
-            f"{us:>8.1f} {gbs:>6.0f} {100 * gbs * 1e9 / bw:>5.1f}% {rus:>8.1f} {err0:>7.1e}")  # fmt: skip
+            f"{us:>8.1f} {gbs:>6.0f} {100 * gbs * 1e9 / bw:>5.1f}% {rus:>8.1f} {err0:>7.1e} "
+            f"{gus:>6.1f}")  # fmt: skip
     if slots:
         sus = events_ms(graphed(slot, calls)) * 1e3 / calls
         ref = slot(0).float()
@@ -260,6 +278,7 @@ _CHOOSE = cm.choose_qconfig
 _WINS = cm.grouped_wins
 _FUSED = cm.FUSED
 _QCFG = cm.QCFG
+_DOWN = cm.DOWN
 
 
 def _forced(grouped: bool):
@@ -291,8 +310,16 @@ def main() -> None:
     ap.add_argument("--qcfg", default="auto",
                     help="packed kernel launches to time, ';' between them, each as "
                          "MLXRUN_MOE_QCFG, e.g. 'auto;gu:w2;dn:n8' (a row each: /q1, /q2..)")  # fmt: skip
+    ap.add_argument("--down", default="auto",
+                    help="down kernels to time, ';' between them, each as MLXRUN_MOE_DOWN, e.g. "
+                         "'0;1;w2n16' (a row each: /d0, /d1..)")  # fmt: skip
     ap.add_argument("--router", action="store_true",
                     help="time the router alone (linear + route against route_linear), then stop")  # fmt: skip
+    ap.add_argument("--router-tile", default="auto",
+                    help="--router: route_linear's tiles, ';' between them, as "
+                         "MLXRUN_MOE_ROUTER_TILE (rows,warps,vec), e.g. 'auto;4,1,64'")  # fmt: skip
+    ap.add_argument("--topk", default="auto",
+                    help="--router: the top-k's form, as MLXRUN_MOE_TOPK, e.g. 0,1")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="CPU values check (TRITON_INTERPRET=1)")
     a = ap.parse_args()
     if a.tiny:
@@ -305,14 +332,26 @@ def main() -> None:
           f"L2 {l2 >> 20} MiB")  # fmt: skip
     if a.router:
         for shape in a.shape.split(","):
-            print(router_row(shape, a.calls, l2), flush=True)
+            for tile in a.router_tile.split(";"):
+                if tile != "auto":
+                    cm.ROUTER_TILE = tuple(int(v) for v in tile.split(","))
+                for topk in a.topk.split(","):
+                    cm.TOPK_PACKED = topk == "1" if topk != "auto" else cm.TOPK_PACKED
+                    print(f"{router_row(shape, a.calls, l2)} [tile {cm.ROUTER_TILE}, "
+                          f"topk {int(cm.TOPK_PACKED)}]", flush=True)  # fmt: skip
         return
     qcfgs = a.qcfg.split(";")
     for i, q in enumerate(qcfgs):
         if q != "auto":
             print(f"# q{i}: MLXRUN_MOE_QCFG={q}")
+    downs = a.down.split(";")
+    for i, d in enumerate(downs):
+        if d != "auto":
+            print(f"# d{i}: MLXRUN_MOE_DOWN={d}")
+
     print(f"{'shape':<14} {'format':<9} {'batch':>5} {'experts':>7} {'MB':>7} "
-          f"{'us':>8} {'GB/s':>6} {'%copy':>6} {'route+us':>8} {'err0':>7} {'per-slot us':>11} "
+          f"{'us':>8} {'GB/s':>6} {'%copy':>6} {'route+us':>8} {'err0':>7} {'gu us':>6} "
+          f"{'per-slot us':>11} "
           f"{'%copy':>6} {'err':>8}")  # fmt: skip
     for shape in a.shape.split(","):
         E = SHAPES[shape][0]
@@ -338,14 +377,17 @@ def main() -> None:
                             cm.FUSED = _FUSED if fused == "auto" else fused != "0"
                             for qi, q in enumerate(qcfgs if fmt is not None else ["auto"]):
                                 cm.QCFG = _QCFG if q == "auto" else cm.parse_qcfg(q)
-                                label = name + ("" if path == "auto" else f"/{path[0]}")
-                                label += "" if warps == "auto" else f"/w{warps}"
-                                label += "" if fused == "auto" else f"/f{fused}"
-                                label += "" if q == "auto" else f"/q{qi}"
-                                print(row(shape, label, o, layers, stored, batch, a.calls, bw,
-                                          not a.no_per_slot), flush=True)  # fmt: skip
+                                for di, d in enumerate(downs if fmt is not None else ["auto"]):
+                                    cm.DOWN = _DOWN if d == "auto" else cm.parse_down(d)
+                                    label = name + ("" if path == "auto" else f"/{path[0]}")
+                                    label += "" if warps == "auto" else f"/w{warps}"
+                                    label += "" if fused == "auto" else f"/f{fused}"
+                                    label += "" if q == "auto" else f"/q{qi}"
+                                    label += "" if d == "auto" else f"/d{di}"
+                                    print(row(shape, label, o, layers, stored, batch, a.calls,
+                                              bw, not a.no_per_slot), flush=True)  # fmt: skip
                 cm.choose_qconfig, cm.grouped_wins, cm.FUSED = _CHOOSE, _WINS, _FUSED
-                cm.QCFG = _QCFG
+                cm.QCFG, cm.DOWN = _QCFG, _DOWN
             del layers, stored, one
             torch.cuda.empty_cache()
 

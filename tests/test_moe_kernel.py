@@ -33,9 +33,11 @@ if not HAS_CUDA and type(tk._gemv_step).__name__ != "InterpretedFunction":
     tk = importlib.reload(tk)
     tgm = importlib.reload(tgm)
     ck = importlib.reload(ck)
+    importlib.reload(importlib.import_module("mlxrun.backends.cuda_moe_down"))
     cm = importlib.reload(cm)
 elif not HAS_CUDA and type(ck._moe_qgemv).__name__ != "InterpretedFunction":
     ck = importlib.reload(ck)
+    importlib.reload(importlib.import_module("mlxrun.backends.cuda_moe_down"))
     cm = importlib.reload(cm)
 
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -196,11 +198,15 @@ def test_qcfg_refuses_what_it_cannot_read():
                                                ("softmax_topk", False, 8, 2),
                                                ("topk_softmax", False, 32, 4),
                                                ("topk_softmax", False, 12, 3)])  # fmt: skip
-def test_route_kernel_matches_torch(routing, norm, E2, k):
+@pytest.mark.parametrize("packed", [False, True], ids=["rounds", "packed"])
+def test_route_kernel_matches_torch(routing, norm, E2, k, packed, monkeypatch):
+    """Both top-k forms (_topk_store's PACKED): ties, negative logits and probabilities."""
+    monkeypatch.setattr(cm, "TOPK_PACKED", packed)
     rng = np.random.default_rng(2)
     o = MoEOptions(E2, k, 8, routing, norm_topk=norm)
     logits = torch.from_numpy(rng.standard_normal((5, E2))).float().to(DEV)
     logits[0, 1] = logits[0, 3] = logits[0].max() + 1  # a tie on top: the lower index first
+    logits[1] = -logits[1].abs() - 1  # every logit negative
     w_want, ids_want = torch_moe.route(logits, o)
     ids_want[0, :2] = torch.tensor([1, 3])  # torch.topk orders ties as it likes
     w, ids = cm.route(logits, o)
@@ -251,7 +257,8 @@ def test_router_kernel_matches_linear_and_route(routing, norm, E2, k, K2, bias, 
     if b is not None:
         logits = logits + b
     w_want, ids_want = cm.route(logits, o)
-    for _ in range(2):  # the second launch finds the tickets reset by the first
+    for packed in (False, True):  # the second launch finds the tickets reset by the first
+        monkeypatch.setattr(cm, "TOPK_PACKED", packed)
         w_got, ids_got = cm.route_linear(x, w, b, o)
         assert ids_got.tolist() == ids_want.tolist()
         assert torch.equal(w_got, w_want)
@@ -384,3 +391,61 @@ def test_fused_slot_sum(fmt):
     assert got.dtype == torch.bfloat16
     # within one bf16 step of the float32 sum (the interpreter rounds toward zero)
     assert bool(((got.float() - old).abs() <= old.abs() * 2**-7 + 1e-6).all())
+
+
+# The joined down kernel (cuda_moe_down._moe_down: a token's k slots as one GEMV over their
+# rows joined): 4-bit rows of 32 inputs (4 words: the joined row of 3 slots part-masked in
+# one step), 512 (64 words, 3 slots: 192 words, a pair of 1-warp steps, the second masked;
+# 4 slots: 256, two whole steps or one 2-warp step, no masks) and 1024 (3 one-warp steps: the
+# pair, then the odd last one); 8 and 16 rows; gpt-oss's biases; each format with a k-step.
+JOINED = [
+    pytest.param(f, i2, k2, cfg, marks=() if (f, i2, cfg) == (("affine", 4, 32), 512, (1, 16, False))
+                 else LONG_ON_CPU, id=f"{''.join(map(str, f))}-i{i2}-k{k2}-w{cfg[0]}n{cfg[1]}{'e' if cfg[2] else ''}")
+    for f, i2, k2, cfg in [
+        (("affine", 4, 32), 512, 3, (1, 16, False)),
+        (("affine", 4, 32), 512, 4, (1, 8, False)),
+        (("affine", 4, 32), 512, 4, (2, 16, True)),
+        (("affine", 4, 32), 1024, 3, (1, 8, False)),
+        (("affine", 4, 32), 32, 3, (2, 8, False)),
+        (("affine", 8, 32), 256, 3, (1, 16, False)),
+        (("mxfp4", 4, 32), 512, 3, (1, 8, False)),
+        (("nvfp4", 4, 16), 512, 3, (1, 8, False)),
+    ]
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt,i2,k2,cfg", JOINED)
+def test_joined_down(fmt, i2, k2, cfg, monkeypatch):
+    """The joined down kernel against the per-slot one (both summing the token's slots) and
+    the torch expert path: 2 tokens, k2 of 5 experts, bf16 x, float32 and bf16 outputs."""
+    rng = np.random.default_rng(6)
+    E2, H2, T2 = 5, 32, 2
+    o = MoEOptions(E2, k2, i2, "topk_softmax", act="swiglu_clamped", bias=True)
+    w = {n: (0.2 * rng.standard_normal(s)).astype(np.float32)
+         for n, s in (("gate", (E2, i2, H2)), ("up", (E2, i2, H2)), ("down", (E2, H2, i2)))}  # fmt: skip
+    e = Experts(None, *(_stack(w[n], fmt) for n in ("gate", "up", "down")))
+    for n, width in (("gate_bias", i2), ("up_bias", i2), ("down_bias", H2)):
+        setattr(e, n, torch.from_numpy(0.3 * rng.standard_normal((E2, width))).float().to(DEV))
+    x = torch.from_numpy(rng.standard_normal((T2, H2))).to(torch.bfloat16).to(DEV)
+    logits = torch.from_numpy(rng.standard_normal((T2, E2))).float().to(DEV)
+    weights, ids = cm.route(logits, o)
+    want = (torch_moe._gathered(x.float(), ids.long(), e, o) * weights.unsqueeze(-1)).sum(1)
+    monkeypatch.setattr(cm, "DOWN", False)
+    old = cm.moe_experts(x, ids, weights, e, o, out_dtype=torch.float32, fused=True)
+    assert float((old - want).norm() / want.norm()) < 2e-2  # bf16 h
+    assert cm.joined_fits(cm.prepared(e)[1], k2)
+    monkeypatch.setattr(cm, "DOWN", cfg)
+    got = cm.moe_experts(x, ids, weights, e, o, out_dtype=torch.float32, fused=True)
+    assert float((got - old).norm() / old.norm()) < 1e-6
+    got = cm.moe_experts(x, ids, weights, e, o, fused=True)
+    assert got.dtype == torch.bfloat16
+    assert bool(((got.float() - old).abs() <= old.abs() * 2**-7 + 1e-6).all())
+
+
+def test_down_spec():
+    assert cm.parse_down("0") is False and cm.parse_down("1") is True
+    assert cm.parse_down("w2n16") == (2, 16, False)
+    assert cm.parse_down("w1n8e") == (1, 8, True)
+    for bad in ("2", "w3n8", "w2n32", "n8", "w2n8x"):
+        with pytest.raises(cm.MlxrunError, match="MLXRUN_MOE_DOWN"):
+            cm.parse_down(bad)
