@@ -318,9 +318,9 @@ def _default_qconfig(p: PackedExperts) -> QConfig:
 # one slot's short rows (qwen3-30b-a3b: 384 bytes). H200, the captured batch-1 step
 # (moe_fused_ab.py --down 0;1 --topk 0,1, best of 3 alternated rounds), per-slot + float
 # top-k -> joined with its first weights before the PDL wait + integer top-k: qwen3-30b-a3b
-# int4 1.806 -> 1.685 ms (-6.7%), gpt-oss-20b fp4 1.579 -> 1.541 (-2.4%). MLXRUN_MOE_DOWN: "0" the per-slot kernel, "1" (default) joined
-# with choose_down's launch, or "wXnY" joined with X warps, Y rows, and
-# "wXnYe" its first weights loaded before the PDL wait (A/B).
+# int4 1.806 -> 1.685 ms (-6.7%), gpt-oss-20b fp4 1.579 -> 1.541 (-2.4%). MLXRUN_MOE_DOWN:
+# "0" the per-slot kernel, "1" (default) joined with choose_down's launch, or "wXnY" joined
+# with X warps, Y rows, and "wXnYe" its first weights loaded before the PDL wait (A/B).
 DOWN = parse_down(os.environ.get("MLXRUN_MOE_DOWN", "1"))
 
 
