@@ -9,6 +9,7 @@ loads its shard (mlxrun.shard). Nothing here moves data beyond that one sum.
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -137,5 +138,8 @@ def _join_torch(be) -> Group:
         torch.cuda.set_device(local % torch.cuda.device_count())
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
+        # left to interpreter teardown, gloo's threads can be destroyed still joinable, and
+        # the process aborts ("terminate called without an active exception") after its work
+        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     dev = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
     return Group("torch", dist.get_rank(), dist.get_world_size(), None, dev, dist.get_backend())
