@@ -11,7 +11,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from mlxrun.backends.base import ring_slices
-from mlxrun.backends.mlx_backend import MLXCache
+from mlxrun.backends.mlx_cache import MLXCache
 from mlxrun.backends.slots import MLXSlotCache, SlotCache
 from mlxrun.kvquant import MLX_GROUP, MLX_MODE
 
