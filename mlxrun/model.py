@@ -140,7 +140,7 @@ class Transformer:
         final norm). Uses slot `i` of the cache and the rope table `rope` (the model's when
         None). With `last_row`, every position's keys and values are cached but only the
         last position's query attends and goes on: (h, x) are (B, 1, hidden). Calibration
-        runs layers one at a time through this (quant/calibrate.py)."""
+        runs layers one at a time through this (quant/calib_layers.py)."""
         be, c = self.be, self.config
         B, T = x.shape[0], x.shape[1]
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim

@@ -1,13 +1,14 @@
 """Per-layer bit widths from measured sensitivity (`convert --calibrate ... --target-bpw X`).
 
 Each linear's sensitivity at b bits (b in BITS) is measured by mixed_specs, layer by layer
-through calibrate.py's dense pass: the error rounding that linear alone causes in its
-layer's output, relative to that output. The widths minimise the sum of those errors over all linears
-subject to the file's bits per weight (codes, scales and biases of every quantized matrix,
-the embedding and head included) staying at or under the target: a Lagrangian sweep
-(each linear takes the width minimising error + lam * bytes, lam bisected to the budget),
-then the leftover bytes spent greedily on the upgrades that remove the most error per
-byte. The chosen widths go into config.json's per-layer overrides (mlx-lm's format).
+through calibration's dense pass (calib_layers.py): the error rounding that linear alone
+causes in its layer's output, relative to that output. The widths minimise the sum of
+those errors over all linears subject to the file's bits per weight (codes, scales and
+biases of every quantized matrix, the embedding and head included) staying at or under the
+target: a Lagrangian sweep (each linear takes the width minimising error + lam * bytes,
+lam bisected to the budget), then the leftover bytes spent greedily on the upgrades that
+remove the most error per byte. The chosen widths go into config.json's per-layer
+overrides (mlx-lm's format).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import dataclasses
 import numpy as np
 
 from mlxrun.errors import MlxrunError
+from mlxrun.quant.calib_layers import LINEARS, _layer, _run
 from mlxrun.quant.calib_search import fake_quant
 from mlxrun.quant.formats import QuantSpec
 
@@ -103,8 +105,6 @@ def mixed_specs(load, shell, hs, chunk, cfg, spec, espec, dtype, opts, progress)
     each: one width for all its experts (as mlx-lm's per-layer overrides store it), its
     bytes counted over every expert, its error from rounding all of them at once."""
     from tqdm.auto import tqdm  # noqa: PLC0415
-
-    from mlxrun.quant.calibrate import LINEARS, _layer, _run  # noqa: PLC0415 (it imports us)
 
     if spec.mode != "affine":
         raise MlxrunError(

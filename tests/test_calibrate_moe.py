@@ -191,11 +191,11 @@ def test_target_bpw_gives_each_stacked_expert_projection_a_width(moe_dir, tmp_pa
 
 
 def test_calibration_runs_each_layer_as_the_model_does(tiny_moe_dirs):
-    """The layer-by-layer forward calibration records its inputs from (quant/calibrate.py's
+    """The layer-by-layer forward calibration records its inputs from (quant/calib_layers.py's
     _run), on gpt-oss's layers (a window of 8 on layer 0 over 32-token windows, sinks,
     q/k/v/o biases, the clamped SwiGLU with biases), gives the model's own logits; run
     with the full layer's attention in place of the sliding one, it does not."""
-    from mlxrun.quant.calibrate import _run
+    from mlxrun.quant.calib_layers import _run
 
     m = mlxrun.load(tiny_moe_dirs["gpt_oss"], backend="cpu", dtype="float32", progress=False)
     tr, be = m.transformer, m.transformer.be
