@@ -51,7 +51,7 @@ def _take(w, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Experts `ids` (n,) of a stacked weight -> dense (n, out, in) in `dtype`."""
     if not isinstance(w, QuantizedWeight):
         return w[ids]
-    if w.weight is None:  # only the CUDA kernels' repack is held (cuda_moe.ExpertPart)
+    if w.weight is None:  # only the CUDA kernels' repack is held (cuda_moe_pack.ExpertPart)
         return w.kernel.dense(ids, dtype)
     from mlxrun.quant.torch_dequant import dequantize  # noqa: PLC0415
 

@@ -18,6 +18,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 import mlxrun.backends.cuda_moe as cm  # noqa: E402
 import mlxrun.backends.cuda_moe_kernels as ck  # noqa: E402
+import mlxrun.backends.cuda_moe_pack as cmp  # noqa: E402
 import mlxrun.quant.triton_gemm as tgm  # noqa: E402
 import mlxrun.quant.triton_gemv as tk  # noqa: E402
 from mlxrun.backends import torch_moe  # noqa: E402
@@ -95,7 +96,7 @@ def test_kernel_matches_torch_experts(fmt, gpt_oss):
     err = float((got - want).norm() / want.norm())
     assert err < 1e-5, err
     if fmt is not None:  # the repack replaced the stored experts: same bytes, same values
-        assert e.gate.weight is None and isinstance(e.up.kernel, cm.ExpertPart)
+        assert e.gate.weight is None and isinstance(e.up.kernel, cmp.ExpertPart)
         assert sum(w.kernel.nbytes for w in (e.gate, e.up, e.down)) == stored
         again = (torch_moe._gathered(x, ids, e, o) * weights.unsqueeze(-1)).sum(1)
         assert float((again - want).norm() / want.norm()) < 1e-6
@@ -129,14 +130,14 @@ def test_packed_kernel_ksteps(fmt, k, prefetch):
     dense = [torch_moe._take(q, ids.long(), torch.float32) for q in (gate, up)]  # (S, n, k)
     g, u = (torch.einsum("snk,sk->sn", d, x) for d in dense)
     cfg = cm.QConfig(warps=1, block_n=8, prefetch=prefetch)
-    packed = cm._prepare(Experts(None, gate, up, gate))
+    packed = cmp._prepare(Experts(None, gate, up, gate))
     assert packed is not None
     got = torch.empty((slots, n), device=DEV)
     cm._qlaunch(x, ids, got, rw, packed[0], None, None, 1, o, False, cfg)
     want = torch.nn.functional.silu(g) * u
     assert float((got - want).norm() / want.norm()) < 1e-5
     # one projection, 16 rows (two halves) and the routing weight applied
-    one = cm.PackedExperts(packed[0].w, 2 * n, k, False)
+    one = cmp.PackedExperts(packed[0].w, 2 * n, k, False)
     got = torch.empty((slots, 2 * n), device=DEV)
     cm._qlaunch(x, ids, got, rw, one, None, None, 1, o, True, cm.QConfig(1, 16, prefetch))
     want = torch.cat([g, u], dim=1) * rw[:, None]
@@ -166,8 +167,8 @@ def test_packed_kernel_launch_overrides(fmt, qcfg, monkeypatch):
     rw = torch.tensor([0.5, -1.5], device=DEV)
     dense = [torch_moe._take(q, ids.long(), torch.float32) for q in (gate, up)]
     g, u = (torch.einsum("snk,sk->sn", d, x) for d in dense)
-    packed = cm._prepare(Experts(None, gate, up, gate))
-    one = cm.PackedExperts(packed[0].w, 2 * n, k, False)  # down-like: 16 rows, no gate
+    packed = cmp._prepare(Experts(None, gate, up, gate))
+    one = cmp.PackedExperts(packed[0].w, 2 * n, k, False)  # down-like: 16 rows, no gate
     monkeypatch.setattr(cm, "QCFG", cm.parse_qcfg(qcfg))
     want_cfg = {p: dict(re.findall(r"([wnp])(\d+)", q)) for p, q in
                 (part.split(":") for part in qcfg.split(","))}  # fmt: skip
