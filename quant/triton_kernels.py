@@ -26,7 +26,7 @@ Without Triton or a GPU, `dequantize_torch` gives the dense weight for one layer
 Where the parts live: the layout, `prepare` and `dequantize_torch` in triton_layout.py; the
 code decode and epilogues every kernel shares in triton_decode.py; the GEMV in triton_gemv.py;
 the GEMM in triton_gemm.py; launch parameters, device properties and PDL in triton_launch.py.
-This module launches them.
+This module turns a launch's parameters into the kernels' constexprs and launches them.
 """
 
 from __future__ import annotations
@@ -41,11 +41,7 @@ from .triton_launch import (
     _TRITON_ERROR,
     GEMV_MAX_M,
     KernelConfig,
-    _constexprs,
     _counters,
-    _gemv_constexprs,
-    _packed_gemm,
-    _stream_constexprs,
     choose_config,
     pdl_args,
     stream_even,
@@ -89,6 +85,73 @@ def _check_runtime(x: torch.Tensor) -> None:
             f"qmatmul runs on CUDA tensors (got {x.device.type}); use dequantize_torch there, "
             "or set TRITON_INTERPRET=1 before importing triton to run the kernels on the CPU"
         )
+
+
+def _packed_gemm(w: QLinear, x_dtype) -> bool:
+    """The GEMM's packed bf16x2 decode applies: bf16 x and mxfp4, nvfp4, mxfp8, or affine
+    4-bit with bf16 scales and biases (affine 8-bit keeps the per-element path)."""
+    if x_dtype != torch.bfloat16:
+        return False
+    if w.mode == "affine":
+        return w.bits == 4 and w.scales.dtype == torch.bfloat16 and w.biases.dtype == torch.bfloat16
+    return True
+
+
+def _stream_constexprs(w, cfg: KernelConfig, silu: bool = False, ptx: bool = True) -> dict:
+    """_gemv_stream_kernel's constexprs for w under cfg (a "stream" config); ptx: the
+    per-word E4M3 decode in PTX (else through Triton's fp8 type: the interpreter)."""
+    kw = w.k * w.bits // 32
+    cvt = (2 if ptx else 1) if cfg.cvt and w.mode == "mxfp8" else 0
+    return dict(
+        MODE=_MODE_ID[w.mode],
+        BITS=w.bits,
+        G=w.group_size,
+        BLOCK_N=cfg.block_n,
+        KSTEPS=kw // (128 * cfg.num_warps),
+        KW=kw,
+        SILU=silu,
+        WARPS=cfg.num_warps,
+        CVT=cvt,
+        AHEAD=cfg.ahead,
+    )
+
+
+def _constexprs(w, cfg: KernelConfig, per: int, split: int) -> dict:
+    """The constexprs both kernels take: format, row block and the K split."""
+    return dict(
+        MODE=_MODE_ID[w.mode],
+        BITS=w.bits,
+        G=w.group_size,
+        BLOCK_N=cfg.block_n,
+        SPLIT_K=split,
+        KB_PER_SPLIT=per,
+    )
+
+
+def _gemv_constexprs(w, cfg: KernelConfig, silu: bool = False, dense: bool = True) -> dict:
+    """_gemv_kernel's constexprs for w (a QLinear, or anything with its n, k, bits,
+    group_size and mode) under cfg, as qmatmul launches it; benchmarks/sass_count.py compiles
+    the same. dense: w's rows and scales are contiguous."""
+    kw = w.k * w.bits // 32
+    step = 128 * cfg.num_warps  # words of a row per k-step (the warps split it)
+    ksteps = math.ceil(kw / step)
+    per = math.ceil(ksteps / cfg.split_k)
+    split = math.ceil(ksteps / per)  # no empty splits
+    # whole row blocks, k-steps and splits, contiguous rows: no masks, a constant stride
+    even = dense and w.n % cfg.block_n == 0 and kw == step * per * split
+    # with one k-step per split, PREFETCH still loads it before the loop (before gdc_wait)
+    return dict(
+        _constexprs(w, cfg, per, split),
+        PREFETCH=cfg.prefetch,
+        EVEN=even,
+        KW=kw if even else 0,
+        SILU=silu,
+        WARPS=cfg.num_warps,
+        SEQ=cfg.seq,
+        EARLY=cfg.early,
+        XVEC=cfg.xvec and w.k % 32 == 0,  # whole lanes of x in or past K (_gemv_xq)
+        QUADS=cfg.quads,
+    )
 
 
 def silu_fusable(x: torch.Tensor, w: QLinear, config: KernelConfig | None = None) -> bool:

@@ -1,7 +1,8 @@
 """How the quantized-linear kernels (triton_gemv.py, triton_gemm.py) are launched: Triton
 itself (or why it could not load), the device's properties, the launch parameters chosen per
-shape and format (`choose_config`, from the H100 sweeps in benchmarks/KERNEL_NOTES.md), the
-constexprs they imply, programmatic dependent launch, and the split-K tickets.
+shape and format (`choose_config`, from the H100 sweeps in benchmarks/KERNEL_NOTES.md),
+programmatic dependent launch, and the split-K tickets. The constexprs a choice implies are
+made where the kernels are launched (triton_kernels.py).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import functools
 import math
 import os
 
-from .triton_layout import _MODE_ID, QLinear
+from .triton_layout import QLinear
 
 try:
     import torch
@@ -171,16 +172,6 @@ def _split(n_tiles: int, ksteps: int, sms: int, waves: float) -> int:
     want = max(1, min(ksteps, math.ceil(waves * sms / max(n_tiles, 1))))
     per = math.ceil(ksteps / want)
     return math.ceil(ksteps / per)
-
-
-def _packed_gemm(w: QLinear, x_dtype) -> bool:
-    """The GEMM's packed bf16x2 decode applies: bf16 x and mxfp4, nvfp4, mxfp8, or affine
-    4-bit with bf16 scales and biases (affine 8-bit keeps the per-element path)."""
-    if x_dtype != torch.bfloat16:
-        return False
-    if w.mode == "affine":
-        return w.bits == 4 and w.scales.dtype == torch.bfloat16 and w.biases.dtype == torch.bfloat16
-    return True
 
 
 def _split_even(n_tiles: int, ksteps: int, sms: int, waves: float) -> int:
@@ -449,60 +440,3 @@ def choose_config(m: int, w: QLinear, device, x_dtype=None) -> KernelConfig:
     tiles = math.ceil(m / bm) * math.ceil(w.n / bn)
     sk = _split(tiles, ksteps, sms, 2.0) if tiles < sms else 1
     return KernelConfig("gemm", bm, bn, sk, ng, warps, 3, swap=swap)
-
-
-def _stream_constexprs(w, cfg: KernelConfig, silu: bool = False, ptx: bool = True) -> dict:
-    """_gemv_stream_kernel's constexprs for w under cfg (a "stream" config); ptx: the
-    per-word E4M3 decode in PTX (else through Triton's fp8 type: the interpreter)."""
-    kw = w.k * w.bits // 32
-    cvt = (2 if ptx else 1) if cfg.cvt and w.mode == "mxfp8" else 0
-    return dict(
-        MODE=_MODE_ID[w.mode],
-        BITS=w.bits,
-        G=w.group_size,
-        BLOCK_N=cfg.block_n,
-        KSTEPS=kw // (128 * cfg.num_warps),
-        KW=kw,
-        SILU=silu,
-        WARPS=cfg.num_warps,
-        CVT=cvt,
-        AHEAD=cfg.ahead,
-    )
-
-
-def _constexprs(w, cfg: KernelConfig, per: int, split: int) -> dict:
-    """The constexprs both kernels take: format, row block and the K split."""
-    return dict(
-        MODE=_MODE_ID[w.mode],
-        BITS=w.bits,
-        G=w.group_size,
-        BLOCK_N=cfg.block_n,
-        SPLIT_K=split,
-        KB_PER_SPLIT=per,
-    )
-
-
-def _gemv_constexprs(w, cfg: KernelConfig, silu: bool = False, dense: bool = True) -> dict:
-    """_gemv_kernel's constexprs for w (a QLinear, or anything with its n, k, bits,
-    group_size and mode) under cfg, as qmatmul launches it; benchmarks/sass_count.py compiles
-    the same. dense: w's rows and scales are contiguous."""
-    kw = w.k * w.bits // 32
-    step = 128 * cfg.num_warps  # words of a row per k-step (the warps split it)
-    ksteps = math.ceil(kw / step)
-    per = math.ceil(ksteps / cfg.split_k)
-    split = math.ceil(ksteps / per)  # no empty splits
-    # whole row blocks, k-steps and splits, contiguous rows: no masks, a constant stride
-    even = dense and w.n % cfg.block_n == 0 and kw == step * per * split
-    # with one k-step per split, PREFETCH still loads it before the loop (before gdc_wait)
-    return dict(
-        _constexprs(w, cfg, per, split),
-        PREFETCH=cfg.prefetch,
-        EVEN=even,
-        KW=kw if even else 0,
-        SILU=silu,
-        WARPS=cfg.num_warps,
-        SEQ=cfg.seq,
-        EARLY=cfg.early,
-        XVEC=cfg.xvec and w.k % 32 == 0,  # whole lanes of x in or past K (_gemv_xq)
-        QUADS=cfg.quads,
-    )
