@@ -219,41 +219,14 @@ def run_spec_bench(
     shape = model.startswith(SHAPE_PREFIX)
     # real weights: each format as `load` takes it, "stored" for the checkpoint as it is
     specs = _quant_specs(quants) if shape else {q: None for q in quants}
+    common = (draft, draft_model, k, prompt_tokens, gen_tokens, reps, dtype)
     rows = []
     for be_name in backends:
         for q, spec in specs.items():
             if shape:
-                rows.append(
-                    _shape_rows(
-                        model,
-                        be_name,
-                        q,
-                        spec,
-                        draft,
-                        draft_model,
-                        k,
-                        prompt_tokens,
-                        gen_tokens,
-                        reps,
-                        dtype,
-                    )  # fmt: skip
-                )
+                rows.append(_shape_rows(model, be_name, q, spec, *common))
             else:
-                quant = None if q == "stored" else q
-                rows.append(
-                    _real_rows(
-                        model,
-                        be_name,
-                        quant,
-                        draft,
-                        draft_model,
-                        k,
-                        prompt_tokens,
-                        gen_tokens,
-                        reps,
-                        dtype,
-                    )  # fmt: skip
-                )
+                rows.append(_real_rows(model, be_name, None if q == "stored" else q, *common))
     if json_path is not None:
         text = json.dumps({"model": model, "draft_model": draft_model, "draft": draft,
                            "rows": [asdict(r) for r in rows]}, indent=2)  # fmt: skip
