@@ -18,7 +18,7 @@ from mlxrun.errors import MlxrunError
 from mlxrun.generate import generate_step
 from mlxrun.sampling import SamplingParams
 
-from .conftest import hf_greedy, rel_err, write_random
+from .conftest import hf_greedy, random_models, rel_err, write_random
 
 VOCAB = 64
 BASE = dict(
@@ -84,15 +84,7 @@ def _make(root, name: str, mt: str, opts: dict, seed: int = 0):
 
 @pytest.fixture(scope="module")
 def variant(tmp_path_factory):
-    root = tmp_path_factory.mktemp("conform")
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = _make(root, name, *VARIANTS[name])
-        return cache[name]
-
-    return get
+    return random_models(tmp_path_factory.mktemp("conform"), VARIANTS, BASE, std=0.2, bias_std=0.3)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
