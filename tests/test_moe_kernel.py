@@ -358,6 +358,25 @@ def test_grouped_decode_kernel(fmt):
     assert err < 1e-5, err
 
 
+def _routed_biased_experts(seed: int, fmt, k2: int, i2: int):
+    """Two bf16 tokens routed to k2 of 5 experts of i2 rows and 32 inputs in `fmt`, with
+    gpt-oss's clamped SwiGLU and biases, and the torch expert path's float32 sum of their
+    slots: (options, experts, x, weights, ids, that sum)."""
+    rng = np.random.default_rng(seed)
+    E2, H2, T2 = 5, 32, 2
+    o = MoEOptions(E2, k2, i2, "topk_softmax", act="swiglu_clamped", bias=True)
+    w = {n: (0.2 * rng.standard_normal(s)).astype(np.float32)
+         for n, s in (("gate", (E2, i2, H2)), ("up", (E2, i2, H2)), ("down", (E2, H2, i2)))}  # fmt: skip
+    e = Experts(None, *(_stack(w[n], fmt) for n in ("gate", "up", "down")))
+    for n, width in (("gate_bias", i2), ("up_bias", i2), ("down_bias", H2)):
+        setattr(e, n, torch.from_numpy(0.3 * rng.standard_normal((E2, width))).float().to(DEV))
+    x = torch.from_numpy(rng.standard_normal((T2, H2))).to(torch.bfloat16).to(DEV)
+    logits = torch.from_numpy(rng.standard_normal((T2, E2))).float().to(DEV)
+    weights, ids = cm.route(logits, o)
+    want = (torch_moe._gathered(x.float(), ids.long(), e, o) * weights.unsqueeze(-1)).sum(1)
+    return o, e, x, weights, ids, want
+
+
 FUSED = [pytest.param(f, marks=() if f is None else LONG_ON_CPU,
                       id="dense" if f is None else "".join(map(str, f))) for f in FORMATS]  # fmt: skip
 
@@ -369,23 +388,12 @@ def test_fused_slot_sum(fmt):
     power of two), gpt-oss's biases, bf16 x with float32 (tensor-parallel) and bf16 output,
     against the torch sum of the same kernels' per-slot outputs and the torch expert path.
     The second fused launch finds the tickets reset by the first."""
-    rng = np.random.default_rng(5)
-    E2, k2, H2, I2, T2 = 5, 3, 32, 32, 2
-    o = MoEOptions(E2, k2, I2, "topk_softmax", act="swiglu_clamped", bias=True)
-    w = {n: (0.2 * rng.standard_normal(s)).astype(np.float32)
-         for n, s in (("gate", (E2, I2, H2)), ("up", (E2, I2, H2)), ("down", (E2, H2, I2)))}  # fmt: skip
-    e = Experts(None, *(_stack(w[n], fmt) for n in ("gate", "up", "down")))
-    for n, width in (("gate_bias", I2), ("up_bias", I2), ("down_bias", H2)):
-        setattr(e, n, torch.from_numpy(0.3 * rng.standard_normal((E2, width))).float().to(DEV))
-    x = torch.from_numpy(rng.standard_normal((T2, H2))).to(torch.bfloat16).to(DEV)
-    logits = torch.from_numpy(rng.standard_normal((T2, E2))).float().to(DEV)
-    weights, ids = cm.route(logits, o)
-    want = (torch_moe._gathered(x.float(), ids.long(), e, o) * weights.unsqueeze(-1)).sum(1)
+    o, e, x, weights, ids, want = _routed_biased_experts(5, fmt, 3, 32)
     old = cm.moe_experts(x, ids, weights, e, o, out_dtype=torch.float32, fused=False)
     # bf16 x rounds h, down's input: the unfused kernels are the exact reference
     assert float((old - want).norm() / want.norm()) < 2e-2
     got = cm.moe_experts(x, ids, weights, e, o, out_dtype=torch.float32, fused=True)
-    assert got.dtype == torch.float32 and got.shape == (T2, H2)
+    assert got.dtype == torch.float32 and got.shape == (2, 32)
     assert float((got - old).norm() / old.norm()) < 1e-6
     got = cm.moe_experts(x, ids, weights, e, o, fused=True)
     assert got.dtype == torch.bfloat16
@@ -418,18 +426,7 @@ JOINED = [
 def test_joined_down(fmt, i2, k2, cfg, monkeypatch):
     """The joined down kernel against the per-slot one (both summing the token's slots) and
     the torch expert path: 2 tokens, k2 of 5 experts, bf16 x, float32 and bf16 outputs."""
-    rng = np.random.default_rng(6)
-    E2, H2, T2 = 5, 32, 2
-    o = MoEOptions(E2, k2, i2, "topk_softmax", act="swiglu_clamped", bias=True)
-    w = {n: (0.2 * rng.standard_normal(s)).astype(np.float32)
-         for n, s in (("gate", (E2, i2, H2)), ("up", (E2, i2, H2)), ("down", (E2, H2, i2)))}  # fmt: skip
-    e = Experts(None, *(_stack(w[n], fmt) for n in ("gate", "up", "down")))
-    for n, width in (("gate_bias", i2), ("up_bias", i2), ("down_bias", H2)):
-        setattr(e, n, torch.from_numpy(0.3 * rng.standard_normal((E2, width))).float().to(DEV))
-    x = torch.from_numpy(rng.standard_normal((T2, H2))).to(torch.bfloat16).to(DEV)
-    logits = torch.from_numpy(rng.standard_normal((T2, E2))).float().to(DEV)
-    weights, ids = cm.route(logits, o)
-    want = (torch_moe._gathered(x.float(), ids.long(), e, o) * weights.unsqueeze(-1)).sum(1)
+    o, e, x, weights, ids, want = _routed_biased_experts(6, fmt, k2, i2)
     monkeypatch.setattr(cm, "DOWN", False)
     old = cm.moe_experts(x, ids, weights, e, o, out_dtype=torch.float32, fused=True)
     assert float((old - want).norm() / want.norm()) < 2e-2  # bf16 h
