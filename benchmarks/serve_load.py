@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import socket
 import sys
 import threading
@@ -49,6 +50,32 @@ def word_tokenizer(vocab: int):
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")
     return Tokenizer.from_json(tok.to_str(), {}, set())
+
+
+def start_server(eng, name: str, poll: float = 0.1):
+    """`mlxrun serve`'s app over `eng` (serving model `name`) in a thread on a free loopback
+    port, polled every `poll` s until it listens: (uvicorn server, port). Stop it with
+    `server.should_exit = True`."""
+    import uvicorn  # noqa: PLC0415
+
+    from mlxrun.server import Server, serve_app  # noqa: PLC0415
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(serve_app(Server(eng, name)), host="127.0.0.1",
+                                           port=port, log_level="warning"))  # fmt: skip
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(poll)
+    return server, port
+
+
+def write_json(path: str, report: dict) -> None:
+    """`report` to `path` by way of `path`.partial, so that a run cut short leaves no file."""
+    with open(path + ".partial", "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(path + ".partial", path)
 
 
 def load_model(args):
@@ -197,10 +224,9 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     counts = [int(c) for c in args.clients.split(",")]
 
-    import uvicorn  # noqa: PLC0415
+    import uvicorn  # noqa: F401, PLC0415  (without the serve extra, fail before the model loads)
 
     from mlxrun.engine import Engine  # noqa: PLC0415
-    from mlxrun.server import Server, serve_app  # noqa: PLC0415
 
     model, tok = load_model(args)
     vocab = model.config.vocab_size
@@ -214,14 +240,7 @@ def main(argv=None) -> None:
     if split and not eng.sync.leader:
         eng.wait()
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(serve_app(Server(eng, name)), host="127.0.0.1",
-                                           port=port, log_level="warning"))  # fmt: skip
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.1)
+    server, port = start_server(eng, name)
     url = f"http://127.0.0.1:{port}/v1"
     report = {"model": name, "backend": model.be.describe(), "quant": args.quant,
               "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "rounds": []}  # fmt: skip
@@ -260,11 +279,7 @@ def main(argv=None) -> None:
     eng.close()
     print(json.dumps(report["health"]), flush=True)
     if args.json:
-        with open(args.json + ".partial", "w") as f:
-            json.dump(report, f, indent=1)
-        import os  # noqa: PLC0415
-
-        os.replace(args.json + ".partial", args.json)
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

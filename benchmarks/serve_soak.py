@@ -14,13 +14,12 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import sys
 import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from serve_load import load_model, make_prompts  # noqa: E402
+from serve_load import load_model, make_prompts, start_server  # noqa: E402
 
 
 def rss_bytes() -> int:
@@ -83,22 +82,14 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     import httpx  # noqa: PLC0415
-    import uvicorn  # noqa: PLC0415
+    import uvicorn  # noqa: F401, PLC0415  (without the serve extra, fail before the model loads)
 
     from mlxrun.engine import Engine  # noqa: PLC0415
-    from mlxrun.server import Server, serve_app  # noqa: PLC0415
 
     model, tok = load_model(args)
     eng = Engine(model, tok, max_batch=args.concurrency,
                  context=args.prompt_tokens + args.gen_tokens + 8, max_queue=4 * args.concurrency)  # fmt: skip
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(serve_app(Server(eng, args.model)), host="127.0.0.1",
-                                           port=port, log_level="warning"))  # fmt: skip
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.1)
+    server, port = start_server(eng, args.model)
     url = f"http://127.0.0.1:{port}/v1"
     # distinct prompts (no two share a prefix), so every request prefills and decodes
     prompts = make_prompts(tok, model.config.vocab_size, args.requests, args.prompt_tokens, 0)

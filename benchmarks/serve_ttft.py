@@ -22,15 +22,13 @@ import argparse
 import http.client
 import json
 import os
-import socket
 import sys
-import threading
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_load import load_model  # noqa: E402
+from serve_load import load_model, start_server, write_json  # noqa: E402
 
 
 def engine_ttft(eng, ids: list[int], gen: int) -> tuple[float, dict]:
@@ -125,19 +123,7 @@ def main(argv=None) -> None:
             )  # fmt: skip
         )
         if not args.no_http:
-            import uvicorn  # noqa: PLC0415
-
-            from mlxrun.server import Server, serve_app  # noqa: PLC0415
-
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            server = uvicorn.Server(uvicorn.Config(serve_app(Server(eng, name)),
-                                                   host="127.0.0.1", port=port,
-                                                   log_level="warning"))  # fmt: skip
-            threading.Thread(target=server.run, daemon=True).start()
-            while not server.started:
-                time.sleep(0.05)
+            server, port = start_server(eng, name, poll=0.05)
             report["paths"].append(
                 run(
                     "http",
@@ -152,9 +138,7 @@ def main(argv=None) -> None:
     finally:
         eng.close()
     if args.json:
-        with open(args.json + ".partial", "w") as f:
-            json.dump(report, f, indent=1)
-        os.replace(args.json + ".partial", args.json)
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ the bundled SmolLM2 GGUF."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -31,33 +32,30 @@ REAL = Path(
 )
 needs_real = pytest.mark.skipif(not REAL.is_file(), reason="SmolLM2 GGUF not installed")
 
+# The shape every tiny model shares; each entry of TINY says how it differs.
+_TINY_BASE = dict(
+    model_type="llama",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=96,
+    tie_word_embeddings=True,
+    rope_theta=10000.0,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
 # name -> (transformers config class kwargs); small enough to build in milliseconds.
 TINY = {
-    "llama_gqa_tied": dict(
-        model_type="llama",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=96,
-        tie_word_embeddings=True,
-        rope_theta=10000.0,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-    ),
+    "llama_gqa_tied": dict(_TINY_BASE),
     "llama3_untied_scaled": dict(
-        model_type="llama",
-        hidden_size=64,
+        _TINY_BASE,
         intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
         num_key_value_heads=1,
-        vocab_size=96,
         tie_word_embeddings=False,
         rope_theta=500000.0,
         max_position_embeddings=512,
-        rms_norm_eps=1e-5,
         rope_scaling={
             "rope_type": "llama3",
             "factor": 8.0,
@@ -67,44 +65,19 @@ TINY = {
         },
     ),
     "mistral": dict(
+        _TINY_BASE,
         model_type="mistral",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=96,
         tie_word_embeddings=False,
         rope_theta=1e6,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
         sliding_window=None,
     ),
-    "qwen2_bias": dict(
-        model_type="qwen2",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=96,
-        tie_word_embeddings=True,
-        rope_theta=1e6,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-    ),
+    "qwen2_bias": dict(_TINY_BASE, model_type="qwen2", rope_theta=1e6, rms_norm_eps=1e-6),
     "qwen3_qknorm": dict(
+        _TINY_BASE,
         model_type="qwen3",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=32,
-        vocab_size=96,
         tie_word_embeddings=False,
         rope_theta=1e6,
-        max_position_embeddings=256,
         rms_norm_eps=1e-6,
     ),
 }
@@ -120,6 +93,12 @@ def word_tokenizer_json(vocab_size: int) -> str:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")
     return tok.to_str()
+
+
+def write_word_tokenizer(d: Path, vocab_size: int) -> None:
+    """`word_tokenizer_json` and a tokenizer_config naming its specials, written to `d`."""
+    (d / "tokenizer.json").write_text(word_tokenizer_json(vocab_size))
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
 
 
 def write_random(
@@ -142,8 +121,7 @@ def write_random(
             else:
                 p.copy_(std * torch.randn_like(p))
     model.save_pretrained(d, safe_serialization=True)
-    (d / "tokenizer.json").write_text(word_tokenizer_json(kw["vocab_size"]))
-    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    write_word_tokenizer(d, kw["vocab_size"])
     return d, model
 
 
@@ -154,18 +132,23 @@ def make_tiny(tmp: Path, name: str, seed: int = 0):
     return write_random(tmp / name, mt, kw, seed)
 
 
+def random_models(root: Path, models: dict[str, tuple[str, dict]], base: dict, **write_kw):
+    """name -> (dir, hf_model fp32) for a test module's tiny models: models[name] is
+    (model_type, options over `base`), written by `write_random(..., **write_kw)` under `root`
+    when a test first asks for it (only the models a run's tests use are built), then kept."""
+
+    @functools.cache
+    def get(name: str):
+        mt, kw = models[name]
+        return write_random(root / name, mt, {**base, **kw}, **write_kw)
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """name -> (dir, hf_model): built once per session."""
-    root = tmp_path_factory.mktemp("tiny")
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = make_tiny(root, name)
-        return cache[name]
-
-    return get
+    return functools.cache(functools.partial(make_tiny, tmp_path_factory.mktemp("tiny")))
 
 
 @pytest.fixture(scope="session")
@@ -330,8 +313,7 @@ def wide(tmp_path_factory):
         tensors[name] = Tensor("F32", w)
     save_safetensors(d / "model.safetensors", tensors)
     (d / "config.json").write_text(json.dumps(WIDE))
-    (d / "tokenizer.json").write_text(word_tokenizer_json(V))
-    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    write_word_tokenizer(d, V)
     return d
 
 

@@ -17,23 +17,9 @@ def test_prompts_file_jsonl_output_in_input_order(capsys, tiny_dir, tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "w5 w6 w7"}\n\n{"prompt": "w9"}\n{"prompt": "w10 w11"}\n')
     out = tmp_path / "out.jsonl"
-    code, err = run_cli(
-        capsys,
-        "generate",
-        "--model",
-        str(d),
-        "--backend",
-        "cpu",
-        "--prompts",
-        str(f),
-        "--max-tokens",
-        "5",
-        "--batch-size",
-        "2",
-        "--no-chat",
-        "-o",
-        str(out),
-    )
+    code, err = run_cli(capsys, "generate", "--model", str(d), "--backend", "cpu",
+                        "--prompts", str(f), "--max-tokens", "5", "--batch-size", "2",
+                        "--no-chat", "-o", str(out))  # fmt: skip
     assert code == 0, err
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == ["w5 w6 w7", "w9", "w10 w11"]
@@ -45,19 +31,8 @@ def test_plain_prompts_file(capsys, tiny_dir, tmp_path):
     d, _ = tiny_dir("llama_gqa_tied")
     f = tmp_path / "p.txt"
     f.write_text("w5 w6\nw7\n")
-    code, err = run_cli(
-        capsys,
-        "generate",
-        "--model",
-        str(d),
-        "--backend",
-        "mlx",
-        "--prompts",
-        str(f),
-        "--max-tokens",
-        "3",
-        "--no-chat",
-    )
+    code, err = run_cli(capsys, "generate", "--model", str(d), "--backend", "mlx",
+                        "--prompts", str(f), "--max-tokens", "3", "--no-chat")  # fmt: skip
     assert code == 0, err
 
 
@@ -99,19 +74,8 @@ def test_context_longer_than_model(capsys, tiny_dir):
     d, _ = tiny_dir("llama_gqa_tied")  # max_position_embeddings 256
     code, err = run_cli(capsys, "plan", "--model", str(d), "--context", "1000")
     assert_one_line_error(code, err, "max_position_embeddings (256)")
-    code, err = run_cli(
-        capsys,
-        "generate",
-        "--model",
-        str(d),
-        "-p",
-        "w3",
-        "-p",
-        "w4",
-        "--max-tokens",
-        "300",
-        "--no-chat",
-    )
+    code, err = run_cli(capsys, "generate", "--model", str(d), "-p", "w3", "-p", "w4",
+                        "--max-tokens", "300", "--no-chat")  # fmt: skip
     assert_one_line_error(code, err, "exceeds the model's context of 256")
 
 
@@ -137,20 +101,8 @@ def test_batch_that_cannot_fit_names_the_largest_that_does(capsys, tiny_dir, mon
 
     monkeypatch.setattr(planning, "probe_device", small)
     prompts = sum((["-p", prompt] for _ in range(16)), [])
-    code, err = run_cli(
-        capsys,
-        "generate",
-        "--model",
-        str(d),
-        "--backend",
-        "cpu",
-        *prompts,
-        "--max-tokens",
-        "200",
-        "--batch-size",
-        "16",
-        "--no-chat",
-    )
+    code, err = run_cli(capsys, "generate", "--model", str(d), "--backend", "cpu", *prompts,
+                        "--max-tokens", "200", "--batch-size", "16", "--no-chat")  # fmt: skip
     assert_one_line_error(code, err, "budget", "--batch-size 4")
 
 

@@ -18,7 +18,8 @@ from mlxrun.errors import MlxrunError
 from mlxrun.generate import generate_step
 from mlxrun.sampling import SamplingParams
 
-from .conftest import hf_greedy, rel_err, write_random
+from .conftest import hf_greedy, random_models, rel_err, write_random
+from .test_cuda import assert_graph_cache_equals_eager
 
 VOCAB = 64
 BASE = dict(
@@ -84,15 +85,7 @@ def _make(root, name: str, mt: str, opts: dict, seed: int = 0):
 
 @pytest.fixture(scope="module")
 def variant(tmp_path_factory):
-    root = tmp_path_factory.mktemp("conform")
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = _make(root, name, *VARIANTS[name])
-        return cache[name]
-
-    return get
+    return random_models(tmp_path_factory.mktemp("conform"), VARIANTS, BASE, std=0.2, bias_std=0.3)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -244,19 +237,8 @@ def test_graph_mode_window_masks_equal_eager(variant):
     with a left-padded batch; run here without capture."""
     d, _ = variant("qwen3_bias_window")
     m = mlxrun.load(str(d), backend="cpu", dtype="float32", progress=False)
-    t, be = m.transformer, m.backend
-    prompts = np.array([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
-    pads = np.array([2, 0])
-    eager, graph = t.make_cache(2, 14), t.make_cache(2, 14)
-    t(be.ids(prompts), eager, pads, last_only=True)
-    t(be.ids(prompts), graph, pads, last_only=True)
-    graph.enter_graph(pads)
-    for i in range(8):  # positions 5..12: past the window of 6
-        tok = np.array([[13 + i], [30 + i]])
-        a = be.to_numpy(t(be.ids(tok), eager, pads, last_only=True))
-        b = be.to_numpy(t(be.ids(tok), graph, pads, last_only=True))
-        graph.offset += 1
-        assert rel_err(b, a) < 1e-6, i
+    steps = [[[13 + i], [30 + i]] for i in range(8)]  # positions 5..12: past the window of 6
+    graph = assert_graph_cache_equals_eager(m, steps, 14)
     assert set(graph._windowed) == {WINDOW}
 
 

@@ -18,7 +18,7 @@ import mlxrun.model
 from mlxrun.generate import generate_step
 from mlxrun.sampling import SamplingParams
 
-from .conftest import hf_greedy, rel_err, write_random
+from .conftest import hf_greedy, random_models, rel_err
 
 VOCAB = 64
 BASE = dict(
@@ -41,16 +41,7 @@ CHUNK = 8  # 19 tokens: passes of 8, 8 and 3, each past the window of the slidin
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("last_query")
-    made = {}
-
-    def get(name):
-        if name not in made:
-            mt, kw = MODELS[name]
-            made[name] = write_random(root / name, mt, {**BASE, **kw}, std=0.2)
-        return made[name]
-
-    return get
+    return random_models(tmp_path_factory.mktemp("last_query"), MODELS, BASE, std=0.2)
 
 
 def _no_cut(q, mask):  # the code before the cut: every query attends, the output is sliced

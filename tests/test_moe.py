@@ -19,7 +19,7 @@ from mlxrun.moe import MoEOptions
 from mlxrun.sampling import SamplingParams
 from mlxrun.weights import Tensor, load_safetensors, save_safetensors
 
-from .conftest import hf_greedy, rel_err, write_random
+from .conftest import hf_greedy, random_models, rel_err
 
 VOCAB = 64
 BASE = dict(
@@ -77,16 +77,7 @@ PROMPT = np.random.default_rng(1).integers(3, VOCAB, size=32)  # 64+ slots: sort
 
 @pytest.fixture(scope="module")
 def variant(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe")
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            mt, kw = VARIANTS[name]
-            cache[name] = write_random(root / name, mt, {**BASE, **kw}, 0, std=0.2)
-        return cache[name]
-
-    return get
+    return random_models(tmp_path_factory.mktemp("moe"), VARIANTS, BASE, std=0.2)
 
 
 def _hf(hf, ids, new=6):

@@ -57,6 +57,21 @@ def _stack(w: np.ndarray, fmt):
     return QuantizedWeight(t["weight"], t["scales"], t.get("biases"), *fmt)
 
 
+def _experts(rng, fmt, shape=(E, I, H), biased: bool = True) -> Experts:
+    """Random experts (`shape`: experts, rows, inputs) stored in `fmt`, with gpt-oss's gate,
+    up and down biases where `biased`."""
+    n_exp, rows, cols = shape
+    w = {n: (0.2 * rng.standard_normal(s)).astype(np.float32)
+         for n, s in (("gate", (n_exp, rows, cols)), ("up", (n_exp, rows, cols)),
+                      ("down", (n_exp, cols, rows)))}  # fmt: skip
+    e = Experts(None, *(_stack(w[n], fmt) for n in ("gate", "up", "down")))
+    if biased:
+        for n, width in (("gate_bias", rows), ("up_bias", rows), ("down_bias", cols)):
+            bias = 0.3 * rng.standard_normal((n_exp, width))
+            setattr(e, n, torch.from_numpy(bias).float().to(DEV))
+    return e
+
+
 # ~5-20 s each under the interpreter on 2 cores: one by default (packed codes, E8M0 scales,
 # biases, the clamped gate), the other 11 with -m long there (all 12 passed on the CPU)
 LONG_ON_CPU = pytest.mark.long if not HAS_CUDA else pytest.mark.cuda
@@ -81,12 +96,7 @@ def test_kernel_matches_torch_experts(fmt, gpt_oss):
     o = MoEOptions(E, K, I, "topk_softmax" if gpt_oss else "softmax_topk", norm_topk=True,
                    act="swiglu_clamped" if gpt_oss else "silu", bias=gpt_oss,
                    swiglu_limit=0.6)  # fmt: skip
-    w = {n: (0.2 * rng.standard_normal(s)).astype(np.float32)
-         for n, s in (("gate", (E, I, H)), ("up", (E, I, H)), ("down", (E, H, I)))}  # fmt: skip
-    e = Experts(None, *(_stack(w[n], fmt) for n in ("gate", "up", "down")))
-    if gpt_oss:
-        for n, width in (("gate_bias", I), ("up_bias", I), ("down_bias", H)):
-            setattr(e, n, torch.from_numpy(0.3 * rng.standard_normal((E, width))).float().to(DEV))
+    e = _experts(rng, fmt, biased=gpt_oss)
     x = torch.from_numpy(rng.standard_normal((T, H))).float().to(DEV)
     logits = torch.from_numpy(rng.standard_normal((T, E))).float().to(DEV)
     weights, ids = torch_moe.route(logits, o)
@@ -319,11 +329,7 @@ def test_grouped_matches_torch_experts(fmt):
     the others a few each (its GEMV); gpt-oss's biases and clamped gate."""
     rng = np.random.default_rng(3)
     o = MoEOptions(E, K, I, "topk_softmax", act="swiglu_clamped", bias=True, swiglu_limit=0.6)
-    w = {n: (0.2 * rng.standard_normal(s)).astype(np.float32)
-         for n, s in (("gate", (E, I, H)), ("up", (E, I, H)), ("down", (E, H, I)))}  # fmt: skip
-    e = Experts(None, *(_stack(w[n], fmt) for n in ("gate", "up", "down")))
-    for n, width in (("gate_bias", I), ("up_bias", I), ("down_bias", H)):
-        setattr(e, n, torch.from_numpy(0.3 * rng.standard_normal((E, width))).float().to(DEV))
+    e = _experts(rng, fmt)
     x = torch.from_numpy(rng.standard_normal((8, H))).float().to(DEV)
     logits = torch.from_numpy(rng.standard_normal((8, E))).float().to(DEV)
     logits[:, 0] += 10.0
@@ -342,11 +348,7 @@ def test_grouped_decode_kernel(fmt):
     single slot and one with more slots than a tile's 16."""
     rng = np.random.default_rng(4)
     o = MoEOptions(E, K, I, "topk_softmax", act="swiglu_clamped", bias=True, swiglu_limit=0.6)
-    w = {n: (0.2 * rng.standard_normal(s)).astype(np.float32)
-         for n, s in (("gate", (E, I, H)), ("up", (E, I, H)), ("down", (E, H, I)))}  # fmt: skip
-    e = Experts(None, *(_stack(w[n], fmt) for n in ("gate", "up", "down")))
-    for n, width in (("gate_bias", I), ("up_bias", I), ("down_bias", H)):
-        setattr(e, n, torch.from_numpy(0.3 * rng.standard_normal((E, width))).float().to(DEV))
+    e = _experts(rng, fmt)
     T2 = 18
     x = torch.from_numpy(rng.standard_normal((T2, H))).float().to(DEV)
     ids = torch.tensor([[0, 1]] * 17 + [[2, 0]], device=DEV)  # 0: 18 slots, 1: 17, 2: 1, 3: 0
@@ -357,6 +359,21 @@ def test_grouped_decode_kernel(fmt):
     got = cm.moe_experts(x, ids, weights, e, o, grouped=True)
     err = float((got - want).norm() / want.norm())
     assert err < 1e-5, err
+
+
+def _routed_biased_experts(seed: int, fmt, k2: int, i2: int):
+    """Two bf16 tokens routed to k2 of 5 experts of i2 rows and 32 inputs in `fmt`, with
+    gpt-oss's clamped SwiGLU and biases, and the torch expert path's float32 sum of their
+    slots: (options, experts, x, weights, ids, that sum)."""
+    rng = np.random.default_rng(seed)
+    E2, H2, T2 = 5, 32, 2
+    o = MoEOptions(E2, k2, i2, "topk_softmax", act="swiglu_clamped", bias=True)
+    e = _experts(rng, fmt, (E2, i2, H2))
+    x = torch.from_numpy(rng.standard_normal((T2, H2))).to(torch.bfloat16).to(DEV)
+    logits = torch.from_numpy(rng.standard_normal((T2, E2))).float().to(DEV)
+    weights, ids = cm.route(logits, o)
+    want = (torch_moe._gathered(x.float(), ids.long(), e, o) * weights.unsqueeze(-1)).sum(1)
+    return o, e, x, weights, ids, want
 
 
 FUSED = [pytest.param(f, marks=() if f is None else LONG_ON_CPU,
@@ -370,23 +387,12 @@ def test_fused_slot_sum(fmt):
     power of two), gpt-oss's biases, bf16 x with float32 (tensor-parallel) and bf16 output,
     against the torch sum of the same kernels' per-slot outputs and the torch expert path.
     The second fused launch finds the tickets reset by the first."""
-    rng = np.random.default_rng(5)
-    E2, k2, H2, I2, T2 = 5, 3, 32, 32, 2
-    o = MoEOptions(E2, k2, I2, "topk_softmax", act="swiglu_clamped", bias=True)
-    w = {n: (0.2 * rng.standard_normal(s)).astype(np.float32)
-         for n, s in (("gate", (E2, I2, H2)), ("up", (E2, I2, H2)), ("down", (E2, H2, I2)))}  # fmt: skip
-    e = Experts(None, *(_stack(w[n], fmt) for n in ("gate", "up", "down")))
-    for n, width in (("gate_bias", I2), ("up_bias", I2), ("down_bias", H2)):
-        setattr(e, n, torch.from_numpy(0.3 * rng.standard_normal((E2, width))).float().to(DEV))
-    x = torch.from_numpy(rng.standard_normal((T2, H2))).to(torch.bfloat16).to(DEV)
-    logits = torch.from_numpy(rng.standard_normal((T2, E2))).float().to(DEV)
-    weights, ids = cm.route(logits, o)
-    want = (torch_moe._gathered(x.float(), ids.long(), e, o) * weights.unsqueeze(-1)).sum(1)
+    o, e, x, weights, ids, want = _routed_biased_experts(5, fmt, 3, 32)
     old = cm.moe_experts(x, ids, weights, e, o, out_dtype=torch.float32, fused=False)
     # bf16 x rounds h, down's input: the unfused kernels are the exact reference
     assert float((old - want).norm() / want.norm()) < 2e-2
     got = cm.moe_experts(x, ids, weights, e, o, out_dtype=torch.float32, fused=True)
-    assert got.dtype == torch.float32 and got.shape == (T2, H2)
+    assert got.dtype == torch.float32 and got.shape == (2, 32)
     assert float((got - old).norm() / old.norm()) < 1e-6
     got = cm.moe_experts(x, ids, weights, e, o, fused=True)
     assert got.dtype == torch.bfloat16
@@ -419,18 +425,7 @@ JOINED = [
 def test_joined_down(fmt, i2, k2, cfg, monkeypatch):
     """The joined down kernel against the per-slot one (both summing the token's slots) and
     the torch expert path: 2 tokens, k2 of 5 experts, bf16 x, float32 and bf16 outputs."""
-    rng = np.random.default_rng(6)
-    E2, H2, T2 = 5, 32, 2
-    o = MoEOptions(E2, k2, i2, "topk_softmax", act="swiglu_clamped", bias=True)
-    w = {n: (0.2 * rng.standard_normal(s)).astype(np.float32)
-         for n, s in (("gate", (E2, i2, H2)), ("up", (E2, i2, H2)), ("down", (E2, H2, i2)))}  # fmt: skip
-    e = Experts(None, *(_stack(w[n], fmt) for n in ("gate", "up", "down")))
-    for n, width in (("gate_bias", i2), ("up_bias", i2), ("down_bias", H2)):
-        setattr(e, n, torch.from_numpy(0.3 * rng.standard_normal((E2, width))).float().to(DEV))
-    x = torch.from_numpy(rng.standard_normal((T2, H2))).to(torch.bfloat16).to(DEV)
-    logits = torch.from_numpy(rng.standard_normal((T2, E2))).float().to(DEV)
-    weights, ids = cm.route(logits, o)
-    want = (torch_moe._gathered(x.float(), ids.long(), e, o) * weights.unsqueeze(-1)).sum(1)
+    o, e, x, weights, ids, want = _routed_biased_experts(6, fmt, k2, i2)
     monkeypatch.setattr(cm, "DOWN", False)
     old = cm.moe_experts(x, ids, weights, e, o, out_dtype=torch.float32, fused=True)
     assert float((old - want).norm() / want.norm()) < 2e-2  # bf16 h

@@ -6,6 +6,7 @@ the bench count the shared expert as held and always read."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import numpy as np
 import pytest
@@ -16,19 +17,14 @@ from mlxrun.backends.base import QuantizedWeight
 from mlxrun.config import ModelConfig
 from mlxrun.errors import MlxrunError
 
-from .conftest import rel_err, write_random
-from .test_moe import _check, _check_plan, _hf
+from .conftest import random_models, rel_err, write_random
+from .test_moe import BASE as MOE_BASE
+from .test_moe import VOCAB, _check, _check_plan, _hf
 
-VOCAB = 64
+# test_moe's models with a third layer and Qwen2-MoE's experts, a shared one among them
 BASE = dict(
-    hidden_size=64,
+    MOE_BASE,
     num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=VOCAB,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
     num_experts=8,
     num_experts_per_tok=2,
     moe_intermediate_size=32,
@@ -43,14 +39,7 @@ PROMPT = np.random.default_rng(2).integers(3, VOCAB, size=32)  # 64 slots: the g
 @pytest.fixture(scope="module")
 def variant(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen2moe")
-    cache = {}
-
-    def get():
-        if not cache:
-            cache[0] = write_random(root / "m", "qwen2_moe", {**BASE, **VARIANT}, 0, std=0.2)
-        return cache[0]
-
-    return get
+    return functools.partial(random_models(root, {"m": ("qwen2_moe", VARIANT)}, BASE, std=0.2), "m")
 
 
 def test_qwen2_moe_matches_transformers(variant):
