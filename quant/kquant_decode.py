@@ -2,7 +2,7 @@
 position, x's inputs scaled for the in-place masks (_lane_xpos; Q6_K's by _lane_x4) and the
 high bits' FFMAs (_lane_hi_fma, Q5_K and Q6_K); and Q6_K's codes as 6-bit byte fields
 (_q6_step_bytes: _q6_bytes from the stored high words, _q6_bytes_spread from the spread ones
-of quant/triton_kquant.py's hi_shifts). Apart from the loads and the loop because it is
+of quant/kquant_layout.py's hi_shifts). Apart from the loads and the loop because it is
 arithmetic on words already in registers, one function a position or a code format.
 """
 
@@ -100,7 +100,7 @@ if triton is not None:
     @triton.jit
     def _q6_bytes_spread(wa, wb, h):
         """_q6_bytes of a sub-block's two low words wa, wb from its high word h laid out
-        spread (triton_kquant.hi_shifts): byte j of h holds wb's fields 2j+1, 2j at bits
+        spread (kquant_layout.hi_shifts): byte j of h holds wb's fields 2j+1, 2j at bits
         0-1, 2-3 and wa's at 4-5, 6-7, so each half's high bits are one shift and one mask
         away from their place (bits 4-5 of byte j): 3 instructions a half against
         _q6_bytes' 6 (the spreading) + 3."""

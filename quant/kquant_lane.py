@@ -2,7 +2,7 @@
 
 It is the affine int4 GEMV's loop (quant/triton_gemv.py: lanes along K, one FFMA chain per
 row and lane, split-K, PDL, the SiLU epilogue of a joint gate/up) reading the planes of
-quant/triton_kquant.py's layout, plus the K-quants' high bits and sub-block scales; the
+quant/kquant_layout.py's layout, plus the K-quants' high bits and sub-block scales; the
 decode of each position's codes and inputs is quant/kquant_decode.py's. Apart from
 quant/kquant_kernels.py's tile GEMM because it shares nothing with it but the layout.
 """
