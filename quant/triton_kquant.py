@@ -216,6 +216,21 @@ def _stream_gemv(x2, w: KQLinear, y, silu: bool, cfg: tk.KernelConfig) -> None:
     )  # fmt: skip
 
 
+def _per_split(ksteps: int, split_k: int) -> tuple[int, int]:
+    """(k-steps a split, splits) for split_k splits asked: no empty splits."""
+    per = math.ceil(ksteps / split_k)
+    return per, math.ceil(ksteps / per)
+
+
+def _partials(x2, y, split: int, n: int, tickets: int):
+    """Split-K's fp32 partials [split, m, n] and its `tickets` counters, or y for both where
+    one split writes y itself (the kernels then read neither)."""
+    if split > 1:
+        part = torch.empty((split, x2.shape[0], n), dtype=torch.float32, device=x2.device)
+        return part, tk._counters(x2.device, tickets)
+    return y, y
+
+
 def _lane_gemv(x2, w: KQLinear, y, silu: bool, cfg: tk.KernelConfig | None) -> None:
     m = x2.shape[0]
     cfg = cfg or lane_config(m, w, x2.device)
@@ -227,8 +242,7 @@ def _lane_gemv(x2, w: KQLinear, y, silu: bool, cfg: tk.KernelConfig | None) -> N
     kw = w.k // 8
     step = 128 * cfg.num_warps  # low-nibble words of a row per k-step (the warps split it)
     ksteps = math.ceil(kw / step)
-    per = math.ceil(ksteps / cfg.split_k)
-    split = math.ceil(ksteps / per)  # no empty splits
+    per, split = _per_split(ksteps, cfg.split_k)
     sw = _shapes(w.kind, w.n, w.k)["weight"][1]
     dense = w.weight.stride(0) == sw and w.scales.is_contiguous() and w.biases.is_contiguous()
     bn = cfg.block_n  # 8, or 16 (two halves of 8) without prefetch and with whole tiles
@@ -236,8 +250,7 @@ def _lane_gemv(x2, w: KQLinear, y, silu: bool, cfg: tk.KernelConfig | None) -> N
         bn = 8
     even = dense and w.n % bn == 0 and kw == step * per * split
     tiles = math.ceil(w.n / bn)  # with silu: bn/2 gate rows and their up rows a tile
-    part = torch.empty((split, m, w.n), dtype=torch.float32, device=x2.device) if split > 1 else y
-    cnt = tk._counters(x2.device, m * tiles * (bn // 8)) if split > 1 else y
+    part, cnt = _partials(x2, y, split, w.n, m * tiles * (bn // 8))
     ks = w.k // gb.KQUANTS[w.kind][1]
     kk._kq_lane_gemv_kernel[(m, tiles, split)](
         x2, w.weight, w.scales, w.biases, y, part, cnt, m, w.n, ks, x2.stride(0), y.stride(0),
@@ -277,11 +290,9 @@ def _tile_gemm(x2, w: KQLinear, y, cfg: tk.KernelConfig | None) -> None:
     cfg = cfg or tile_gemm_config(m, w, x2.device, x2.dtype)
     sub = gb.KQUANTS[w.kind][1]
     ksteps = math.ceil(w.k / (cfg.ng * sub))
-    per = math.ceil(ksteps / cfg.split_k)
-    split = math.ceil(ksteps / per)  # no empty splits
+    per, split = _per_split(ksteps, cfg.split_k)
     tiles = math.ceil(m / cfg.block_m) * math.ceil(w.n / cfg.block_n)
-    part = torch.empty((split, m, w.n), dtype=torch.float32, device=x2.device) if split > 1 else y
-    cnt = tk._counters(x2.device, tiles) if split > 1 else y
+    part, cnt = _partials(x2, y, split, w.n, tiles)
     kk._kq_tile_gemm_kernel[(tiles, split)](
         x2, w.weight, w.scales, w.biases, y, part, cnt, m, w.n, w.k, w.k // sub, x2.stride(0),
         y.stride(0), w.weight.stride(0), KIND=KINDS[w.kind], BLOCK_M=cfg.block_m,
@@ -346,32 +357,35 @@ def kqmatmul(
     if not old:
         _tile_gemm(x2, w, y, config)
         return y.reshape(*lead, w.n)
-    cfg = config or choose_kq_config(m, w, x.device)
+    _replaced(x2, w, y, config or choose_kq_config(m, w, x.device))
+    return y.reshape(*lead, w.n)
+
+
+def _replaced(x2, w: KQLinear, y, cfg: KQConfig) -> None:
+    """The tile GEMV (_kq_gemv_kernel) or per-super-block GEMM (_kq_gemm_kernel) that the
+    lane GEMV and the tile GEMM replaced, as cfg asks (A/B timing)."""
+    m = x2.shape[0]
     nb = w.k // QK
     kw = w.k // 8
-    ksteps = math.ceil(nb / cfg.sb)
-    per = math.ceil(ksteps / cfg.split_k)
-    split = math.ceil(ksteps / per)  # no empty splits
+    per, split = _per_split(math.ceil(nb / cfg.sb), cfg.split_k)
     if cfg.kernel == "gemv":
         tiles = math.ceil(w.n / cfg.block_n)
         grid = (m, tiles, split)
     else:
         tiles = math.ceil(m / cfg.block_m) * math.ceil(w.n / cfg.block_n)
         grid = (tiles, split)
-    part = torch.empty((split, m, w.n), dtype=torch.float32, device=x.device) if split > 1 else y
-    cnt = tk._counters(x.device, m * tiles if cfg.kernel == "gemv" else tiles) if split > 1 else y
+    part, cnt = _partials(x2, y, split, w.n, m * tiles if cfg.kernel == "gemv" else tiles)
     args = (x2, w.weight, w.scales, w.biases, y, part, cnt)
     if cfg.kernel == "gemv":
         kk._kq_gemv_kernel[grid](
             *args, w.n, kw, nb, x2.stride(0), y.stride(0), w.weight.stride(0),
             KIND=KINDS[w.kind], BLOCK_N=cfg.block_n, SB=cfg.sb, SPLIT_K=split,
-            KB_PER_SPLIT=per, HS=w.hi_spread, num_warps=cfg.num_warps, **tk.pdl_args(x.device),
+            KB_PER_SPLIT=per, HS=w.hi_spread, num_warps=cfg.num_warps, **tk.pdl_args(x2.device),
         )  # fmt: skip
     else:
         kk._kq_gemm_kernel[grid](
             *args, m, w.n, kw, nb, x2.stride(0), y.stride(0), w.weight.stride(0),
             KIND=KINDS[w.kind], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_K=split,
-            KB_PER_SPLIT=per, UPCAST=x.device.type != "cuda", HS=w.hi_spread,
+            KB_PER_SPLIT=per, UPCAST=x2.device.type != "cuda", HS=w.hi_spread,
             num_warps=cfg.num_warps,
         )  # fmt: skip
-    return y.reshape(*lead, w.n)
