@@ -71,6 +71,20 @@ if triton is not None:
             return h0, h0 >> 16, h2, h2 >> 16
 
     @triton.jit
+    def _lane_words(w_ptr, rn, n_mask, rkw, lane_s, kb, stride_w, KW, KS, KIND: tl.constexpr,
+                    EVEN: tl.constexpr, LANES: tl.constexpr, V: tl.constexpr):  # fmt: skip
+        """The words of k-step kb of rows rn for _lane_step: the low-nibble words [8, 4*LANES]
+        (tg._load_step: its mask, k < row stride, reads the high words past K, never used: x
+        is masked to 0 there) and the high words from _lane_hi (Q4_K: the low words again,
+        unused)."""
+        wa = tg._load_step(w_ptr, rn, n_mask, rkw, kb, stride_w, EVEN, 0, LANES)
+        ha = wa
+        if KIND != 0:
+            ha = _lane_hi(w_ptr, rn, n_mask, rkw, lane_s, kb, stride_w, KW, KS, KIND, EVEN, LANES,
+                          V)  # fmt: skip
+        return wa, ha
+
+    @triton.jit
     def _lane_scales(kb, lane, lane_s, rn, n_mask, s_ptr, b_ptr, KS, KIND: tl.constexpr,
                      LANES: tl.constexpr, V: tl.constexpr, EVEN: tl.constexpr = False):  # fmt: skip
         """The scales of k-step kb, [8, LANES] each: Q6_K the lane's two int8 sc as one
@@ -301,19 +315,11 @@ if triton is not None:
         acc1 = tl.zeros([8, LANES], dtype=tl.float32)
         kb0 = pid_k * KB_PER_SPLIT
         kb_last = kb0 + KB_PER_SPLIT - 1
-        # the low-nibble words are the first KW of a row: _load_step's mask (k < row
-        # stride) reads the high words past K, never used (x is masked to 0 there)
-        wa = tg._load_step(w_ptr, rn, n_mask, rkw, kb0, swn, EVEN, 0, LANES)
-        ha = wa
-        if KIND != 0:
-            ha = _lane_hi(w_ptr, rn, n_mask, rkw, lane_s, kb0, swn, KW, ksn, KIND, EVEN, LANES,
-                          V)  # fmt: skip
+        wa, ha = _lane_words(w_ptr, rn, n_mask, rkw, lane_s, kb0, swn, KW, ksn, KIND, EVEN, LANES,
+                             V)  # fmt: skip
         if HALVES == 2:
-            wa1 = tg._load_step(w_ptr, rn1, n_mask1, rkw, kb0, swn, EVEN, 0, LANES)
-            ha1 = wa1
-            if KIND != 0:
-                ha1 = _lane_hi(w_ptr, rn1, n_mask1, rkw, lane_s, kb0, swn, KW, ksn, KIND, EVEN,
-                               LANES, V)  # fmt: skip
+            wa1, ha1 = _lane_words(w_ptr, rn1, n_mask1, rkw, lane_s, kb0, swn, KW, ksn, KIND, EVEN,
+                                   LANES, V)  # fmt: skip
         sc0 = 0
         sc1 = 0
         sd0 = 0
@@ -333,18 +339,13 @@ if triton is not None:
             # two k-steps an iteration, each one's words loaded a step ahead (no register copies)
             for j in range(0, KB_PER_SPLIT // 2):
                 kb = kb0 + 2 * j
-                wb = tg._load_step(w_ptr, rn, n_mask, rkw, kb + 1, swn, EVEN, 0, LANES)
-                hb = wb
-                if KIND != 0:
-                    hb = _lane_hi(w_ptr, rn, n_mask, rkw, lane_s, kb + 1, swn, KW, ksn, KIND, EVEN,
-                                  LANES, V)  # fmt: skip
+                wb, hb = _lane_words(w_ptr, rn, n_mask, rkw, lane_s, kb + 1, swn, KW, ksn, KIND,
+                                     EVEN, LANES, V)  # fmt: skip
                 acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr,
                                  b_ptr, ksn, KIND, EVEN, LANES, V, 0, 0, False, SCE)  # fmt: skip
                 kn = tl.minimum(kb + 2, kb_last)  # past the last step: reload it, never used
-                wa = tg._load_step(w_ptr, rn, n_mask, rkw, kn, swn, EVEN, 0, LANES)
-                if KIND != 0:
-                    ha = _lane_hi(w_ptr, rn, n_mask, rkw, lane_s, kn, swn, KW, ksn, KIND, EVEN,
-                                  LANES, V)  # fmt: skip
+                wa, ha = _lane_words(w_ptr, rn, n_mask, rkw, lane_s, kn, swn, KW, ksn, KIND, EVEN,
+                                     LANES, V)  # fmt: skip
                 acc = _lane_step(acc, wb, hb, kb + 1, x_base, x_pair0, lane, lane_s, rn, n_mask,
                                  s_ptr, b_ptr, ksn, KIND, EVEN, LANES, V, 0, 0, False, SCE)  # fmt: skip
             if KB_PER_SPLIT % 2 == 1:
@@ -359,16 +360,11 @@ if triton is not None:
                                   EARLY, SCE)  # fmt: skip
             for j in range(1, KB_PER_SPLIT):
                 kb = kb0 + j
-                wa = tg._load_step(w_ptr, rn, n_mask, rkw, kb, swn, EVEN, 0, LANES)
-                if KIND != 0:
-                    ha = _lane_hi(
-                        w_ptr, rn, n_mask, rkw, lane_s, kb, swn, KW, ksn, KIND, EVEN, LANES, V
-                    )
+                wa, ha = _lane_words(w_ptr, rn, n_mask, rkw, lane_s, kb, swn, KW, ksn, KIND, EVEN,
+                                     LANES, V)  # fmt: skip
                 if HALVES == 2:  # both halves' words in flight before either computes
-                    wa1 = tg._load_step(w_ptr, rn1, n_mask1, rkw, kb, swn, EVEN, 0, LANES)
-                    if KIND != 0:
-                        ha1 = _lane_hi(w_ptr, rn1, n_mask1, rkw, lane_s, kb, swn, KW, ksn, KIND,
-                                       EVEN, LANES, V)  # fmt: skip
+                    wa1, ha1 = _lane_words(w_ptr, rn1, n_mask1, rkw, lane_s, kb, swn, KW, ksn, KIND,
+                                           EVEN, LANES, V)  # fmt: skip
                 acc = _lane_step(acc, wa, ha, kb, x_base, x_pair0, lane, lane_s, rn, n_mask, s_ptr,
                                  b_ptr, ksn, KIND, EVEN, LANES, V, 0, 0, False, SCE)  # fmt: skip
                 if HALVES == 2:
