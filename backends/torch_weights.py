@@ -103,7 +103,7 @@ class TorchWeights:
         return QuantizedWeight(None, None, None, mode, bits, group_size, kern)
 
     def kquant(self, kq) -> QuantizedWeight:
-        """A GGUF K-quant weight for the Triton kernels: `kq` is a triton_kquant.KQLinear
+        """A GGUF K-quant weight for the Triton kernels: `kq` is a kquant_layout.KQLinear
         already on the device, or GGUF rows (uint8 [out, row bytes]) as a Tensor whose
         `block` names the type."""
         from mlxrun.quant.triton_kquant import KQLinear, prepare_kquant  # noqa: PLC0415

@@ -11,7 +11,7 @@ GEMV, M=2048 the tensor-core GEMM. Prints a table; with $OUT set, writes $OUT/ke
     python3 benchmarks/kernels.py --modes affine4g64,q4_k,q5_k,q6_k --m 1,32   # GGUF K-quants
     python3 benchmarks/kernels.py --modes q4_k,q5_k,q6_k --check-cpu           # no GPU
 
-K-quant formats (q4_k, q5_k, q6_k: random blocks in quant/triton_kquant.py's layout) run
+K-quant formats (q4_k, q5_k, q6_k: random blocks in quant/kquant_layout.py's layout) run
 kqmatmul with its default launch (the sweep is for the affine/fp formats). Every format's
 kernel is first checked against its dequantized product; --check-cpu does that alone, at a
 tiny size, under the Triton interpreter.

@@ -5,7 +5,7 @@
     TRITON_INTERPRET=1 python3 benchmarks/kq_ab.py --dry    # CPU: tiny shapes, no timing
 
 For each kind and Llama-3-8B linear shape (qkv, o, gate+up, down, the head): random weights
-in the kernels' layout (quant/triton_kquant.py random_kquant), enough copies to cycle past
+in the kernels' layout (quant/kquant_layout.py random_kquant), enough copies to cycle past
 the L2, one kqmatmul per copy captured in a CUDA graph and replayed; the variants alternate
 within each repetition and the minimum is kept. A variant is MLXRUN_KQ_VARIANT's value, with
 "wN" capping the warps a program at N (triton_launch.GEMV_WARPS) and "rN" the registers a

@@ -13,7 +13,7 @@ and M=batch, inside a CUDA graph that cycles through enough copies of the weight
 nothing stays in L2 between calls, as in a real step; our kernel's configs and cuBLAS bf16;
 GB/s of the weight's bytes and their % of the device-to-device copy bandwidth. Formats are
 benchmarks/kernels.py's, GGUF K-quants included (q4_k, q5_k, q6_k: random blocks in
-quant/triton_kquant.py's layout), e.g. on the H100 (minutes: the compiles dominate):
+quant/kquant_layout.py's layout), e.g. on the H100 (minutes: the compiles dominate):
 
     python3 benchmarks/profile_decode.py --linears --formats affine4g64,q4_k,q6_k,q5_k \
         --batch 1,32

@@ -37,7 +37,7 @@ STORED_BYTES = {
 
 # Bytes per weight of GGUF K-quant matrices kept as their blocks (Tensor.block; their
 # "dtype" in a shapes map is the block type and their shape the logical [out, in]), as the
-# CUDA kernels hold them (quant/triton_kquant.py)
+# CUDA kernels hold them (quant/kquant_layout.py)
 GGUF_HELD = {"Q4_K": 4.625 / 8, "Q5_K": 5.625 / 8, "Q6_K": 6.5625 / 8}
 
 Shapes = dict[str, tuple[tuple[int, ...], str]]

@@ -1,5 +1,5 @@
 """The Triton kernels of the GGUF K-quant weights (Q4_K, Q5_K, Q6_K) in
-quant/triton_kquant.py's layout (read its docstring); launched by triton_kquant.kqmatmul.
+quant/kquant_layout.py's layout (read its docstring); launched by triton_kquant.kqmatmul.
 
 - _kq_lane_gemv_kernel (defined in quant/kquant_lane.py, named here too): the GEMV (up to
   GEMV_MAX_M rows of x), the affine int4 GEMV's loop reading the K-quant planes, with
@@ -44,7 +44,7 @@ if triton is not None:
     def _hi_shift(pos, KIND: tl.constexpr, HS: tl.constexpr):
         """Bit offset in a sub-block's high word of its field pos = 8w + i (weight i*WPS + w):
         KIND (its high bits a weight) * pos, or with HS (Q6_K's spread order,
-        triton_kquant.hi_shifts) 8*(i//2) + 4*(1-w) + 2*(i % 2 == 0)."""
+        kquant_layout.hi_shifts) 8*(i//2) + 4*(1-w) + 2*(i % 2 == 0)."""
         if HS:
             i = pos % 8
             return 8 * (i // 2) + 4 * (1 - pos // 8) + 2 * (1 - i % 2)
