@@ -13,8 +13,8 @@ joined row is word w % KWE of slot w // KWE's expert row (KWE = words an expert 
 reads 4 words of one slot (KWE % 4 == 0) and scales its products by that slot's routing
 weight with the group scale, so the lanes' one sum is the token's weighted sum: no partials,
 no ticket, one program a (token, row tile). The k-step loop is the dense GEMV's
-(quant/triton_gemv.py: the same word layout, decode and x loads); only where a lane's words
-and scales come from differs (the slot's expert).
+(quant/triton_gemv.py and its k-step, triton_gemv_step.py: the same word layout, decode and x
+loads); only where a lane's words and scales come from differs (the slot's expert).
 """
 
 from __future__ import annotations
@@ -25,13 +25,9 @@ import triton
 import triton.language as tl
 
 from mlxrun.errors import MlxrunError
-from mlxrun.quant.triton_gemv import (
-    _gemv_half,
-    _gemv_lanes,
-    _gemv_scale,
-    _gemv_sum,
-    _gemv_words,
-)
+from mlxrun.quant.triton_decode import _gemv_scale
+from mlxrun.quant.triton_gemv import _gemv_lanes, _gemv_sum
+from mlxrun.quant.triton_gemv_step import _gemv_half, _gemv_words
 from mlxrun.quant.triton_launch import tlc
 
 

@@ -15,14 +15,9 @@ import triton
 import triton.language as tl
 
 from mlxrun.backends.cuda_ops import _dense_k_loop
+from mlxrun.quant.triton_decode import _group_scale, _split_sum
 from mlxrun.quant.triton_gemm import _decode_tile
-from mlxrun.quant.triton_gemv import (
-    _gemv_ksteps,
-    _gemv_lanes,
-    _gemv_sum,
-    _group_scale,
-    _split_sum,
-)
+from mlxrun.quant.triton_gemv import _gemv_ksteps, _gemv_lanes, _gemv_sum
 from mlxrun.quant.triton_launch import tlc
 
 
