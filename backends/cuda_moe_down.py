@@ -27,7 +27,7 @@ import triton.language as tl
 from mlxrun.errors import MlxrunError
 from mlxrun.quant.triton_decode import _gemv_scale
 from mlxrun.quant.triton_gemv import _gemv_lanes, _gemv_sum
-from mlxrun.quant.triton_gemv_step import _gemv_half, _gemv_words
+from mlxrun.quant.triton_gemv_step import _gemv_half, _gemv_words, _step_x
 from mlxrun.quant.triton_launch import tlc
 
 
@@ -90,10 +90,7 @@ def _joined_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_
                  KGV: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
                  HALVES: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
     """One joined k-step of 8 rows (16: wa_h, acc_h, the second half sharing x)."""
-    EPW: tl.constexpr = 32 // BITS
-    NG: tl.constexpr = 4 * LANES // (G // EPW)
-    xo = x_pair0 + kb * (NG * G // 2)
-    xmask = (kb * NG + g_pair) < KGV
+    xo, xmask = _step_x(kb, x_pair0, g_pair, KGV, G, BITS, LANES)
     w0, w1, w2, w3 = _gemv_words(wa, LANES)
     p, pb, xsum = _gemv_half(w0, w1, w2, w3, x_base, xo, xmask, MODE, BITS, G, EVEN, LANES)
     acc = _joined_apply(acc, p, pb, xsum, S, B, ids_t, rw_t, s_row, n_mask, g_a, g_b, kb, N,

@@ -106,37 +106,102 @@ def _gemv_fma(p, pb, w0, w1, w2, w3, x0, x1, x2, x3, I: tl.constexpr, MODE: tl.c
 
 
 @triton.jit
+def _gemv_scales_of(kb, s_ptr, b_ptr, s_row, n_mask, g_a, KG, MODE: tl.constexpr,
+                    G: tl.constexpr, BITS: tl.constexpr, EVEN: tl.constexpr,
+                    LANES: tl.constexpr):  # fmt: skip
+    """The scales and biases [8, LANES] of k-step kb's groups g_a of this lane."""
+    NG: tl.constexpr = 4 * LANES // (G // (32 // BITS))  # groups per k-step
+    g_idx = kb * NG + g_a
+    smask = n_mask[:, None] & (g_idx < KG)[None, :]
+    return _gemv_scale(s_ptr, b_ptr, s_row[:, None] + g_idx[None, :] * 8, smask, MODE, EVEN)
+
+
+@triton.jit
+def _gemv_scales(kb, s_ptr, b_ptr, s_row, n_mask, g_a, g_b, KG, MODE: tl.constexpr,
+                 G: tl.constexpr, BITS: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr,
+                 QUADS: tl.constexpr = False):  # fmt: skip
+    """(scale, bias) [8, LANES] of k-step kb for this lane's words of rows s_row. nvfp4 (a
+    lane's words 0, 1 and 2, 3 in two groups, g_a and g_b): the bias slot holds the scale of
+    words 2, 3. QUADS (fp4, EVEN): s_row is a SiLU tile's (_gemv_scale_quads)."""
+    TWO: tl.constexpr = G // (32 // BITS) < 4
+    if QUADS:
+        NG: tl.constexpr = 4 * LANES // (G // (32 // BITS))  # groups per k-step
+        scale = _gemv_scale_quads(s_ptr, s_row, kb * NG + g_a, MODE, LANES)
+        bias = scale
+        if TWO:
+            bias = _gemv_scale_quads(s_ptr, s_row, kb * NG + g_b, MODE, LANES)
+    else:
+        scale, bias = _gemv_scales_of(kb, s_ptr, b_ptr, s_row, n_mask, g_a, KG, MODE, G, BITS,
+                                      EVEN, LANES)  # fmt: skip
+        if TWO:
+            bias, _ = _gemv_scales_of(kb, s_ptr, b_ptr, s_row, n_mask, g_b, KG, MODE, G, BITS,
+                                      EVEN, LANES)  # fmt: skip
+    return scale, bias
+
+
+@triton.jit
+def _gemv_scaled(acc, p, pb, xsum, scale, bias, MODE: tl.constexpr, G: tl.constexpr,
+                 BITS: tl.constexpr):  # fmt: skip
+    """acc [8, LANES] + p * scale (+ bias * xsum; nvfp4: + pb * bias, words 2, 3 times their
+    own group's scale, _gemv_scales)."""
+    if MODE == 0:
+        acc = acc + p * scale + bias * xsum[None, :]
+    elif G // (32 // BITS) < 4:
+        acc = acc + p * scale + pb * bias
+    else:
+        acc = acc + p * scale
+    return acc
+
+
+@triton.jit
 def _gemv_apply(acc, p, pb, xsum, s_ptr, b_ptr, s_row, n_mask, g_a, g_b, kb, KG,
                 MODE: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
                 EVEN: tl.constexpr, LANES: tl.constexpr,
                 QUADS: tl.constexpr = False):  # fmt: skip
     """acc [8, LANES] += p * scale (+ bias * xsum) with the scales of this lane's groups.
     QUADS (fp4, EVEN): s_row is a SiLU tile's (_gemv_scale_quads)."""
-    EPW: tl.constexpr = 32 // BITS
-    WPG: tl.constexpr = G // EPW
-    NG: tl.constexpr = 4 * LANES // WPG  # groups per k-step
-    g_idx = kb * NG + g_a  # [LANES]
-    if QUADS:
-        scale = _gemv_scale_quads(s_ptr, s_row, g_idx, MODE, LANES)
-        bias = scale
-    else:
-        smask = n_mask[:, None] & (g_idx < KG)[None, :]
-        scale, bias = _gemv_scale(s_ptr, b_ptr, s_row[:, None] + g_idx[None, :] * 8, smask,
-                                  MODE, EVEN)  # fmt: skip
-    if MODE == 0:
-        acc = acc + p * scale + bias * xsum[None, :]
-    elif WPG < 4:
-        g_idx2 = kb * NG + g_b
-        if QUADS:
-            scale2 = _gemv_scale_quads(s_ptr, s_row, g_idx2, MODE, LANES)
-        else:
-            smask2 = n_mask[:, None] & (g_idx2 < KG)[None, :]
-            scale2, _ = _gemv_scale(s_ptr, b_ptr, s_row[:, None] + g_idx2[None, :] * 8,
-                                    smask2, MODE, EVEN)  # fmt: skip
-        acc = acc + p * scale + pb * scale2
-    else:
-        acc = acc + p * scale
-    return acc
+    scale, bias = _gemv_scales(kb, s_ptr, b_ptr, s_row, n_mask, g_a, g_b, KG, MODE, G, BITS,
+                               EVEN, LANES, QUADS)  # fmt: skip
+    return _gemv_scaled(acc, p, pb, xsum, scale, bias, MODE, G, BITS)
+
+
+@triton.jit
+def _step_x(kb, x_pair0, g_pair, KG, G: tl.constexpr, BITS: tl.constexpr, LANES: tl.constexpr):
+    """k-step kb's x offsets xo (in input pairs) and masks xmask [LANES, 2] of this lane's
+    pairs at position 0 (x_pair0, g_pair: _gemv_lanes'; KG: the groups of a row of x)."""
+    NG: tl.constexpr = 4 * LANES // (G // (32 // BITS))  # groups per k-step
+    xo = x_pair0 + kb * (NG * G // 2)
+    xmask = (kb * NG + g_pair) < KG
+    return xo, xmask
+
+
+@triton.jit
+def _gemv_xqs(x_base, xo, xmask, EVEN: tl.constexpr, XVEC: tl.constexpr):
+    """XVEC: the k-step's x, 4 16-byte loads a lane (_gemv_xq); else xo, for _gemv_x4v to
+    load x a position at a time."""
+    xv0, xv1, xv2, xv3 = xo, xo, xo, xo
+    if XVEC:
+        xv0, xv1, xv2, xv3 = (_gemv_xq(x_base, xo, xmask, 0, EVEN),
+                              _gemv_xq(x_base, xo, xmask, 1, EVEN),
+                              _gemv_xq(x_base, xo, xmask, 2, EVEN),
+                              _gemv_xq(x_base, xo, xmask, 3, EVEN))  # fmt: skip
+    return xv0, xv1, xv2, xv3
+
+
+@triton.jit
+def _gemv_x67(x_base, xo, xmask, MODE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+              EVEN: tl.constexpr):  # fmt: skip
+    """Affine int4's inputs for positions 6 and 7 read by shifts alone (w >> 24 = q6 + 16*q7,
+    w >> 28 = q7): y = x6, z = x7 - 16*x6, and their part of the lane's input sum (* 2^-49)."""
+    WPG: tl.constexpr = G // (32 // BITS)
+    y0, y1, y2, y3 = _gemv_x4(x_base, xo + 6 * (WPG // 2), xmask, 6, MODE, BITS, EVEN)
+    z0, z1, z2, z3 = _gemv_x4(x_base, xo + 7 * (WPG // 2), xmask, 7, MODE, BITS, EVEN)
+    ysum = (y0 + y1 + y2 + y3 + z0 + z1 + z2 + z3) * 1.401298464324817e-45
+    z0 = z0 - 16.0 * y0
+    z1 = z1 - 16.0 * y1
+    z2 = z2 - 16.0 * y2
+    z3 = z3 - 16.0 * y3
+    return y0, y1, y2, y3, z0, z1, z2, z3, ysum
 
 
 @triton.jit
@@ -147,19 +212,17 @@ def _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_ro
                QUADS: tl.constexpr = False):  # fmt: skip
     """One k-step of _gemv_kernel for 8 rows (HALVES == 1) or 16 (wa_h, acc_h: rows 8..15,
     sharing the x inputs): acc [8, LANES] += this lane's 4 words of each row (wa [8,
-    4*LANES]) times x, with the scales (and biases) of their groups."""
+    4*LANES]) times x, with the scales (and biases) of their groups. 16 rows go a position
+    at a time, both halves (_gemv_half: one half's every position)."""
     EPW: tl.constexpr = 32 // BITS
-    WPG: tl.constexpr = G // EPW
-    NG: tl.constexpr = 4 * LANES // WPG  # groups per k-step
-    TWO: tl.constexpr = WPG < 4  # nvfp4: a lane's words 0,1 and 2,3 are in two groups
+    TWO: tl.constexpr = G // EPW < 4  # nvfp4: a lane's words 0,1 and 2,3 are in two groups
     TRICK: tl.constexpr = MODE == 0 and BITS == 4  # positions 6, 7 by shifts alone
     NPOS: tl.constexpr = 0 if MODE == 3 else (EPW - 2 if TRICK else EPW)
     p = tl.zeros([8, LANES], dtype=tl.float32)
     pb = tl.zeros([8, LANES], dtype=tl.float32)
     q = tl.zeros([8, LANES], dtype=tl.float32)
     qb = tl.zeros([8, LANES], dtype=tl.float32)
-    xo = x_pair0 + kb * (NG * G // 2)
-    xmask = (kb * NG + g_pair) < KG
+    xo, xmask = _step_x(kb, x_pair0, g_pair, KG, G, BITS, LANES)
     if MODE == 3:  # E4M3 bytes -> fp32 values by cvt (2 an instruction), x unscaled
         p = _gemv_fp8(p, wa, x_base, xo, xmask, G, BITS, EVEN, LANES)
         if HALVES == 2:
@@ -169,12 +232,7 @@ def _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_ro
         if HALVES == 2:
             v0, v1, v2, v3 = _gemv_words(wa_h, LANES)
     xsum = tl.zeros([LANES], dtype=tl.float32)  # sum of the lane's inputs * 2^-49
-    xv0, xv1, xv2, xv3 = xo, xo, xo, xo  # XVEC: the k-step's x, 4 16-byte loads a lane
-    if XVEC:
-        xv0, xv1, xv2, xv3 = (_gemv_xq(x_base, xo, xmask, 0, EVEN),
-                              _gemv_xq(x_base, xo, xmask, 1, EVEN),
-                              _gemv_xq(x_base, xo, xmask, 2, EVEN),
-                              _gemv_xq(x_base, xo, xmask, 3, EVEN))  # fmt: skip
+    xv0, xv1, xv2, xv3 = _gemv_xqs(x_base, xo, xmask, EVEN, XVEC)
     for i in tl.static_range(NPOS):
         x0, x1, x2, x3 = _gemv_x4v(xv0, xv1, xv2, xv3, x_base, xo, xmask, i, MODE, BITS, G,
                                    EVEN, XVEC)  # fmt: skip
@@ -183,14 +241,9 @@ def _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_ro
             q, qb = _gemv_fma(q, qb, v0, v1, v2, v3, x0, x1, x2, x3, i, MODE, BITS, TWO)
         if MODE == 0:
             xsum += _gemv_xsum(x0, x1, x2, x3, i, BITS)
-    if TRICK:  # position 6: w >> 24 = q6 + 16*q7; position 7: w >> 28 = q7, x7 - 16*x6
-        y0, y1, y2, y3 = _gemv_x4(x_base, xo + 6 * (WPG // 2), xmask, 6, MODE, BITS, EVEN)
-        z0, z1, z2, z3 = _gemv_x4(x_base, xo + 7 * (WPG // 2), xmask, 7, MODE, BITS, EVEN)
-        xsum += (y0 + y1 + y2 + y3 + z0 + z1 + z2 + z3) * 1.401298464324817e-45
-        z0 = z0 - 16.0 * y0
-        z1 = z1 - 16.0 * y1
-        z2 = z2 - 16.0 * y2
-        z3 = z3 - 16.0 * y3
+    if TRICK:
+        y0, y1, y2, y3, z0, z1, z2, z3, ysum = _gemv_x67(x_base, xo, xmask, MODE, BITS, G, EVEN)
+        xsum += ysum
         p, pb = _gemv_fma(p, pb, w0, w1, w2, w3, y0, y1, y2, y3, 6, MODE, BITS, TWO)
         p, pb = _gemv_fma(p, pb, w0, w1, w2, w3, z0, z1, z2, z3, 7, MODE, BITS, TWO)
         if HALVES == 2:
@@ -209,35 +262,24 @@ def _gemv_half(w0, w1, w2, w3, x_base, xo, xmask, MODE: tl.constexpr, BITS: tl.c
                G: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr,
                XVEC: tl.constexpr = False):  # fmt: skip
     """(p, pb, xsum): every position of one 8-row half's words w0..w3 [8, LANES] times x,
-    in _gemv_step's order (the same FFMA chains, so the same sums); for _gemv_step_seq."""
+    in _gemv_step's order (the same FFMA chains, so the same sums); not for E4M3."""
     EPW: tl.constexpr = 32 // BITS
-    WPG: tl.constexpr = G // EPW
-    TWO: tl.constexpr = WPG < 4
+    TWO: tl.constexpr = G // EPW < 4
     TRICK: tl.constexpr = MODE == 0 and BITS == 4
     NPOS: tl.constexpr = EPW - 2 if TRICK else EPW
     p = tl.zeros([8, LANES], dtype=tl.float32)
     pb = tl.zeros([8, LANES], dtype=tl.float32)
     xsum = tl.zeros([LANES], dtype=tl.float32)
-    xv0, xv1, xv2, xv3 = xo, xo, xo, xo  # XVEC: the k-step's x, 4 16-byte loads a lane
-    if XVEC:
-        xv0, xv1, xv2, xv3 = (_gemv_xq(x_base, xo, xmask, 0, EVEN),
-                              _gemv_xq(x_base, xo, xmask, 1, EVEN),
-                              _gemv_xq(x_base, xo, xmask, 2, EVEN),
-                              _gemv_xq(x_base, xo, xmask, 3, EVEN))  # fmt: skip
+    xv0, xv1, xv2, xv3 = _gemv_xqs(x_base, xo, xmask, EVEN, XVEC)
     for i in tl.static_range(NPOS):
         x0, x1, x2, x3 = _gemv_x4v(xv0, xv1, xv2, xv3, x_base, xo, xmask, i, MODE, BITS, G,
                                    EVEN, XVEC)  # fmt: skip
         p, pb = _gemv_fma(p, pb, w0, w1, w2, w3, x0, x1, x2, x3, i, MODE, BITS, TWO)
         if MODE == 0:
             xsum += _gemv_xsum(x0, x1, x2, x3, i, BITS)
-    if TRICK:  # as _gemv_step
-        y0, y1, y2, y3 = _gemv_x4(x_base, xo + 6 * (WPG // 2), xmask, 6, MODE, BITS, EVEN)
-        z0, z1, z2, z3 = _gemv_x4(x_base, xo + 7 * (WPG // 2), xmask, 7, MODE, BITS, EVEN)
-        xsum += (y0 + y1 + y2 + y3 + z0 + z1 + z2 + z3) * 1.401298464324817e-45
-        z0 = z0 - 16.0 * y0
-        z1 = z1 - 16.0 * y1
-        z2 = z2 - 16.0 * y2
-        z3 = z3 - 16.0 * y3
+    if TRICK:
+        y0, y1, y2, y3, z0, z1, z2, z3, ysum = _gemv_x67(x_base, xo, xmask, MODE, BITS, G, EVEN)
+        xsum += ysum
         p, pb = _gemv_fma(p, pb, w0, w1, w2, w3, y0, y1, y2, y3, 6, MODE, BITS, TWO)
         p, pb = _gemv_fma(p, pb, w0, w1, w2, w3, z0, z1, z2, z3, 7, MODE, BITS, TWO)
     return p, pb, xsum
@@ -254,10 +296,7 @@ def _gemv_kstep(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_r
     need only its own words (loaded first) and may run while the second half's are still
     in flight. The same FFMA chains in the same order: the same sums."""
     if SEQ and HALVES == 2 and MODE != 3:
-        EPW: tl.constexpr = 32 // BITS
-        NG: tl.constexpr = 4 * LANES // (G // EPW)  # groups per k-step
-        xo = x_pair0 + kb * (NG * G // 2)
-        xmask = (kb * NG + g_pair) < KG
+        xo, xmask = _step_x(kb, x_pair0, g_pair, KG, G, BITS, LANES)
         w0, w1, w2, w3 = _gemv_words(wa, LANES)
         p, pb, xsum = _gemv_half(w0, w1, w2, w3, x_base, xo, xmask, MODE, BITS, G, EVEN,
                                   LANES, XVEC)  # fmt: skip
@@ -276,41 +315,22 @@ def _gemv_kstep(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_r
 
 
 @triton.jit
-def _gemv_scales_of(kb, s_ptr, b_ptr, s_row, n_mask, g_a, KG, MODE: tl.constexpr,
-                    G: tl.constexpr, BITS: tl.constexpr, EVEN: tl.constexpr,
-                    LANES: tl.constexpr):  # fmt: skip
-    """The scales and biases [8, LANES] of k-step kb's groups g_a of this lane (as _gemv_apply
-    loads them)."""
-    NG: tl.constexpr = 4 * LANES // (G // (32 // BITS))  # groups per k-step
-    g_idx = kb * NG + g_a
-    smask = n_mask[:, None] & (g_idx < KG)[None, :]
-    return _gemv_scale(s_ptr, b_ptr, s_row[:, None] + g_idx[None, :] * 8, smask, MODE, EVEN)
-
-
-@triton.jit
 def _load_early(w_ptr, rn, rn_h, n_mask, n_mask_h, rkw, kb, swn, s_ptr, b_ptr, s_row, s_row_h,
                 g_a, g_b, KG, MODE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
                 HALVES: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
     """k-step kb's words, scales and biases of both halves (the second half's = the first's
-    when HALVES == 1), for EARLY. nvfp4 (a lane's words 0, 1 and 2, 3 in two groups): the
-    bias slots hold the scales of words 2, 3 (groups g_b)."""
-    TWO: tl.constexpr = G // (32 // BITS) < 4
+    when HALVES == 1), for EARLY; nvfp4: the bias slots hold the scales of words 2, 3
+    (_gemv_scales)."""
     wa = _load_step(w_ptr, rn, n_mask, rkw, kb, swn, EVEN, MODE, LANES)
-    sa, ba = _gemv_scales_of(kb, s_ptr, b_ptr, s_row, n_mask, g_a, KG, MODE, G, BITS, EVEN,
-                             LANES)  # fmt: skip
-    if TWO:
-        ba, _ = _gemv_scales_of(kb, s_ptr, b_ptr, s_row, n_mask, g_b, KG, MODE, G, BITS, EVEN,
-                                LANES)  # fmt: skip
+    sa, ba = _gemv_scales(kb, s_ptr, b_ptr, s_row, n_mask, g_a, g_b, KG, MODE, G, BITS, EVEN,
+                          LANES)  # fmt: skip
     wa_h = wa
     sh = sa
     bh = ba
     if HALVES == 2:
         wa_h = _load_step(w_ptr, rn_h, n_mask_h, rkw, kb, swn, EVEN, MODE, LANES)
-        sh, bh = _gemv_scales_of(kb, s_ptr, b_ptr, s_row_h, n_mask_h, g_a, KG, MODE, G, BITS,
-                                 EVEN, LANES)  # fmt: skip
-        if TWO:
-            bh, _ = _gemv_scales_of(kb, s_ptr, b_ptr, s_row_h, n_mask_h, g_b, KG, MODE, G,
-                                    BITS, EVEN, LANES)  # fmt: skip
+        sh, bh = _gemv_scales(kb, s_ptr, b_ptr, s_row_h, n_mask_h, g_a, g_b, KG, MODE, G, BITS,
+                              EVEN, LANES)  # fmt: skip
     return wa, wa_h, sa, ba, sh, bh
 
 
@@ -321,28 +341,14 @@ def _gemv_one_step(acc, acc_h, wa, wa_h, sa, ba, sh, bh, kb, x_base, x_pair0, g_
                    XVEC: tl.constexpr = False):  # fmt: skip
     """_gemv_step with the scales sa, sh and biases ba, bh already loaded (nvfp4: ba, bh the
     scales of words 2, 3): the same sums (each half as _gemv_kstep's SEQ); not for E4M3."""
-    EPW: tl.constexpr = 32 // BITS
-    NG: tl.constexpr = 4 * LANES // (G // EPW)  # groups per k-step
-    TWO: tl.constexpr = G // EPW < 4
-    xo = x_pair0 + kb * (NG * G // 2)
-    xmask = (kb * NG + g_pair) < KG
+    xo, xmask = _step_x(kb, x_pair0, g_pair, KG, G, BITS, LANES)
     w0, w1, w2, w3 = _gemv_words(wa, LANES)
     p, pb, xsum = _gemv_half(w0, w1, w2, w3, x_base, xo, xmask, MODE, BITS, G, EVEN, LANES,
                              XVEC)  # fmt: skip
-    if MODE == 0:
-        acc = acc + p * sa + ba * xsum[None, :]
-    elif TWO:
-        acc = acc + p * sa + pb * ba
-    else:
-        acc = acc + p * sa
+    acc = _gemv_scaled(acc, p, pb, xsum, sa, ba, MODE, G, BITS)
     if HALVES == 2:
         v0, v1, v2, v3 = _gemv_words(wa_h, LANES)
         q, qb, _ = _gemv_half(v0, v1, v2, v3, x_base, xo, xmask, MODE, BITS, G, EVEN, LANES,
                               XVEC)  # fmt: skip
-        if MODE == 0:
-            acc_h = acc_h + q * sh + bh * xsum[None, :]
-        elif TWO:
-            acc_h = acc_h + q * sh + qb * bh
-        else:
-            acc_h = acc_h + q * sh
+        acc_h = _gemv_scaled(acc_h, q, qb, xsum, sh, bh, MODE, G, BITS)
     return acc, acc_h
