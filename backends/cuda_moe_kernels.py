@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mlxrun.backends.cuda_ops import _dense_k_loop
+from mlxrun.backends.cuda_ops import _dense_first_block, _dense_k_loop
 from mlxrun.quant.triton_decode import _group_scale, _split_sum
 from mlxrun.quant.triton_gemm import _decode_tile
 from mlxrun.quant.triton_gemv import _gemv_ksteps, _gemv_lanes, _gemv_sum
@@ -375,15 +375,7 @@ def _router_kernel(X, W, BIAS, L, WOUT, IDS, CNT, E, K, HAS_BIAS: tl.constexpr,
     pid_n = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < E
-    rk = tl.arange(0, BLOCK_K)
-    w_ptrs = W + rn[:, None].to(tl.int64) * K + rk[None, :]
-    if EVEN:
-        w = tl.load(w_ptrs)
-    else:
-        w = tl.load(w_ptrs, mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
-    if PDL:
-        tlc.gdc_wait()  # x is the previous kernel's output; the weights are not
-        tlc.gdc_launch_dependents()
+    w, w_ptrs, rk = _dense_first_block(W, rn, n_ok, K, K, BLOCK_K, EVEN, PDL)
     x_row = X + t.to(tl.int64) * K
     if ONE_STEP:  # K <= BLOCK_K: no next block in flight (its registers made ptxas spill)
         if EVEN:
