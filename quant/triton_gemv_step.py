@@ -1,7 +1,8 @@
-"""One k-step of the CUDA-core GEMV (triton_gemv.py): a step's word loads (_load_step,
-_load_early with its scales), the word split into lanes (_gemv_words), the decode-and-FMA
-chains over a step's positions (_gemv_fma, _gemv_fp8 for E4M3; _gemv_half for 8 rows), the
-scales applied per lane (_gemv_apply), and the step itself (_gemv_step, _gemv_kstep with SEQ,
+"""One k-step of the CUDA-core GEMV (triton_gemv.py): a step's word loads (_load_step;
+_load_early with its scales), the words split into lanes (_gemv_words), the decode-and-FMA
+chains over a step's positions (_gemv_positions for 8 or 16 rows, _gemv_half for 8; a
+position by _gemv_fma; E4M3 by _gemv_fp8), the scales applied per lane (_gemv_scales,
+_gemv_scaled, _gemv_apply), and the step itself (_gemv_step; _gemv_kstep with SEQ;
 _gemv_one_step with EARLY's scales). triton_gemv.py runs them in its k-loop; the packed MoE,
 joined down, 8-bit stream and K-quant lane GEMVs take them too. The code decode and x loads
 they use are in triton_decode.py.
@@ -205,32 +206,22 @@ def _gemv_x67(x_base, xo, xmask, MODE: tl.constexpr, BITS: tl.constexpr, G: tl.c
 
 
 @triton.jit
-def _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_row, s_row_h,
-               n_mask, n_mask_h, s_ptr, b_ptr, KG, MODE: tl.constexpr, BITS: tl.constexpr,
-               G: tl.constexpr, HALVES: tl.constexpr, EVEN: tl.constexpr,
-               LANES: tl.constexpr, XVEC: tl.constexpr = False,
-               QUADS: tl.constexpr = False):  # fmt: skip
-    """One k-step of _gemv_kernel for 8 rows (HALVES == 1) or 16 (wa_h, acc_h: rows 8..15,
-    sharing the x inputs): acc [8, LANES] += this lane's 4 words of each row (wa [8,
-    4*LANES]) times x, with the scales (and biases) of their groups. 16 rows go a position
-    at a time, both halves (_gemv_half: one half's every position)."""
+def _gemv_positions(w0, w1, w2, w3, v0, v1, v2, v3, x_base, xo, xmask, MODE: tl.constexpr,
+                    BITS: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr,
+                    LANES: tl.constexpr, HALVES: tl.constexpr,
+                    XVEC: tl.constexpr = False):  # fmt: skip
+    """(p, pb, q, qb, xsum): every position of the words w0..w3 [8, LANES] of 8 rows (and of
+    v0..v3, the next 8 rows' sharing the x inputs, when HALVES == 2: both halves a position
+    at a time) times this lane's x (xo, xmask: _step_x); nvfp4: words 2, 3 in pb, qb. Not
+    for E4M3 (_gemv_fp8)."""
     EPW: tl.constexpr = 32 // BITS
     TWO: tl.constexpr = G // EPW < 4  # nvfp4: a lane's words 0,1 and 2,3 are in two groups
     TRICK: tl.constexpr = MODE == 0 and BITS == 4  # positions 6, 7 by shifts alone
-    NPOS: tl.constexpr = 0 if MODE == 3 else (EPW - 2 if TRICK else EPW)
+    NPOS: tl.constexpr = EPW - 2 if TRICK else EPW
     p = tl.zeros([8, LANES], dtype=tl.float32)
     pb = tl.zeros([8, LANES], dtype=tl.float32)
     q = tl.zeros([8, LANES], dtype=tl.float32)
     qb = tl.zeros([8, LANES], dtype=tl.float32)
-    xo, xmask = _step_x(kb, x_pair0, g_pair, KG, G, BITS, LANES)
-    if MODE == 3:  # E4M3 bytes -> fp32 values by cvt (2 an instruction), x unscaled
-        p = _gemv_fp8(p, wa, x_base, xo, xmask, G, BITS, EVEN, LANES)
-        if HALVES == 2:
-            q = _gemv_fp8(q, wa_h, x_base, xo, xmask, G, BITS, EVEN, LANES)
-    else:
-        w0, w1, w2, w3 = _gemv_words(wa, LANES)
-        if HALVES == 2:
-            v0, v1, v2, v3 = _gemv_words(wa_h, LANES)
     xsum = tl.zeros([LANES], dtype=tl.float32)  # sum of the lane's inputs * 2^-49
     xv0, xv1, xv2, xv3 = _gemv_xqs(x_base, xo, xmask, EVEN, XVEC)
     for i in tl.static_range(NPOS):
@@ -249,40 +240,51 @@ def _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_ro
         if HALVES == 2:
             q, qb = _gemv_fma(q, qb, v0, v1, v2, v3, y0, y1, y2, y3, 6, MODE, BITS, TWO)
             q, qb = _gemv_fma(q, qb, v0, v1, v2, v3, z0, z1, z2, z3, 7, MODE, BITS, TWO)
-    acc = _gemv_apply(acc, p, pb, xsum, s_ptr, b_ptr, s_row, n_mask, g_a, g_b, kb, KG,
-                      MODE, G, BITS, EVEN, LANES, QUADS)  # fmt: skip
-    if HALVES == 2:
-        acc_h = _gemv_apply(acc_h, q, qb, xsum, s_ptr, b_ptr, s_row_h, n_mask_h, g_a, g_b,
-                            kb, KG, MODE, G, BITS, EVEN, LANES)  # fmt: skip
-    return acc, acc_h
+    return p, pb, q, qb, xsum
 
 
 @triton.jit
 def _gemv_half(w0, w1, w2, w3, x_base, xo, xmask, MODE: tl.constexpr, BITS: tl.constexpr,
                G: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr,
                XVEC: tl.constexpr = False):  # fmt: skip
-    """(p, pb, xsum): every position of one 8-row half's words w0..w3 [8, LANES] times x,
-    in _gemv_step's order (the same FFMA chains, so the same sums); not for E4M3."""
-    EPW: tl.constexpr = 32 // BITS
-    TWO: tl.constexpr = G // EPW < 4
-    TRICK: tl.constexpr = MODE == 0 and BITS == 4
-    NPOS: tl.constexpr = EPW - 2 if TRICK else EPW
-    p = tl.zeros([8, LANES], dtype=tl.float32)
-    pb = tl.zeros([8, LANES], dtype=tl.float32)
-    xsum = tl.zeros([LANES], dtype=tl.float32)
-    xv0, xv1, xv2, xv3 = _gemv_xqs(x_base, xo, xmask, EVEN, XVEC)
-    for i in tl.static_range(NPOS):
-        x0, x1, x2, x3 = _gemv_x4v(xv0, xv1, xv2, xv3, x_base, xo, xmask, i, MODE, BITS, G,
-                                   EVEN, XVEC)  # fmt: skip
-        p, pb = _gemv_fma(p, pb, w0, w1, w2, w3, x0, x1, x2, x3, i, MODE, BITS, TWO)
-        if MODE == 0:
-            xsum += _gemv_xsum(x0, x1, x2, x3, i, BITS)
-    if TRICK:
-        y0, y1, y2, y3, z0, z1, z2, z3, ysum = _gemv_x67(x_base, xo, xmask, MODE, BITS, G, EVEN)
-        xsum += ysum
-        p, pb = _gemv_fma(p, pb, w0, w1, w2, w3, y0, y1, y2, y3, 6, MODE, BITS, TWO)
-        p, pb = _gemv_fma(p, pb, w0, w1, w2, w3, z0, z1, z2, z3, 7, MODE, BITS, TWO)
+    """(p, pb, xsum): _gemv_positions of one 8-row half (the same FFMA chains as both halves
+    a position at a time, so the same sums); not for E4M3."""
+    p, pb, _, _, xsum = _gemv_positions(w0, w1, w2, w3, w0, w1, w2, w3, x_base, xo, xmask,
+                                        MODE, BITS, G, EVEN, LANES, 1, XVEC)  # fmt: skip
     return p, pb, xsum
+
+
+@triton.jit
+def _gemv_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_row, s_row_h,
+               n_mask, n_mask_h, s_ptr, b_ptr, KG, MODE: tl.constexpr, BITS: tl.constexpr,
+               G: tl.constexpr, HALVES: tl.constexpr, EVEN: tl.constexpr,
+               LANES: tl.constexpr, XVEC: tl.constexpr = False,
+               QUADS: tl.constexpr = False):  # fmt: skip
+    """One k-step of _gemv_kernel for 8 rows (HALVES == 1) or 16 (wa_h, acc_h: rows 8..15,
+    sharing the x inputs): acc [8, LANES] += this lane's 4 words of each row (wa [8,
+    4*LANES]) times x, with the scales (and biases) of their groups."""
+    xo, xmask = _step_x(kb, x_pair0, g_pair, KG, G, BITS, LANES)
+    if MODE == 3:  # E4M3 bytes -> fp32 values by cvt (2 an instruction), x unscaled
+        zero = tl.zeros([8, LANES], dtype=tl.float32)
+        p = _gemv_fp8(zero, wa, x_base, xo, xmask, G, BITS, EVEN, LANES)
+        q = zero
+        if HALVES == 2:
+            q = _gemv_fp8(zero, wa_h, x_base, xo, xmask, G, BITS, EVEN, LANES)
+        pb, qb, xsum = zero, zero, tl.zeros([LANES], dtype=tl.float32)  # unused by E4M3
+    else:
+        w0, w1, w2, w3 = _gemv_words(wa, LANES)
+        v0, v1, v2, v3 = w0, w1, w2, w3
+        if HALVES == 2:
+            v0, v1, v2, v3 = _gemv_words(wa_h, LANES)
+        p, pb, q, qb, xsum = _gemv_positions(w0, w1, w2, w3, v0, v1, v2, v3, x_base, xo, xmask,
+                                             MODE, BITS, G, EVEN, LANES, HALVES,
+                                             XVEC)  # fmt: skip
+    acc = _gemv_apply(acc, p, pb, xsum, s_ptr, b_ptr, s_row, n_mask, g_a, g_b, kb, KG,
+                      MODE, G, BITS, EVEN, LANES, QUADS)  # fmt: skip
+    if HALVES == 2:
+        acc_h = _gemv_apply(acc_h, q, qb, xsum, s_ptr, b_ptr, s_row_h, n_mask_h, g_a, g_b,
+                            kb, KG, MODE, G, BITS, EVEN, LANES)  # fmt: skip
+    return acc, acc_h
 
 
 @triton.jit
