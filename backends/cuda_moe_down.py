@@ -13,8 +13,8 @@ joined row is word w % KWE of slot w // KWE's expert row (KWE = words an expert 
 reads 4 words of one slot (KWE % 4 == 0) and scales its products by that slot's routing
 weight with the group scale, so the lanes' one sum is the token's weighted sum: no partials,
 no ticket, one program a (token, row tile). The k-step loop is the dense GEMV's
-(quant/triton_gemv.py: the same word layout, decode and x loads); only where a lane's words
-and scales come from differs (the slot's expert).
+(quant/triton_gemv.py and its k-step, triton_gemv_step.py: the same word layout, decode and x
+loads); only where a lane's words and scales come from differs (the slot's expert).
 """
 
 from __future__ import annotations
@@ -25,13 +25,9 @@ import triton
 import triton.language as tl
 
 from mlxrun.errors import MlxrunError
-from mlxrun.quant.triton_gemv import (
-    _gemv_half,
-    _gemv_lanes,
-    _gemv_scale,
-    _gemv_sum,
-    _gemv_words,
-)
+from mlxrun.quant.triton_decode import _gemv_scale
+from mlxrun.quant.triton_gemv import _gemv_lanes, _gemv_sum
+from mlxrun.quant.triton_gemv_step import _gemv_half, _gemv_words, _step_x
 from mlxrun.quant.triton_launch import tlc
 
 
@@ -94,10 +90,7 @@ def _joined_step(acc, acc_h, wa, wa_h, kb, x_base, x_pair0, g_pair, g_a, g_b, s_
                  KGV: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
                  HALVES: tl.constexpr, EVEN: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
     """One joined k-step of 8 rows (16: wa_h, acc_h, the second half sharing x)."""
-    EPW: tl.constexpr = 32 // BITS
-    NG: tl.constexpr = 4 * LANES // (G // EPW)
-    xo = x_pair0 + kb * (NG * G // 2)
-    xmask = (kb * NG + g_pair) < KGV
+    xo, xmask = _step_x(kb, x_pair0, g_pair, KGV, G, BITS, LANES)
     w0, w1, w2, w3 = _gemv_words(wa, LANES)
     p, pb, xsum = _gemv_half(w0, w1, w2, w3, x_base, xo, xmask, MODE, BITS, G, EVEN, LANES)
     acc = _joined_apply(acc, p, pb, xsum, S, B, ids_t, rw_t, s_row, n_mask, g_a, g_b, kb, N,

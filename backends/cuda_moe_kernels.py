@@ -14,15 +14,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mlxrun.backends.cuda_ops import _dense_k_loop
+from mlxrun.backends.cuda_ops import _dense_first_block, _dense_k_loop
+from mlxrun.quant.triton_decode import _group_scale, _split_sum
 from mlxrun.quant.triton_gemm import _decode_tile
-from mlxrun.quant.triton_gemv import (
-    _gemv_ksteps,
-    _gemv_lanes,
-    _gemv_sum,
-    _group_scale,
-    _split_sum,
-)
+from mlxrun.quant.triton_gemv import _gemv_ksteps, _gemv_lanes, _gemv_sum
 from mlxrun.quant.triton_launch import tlc
 
 
@@ -117,12 +112,7 @@ def _moe_gemv(X, IDS, OUT, RW, W1, S1, B1, BIAS1, W2, S2, B2, BIAS2, N, K, X_DIV
             acc2 += tl.load(BIAS2 + e * N + rows, mask=rmask, other=0.0).to(tl.float32)
     y = acc1
     if GATED:
-        if ACT == 0:  # SiLU(gate) * up
-            y = acc1 / (1.0 + tl.exp(-acc1)) * acc2
-        else:  # gpt-oss: gate clamped above, up both sides, (up + 1) * gate * sigmoid(a*gate)
-            g = tl.minimum(acc1, limit)
-            u = tl.minimum(tl.maximum(acc2, -limit), limit)
-            y = (u + 1.0) * g / (1.0 + tl.exp(-alpha * g))
+        y = _gated_act(acc1, acc2, limit, alpha, ACT)
     if SCALED:
         y = y * tl.load(RW + s).to(tl.float32)
     if TOP_K > 0:
@@ -249,13 +239,21 @@ def _gated_store(out, acc_h, pid_n, e, N, out_row, BIAS1, BIAS2, limit, alpha,
     if HAS_BIAS:
         g += tl.load(BIAS1 + e * N + rg, mask=m, other=0.0).to(tl.float32)
         u += tl.load(BIAS2 + e * N + rg, mask=m, other=0.0).to(tl.float32)
-    if ACT == 0:  # SiLU(gate) * up
+    y = _gated_act(g, u, limit, alpha, ACT)
+    tl.store(out_row + rg, y.to(out_row.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _gated_act(g, u, limit, alpha, ACT: tl.constexpr):
+    """The gated experts' act(gate) * up: SiLU (ACT 0), or gpt-oss's: gate clamped above at
+    limit, up both sides, (up + 1) * gate * sigmoid(alpha * gate)."""
+    if ACT == 0:
         y = g / (1.0 + tl.exp(-g)) * u
-    else:  # gpt-oss: gate clamped above, up both sides, (up + 1) * gate * sigmoid(a*gate)
+    else:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
         y = (u + 1.0) * g / (1.0 + tl.exp(-alpha * g))
-    tl.store(out_row + rg, y.to(out_row.dtype.element_ty), mask=m)
+    return y
 
 
 @triton.jit
@@ -377,15 +375,7 @@ def _router_kernel(X, W, BIAS, L, WOUT, IDS, CNT, E, K, HAS_BIAS: tl.constexpr,
     pid_n = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < E
-    rk = tl.arange(0, BLOCK_K)
-    w_ptrs = W + rn[:, None].to(tl.int64) * K + rk[None, :]
-    if EVEN:
-        w = tl.load(w_ptrs)
-    else:
-        w = tl.load(w_ptrs, mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
-    if PDL:
-        tlc.gdc_wait()  # x is the previous kernel's output; the weights are not
-        tlc.gdc_launch_dependents()
+    w, w_ptrs, rk = _dense_first_block(W, rn, n_ok, K, K, BLOCK_K, EVEN, PDL)
     x_row = X + t.to(tl.int64) * K
     if ONE_STEP:  # K <= BLOCK_K: no next block in flight (its registers made ptxas spill)
         if EVEN:
@@ -486,13 +476,7 @@ def _moe_grouped(X, IDS, SLOTS, OUT, RW, W, S, B, BIAS1, BIAS2, N, K, X_DIV, lim
             if GATED:
                 acc_u += tl.load(BIAS2 + e * N + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if GATED:
-            g = acc
-            if ACT == 0:
-                y = g / (1.0 + tl.exp(-g)) * acc_u
-            else:
-                g = tl.minimum(g, limit)
-                u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-                y = (u + 1.0) * g / (1.0 + tl.exp(-alpha * g))
+            y = _gated_act(acc, acc_u, limit, alpha, ACT)
         else:
             y = acc
             if SCALED:

@@ -306,6 +306,24 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None,
 
 
 @triton.jit
+def _dense_first_block(w_ptr, rn, n_ok, K, stride_wn, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+                       PDL: tl.constexpr):  # fmt: skip
+    """(w, w_ptrs, rk): the first K block [BLOCK_N, BLOCK_K] of rows rn of W, loaded before
+    the PDL wait (x is the previous kernel's output, the weights are not), for
+    _dense_k_loop."""
+    rk = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+    if EVEN:
+        w = tl.load(w_ptrs)
+    else:
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
+    if PDL:
+        tlc.gdc_wait()
+        tlc.gdc_launch_dependents()
+    return w, w_ptrs, rk
+
+
+@triton.jit
 def _dense_k_loop(w, w_ptrs, x_row, rk, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   EVEN: tl.constexpr):  # fmt: skip
     """The fp32 products of BLOCK_N rows of W with x_row [K], summed over the K blocks a
@@ -344,15 +362,7 @@ def _dense_gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_ym, stride_w
     else:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
-    rk = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
-    if EVEN:
-        w = tl.load(w_ptrs)
-    else:
-        w = tl.load(w_ptrs, mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
-    if PDL:
-        tlc.gdc_wait()  # x is the previous kernel's output; the weights are not
-        tlc.gdc_launch_dependents()
+    w, w_ptrs, rk = _dense_first_block(w_ptr, rn, n_ok, K, stride_wn, BLOCK_K, EVEN, PDL)
     acc = _dense_k_loop(w, w_ptrs, x_ptr + m * stride_xm, rk, n_ok, K, BLOCK_N, BLOCK_K, EVEN)
     out = tl.sum(acc, axis=1)
     if SILU:

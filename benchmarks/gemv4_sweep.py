@@ -35,6 +35,7 @@ def _kernels(which: str):
         triton_launch.GEMV4 = which
         try:
             importlib.reload(importlib.import_module("mlxrun.quant.triton_decode"))
+            importlib.reload(importlib.import_module("mlxrun.quant.triton_gemv_step"))
             g = importlib.reload(importlib.import_module("mlxrun.quant.triton_gemv"))
             st = importlib.reload(importlib.import_module("mlxrun.quant.triton_gemv_stream"))
         finally:

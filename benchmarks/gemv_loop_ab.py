@@ -208,7 +208,7 @@ def _decode_variant(parts):
         return lambda: None
     import importlib
 
-    from mlxrun.quant import triton_decode, triton_gemv, triton_launch
+    from mlxrun.quant import triton_decode, triton_gemv, triton_gemv_step, triton_launch
     from mlxrun.quant import triton_kernels as tk
 
     saved = (triton_launch.GEMV4, triton_launch.E2M1_PAIR_ON, triton_launch.GEMV4_LOADS,
@@ -218,6 +218,7 @@ def _decode_variant(parts):
     else:
         triton_launch.GEMV4, triton_launch.E2M1_PAIR_ON = "new", "pair" in dec
     importlib.reload(triton_decode)
+    importlib.reload(triton_gemv_step)
     tk._gemv_kernel = importlib.reload(triton_gemv)._gemv_kernel
     triton_launch.GEMV4 = saved[0]  # the launches stay the default's
     triton_launch.GEMV4_LOADS = saved[2]
@@ -225,6 +226,7 @@ def _decode_variant(parts):
     def restore():
         triton_launch.E2M1_PAIR_ON = saved[1]
         importlib.reload(triton_decode)
+        importlib.reload(triton_gemv_step)
         importlib.reload(triton_gemv)
         tk._gemv_kernel = saved[3]
 

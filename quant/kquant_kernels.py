@@ -289,13 +289,7 @@ if triton is not None:
             tlc.gdc_launch_dependents()
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
-        num_m = tl.cdiv(M, BLOCK_M)
-        num_n = tl.cdiv(N, BLOCK_N)
-        width = GROUP_M * num_n
-        first_m = (pid // width) * GROUP_M
-        gsize = min(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % width) % gsize
-        pid_n = (pid % width) // gsize
+        pid_m, pid_n = tgm._grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_mask = rm < M

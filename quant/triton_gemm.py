@@ -1,7 +1,7 @@
 """The tensor-core GEMM for x [M > GEMV_MAX_M, K] @ W^T over a QLinear (triton_layout.py):
 each weight tile is dequantized in registers (per element, or two bf16 values at a time from
 packed codes) and fed to tl.dot. qmatmul in triton_kernels.py launches it. The K-quant tile
-GEMM (kquant_kernels.py) shares its tensor-core step (_tile_dot).
+GEMM (kquant_kernels.py) shares its tile order and tensor-core step (_grouped_tile, _tile_dot).
 
 Imported only where Triton loads (triton_kernels.py checks).
 """
@@ -215,6 +215,21 @@ def _dequant_e4m3_bf16x2(
 
 
 @triton.jit
+def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  GROUP_M: tl.constexpr):  # fmt: skip
+    """Program pid's (row tile, column tile) of y in grouped order: GROUP_M row tiles share
+    each weight tile while it sits in L2."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    gsize = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % gsize
+    pid_n = (pid % width) // gsize
+    return pid_m, pid_n
+
+
+@triton.jit
 def _tile_dot(acc, x_tile, w_tile, UPCAST: tl.constexpr, SWAP: tl.constexpr):
     """acc [BM, BN] + x_tile [BM, BK] @ w_tile [BN, BK]^T on tensor cores; with SWAP, acc is
     [BN, BM] and gets w_tile @ x_tile^T (the W tile as the register operand). float32 x:
@@ -319,14 +334,7 @@ def _gemm_kernel(
     BK: tl.constexpr = NG * G
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    # grouped order: GROUP_M row tiles share each weight tile while it sits in L2
-    width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
-    gsize = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % gsize
-    pid_n = (pid % width) // gsize
+    pid_m, pid_n = _grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     KG = K // G
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

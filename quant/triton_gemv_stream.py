@@ -16,17 +16,9 @@ otherwise. Imported only where Triton loads (triton_kernels.py checks).
 
 from __future__ import annotations
 
-from .triton_decode import E4M3X4_PTX
-from .triton_gemv import (
-    _gemv_apply,
-    _gemv_lanes,
-    _gemv_step,
-    _gemv_sum,
-    _gemv_words,
-    _gemv_x4,
-    _load_step,
-    _silu_store,
-)
+from .triton_decode import E4M3X4_PTX, _gemv_x4, _silu_store
+from .triton_gemv import _gemv_lanes, _gemv_sum
+from .triton_gemv_step import _gemv_apply, _gemv_step, _gemv_words, _load_step
 from .triton_launch import tl, tlc, triton
 
 

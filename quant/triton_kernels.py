@@ -24,9 +24,10 @@ uses a tensor-core GEMM (tl.dot) that dequantizes each weight tile in registers.
 Without Triton or a GPU, `dequantize_torch` gives the dense weight for one layer at a time.
 
 Where the parts live: the layout, `prepare` and `dequantize_torch` in triton_layout.py; the
-code decode and epilogues every kernel shares in triton_decode.py; the GEMV in triton_gemv.py;
-the GEMM in triton_gemm.py; launch parameters, device properties and PDL in triton_launch.py.
-This module turns a launch's parameters into the kernels' constexprs and launches them.
+code decode and epilogues every kernel shares in triton_decode.py; the GEMV in triton_gemv.py
+(its k-step in triton_gemv_step.py); the GEMM in triton_gemm.py; launch parameters, device
+properties and PDL in triton_launch.py. This module turns a launch's parameters into the
+kernels' constexprs and launches them.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ import mlxrun.quant.triton_kernels as tk  # noqa: E402
 if not HAS_CUDA and type(tk._gemv_kernel).__name__ != "InterpretedFunction":
     # imported earlier without the interpreter: decorate the kernels again (the GEMV module
     # first: the GEMM imports its helpers), then rebind them where qmatmul launches them
-    for part in ("triton_decode", "triton_gemv", "triton_gemv_stream", "triton_gemm",
-                 "triton_gemm_tma"):  # fmt: skip
+    for part in ("triton_decode", "triton_gemv_step", "triton_gemv", "triton_gemv_stream",
+                 "triton_gemm", "triton_gemm_tma"):  # fmt: skip
         importlib.reload(importlib.import_module(f"mlxrun.quant.{part}"))
     tk = importlib.reload(tk)
 

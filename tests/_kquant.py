@@ -23,6 +23,7 @@ import mlxrun.quant.triton_kquant as kq  # noqa: E402
 
 if not HAS_CUDA and type(kk._kq_lane_gemv_kernel).__name__ != "InterpretedFunction":
     importlib.reload(importlib.import_module("mlxrun.quant.triton_decode"))
+    importlib.reload(importlib.import_module("mlxrun.quant.triton_gemv_step"))
     tg = importlib.reload(tg)  # imported earlier without the interpreter: decorate again,
     tgm = importlib.reload(tgm)  # the kernels the K-quant kernels call first
     tk = importlib.reload(tk)

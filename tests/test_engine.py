@@ -41,12 +41,13 @@ def _interpreted_kernels() -> bool:
         import mlxrun.quant.triton_decode as dec
         import mlxrun.quant.triton_gemm as gemm
         import mlxrun.quant.triton_gemv as gemv
+        import mlxrun.quant.triton_gemv_step as step
         import mlxrun.quant.triton_kernels as tk
     except ImportError:  # no triton
         return False
     # the kernel modules before triton_kernels, which re-binds their kernels
-    kernels = ((dec, "_group_scale"), (gemv, "_gemv_kernel"), (gemm, "_gemm_kernel"),
-               (tk, "_gemv_kernel"))  # fmt: skip
+    kernels = ((dec, "_group_scale"), (step, "_gemv_step"), (gemv, "_gemv_kernel"),
+               (gemm, "_gemm_kernel"), (tk, "_gemv_kernel"))  # fmt: skip
     more = ((ops, "_add_rms_norm_kernel"), (rope, "_rope_qkv_kernel"), (attn, "_rope_qkv_kernel"),
             (smp, "_draw_kernel"))  # fmt: skip
     for mod, fn in (*kernels, *more):

@@ -109,7 +109,7 @@ def test_fp4_decode_equals_the_old_decode(mode, group_size):
     MLXRUN_E2M1_PAIR=1 (E2M1 positions 3 and 7 from one mask) and the default (both for
     nvfp4 only), the kernels reloaded for each; over every E2M1 code and every finite E4M3
     scale code (subnormals included); and the float64 decoder's product."""
-    from mlxrun.quant import triton_decode, triton_gemv, triton_launch
+    from mlxrun.quant import triton_decode, triton_gemv, triton_gemv_step, triton_launch
 
     n, k = 16, 512
     w, s, gen = packed_fp4(n, k, mode, group_size, seed=3)
@@ -131,12 +131,14 @@ def test_fp4_decode_equals_the_old_decode(mode, group_size):
             triton_launch.GEMV4, triton_launch.E2M1_PAIR_ON = gemv4, pair
             triton_launch.GEMV4_LOADS = loads
             importlib.reload(triton_decode)  # its decode reads the switches
+            importlib.reload(triton_gemv_step)
             tk._gemv_kernel = importlib.reload(triton_gemv)._gemv_kernel
             outs.append(tk.qmatmul(x, q, cfg))
     finally:
         triton_launch.GEMV4, triton_launch.E2M1_PAIR_ON = saved[:2]
         triton_launch.GEMV4_LOADS = saved[2]
         importlib.reload(triton_decode)
+        importlib.reload(triton_gemv_step)
         importlib.reload(triton_gemv)
         tk._gemv_kernel = saved[3]
     assert rel_err(outs[0], want) < 1e-2

@@ -31,6 +31,7 @@ from mlxrun.quant.reference import quantize  # noqa: E402
 # kernels call the dense GEMV's k-step; cuda_moe takes the kernels by name)
 if not HAS_CUDA and type(tk._gemv_step).__name__ != "InterpretedFunction":
     importlib.reload(importlib.import_module("mlxrun.quant.triton_decode"))
+    importlib.reload(importlib.import_module("mlxrun.quant.triton_gemv_step"))
     tk = importlib.reload(tk)
     tgm = importlib.reload(tgm)
     ck = importlib.reload(ck)
