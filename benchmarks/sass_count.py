@@ -193,8 +193,8 @@ def stats(
         with open(dump, "w") as f:
             f.write(lsass)
     body = main_loop(parse(lsass))
-    # k-steps per loop iteration: the prefetching loop of the current kernel runs two
-    unroll = 2 if lparams["PREFETCH"] and hasattr(tk, "_gemv_step") else 1
+    # k-steps per loop iteration: the prefetching (and the early-scales) loop runs two
+    unroll = 2 if lparams["PREFETCH"] or (lparams.get("EARLY") and lparams["MODE"] != 3) else 1
     block_n = params["BLOCK_N"]
     # weight elements per lane per k-step (one warp of 32 lanes per program)
     elems = block_n * 128 * (32 // bits) // 32

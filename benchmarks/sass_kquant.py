@@ -65,7 +65,7 @@ def compile_gemm(kind: str, bm: int, bn: int, warps: int, stages: int, n=4096, k
                 b_ptr="*fp16", y_ptr=f"*{x}", part_ptr="*fp32", cnt_ptr="*i32")  # fmt: skip
     params = dict(KIND=kq.KINDS[kind], BLOCK_M=bm, BLOCK_N=bn, NG=8 if kind == "Q6_K" else 4,
                   SPLIT_K=1, KB_PER_SPLIT=32, GROUP_M=8, UPCAST=False, SWAP=swap, EVEN_N=True,
-                  EVEN_K=True, PDL=True)  # fmt: skip
+                  EVEN_K=True, PDL=True, HS=kind == "Q6_K" and kq.q6_spread())  # fmt: skip
     return compile_sm90(fn, ptrs, params, ints, num_warps=warps, num_stages=stages)
 
 
